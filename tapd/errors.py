@@ -1,0 +1,58 @@
+"""The exceptions tapd raises, all in one place.
+
+    TapdError                      base of everything below
+    ├── ProtocolError              a message broke the wire protocol (has `.reason`)
+    ├── ConfigError                a setting was missing or malformed
+    ├── TapDefinitionError         a tap site cannot be served (raised at trace time)
+    ├── BarrierTimeout             also a TimeoutError: `barrier_wait` gave up
+    └── TapFunctionException       a subscriber's handler raised (surfaces at the barrier)
+
+Lower-layer errors are re-raised from these with `from exc`, and messages name the
+offending value.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BarrierTimeout",
+    "ConfigError",
+    "ProtocolError",
+    "TapDefinitionError",
+    "TapFunctionException",
+    "TapdError",
+]
+
+
+class TapdError(Exception):
+    """Base class of every error tapd raises."""
+
+
+class ProtocolError(TapdError):
+    """A message violated the wire protocol. `reason` is a short code used in counters."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class ConfigError(TapdError):
+    """A configuration value is missing or malformed."""
+
+
+class TapDefinitionError(TapdError, TypeError):
+    """A tap cannot be built as written (a lambda given to id_tap, an object dtype...)."""
+
+
+class BarrierTimeout(TapdError, TimeoutError):
+    """`barrier_wait` ran out of time; the message says what was outstanding."""
+
+
+class TapFunctionException(TapdError):
+    """One or more tap functions raised in a subscriber; `errors` lists them."""
+
+    def __init__(self, errors: list[str]) -> None:
+        shown = "\n  ".join(errors[:10])
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        super().__init__(f"{len(errors)} tap function call(s) raised:\n  {shown}{more}")
+        self.errors = errors

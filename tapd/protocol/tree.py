@@ -1,0 +1,145 @@
+"""Pytree structure on the wire: flatten a Python value to (spec, leaves) and back.
+
+The spec is plain msgpack data (docs/PROTOCOL.md, "tree spec"). Containers the
+protocol knows (tuple, list, dict, namedtuple, None) keep their shape; any other pytree
+node, described by the `custom` hook the JAX side supplies, travels as a dict from key
+path to child, so a subscriber never needs the emitter's classes.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tapd.errors import ProtocolError
+
+TreeSpec = list[Any]
+# Given a non-container value: None if it is a leaf, else (type name, key paths, children).
+CustomNode = Callable[[Any], tuple[str, list[str], list[Any]] | None]
+
+LEAF: TreeSpec = ["*"]
+
+
+def _is_namedtuple(value: object) -> bool:
+    return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def flatten(value: Any, custom: CustomNode | None = None) -> tuple[TreeSpec, list[Any]]:
+    """Split `value` into a tree spec and its leaves, in spec order (dict keys sorted)."""
+    leaves: list[Any] = []
+
+    def walk(node: Any) -> TreeSpec:
+        if node is None:
+            return ["n"]
+        if _is_namedtuple(node):
+            return ["nt", type(node).__name__, list(node._fields), [walk(c) for c in node]]
+        if isinstance(node, tuple):
+            return ["t", [walk(c) for c in node]]
+        if isinstance(node, list):
+            return ["l", [walk(c) for c in node]]
+        if isinstance(node, dict):
+            keys = _sorted_keys(node)
+            return ["d", keys, [walk(node[k]) for k in keys]]
+        described = custom(node) if custom is not None else None
+        if described is not None:
+            name, paths, children = described
+            return ["k", name, paths, [walk(c) for c in children]]
+        leaves.append(node)
+        return LEAF
+
+    return walk(value), leaves
+
+
+def _sorted_keys(mapping: dict[Any, Any]) -> list[Any]:
+    for key in mapping:
+        if not isinstance(key, str | int) or isinstance(key, bool):
+            raise ValueError(f"dict key {key!r} cannot travel: only str and int keys can")
+    try:
+        return sorted(mapping)
+    except TypeError:  # mixed str and int keys
+        return sorted(mapping, key=lambda k: (isinstance(k, str), k))
+
+
+def count_leaves(spec: TreeSpec, max_depth: int) -> int:
+    """Validate `spec` and return how many leaves it expects."""
+    count = 0
+
+    def walk(node: Any, depth: int) -> None:
+        nonlocal count
+        if depth > max_depth:
+            raise ProtocolError("bad_tree", f"tree deeper than {max_depth}")
+        tag, children = _split(node)
+        if tag == "*":
+            count += 1
+        for child in children:
+            walk(child, depth + 1)
+
+    walk(spec, 0)
+    return count
+
+
+def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> Any:
+    """Rebuild the value `spec` describes from `leaves` (as many as it has leaf slots)."""
+    position = 0
+
+    def walk(node: Any) -> Any:
+        nonlocal position
+        tag, children = _split(node)
+        if tag == "*":
+            if position >= len(leaves):
+                raise ProtocolError("bad_tree", "tree has more leaves than the message")
+            position += 1
+            return leaves[position - 1]
+        if tag == "n":
+            return None
+        built = [walk(c) for c in children]
+        if tag == "t":
+            return tuple(built)
+        if tag == "l":
+            return built
+        if tag == "d":
+            return dict(zip(node[1], built, strict=True))
+        if tag == "nt":
+            return _namedtuple_type(node[1], tuple(node[2]))(*built)
+        return dict(zip(node[2], built, strict=True))  # "k": key path -> child
+
+    result = walk(spec)
+    if position != len(leaves):
+        raise ProtocolError("bad_tree", f"tree has {position} leaves, message has {len(leaves)}")
+    return result
+
+
+def _split(node: Any) -> tuple[str, list[Any]]:
+    """Check one spec node's shape; return its tag and children."""
+    if not isinstance(node, list) or not node or not isinstance(node[0], str):
+        raise ProtocolError("bad_tree", f"malformed tree node {node!r:.80}")
+    tag = node[0]
+    expected = {"*": 1, "n": 1, "t": 2, "l": 2, "d": 3, "nt": 4, "k": 4}.get(tag)
+    if expected is None or len(node) != expected:
+        raise ProtocolError("bad_tree", f"malformed tree node {node!r:.80}")
+    if expected == 1:
+        return tag, []
+    children = node[-1]
+    if not isinstance(children, list):
+        raise ProtocolError("bad_tree", f"children of {tag!r} node are not a list")
+    if tag in ("d", "nt", "k"):
+        keys = node[-2]
+        if not isinstance(keys, list) or len(keys) != len(children):
+            raise ProtocolError("bad_tree", f"{tag!r} node has keys that do not match children")
+        if tag == "d" and not all(isinstance(k, str | int) for k in keys):
+            raise ProtocolError("bad_tree", "dict keys must be str or int")
+        if tag in ("nt", "k") and not (
+            isinstance(node[1], str) and all(isinstance(k, str) for k in keys)
+        ):
+            raise ProtocolError("bad_tree", f"{tag!r} node needs a str name and str keys")
+    return tag, children
+
+
+@functools.lru_cache(maxsize=256)
+def _namedtuple_type(name: str, fields: tuple[str, ...]) -> Any:
+    try:
+        return collections.namedtuple(name, fields)  # type: ignore[misc]
+    except ValueError as exc:
+        raise ProtocolError("bad_tree", f"bad namedtuple {name!r} {fields!r}") from exc

@@ -1,0 +1,212 @@
+"""Encode and decode tapd messages (docs/PROTOCOL.md). Pure functions, no sockets.
+
+A message is `[MAGIC, msgpack header, *array frames]`. Decoding checks everything the
+spec fixes (magic, version, header fields and their types, frame count, frame sizes,
+limits) and raises `ProtocolError` with a short reason code on the first violation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from tapd.errors import ProtocolError
+from tapd.protocol.dtypes import dtype_from_name, dtype_name
+from tapd.protocol.tree import count_leaves, unflatten
+
+VERSION = 1
+MAGIC = b"TAPD" + bytes([VERSION])
+
+Frame = bytes | memoryview
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds a decoder enforces before it trusts anything in a message."""
+
+    max_header_bytes: int = 1 << 20
+    max_leaves: int = 4096
+    max_tree_depth: int = 64
+    max_ndim: int = 32
+    max_message_bytes: int = 1 << 30
+
+
+DEFAULT_LIMITS = Limits()
+
+# Fields each kind must carry, with their types. Unknown extra fields are ignored so
+# that a minor addition does not break older peers; known ones are checked strictly.
+_OPT_INT = (int, type(None))
+_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "hello": {"role": str},
+    "welcome": {"window_bytes": int, "daemon": str},
+    "rehello": {},
+    "tap": {
+        "consumer": str, "seq": int, "step": _OPT_INT, "device": _OPT_INT, "process": int,
+        "host": str, "pid": int, "time": int, "transforms": list, "meta": dict,
+        "tree": list, "leaves": list,
+    },
+    "credit": {"bytes": int},
+    "ack": {"upto": int, "errors": list},
+    "error": {"consumer": str, "seq": int, "error": str, "subscriber": str},
+    "barrier": {"id": int},
+    "barrier_done": {"id": int, "delivered": int, "dropped": int, "unrouted": int},
+    "heartbeat": {},
+    "bye": {},
+    "stats": {},
+    "stats_reply": {"stats": dict},
+    "shutdown": {},
+}  # fmt: skip
+KINDS = frozenset(_SCHEMAS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """A decoded message: its header and, for taps, the raw array frames."""
+
+    header: dict[str, Any]
+    frames: Sequence[Frame] = ()
+
+    @property
+    def kind(self) -> str:
+        return str(self.header["kind"])
+
+    def arrays(self) -> list[np.ndarray]:
+        """The tap's leaves as read-only numpy arrays viewing the frames."""
+        out = []
+        for (name, shape, _), frame in zip(self.header["leaves"], self.frames, strict=True):
+            out.append(np.frombuffer(frame, dtype=dtype_from_name(name)).reshape(shape))
+        return out
+
+    def value(self) -> Any:
+        """The tapped value, rebuilt with its pytree structure."""
+        return unflatten(self.header["tree"], self.arrays())
+
+
+def describe_array(array: np.ndarray) -> tuple[np.ndarray, list[Any]]:
+    """A C-contiguous little-endian copy-if-needed of `array` and its `leaves` entry."""
+    name = dtype_name(array.dtype)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    if not array.flags.c_contiguous:  # (np.ascontiguousarray would turn 0-d into 1-d)
+        array = array.copy(order="C")
+    return array, [name, list(array.shape), array.nbytes]
+
+
+def array_frame(array: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without copying (works for ml_dtypes too)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def encode(kind: str, fields: Mapping[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Frame]:
+    """Frames for one message. For `tap`, `fields` omits `leaves`: it is built here."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown message kind {kind!r}")
+    header = {"kind": kind, **fields}
+    frames: list[Frame] = []
+    if kind == "tap":
+        leaves = []
+        for array in arrays:
+            array, leaf = describe_array(array)
+            leaves.append(leaf)
+            frames.append(array_frame(array))
+        header["leaves"] = leaves
+    elif arrays:
+        raise ValueError(f"{kind!r} messages carry no arrays")
+    return [MAGIC, msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def encode_header(header: Mapping[str, Any]) -> bytes:
+    """Re-pack a header (the daemon uses it to stamp delivery ids on forwarded taps)."""
+    return msgpack.packb(dict(header), use_bin_type=True)
+
+
+def _buffer(frame: Any) -> memoryview:
+    buffer = getattr(frame, "buffer", None)  # zmq.Frame
+    return buffer if buffer is not None else memoryview(frame)
+
+
+def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Validate and decode one multipart message; raises ProtocolError."""
+    if len(frames) < 2:
+        raise ProtocolError("bad_frames", f"expected at least 2 frames, got {len(frames)}")
+    magic = bytes(_buffer(frames[0]))
+    if magic[:4] != MAGIC[:4] or len(magic) != len(MAGIC):
+        raise ProtocolError("bad_magic", f"first frame {magic[:16]!r} is not a tapd magic")
+    if magic[4] != VERSION:
+        raise ProtocolError("bad_version", f"protocol version {magic[4]}, expected {VERSION}")
+    header = _unpack_header(_buffer(frames[1]), limits)
+    kind = header.get("kind")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ProtocolError("bad_header", f"unknown message kind {kind!r:.40}")
+    for name, expected in _SCHEMAS[kind].items():
+        value = header.get(name, _MISSING)
+        if value is _MISSING:
+            raise ProtocolError("bad_field", f"{kind!r} message lacks {name!r}")
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is int):
+            raise ProtocolError("bad_field", f"{kind!r} field {name!r} has bad type: {value!r:.60}")
+    payload = [_buffer(f) for f in frames[2:]]
+    if kind == "tap":
+        _check_tap(header, payload, limits)
+    elif payload:
+        raise ProtocolError("bad_frames", f"{kind!r} message has {len(payload)} extra frames")
+    return Message(header, payload)
+
+
+_MISSING = object()
+
+
+def _unpack_header(raw: memoryview, limits: Limits) -> dict[str, Any]:
+    if len(raw) > limits.max_header_bytes:
+        raise ProtocolError("too_large", f"header of {len(raw)} bytes > {limits.max_header_bytes}")
+    try:
+        header = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError("bad_header", f"header is not valid msgpack ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError("bad_header", f"header is a {type(header).__name__}, not a map")
+    return header
+
+
+def _check_tap(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> None:
+    leaves = header["leaves"]
+    if len(leaves) > limits.max_leaves:
+        raise ProtocolError("too_large", f"{len(leaves)} leaves > {limits.max_leaves}")
+    if len(leaves) != len(payload):
+        raise ProtocolError("bad_frames", f"{len(leaves)} leaves but {len(payload)} array frames")
+    expected_leaves = count_leaves(header["tree"], limits.max_tree_depth)
+    if expected_leaves != len(leaves):
+        raise ProtocolError("bad_tree", f"tree has {expected_leaves} leaves, header {len(leaves)}")
+    total = 0
+    for index, (leaf, frame) in enumerate(zip(leaves, payload, strict=True)):
+        if not (isinstance(leaf, list) and len(leaf) == 3):
+            raise ProtocolError("bad_field", f"leaf {index} is not [dtype, shape, nbytes]")
+        name, shape, nbytes = leaf
+        dtype = dtype_from_name(name)
+        if (
+            not isinstance(shape, list)
+            or len(shape) > limits.max_ndim
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        ):
+            raise ProtocolError("bad_field", f"leaf {index} has bad shape {shape!r:.60}")
+        expected = math.prod(shape) * dtype.itemsize
+        if nbytes != expected or len(frame) != expected:
+            raise ProtocolError(
+                "bad_frames",
+                f"leaf {index} ({name}{shape}) needs {expected} bytes; "
+                f"header says {nbytes!r:.20}, frame has {len(frame)}",
+            )
+        total += expected
+        if total > limits.max_message_bytes:
+            raise ProtocolError("too_large", f"arrays exceed {limits.max_message_bytes} bytes")
+    if header["seq"] < 0:
+        raise ProtocolError("bad_field", f"negative seq {header['seq']}")
