@@ -128,8 +128,12 @@ def _split(node: Any) -> tuple[str, list[Any]]:
         keys = node[-2]
         if not isinstance(keys, list) or len(keys) != len(children):
             raise ProtocolError("bad_tree", f"{tag!r} node has keys that do not match children")
-        if tag == "d" and not all(isinstance(k, str | int) for k in keys):
+        if tag == "d" and not all(
+            isinstance(k, str | int) and not isinstance(k, bool) for k in keys
+        ):
             raise ProtocolError("bad_tree", "dict keys must be str or int")
+        if len(set(keys)) != len(keys):
+            raise ProtocolError("bad_tree", f"{tag!r} node has duplicate keys")
         if tag in ("nt", "k") and not (
             isinstance(node[1], str) and all(isinstance(k, str) for k in keys)
         ):

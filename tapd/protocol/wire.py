@@ -79,7 +79,9 @@ class Message:
         """The tap's leaves as read-only numpy arrays viewing the frames."""
         out = []
         for (name, shape, _), frame in zip(self.header["leaves"], self.frames, strict=True):
-            out.append(np.frombuffer(frame, dtype=dtype_from_name(name)).reshape(shape))
+            array = np.frombuffer(frame, dtype=dtype_from_name(name)).reshape(shape)
+            array.flags.writeable = False  # it views the message's frame
+            out.append(array)
         return out
 
     def value(self) -> Any:
@@ -106,7 +108,7 @@ def encode(kind: str, fields: Mapping[str, Any], arrays: Sequence[np.ndarray] = 
     """Frames for one message. For `tap`, `fields` omits `leaves`: it is built here."""
     if kind not in KINDS:
         raise ValueError(f"unknown message kind {kind!r}")
-    header = {"kind": kind, **fields}
+    header = {**fields, "kind": kind}
     frames: list[Frame] = []
     if kind == "tap":
         leaves = []
@@ -147,7 +149,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         value = header.get(name, _MISSING)
         if value is _MISSING:
             raise ProtocolError("bad_field", f"{kind!r} message lacks {name!r}")
-        if not isinstance(value, expected) or (isinstance(value, bool) and expected is int):
+        if not isinstance(value, expected) or (isinstance(value, bool) and _wants_int(expected)):
             raise ProtocolError("bad_field", f"{kind!r} field {name!r} has bad type: {value!r:.60}")
     payload = [_buffer(f) for f in frames[2:]]
     if kind == "tap":
@@ -158,6 +160,11 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
 
 
 _MISSING = object()
+
+
+def _wants_int(expected: type | tuple[type, ...]) -> bool:
+    # bool is an int subclass in Python, never one on the wire
+    return expected is int or (isinstance(expected, tuple) and int in expected)
 
 
 def _unpack_header(raw: memoryview, limits: Limits) -> dict[str, Any]:
@@ -199,6 +206,8 @@ def _check_tap(header: dict[str, Any], payload: list[memoryview], limits: Limits
         ):
             raise ProtocolError("bad_field", f"leaf {index} has bad shape {shape!r:.60}")
         expected = math.prod(shape) * dtype.itemsize
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+            raise ProtocolError("bad_field", f"leaf {index} nbytes {nbytes!r:.20} is not an int")
         if nbytes != expected or len(frame) != expected:
             raise ProtocolError(
                 "bad_frames",

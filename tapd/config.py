@@ -1,0 +1,99 @@
+"""The daemon's configuration: one frozen `Config`.
+
+Precedence: defaults < TOML file (`--config` or `$TAPD_CONFIG`) < `TAPD_*` environment
+variables < command-line flags. Only the CLI builds one from all four (`load`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tapd.emitter.settings import POLICIES
+from tapd.errors import ConfigError
+from tapd.runtime import check_ipc_endpoint, default_endpoint, default_pidfile
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # Local endpoint for emitters, subscribers and control (ipc in a 0700 directory).
+    endpoint: str = dataclasses.field(default_factory=default_endpoint)
+    # Optional extra endpoint reachable from other hosts. Unauthenticated for now.
+    tcp: str | None = None
+    # What a full subscriber queue does: "block" slows the emitters, "drop_newest" drops.
+    policy: str = "block"
+    # Bound of each subscriber's queue, in bytes of array payload.
+    queue_bytes: int = 256 * 10**6
+    # Bytes of taps an emitter may have sent that the daemon has not yet passed on.
+    emitter_window_bytes: int = 64 * 2**20
+    # A subscriber silent this long (no ack, no heartbeat) is dropped; its taps count lost.
+    subscriber_timeout: float = 10.0
+    # On SIGTERM, how long to keep delivering what is queued before exiting.
+    drain_timeout: float = 10.0
+    # Largest tap accepted, in bytes of array payload.
+    max_message_bytes: int = 2**30
+    pidfile: Path | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        for name in ("queue_bytes", "emitter_window_bytes", "max_message_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("subscriber_timeout", "drain_timeout"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.endpoint.startswith(("ipc://", "tcp://", "inproc://")):
+            raise ConfigError(f"endpoint {self.endpoint!r} must start with ipc:// or tcp://")
+        check_ipc_endpoint(self.endpoint)
+        if self.tcp is not None and not self.tcp.startswith("tcp://"):
+            raise ConfigError(f"--tcp {self.tcp!r} must be a tcp:// endpoint")
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _convert(name: str, raw: Any, source: str) -> Any:
+    kind = {
+        "queue_bytes": int, "emitter_window_bytes": int, "max_message_bytes": int,
+        "subscriber_timeout": float, "drain_timeout": float, "pidfile": Path,
+    }.get(name, str)  # fmt: skip
+    try:
+        return kind(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {name}={raw!r} is not a valid {kind.__name__}") from exc
+
+
+def load(
+    flags: Mapping[str, Any],
+    config_file: Path | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> Config:
+    """Merge defaults, the TOML file, `TAPD_*` variables and flags (None = not given)."""
+    values: dict[str, Any] = {}
+    path = config_file or (Path(environ["TAPD_CONFIG"]) if "TAPD_CONFIG" in environ else None)
+    if path is not None:
+        try:
+            table = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        for key, raw in table.get("daemon", table).items():
+            name = key.replace("-", "_")
+            if name not in _FIELDS:
+                raise ConfigError(f"{path}: unknown setting {key!r}")
+            values[name] = _convert(name, raw, str(path))
+    for name in _FIELDS:
+        variable = f"TAPD_{name.upper()}"
+        if variable in environ:
+            values[name] = _convert(name, environ[variable], variable)
+    for name, raw in flags.items():
+        if raw is not None:
+            values[name] = _convert(name, raw, f"--{name.replace('_', '-')}")
+    if "pidfile" not in values:
+        values["pidfile"] = default_pidfile()
+    return Config(**values)

@@ -1,0 +1,359 @@
+"""The daemon's routing state: emitters, subscribers, queues, credit and barriers.
+
+No sockets here: the server feeds decoded messages in and the router answers through the
+`send(peer, frames)` callable it was given. Every tap gets an index per emitter; it is
+"pending" until each subscriber it was routed to has acknowledged it (or lost it), which
+is what barriers wait for (docs/PROTOCOL.md, "Barrier").
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import fnmatch
+import itertools
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from tapd.protocol import MAGIC, Message, encode
+from tapd.protocol.wire import encode_header
+
+logger = logging.getLogger("tapd.daemon")
+
+PeerKey = Hashable
+Send = Callable[[PeerKey, list[Any]], bool]  # False when the peer is gone
+
+
+@dataclasses.dataclass
+class _Pending:
+    remaining: int  # subscribers that still have to process this tap
+    lost: bool = False
+
+
+@dataclasses.dataclass
+class Emitter:
+    key: PeerKey
+    name: str  # "host:pid"
+    next_index: int = 0
+    low: int = 0  # every tap below this index is finished
+    pending: dict[int, _Pending] = dataclasses.field(default_factory=dict)
+    parked: collections.deque[tuple[int, Message, int]] = dataclasses.field(
+        default_factory=collections.deque
+    )  # (index, tap, nbytes) waiting for queue room under "block"
+    barriers: collections.deque[tuple[int, int]] = dataclasses.field(
+        default_factory=collections.deque
+    )  # (barrier id, first index after it)
+    credit_due: int = 0
+    parked_bytes: int = 0
+    delivered: int = 0
+    dropped: int = 0
+    unrouted: int = 0
+    gone: bool = False
+
+    @property
+    def held_bytes(self) -> int:
+        return self.parked_bytes + self.credit_due
+
+
+@dataclasses.dataclass
+class _Delivery:
+    emitter: Emitter
+    index: int
+    tap: Message
+    nbytes: int
+    tid: int = -1
+
+
+@dataclasses.dataclass
+class Subscriber:
+    key: PeerKey
+    name: str
+    patterns: tuple[str, ...]
+    window: int
+    last_seen: float
+    queue: collections.deque[_Delivery] = dataclasses.field(default_factory=collections.deque)
+    in_flight: collections.deque[_Delivery] = dataclasses.field(
+        default_factory=collections.deque
+    )
+    held_bytes: int = 0  # queued + in flight
+    delivered: int = 0
+    dropped: int = 0
+    errors: int = 0
+
+    def wants(self, consumer: str) -> bool:
+        return any(
+            consumer == p or (p.endswith("*") and fnmatch.fnmatchcase(consumer, p))
+            for p in self.patterns
+        )
+
+
+class Router:
+    def __init__(
+        self, send: Send, *, policy: str, queue_bytes: int, window_bytes: int, daemon_id: str
+    ) -> None:
+        self._send = send
+        self.policy = policy
+        self.queue_bytes = queue_bytes
+        self.window_bytes = window_bytes
+        self.daemon_id = daemon_id
+        self.emitters: dict[PeerKey, Emitter] = {}
+        self.subscribers: dict[PeerKey, Subscriber] = {}
+        self._tids = itertools.count()
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # ---- emitters -------------------------------------------------------------------
+
+    def emitter_hello(self, key: PeerKey, header: dict[str, Any]) -> None:
+        emitter = self.emitters.get(key)
+        if emitter is None:
+            emitter = self.emitters[key] = Emitter(key, f"{header['host']}:{header['pid']}")
+            logger.info("emitter %s connected", emitter.name)
+        emitter.gone = False
+        self._welcome(emitter)
+
+    def _welcome(self, emitter: Emitter) -> None:
+        fields = {"window_bytes": self.window_bytes, "daemon": self.daemon_id,
+                  "held_bytes": emitter.held_bytes}
+        self._send(emitter.key, encode("welcome", fields))
+
+    def tap(self, key: PeerKey, tap: Message) -> None:
+        emitter = self.emitters.get(key)
+        if emitter is None:  # e.g. this daemon restarted: the tap says who sent it
+            header = tap.header
+            emitter = self.emitters[key] = Emitter(key, f"{header['host']}:{header['pid']}")
+            logger.info("emitter %s reconnected", emitter.name)
+            self._welcome(emitter)
+        nbytes = sum(len(f) for f in tap.frames)
+        index = emitter.next_index
+        emitter.next_index += 1
+        self.counters["taps_received"] += 1
+        self.counters["bytes_received"] += nbytes
+        if emitter.parked or (self.policy == "block" and not self._has_room(tap, nbytes)):
+            emitter.parked.append((index, tap, nbytes))
+            emitter.parked_bytes += nbytes
+            emitter.pending[index] = _Pending(remaining=-1)  # parked: not routed yet
+            return
+        self._route(emitter, index, tap, nbytes)
+
+    def _targets(self, consumer: str) -> list[Subscriber]:
+        return [s for s in self.subscribers.values() if s.wants(consumer)]
+
+    def _has_room(self, tap: Message, nbytes: int) -> bool:
+        return all(
+            s.held_bytes == 0 or s.held_bytes + nbytes <= self.queue_bytes
+            for s in self._targets(tap.header["consumer"])
+        )
+
+    def _route(self, emitter: Emitter, index: int, tap: Message, nbytes: int) -> None:
+        emitter.credit_due += nbytes
+        targets = self._targets(tap.header["consumer"])
+        if not targets:
+            emitter.unrouted += 1
+            self.counters["taps_unrouted"] += 1
+            emitter.pending.pop(index, None)
+            self._advance(emitter)
+            return
+        pending = emitter.pending[index] = _Pending(remaining=0)
+        for subscriber in targets:
+            if subscriber.held_bytes and subscriber.held_bytes + nbytes > self.queue_bytes:
+                subscriber.dropped += 1  # drop_newest (block never gets here while full)
+                self.counters["deliveries_dropped"] += 1
+                pending.lost = True
+                continue
+            subscriber.queue.append(_Delivery(emitter, index, tap, nbytes))
+            subscriber.held_bytes += nbytes
+            pending.remaining += 1
+        if pending.remaining == 0:
+            self._finish(emitter, index)
+
+    def unpark(self) -> None:
+        """Route parked taps, in order, as far as queue room allows."""
+        for emitter in self.emitters.values():
+            while emitter.parked:
+                index, tap, nbytes = emitter.parked[0]
+                if self.policy == "block" and not self._has_room(tap, nbytes):
+                    break
+                emitter.parked.popleft()
+                emitter.parked_bytes -= nbytes
+                self._route(emitter, index, tap, nbytes)
+
+    def _finish(self, emitter: Emitter, index: int) -> None:
+        pending = emitter.pending.pop(index)
+        if pending.lost:
+            emitter.dropped += 1
+        else:
+            emitter.delivered += 1
+        self._advance(emitter)
+
+    def _advance(self, emitter: Emitter) -> None:
+        while emitter.low < emitter.next_index and emitter.low not in emitter.pending:
+            emitter.low += 1
+        while emitter.barriers and emitter.barriers[0][1] <= emitter.low:
+            barrier_id, _ = emitter.barriers.popleft()
+            self._send(emitter.key, encode("barrier_done", {
+                "id": barrier_id, "delivered": emitter.delivered,
+                "dropped": emitter.dropped, "unrouted": emitter.unrouted,
+            }))  # fmt: skip
+        if emitter.gone and not emitter.pending:
+            self.emitters.pop(emitter.key, None)
+
+    def barrier(self, key: PeerKey, barrier_id: int) -> None:
+        emitter = self.emitters.get(key)
+        if emitter is None:
+            self._send(key, encode("rehello", {}))
+            return
+        emitter.barriers.append((barrier_id, emitter.next_index))
+        self._advance(emitter)
+
+    def emitter_bye(self, key: PeerKey) -> None:
+        emitter = self.emitters.get(key)
+        if emitter is not None:
+            emitter.gone = True
+            logger.info("emitter %s disconnected", emitter.name)
+            self._advance(emitter)
+
+    def flush_credit(self) -> None:
+        for emitter in list(self.emitters.values()):
+            if emitter.credit_due:
+                self._send(emitter.key, encode("credit", {"bytes": emitter.credit_due}))
+                emitter.credit_due = 0
+
+    # ---- subscribers ----------------------------------------------------------------
+
+    def subscriber_hello(self, key: PeerKey, header: dict[str, Any], now: float) -> None:
+        consumers = header.get("consumers")
+        window = header.get("window")
+        if not (isinstance(consumers, list) and all(isinstance(c, str) for c in consumers)
+                and isinstance(window, int) and window > 0):
+            self.reject("bad_field", "subscriber hello needs consumers: [str] and window > 0")
+            return
+        if key in self.subscribers:
+            self.drop_subscriber(key, "said hello again")
+        name = str(header.get("name", "")) or repr(key)
+        self.subscribers[key] = Subscriber(key, name, tuple(consumers), window, now)
+        logger.info("subscriber %s connected for %s", name, ", ".join(consumers))
+        self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
+
+    def ack(self, key: PeerKey, header: dict[str, Any], now: float) -> None:
+        subscriber = self.subscribers.get(key)
+        if subscriber is None:
+            self._send(key, encode("rehello", {}))
+            return
+        subscriber.last_seen = now
+        errors = {e.get("tid"): e.get("error") for e in header["errors"] if isinstance(e, dict)}
+        upto = header["upto"]
+        while subscriber.in_flight and subscriber.in_flight[0].tid <= upto:
+            delivery = subscriber.in_flight.popleft()
+            subscriber.held_bytes -= delivery.nbytes
+            subscriber.delivered += 1
+            self.counters["deliveries_acked"] += 1
+            if delivery.tid in errors:
+                subscriber.errors += 1
+                self.counters["handler_errors"] += 1
+                self._report_error(subscriber, delivery, str(errors[delivery.tid]))
+            self._delivered(delivery, lost=False)
+
+    def heartbeat(self, key: PeerKey, now: float) -> None:
+        subscriber = self.subscribers.get(key)
+        if subscriber is None:
+            self._send(key, encode("rehello", {}))
+        else:
+            subscriber.last_seen = now
+
+    def _report_error(self, subscriber: Subscriber, delivery: _Delivery, error: str) -> None:
+        emitter = delivery.emitter
+        if emitter.gone:
+            return
+        header = delivery.tap.header
+        self._send(emitter.key, encode("error", {
+            "consumer": header["consumer"], "seq": header["seq"], "error": error,
+            "subscriber": subscriber.name,
+        }))  # fmt: skip
+
+    def _delivered(self, delivery: _Delivery, *, lost: bool) -> None:
+        emitter = delivery.emitter
+        pending = emitter.pending.get(delivery.index)
+        if pending is None:
+            return
+        pending.lost |= lost
+        pending.remaining -= 1
+        if pending.remaining == 0:
+            self._finish(emitter, delivery.index)
+
+    def pump(self) -> None:
+        """Send each subscriber what its window allows."""
+        for subscriber in list(self.subscribers.values()):
+            while subscriber.queue and len(subscriber.in_flight) < subscriber.window:
+                delivery = subscriber.queue.popleft()
+                delivery.tid = next(self._tids)
+                subscriber.in_flight.append(delivery)
+                header = {**delivery.tap.header, "tid": delivery.tid,
+                          "emitter": delivery.emitter.name}
+                frames = [MAGIC, encode_header(header), *delivery.tap.frames]
+                if not self._send(subscriber.key, frames):
+                    self.drop_subscriber(subscriber.key, "is unreachable")
+                    break
+
+    def drop_subscriber(self, key: PeerKey, why: str) -> None:
+        subscriber = self.subscribers.pop(key, None)
+        if subscriber is None:
+            return
+        lost = list(subscriber.in_flight) + list(subscriber.queue)
+        if lost:
+            logger.warning("subscriber %s %s; %d taps it had not processed are lost",
+                           subscriber.name, why, len(lost))
+        else:
+            logger.info("subscriber %s %s", subscriber.name, why)
+        self.counters["deliveries_lost"] += len(lost)
+        for delivery in lost:
+            self._delivered(delivery, lost=True)
+
+    def expire(self, now: float, timeout: float) -> None:
+        for subscriber in list(self.subscribers.values()):
+            if now - subscriber.last_seen > timeout:
+                self.drop_subscriber(subscriber.key, f"was silent for {timeout:g} s")
+
+    # ---- bookkeeping ----------------------------------------------------------------
+
+    def reject(self, reason: str, detail: str) -> None:
+        """Count a refused message; log each reason the first time it is seen."""
+        self.counters[f"rejected_{reason}"] += 1
+        log = logger.warning if self.counters[f"rejected_{reason}"] == 1 else logger.debug
+        log("rejected a message (%s): %s (further ones counted, not logged)", reason, detail)
+
+    def idle(self) -> bool:
+        """Nothing queued, in flight or parked anywhere."""
+        return not any(e.pending for e in self.emitters.values()) and not any(
+            s.queue or s.in_flight for s in self.subscribers.values()
+        )
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "counters": dict(self.counters),
+            "emitters": [_emitter_stats(e) for e in self.emitters.values()],
+            "subscribers": [_subscriber_stats(s) for s in self.subscribers.values()],
+            "time": time.time(),
+        }
+
+
+def _emitter_stats(e: Emitter) -> dict[str, Any]:
+    return {"name": e.name, "taps": e.next_index, "delivered": e.delivered,
+            "dropped": e.dropped, "unrouted": e.unrouted, "pending": len(e.pending),
+            "parked_bytes": e.parked_bytes}
+
+
+def _subscriber_stats(s: Subscriber) -> dict[str, Any]:
+    return {"name": s.name, "consumers": list(s.patterns), "queued": len(s.queue),
+            "in_flight": len(s.in_flight), "held_bytes": s.held_bytes,
+            "delivered": s.delivered, "dropped": s.dropped, "errors": s.errors}
+
+
+def summarize(stats: dict[str, Any]) -> Sequence[str]:
+    """Human-readable lines for `tapd status`."""
+    counters = stats["counters"]
+    lines = [", ".join(f"{k}={v}" for k, v in sorted(counters.items())) or "no traffic yet"]
+    lines += [f"emitter {e['name']}: {e}" for e in stats["emitters"]]
+    lines += [f"subscriber {s['name']}: {s}" for s in stats["subscribers"]]
+    return lines

@@ -1,0 +1,244 @@
+"""The daemon process: binds the endpoints, runs the poll loop, shuts down by drain.
+
+Shutdown is code: `request_stop()` (SIGTERM/SIGINT, or a `shutdown` message on the local
+endpoint) sets a flag; the loop keeps delivering what is queued for up to
+`drain_timeout`, then counts the rest as lost and closes its sockets with a bounded
+linger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from tapd.config import Config
+from tapd.daemon.router import Router
+from tapd.errors import ProtocolError
+from tapd.protocol import Limits, decode, encode
+from tapd.runtime import ensure_private_dir
+
+logger = logging.getLogger("tapd.daemon")
+
+_BATCH = 256  # messages read from one socket before looking at the others
+_EXPIRE_EVERY = 0.5
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._context = zmq.Context()
+        self._sockets: list[zmq.Socket[Any]] = []
+        self._stop = threading.Event()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self.limits = Limits(max_message_bytes=config.max_message_bytes)
+        self.router = Router(
+            self._send,
+            policy=config.policy,
+            queue_bytes=config.queue_bytes,
+            window_bytes=config.emitter_window_bytes,
+            daemon_id=self.id,
+        )
+        self.endpoints: list[str] = []
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def bind(self) -> list[str]:
+        """Bind the local endpoint (and the tcp one if configured); return the real
+        addresses (port 0 resolved)."""
+        endpoints = [self.config.endpoint] + ([self.config.tcp] if self.config.tcp else [])
+        for endpoint in endpoints:
+            if endpoint.startswith("ipc://"):
+                path = endpoint.removeprefix("ipc://")
+                ensure_private_dir(_parent(path))
+                _remove_stale_socket(path)
+            sock = self._context.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 0)  # bounded by credit windows, not message counts
+            sock.setsockopt(zmq.RCVHWM, 0)
+            # A hard ceiling far above the protocol limit, so a runaway peer cannot make
+            # us allocate without bound; the protocol limit itself is checked and counted.
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes + (1 << 20))
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                sock.close(linger=0)
+                self.close()
+                raise OSError(f"cannot bind {endpoint}: {exc}") from exc
+            self._sockets.append(sock)
+            self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        if self.config.tcp:
+            logger.warning(
+                "listening on %s WITHOUT authentication or encryption: anyone who can reach "
+                "it can send taps and read them. Use it only on a trusted network.",
+                self.endpoints[-1],
+            )
+        return self.endpoints
+
+    def request_stop(self) -> None:
+        """Safe from signal handlers and other threads."""
+        self._stop.set()
+        try:
+            os.write(self._wake_write, b"\0")
+        except BlockingIOError:
+            pass
+
+    def serve(self, on_ready: Callable[[list[str]], None] | None = None) -> None:
+        if not self._sockets:
+            self.bind()
+        logger.info("tapd daemon %s serving on %s (policy %s)", self.id,
+                    ", ".join(self.endpoints), self.config.policy)
+        if on_ready is not None:
+            on_ready(self.endpoints)
+        poller = zmq.Poller()
+        for sock in self._sockets:
+            poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        last_expiry = time.monotonic()
+        drain_deadline: float | None = None
+        try:
+            while True:
+                events = dict(poller.poll(timeout=100))
+                for index, sock in enumerate(self._sockets):
+                    if sock in events:
+                        self._read(index, sock)
+                if self._wake_read in events:
+                    _drain_pipe(self._wake_read)
+                now = time.monotonic()
+                if now - last_expiry > _EXPIRE_EVERY:
+                    self.router.expire(now, self.config.subscriber_timeout)
+                    last_expiry = now
+                self.router.unpark()
+                self.router.pump()
+                self.router.flush_credit()
+                if self._stop.is_set():
+                    if drain_deadline is None:
+                        drain_deadline = now + self.config.drain_timeout
+                        logger.info("stopping: draining for up to %g s",
+                                    self.config.drain_timeout)
+                    if self.router.idle() or now >= drain_deadline:
+                        break
+        finally:
+            self._report_undelivered()
+            self.close()
+
+    def _report_undelivered(self) -> None:
+        for key in list(self.router.subscribers):
+            self.router.drop_subscriber(key, "was still connected at shutdown")
+        parked = sum(len(e.parked) for e in self.router.emitters.values())
+        if parked:
+            logger.error("%d taps were still waiting for queue room at shutdown and are lost",
+                         parked)
+        logger.info("tapd daemon stopped: %s", dict(self.router.counters))
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close(linger=1000)
+        self._sockets.clear()
+        self._context.term()
+        for fd in (self._wake_read, self._wake_write):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ---- messages -------------------------------------------------------------------
+
+    def _send(self, key: Any, frames: list[Any]) -> bool:
+        index, identity = key
+        try:
+            self._sockets[index].send_multipart([identity, *frames], copy=False)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        return True
+
+    def _read(self, index: int, sock: zmq.Socket[Any]) -> None:
+        now = time.monotonic()
+        for _ in range(_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            key = (index, frames[0].bytes)
+            try:
+                message = decode(frames[1:], self.limits)
+            except ProtocolError as exc:
+                self.router.reject(exc.reason, str(exc))
+                continue
+            self._dispatch(key, index, message, now)
+
+    def _dispatch(self, key: Any, index: int, message: Any, now: float) -> None:
+        router = self.router
+        header = message.header
+        kind = message.kind
+        if kind == "tap":
+            router.tap(key, message)
+        elif kind == "ack":
+            router.ack(key, header, now)
+        elif kind == "heartbeat":
+            router.heartbeat(key, now)
+        elif kind == "hello":
+            if header["role"] == "emitter" and isinstance(header.get("host"), str) \
+                    and isinstance(header.get("pid"), int):
+                router.emitter_hello(key, header)
+            elif header["role"] == "subscriber":
+                router.subscriber_hello(key, header, now)
+            else:
+                router.reject("bad_field", f"hello with unknown role {header['role']!r:.40}")
+        elif kind == "barrier":
+            router.barrier(key, header["id"])
+        elif kind == "bye":
+            router.drop_subscriber(key, "said goodbye")
+            router.emitter_bye(key)
+        elif kind == "stats":
+            self._send(key, encode("stats_reply", {"stats": router.stats()}))
+        elif kind == "shutdown":
+            if index == 0 and self.config.endpoint.startswith("ipc://"):
+                logger.info("shutdown requested over the local endpoint")
+                self.request_stop()
+            else:
+                router.reject("forbidden", "shutdown is accepted on the local ipc endpoint only")
+        else:
+            router.reject("bad_header", f"{kind!r} is not something peers send to a daemon")
+
+
+def _parent(path: str) -> Any:
+    from pathlib import Path
+
+    return Path(path).parent
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Remove a socket file left by a daemon that died; refuse if one is alive there."""
+    if not os.path.exists(path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listening: stale
+        return
+    finally:
+        probe.close()
+    raise OSError(f"another tapd daemon is already listening on ipc://{path}")
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass

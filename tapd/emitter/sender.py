@@ -1,0 +1,363 @@
+"""The emitter's sender: a byte-bounded buffer drained by one thread that owns the socket.
+
+`submit` is called from XLA's callback threads, several at once. It never touches the
+network: it appends the copied arrays to the buffer and wakes the sender thread through
+a pipe. Only when the buffer is full does it wait (policy `block`) or drop and count
+(`drop_newest`). The sender thread sends while the daemon's credit window allows
+(docs/PROTOCOL.md, "Flow control"), so a slow subscriber fills the daemon's queues, then
+this buffer, then pauses the computation -- never memory without bound, never silently.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import zmq
+
+from tapd.emitter.settings import EmitterSettings
+from tapd.errors import BarrierTimeout, ProtocolError, TapFunctionException
+from tapd.protocol import decode, encode
+
+logger = logging.getLogger("tapd.emitter")
+
+# Resend `hello` when bytes are in flight and the daemon has been silent this long: a
+# restarted daemon does not know us until we speak, and we may have no credit to speak.
+_REHELLO_AFTER = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TapSite:
+    """What is fixed at trace time for one tap site; shared by all its records."""
+
+    consumer: str
+    fields: Mapping[str, Any]  # transforms, meta, tree: already msgpack-ready
+
+
+@dataclasses.dataclass
+class _Tap:
+    site: TapSite
+    seq: int
+    step: int | None
+    device: int | None
+    time_ns: int
+    arrays: list[np.ndarray]
+    nbytes: int
+
+
+@dataclasses.dataclass
+class _Barrier:
+    id: int
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    reply: dict[str, Any] = dataclasses.field(default_factory=dict)
+    nbytes: int = 0
+
+
+@dataclasses.dataclass
+class SenderStats:
+    """Counts of this emitter's taps. `delivered`/`unrouted`/`daemon_dropped` are the
+    daemon's figures as of the last barrier."""
+
+    submitted: int = 0
+    sent: int = 0
+    dropped: int = 0  # dropped here, buffer full under drop_newest
+    delivered: int = 0
+    daemon_dropped: int = 0
+    unrouted: int = 0
+    lost_in_flight_bytes: int = 0
+    errors: int = 0
+    buffered_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+class Sender:
+    """Connection of one emitter process to its host's daemon."""
+
+    def __init__(self, settings: EmitterSettings, *, process_index: int = 0) -> None:
+        self.settings = settings
+        self._identity = {
+            "role": "emitter",
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "process": process_index,
+        }
+        self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)  # producers wait here for room
+        self._queue: collections.deque[_Tap | _Barrier] = collections.deque()
+        self._sequences: dict[tuple[int | None, str], int] = {}
+        self._errors: list[str] = []
+        self._barriers: dict[int, _Barrier] = {}
+        self._next_barrier = 0
+        self._stats = SenderStats()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self._wake_pending = False
+        self._closing = False
+        self._context = zmq.Context.instance()
+        self._thread = threading.Thread(target=self._run, name="tapd-sender", daemon=True)
+        self._thread.start()
+
+    # ---- called from XLA callback threads -------------------------------------------
+
+    def submit(
+        self, site: TapSite, arrays: list[np.ndarray], *, step: int | None, device: int | None
+    ) -> bool:
+        """Queue one tap (arrays already copied). False if dropped under drop_newest."""
+        nbytes = sum(a.nbytes for a in arrays)
+        now = time.time_ns()
+        with self._lock:
+            self._stats.submitted += 1
+            if not self._wait_for_room(nbytes, site.consumer):
+                self._stats.dropped += 1
+                return False
+            key = (device, site.consumer)
+            seq = self._sequences.get(key, 0)
+            self._sequences[key] = seq + 1
+            self._queue.append(_Tap(site, seq, step, device, now, arrays, nbytes))
+            self._stats.buffered_bytes += nbytes
+            self._wake_locked()
+        return True
+
+    def _wait_for_room(self, nbytes: int, consumer: str) -> bool:
+        limit = self.settings.buffer_bytes
+        # A tap larger than the whole buffer is still accepted when the buffer is empty.
+        if self._stats.buffered_bytes == 0 or self._stats.buffered_bytes + nbytes <= limit:
+            return True
+        if self.settings.policy == "drop_newest":
+            return False
+        started = time.monotonic()
+        warned = False
+        while self._stats.buffered_bytes and self._stats.buffered_bytes + nbytes > limit:
+            if self._closing:
+                return False
+            self._space.wait(timeout=1.0)
+            waited = time.monotonic() - started
+            if not warned and waited > self.settings.block_warning_after:
+                warned = True
+                logger.warning(
+                    "tap %r has waited %.0f s for buffer space (%d bytes buffered, limit %d): "
+                    "the daemon at %s is not taking taps; is it running and are its "
+                    "subscribers keeping up?",
+                    consumer, waited, self._stats.buffered_bytes, limit, self.settings.endpoint,
+                )
+        return True
+
+    def _wake_locked(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            os.write(self._wake_write, b"\0")
+
+    # ---- called from user threads ---------------------------------------------------
+
+    def barrier(self, timeout: float | None) -> dict[str, Any]:
+        """Wait until every tap submitted so far is processed; raise handler errors."""
+        with self._lock:
+            barrier = _Barrier(self._next_barrier)
+            self._next_barrier += 1
+            self._barriers[barrier.id] = barrier
+            self._queue.append(barrier)
+            self._wake_locked()
+        if not barrier.done.wait(timeout):
+            with self._lock:
+                self._barriers.pop(barrier.id, None)
+                queued = sum(1 for item in self._queue if isinstance(item, _Tap))
+            raise BarrierTimeout(
+                f"barrier_wait timed out after {timeout} s: {queued} taps still buffered in "
+                f"this process, the rest sent to the daemon at {self.settings.endpoint} and "
+                "not yet processed by its subscribers (is the daemon running? `tapd status`)"
+            )
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise TapFunctionException(errors)
+        return barrier.reply
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return self._stats.as_dict()
+
+    def close(self, timeout: float) -> None:
+        """Stop the thread; whatever is still buffered is counted as dropped and logged."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            self._space.notify_all()
+            self._wake_locked()
+        self._thread.join(timeout)
+
+    # ---- the sender thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(self.settings.endpoint)
+        connection = _Connection(sock, self._identity)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll(timeout=500))
+                if self._wake_read in events:
+                    self._drain_wake_pipe()
+                if sock in events:
+                    self._receive(sock, connection)
+                if self._closing:
+                    break
+                self._send_ready(connection)
+                connection.keep_alive()
+        except Exception:  # a bug here must not vanish with the thread
+            logger.exception("tapd sender thread failed; taps are no longer delivered")
+        finally:
+            self._abandon_queue()
+            connection.say_bye()
+            sock.close(linger=1000)
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            self._wake_pending = False
+
+    def _send_ready(self, connection: _Connection) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or not connection.may_send(self._queue[0].nbytes):
+                    return
+                item = self._queue.popleft()
+                self._stats.buffered_bytes -= item.nbytes
+                self._space.notify_all()
+                if isinstance(item, _Tap):
+                    self._stats.sent += 1
+            if isinstance(item, _Barrier):
+                connection.send(encode("barrier", {"id": item.id}), 0)
+            else:
+                connection.send(_encode_tap(item, self._identity), item.nbytes)
+
+    def _receive(self, sock: zmq.Socket[Any], connection: _Connection) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = decode(frames)
+            except ProtocolError as exc:
+                logger.error("ignoring malformed message from the daemon: %s", exc)
+                continue
+            header = message.header
+            kind = message.kind
+            connection.heard_from_daemon(header)
+            if kind == "error":
+                text = f"{header['consumer']}#{header['seq']}: {header['error']}"
+                logger.error("tap function raised in subscriber %s: %s",
+                             header["subscriber"], text)
+                with self._lock:
+                    self._errors.append(text)
+                    self._stats.errors += 1
+            elif kind == "barrier_done":
+                with self._lock:
+                    barrier = self._barriers.pop(header["id"], None)
+                    self._stats.delivered = header["delivered"]
+                    self._stats.daemon_dropped = header["dropped"]
+                    self._stats.unrouted = header["unrouted"]
+                    self._stats.lost_in_flight_bytes = connection.lost_bytes
+                if barrier is not None:
+                    barrier.reply = dict(header)
+                    barrier.done.set()
+
+    def _abandon_queue(self) -> None:
+        with self._lock:
+            abandoned = sum(1 for item in self._queue if isinstance(item, _Tap))
+            self._queue.clear()
+            self._stats.dropped += abandoned
+            self._stats.buffered_bytes = 0
+            self._space.notify_all()
+        if abandoned:
+            logger.error("tapd: %d taps were never sent to the daemon at %s and are lost",
+                         abandoned, self.settings.endpoint)
+
+
+class _Connection:
+    """The sender thread's view of the daemon: hello/welcome, credit, silence."""
+
+    def __init__(self, sock: zmq.Socket[Any], identity: dict[str, Any]) -> None:
+        self.sock = sock
+        self.identity = identity
+        self.window = 0  # no taps until the daemon has welcomed us
+        self.in_flight = 0
+        self.lost_bytes = 0
+        self.last_heard = time.monotonic()
+        self.last_hello = time.monotonic()
+        self.sock.send_multipart(encode("hello", identity))
+
+    def may_send(self, nbytes: int) -> bool:
+        if self.window == 0:
+            return False
+        return self.in_flight == 0 or self.in_flight + nbytes <= self.window
+
+    def send(self, frames: list[Any], nbytes: int) -> None:
+        self.sock.send_multipart(frames, copy=False)
+        self.in_flight += nbytes
+
+    def heard_from_daemon(self, header: dict[str, Any]) -> None:
+        self.last_heard = time.monotonic()
+        kind = header["kind"]
+        if kind == "welcome":
+            held = int(header.get("held_bytes", 0))
+            if self.in_flight > held:
+                lost = self.in_flight - held
+                self.lost_bytes += lost
+                if self.window:  # not our first welcome: the daemon restarted
+                    logger.warning("tapd daemon restarted; %d bytes of taps in flight to it "
+                                   "were lost", lost)
+            self.window = header["window_bytes"]
+            self.in_flight = held
+        elif kind == "rehello":
+            self._hello()
+        elif kind == "credit":
+            self.in_flight = max(0, self.in_flight - header["bytes"])
+
+    def keep_alive(self) -> None:
+        now = time.monotonic()
+        if self.in_flight and now - max(self.last_heard, self.last_hello) > _REHELLO_AFTER:
+            self._hello()
+
+    def _hello(self) -> None:
+        self.last_hello = time.monotonic()
+        self.sock.send_multipart(encode("hello", self.identity))
+
+    def say_bye(self) -> None:
+        try:
+            self.sock.send_multipart(encode("bye", {}), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+
+def _encode_tap(tap: _Tap, identity: Mapping[str, Any]) -> list[Any]:
+    fields = {
+        **tap.site.fields,
+        "consumer": tap.site.consumer,
+        "seq": tap.seq,
+        "step": tap.step,
+        "device": tap.device,
+        "process": identity["process"],
+        "host": identity["host"],
+        "pid": identity["pid"],
+        "time": tap.time_ns,
+    }
+    return encode("tap", fields, tap.arrays)

@@ -1,0 +1,53 @@
+"""Emitter settings: defaults < `TAPD_*` environment variables < `tapd.configure(...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Literal
+
+from tapd.errors import ConfigError
+from tapd.runtime import default_endpoint
+
+Policy = Literal["block", "drop_newest"]
+POLICIES: tuple[Policy, ...] = ("block", "drop_newest")
+
+
+@dataclasses.dataclass(frozen=True)
+class EmitterSettings:
+    endpoint: str = dataclasses.field(default_factory=default_endpoint)
+    policy: Policy = "block"
+    # The emitter's own buffer, in bytes of array payload (host_callback's 256 MB).
+    buffer_bytes: int = 256 * 10**6
+    # How long interpreter exit waits for taps to be delivered.
+    exit_timeout: float = 10.0
+    # Under `block`, warn when one tap has waited this long for buffer space.
+    block_warning_after: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.buffer_bytes <= 0:
+            raise ConfigError(f"buffer_bytes must be positive, got {self.buffer_bytes}")
+        if self.exit_timeout < 0:
+            raise ConfigError(f"exit_timeout must be >= 0, got {self.exit_timeout}")
+
+
+_ENV = {
+    "TAPD_ENDPOINT": ("endpoint", str),
+    "TAPD_POLICY": ("policy", str),
+    "TAPD_BUFFER_BYTES": ("buffer_bytes", int),
+    "TAPD_EXIT_TIMEOUT": ("exit_timeout", float),
+}
+
+
+def from_environment(**overrides: Any) -> EmitterSettings:
+    values: dict[str, Any] = {}
+    for variable, (field, convert) in _ENV.items():
+        if (raw := os.environ.get(variable)) is not None:
+            try:
+                values[field] = convert(raw)
+            except ValueError as exc:
+                raise ConfigError(f"{variable}={raw!r} is not a valid {field}") from exc
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return EmitterSettings(**values)

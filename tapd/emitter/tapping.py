@@ -1,0 +1,232 @@
+"""Taps inside JAX programs, on the portable backend (`jax.debug.callback`).
+
+A tap is the identity on its argument. At trace time it flattens the argument into a
+tree spec and leaves, checks every dtype can travel, and records what is static (the
+`TapSite`). At run time the callback copies the leaves and hands them to the `Sender`,
+which returns at once while there is buffer space.
+
+Batching: the tap is a `custom_vmap`, so `vmap` makes one tap per batched call carrying
+`("batch", {"batch_dims": ...})` in its transforms, as host_callback reported; nested
+vmaps stack entries. Differentiation: the tap is a `custom_jvp` whose rule taps the
+primal value only, so gradients pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tapd.emitter.sender import Sender, TapSite
+from tapd.emitter.settings import EmitterSettings, from_environment
+from tapd.errors import TapDefinitionError
+from tapd.protocol import flatten
+from tapd.protocol.dtypes import dtype_name
+
+logger = logging.getLogger("tapd.emitter")
+
+PRINT_CONSUMER = "tapd.printing:print_tap"
+_META_TYPES = (str, int, float, bool, type(None))
+_MAX_CONSUMER_LENGTH = 256
+
+_state_lock = threading.Lock()
+_settings: EmitterSettings | None = None
+_sender: Sender | None = None
+
+
+# ---- configuration and the process-wide sender ---------------------------------------
+
+
+def configure(**settings: Any) -> EmitterSettings:
+    """Set the emitter's settings (endpoint, policy, buffer_bytes, exit_timeout) before
+    the first tap runs. Unset ones come from `TAPD_*` variables, then defaults."""
+    global _settings
+    with _state_lock:
+        if _sender is not None:
+            raise RuntimeError("tapd.configure() must be called before the first tap runs")
+        _settings = from_environment(**settings)
+        return _settings
+
+
+def _get_sender() -> Sender:
+    global _sender, _settings
+    if _sender is None:
+        with _state_lock:
+            if _sender is None:
+                if _settings is None:
+                    _settings = from_environment()
+                _sender = Sender(_settings, process_index=jax.process_index())
+                atexit.register(_drain_at_exit)
+    return _sender
+
+
+def stats() -> dict[str, int]:
+    """This process's tap counters (zeros before the first tap)."""
+    return _sender.stats() if _sender is not None else {}
+
+
+def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.0) -> None:
+    """Block until every tap emitted so far has been processed by every subscribed
+    handler. Raises `TapFunctionException` if handlers raised, `BarrierTimeout` if not
+    done within `timeout` seconds."""
+    jax.effects_barrier()  # callbacks of dispatched computations have run
+    if _sender is None:
+        return
+    reply = _sender.barrier(timeout)
+    if logging_name:
+        logger.info("barrier %s passed: %s", logging_name, reply)
+
+
+def _drain_at_exit() -> None:
+    sender = _sender
+    if sender is None or _settings is None:
+        return
+    try:
+        jax.effects_barrier()
+    except Exception:  # JAX may be half torn down at exit; drain what we have
+        pass
+    try:
+        sender.barrier(_settings.exit_timeout)
+    except Exception as exc:
+        logger.error("tapd: at exit, not every tap was delivered: %s", exc)
+    counts = sender.stats()
+    sender.close(timeout=2.0)
+    undelivered = counts["sent"] - counts["delivered"] - counts["unrouted"]
+    if counts["dropped"] or counts["daemon_dropped"] or undelivered > 0:
+        logger.error("tapd at exit: %s", counts)
+
+
+# ---- the taps ------------------------------------------------------------------------
+
+
+def tap(arg: Any, name: str, *, step: Any = None, **static_meta: Any) -> Any:
+    """Send `arg` (any pytree of arrays) to the subscribers of consumer `name`; return it.
+
+    `step` may be a traced integer; other keywords are static metadata (str, int,
+    float, bool, None) handed to the handler in `meta.meta`.
+    """
+    _check_consumer(name)
+    for key, value in static_meta.items():
+        if not isinstance(value, _META_TYPES):
+            raise TapDefinitionError(
+                f"tap {name!r}: metadata {key}={value!r} must be str, int, float, bool or None "
+                "(it is static; pass arrays as part of the tapped value)"
+            )
+    _emit(name, arg, step, static_meta)
+    return arg
+
+
+def id_tap(
+    tap_func: Callable[..., Any],
+    arg: Any,
+    *,
+    result: Any = None,
+    tap_with_device: bool = False,
+) -> Any:
+    """host_callback's `id_tap`: `tap_func(arg, transforms)` runs in a subscriber
+    (`tapd subscribe MODULE`); returns `result` if given, else `arg`."""
+    consumer = consumer_name(tap_func)
+    _emit(consumer, arg, None, {"tap_with_device": True} if tap_with_device else {})
+    return arg if result is None else result
+
+
+def id_print(arg: Any, *, result: Any = None, what: str | None = None, **kwargs: Any) -> Any:
+    """host_callback's `id_print`: printed by a subscriber of `tapd.printing`
+    (`tapd subscribe tapd.printing`, or `tapd tail`)."""
+    meta = {"what": what, **kwargs}
+    for key, value in meta.items():
+        if not isinstance(value, _META_TYPES):
+            raise TapDefinitionError(f"id_print: {key}={value!r} must be a str/int/float/bool")
+    _emit(PRINT_CONSUMER, arg, None, meta)
+    return arg if result is None else result
+
+
+def consumer_name(tap_func: Callable[..., Any]) -> str:
+    """`module:qualname` of an importable function; TapDefinitionError otherwise."""
+    module = getattr(tap_func, "__module__", None)
+    qualname = getattr(tap_func, "__qualname__", None)
+    if not module or not qualname or "<lambda>" in qualname or "<locals>" in qualname:
+        shown = qualname or repr(tap_func)
+        raise TapDefinitionError(
+            f"id_tap({shown}): tapd runs tap functions in a subscriber process, which finds "
+            "them by their import path 'module:qualname'; a lambda, closure or callable "
+            "object has none. Define the function at the top level of a module "
+            "(`def log_loss(arg, transforms): ...`, then `tapd subscribe mymodule`), or use "
+            "`tapd.tap(x, 'name')` with a `@subscriber.on('name')` handler."
+        )
+    return f"{module}:{qualname}"
+
+
+def _check_consumer(name: object) -> None:
+    if not isinstance(name, str) or not name or len(name) > _MAX_CONSUMER_LENGTH:
+        raise TapDefinitionError(
+            f"tap name {name!r} must be a non-empty str of at most {_MAX_CONSUMER_LENGTH} chars"
+        )
+
+
+def _describe_custom_node(node: Any) -> tuple[str, list[str], list[Any]] | None:
+    """Tree hook: a registered pytree node other than the protocol's containers."""
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(node)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        return None  # a leaf
+    paths = [jax.tree_util.keystr(path) for path, _ in leaves_with_paths]
+    return type(node).__name__, paths, [leaf for _, leaf in leaves_with_paths]
+
+
+def _emit(consumer: str, arg: Any, step: Any, static_meta: dict[str, Any]) -> None:
+    spec, leaves = flatten(arg, custom=_describe_custom_node)
+    arrays = []
+    for index, leaf in enumerate(leaves):
+        array = jnp.asarray(leaf)
+        try:
+            dtype_name(np.dtype(array.dtype))
+        except ValueError as exc:
+            raise TapDefinitionError(f"tap {consumer!r}, leaf {index}: {exc}") from exc
+        arrays.append(array)
+    step_operand = None if step is None else jnp.asarray(step).astype(int)
+    _tap_fn(consumer, {"tree": spec, "meta": static_meta}, ())(tuple(arrays), step_operand)
+
+
+def _tap_fn(
+    consumer: str, site_fields: dict[str, Any], transforms: tuple[Any, ...]
+) -> Callable[..., Any]:
+    """The identity on (leaves, step) with the tap as its side effect; batches and
+    differentiates as the module docstring says."""
+    site = TapSite(consumer, {**site_fields, "transforms": [list(t) for t in transforms]})
+
+    def callback(leaves: Sequence[Any], step: Any) -> None:
+        # Runs on an XLA thread: copy now (XLA may reuse the buffers), no JAX calls.
+        copies = [np.array(leaf, copy=True) for leaf in leaves]
+        step_value = None if step is None else int(np.ravel(np.asarray(step))[0])
+        _get_sender().submit(site, copies, step=step_value, device=None)
+
+    @jax.custom_batching.custom_vmap
+    def batched(leaves: tuple[Any, ...], step: Any) -> tuple[Any, ...]:
+        jax.debug.callback(callback, leaves, step)
+        return leaves
+
+    @batched.def_vmap
+    def _batch_rule(
+        axis_size: int, in_batched: Sequence[Any], leaves: tuple[Any, ...], step: Any
+    ) -> tuple[tuple[Any, ...], Any]:
+        leaves_batched = tuple(in_batched[0])
+        entry = ("batch", {"batch_dims": [0 if b else None for b in leaves_batched]})
+        inner = _tap_fn(consumer, site_fields, (*transforms, entry))
+        return inner(leaves, step), leaves_batched
+
+    @jax.custom_jvp
+    def differentiable(leaves: tuple[Any, ...], step: Any) -> tuple[Any, ...]:
+        return batched(leaves, step)  # type: ignore[no-any-return]
+
+    @differentiable.defjvp
+    def _jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
+        leaves, step = primals
+        return differentiable(leaves, step), tangents[0]
+
+    return differentiable

@@ -1,0 +1,62 @@
+"""Where a host's daemon lives: the per-user 0700 runtime directory and its socket.
+
+The default endpoint is `ipc://<runtime dir>/tapd.sock`, where the runtime directory is
+`$TAPD_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/tapd`, else `/tmp/tapd-<uid>`. Only its
+owner may enter it, which is what keeps other users off the unauthenticated ipc socket.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from tapd.errors import ConfigError
+
+SOCKET_NAME = "tapd.sock"
+PIDFILE_NAME = "tapd.pid"
+IPC_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+
+
+def runtime_dir() -> Path:
+    """The runtime directory path (not created)."""
+    if explicit := os.environ.get("TAPD_RUNTIME_DIR"):
+        return Path(explicit)
+    if xdg := os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(xdg) / "tapd"
+    return Path(f"/tmp/tapd-{os.getuid()}")
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create `path` mode 0700, or check an existing one is ours and private."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"runtime directory {path} is not a directory")
+    if info.st_uid != os.getuid():
+        raise ConfigError(f"runtime directory {path} belongs to uid {info.st_uid}, not to us")
+    if info.st_mode & 0o077:
+        raise ConfigError(
+            f"runtime directory {path} has mode {oct(info.st_mode & 0o777)}; "
+            "others could reach the socket. Run `chmod 700` on it or remove it."
+        )
+    return path
+
+
+def default_endpoint() -> str:
+    return f"ipc://{runtime_dir() / SOCKET_NAME}"
+
+
+def default_pidfile() -> Path:
+    return runtime_dir() / PIDFILE_NAME
+
+
+def check_ipc_endpoint(endpoint: str) -> None:
+    """Refuse ipc paths the kernel would truncate, naming the path."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint.removeprefix("ipc://")
+        if len(path.encode()) > IPC_PATH_MAX:
+            raise ConfigError(
+                f"ipc path {path!r} is {len(path.encode())} bytes; the limit is {IPC_PATH_MAX}. "
+                "Set TAPD_RUNTIME_DIR to a shorter directory."
+            )
