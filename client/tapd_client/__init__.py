@@ -1,0 +1,19 @@
+"""tapd's subscriber library: run tap functions on values tapped in JAX programs.
+
+    from tapd_client import Subscriber
+
+    sub = Subscriber()              # the local daemon, or Subscriber("tcp://host:port")
+
+    @sub.on("loss")
+    def show(arg, meta):
+        print(meta.step, float(arg))
+
+    sub.run()
+
+Importing this package does not import JAX.
+"""
+
+from tapd_client.meta import TapMeta
+from tapd_client.subscriber import Handler, Subscriber
+
+__all__ = ["Handler", "Subscriber", "TapMeta"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import fnmatch
 import itertools
 import logging
 import time
@@ -83,8 +82,9 @@ class Subscriber:
     errors: int = 0
 
     def wants(self, consumer: str) -> bool:
+        # exact names, or prefixes written "module:*" (the client matches the same way)
         return any(
-            consumer == p or (p.endswith("*") and fnmatch.fnmatchcase(consumer, p))
+            consumer == p or (p.endswith("*") and consumer.startswith(p[:-1]))
             for p in self.patterns
         )
 

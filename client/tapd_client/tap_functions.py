@@ -1,0 +1,54 @@
+"""Run host_callback-style tap functions (`id_tap(mymodule.f, x)`) in a subscriber.
+
+A tap site written `id_tap(mymodule.log_loss, x)` is consumer `"mymodule:log_loss"`.
+`serve_module("mymodule")` subscribes to `"mymodule:*"`, finds each function by its
+qualified name and calls it as host_callback did: `f(arg, transforms)`, plus
+`device=` when the site asked for `tap_with_device=True`, plus the site's static keywords.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from tapd.errors import TapdError
+from tapd_client.meta import TapMeta
+from tapd_client.subscriber import Subscriber
+
+
+def resolve(consumer: str) -> Callable[..., Any]:
+    """The function a `module:qualname` consumer names."""
+    module_name, _, qualname = consumer.partition(":")
+    if not qualname:
+        raise TapdError(f"consumer {consumer!r} is not of the form 'module:qualname'")
+    target: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError as exc:
+            raise TapdError(f"module {module_name!r} has no tap function {qualname!r}") from exc
+    if not callable(target):
+        raise TapdError(f"{consumer!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+def call_tap_function(arg: Any, meta: TapMeta) -> None:
+    function = _cached_resolve(meta.consumer)
+    kwargs = {k: v for k, v in meta.meta.items() if k != "tap_with_device"}
+    if meta.meta.get("tap_with_device"):
+        kwargs["device"] = meta.device
+    function(arg, meta.transforms, **kwargs)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_resolve(consumer: str) -> Callable[..., Any]:
+    return resolve(consumer)
+
+
+def serve_module(module_name: str, subscriber: Subscriber) -> Subscriber:
+    """Register the handler that runs `module_name`'s tap functions on `subscriber`."""
+    importlib.import_module(module_name)  # fail now, not at the first tap
+    subscriber.add_handler(f"{module_name}:*", call_tap_function)
+    return subscriber

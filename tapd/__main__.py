@@ -1,0 +1,5 @@
+import sys
+
+from tapd.cli.main import main
+
+sys.exit(main())

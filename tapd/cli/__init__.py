@@ -1,0 +1,1 @@
+"""The `tapd` command line."""

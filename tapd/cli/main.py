@@ -1,0 +1,339 @@
+"""`tapd`: run the receiver daemon, look at it, subscribe to taps, run the demo.
+
+CLI -> `run_daemon()` -> `Config` -> `Daemon`. Only this module configures logging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tapd import config as config_module
+from tapd.cli.exit_codes import ExitCode
+from tapd.errors import ConfigError, TapdError
+from tapd.runtime import default_endpoint, default_pidfile
+
+logger = logging.getLogger("tapd.cli")
+
+READY_PREFIX = "tapd ready:"
+
+DESCRIPTION = """\
+tapd moves values tapped inside compiled JAX code (tapd.tap, id_tap, id_print) out of
+the JAX process, through one receiver daemon per host, to subscriber processes where the
+tap functions run. The training step never waits for them.
+
+Typical use:
+  tapd start --detach            # once per host
+  tapd subscribe mymodule        # runs mymodule's tap functions (id_tap(mymodule.f, x))
+  tapd tail loss                 # prints taps named "loss" as they arrive
+  python train.py                # the JAX program, with tapd.tap(x, "loss") inside
+"""
+
+
+def _endpoint_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--endpoint",
+        help="the daemon's local endpoint (default: $TAPD_ENDPOINT, else "
+        f"ipc://<runtime dir>/tapd.sock, here {default_endpoint()})",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tapd", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--log-level", default=None,
+                        help="debug, info, warning or error (default info)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    start = commands.add_parser("start", help="run the receiver daemon (foreground)",
+                                description="Run this host's receiver daemon.")
+    _endpoint_arg(start)
+    start.add_argument("--tcp", metavar="tcp://HOST:PORT",
+                       help="also listen here for other hosts (UNAUTHENTICATED for now)")
+    start.add_argument("--policy", choices=["block", "drop_newest"],
+                       help="when a subscriber's queue is full: block (lossless, slows the "
+                       "emitters) or drop_newest (counted). Default block")
+    start.add_argument("--queue-bytes", type=int, help="bound of each subscriber queue "
+                       "(default 256 MB)")
+    start.add_argument("--emitter-window-bytes", type=int,
+                       help="bytes an emitter may have in flight (default 64 MiB)")
+    start.add_argument("--subscriber-timeout", type=float,
+                       help="drop a subscriber silent this many seconds (default 10)")
+    start.add_argument("--drain-timeout", type=float,
+                       help="on SIGTERM, keep delivering this many seconds (default 10)")
+    start.add_argument("--max-message-bytes", type=int, help="largest tap accepted (1 GiB)")
+    start.add_argument("--config", type=Path, help="TOML file ([daemon] table; "
+                       "default $TAPD_CONFIG); flags and TAPD_* variables override it")
+    start.add_argument("--pidfile", type=Path, help=f"default {default_pidfile()}")
+    start.add_argument("--detach", action="store_true",
+                       help="run in the background; return once it is ready")
+
+    stop = commands.add_parser("stop", help="stop the daemon (it drains first)")
+    _endpoint_arg(stop)
+    stop.add_argument("--pidfile", type=Path, help=f"default {default_pidfile()}")
+    stop.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for exit")
+
+    status = commands.add_parser("status", help="show the daemon's counters and peers")
+    _endpoint_arg(status)
+    status.add_argument("--json", action="store_true", help="print the raw stats as JSON")
+
+    check = commands.add_parser(
+        "check", help="health probe: exit 0 if the daemon answers, "
+        f"{int(ExitCode.UNREACHABLE)} if not")
+    _endpoint_arg(check)
+    check.add_argument("--timeout", type=float, default=2.0)
+
+    subscribe = commands.add_parser(
+        "subscribe", help="run the tap functions of MODULE (id_tap(MODULE.f, x))")
+    subscribe.add_argument("module", metavar="MODULE")
+    _endpoint_arg(subscribe)
+
+    tail = commands.add_parser("tail", help="print taps named NAME as they arrive "
+                               "('module:*' matches by prefix, '*' everything)")
+    tail.add_argument("names", metavar="NAME", nargs="+")
+    _endpoint_arg(tail)
+
+    demo = commands.add_parser("demo", help="daemon + subscriber + a small JAX training "
+                               "loop with taps, then a summary")
+    demo.add_argument("--steps", type=int, default=20)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = args.log_level or os.environ.get("TAPD_LOG_LEVEL", "info")
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(_COMMANDS[args.command](args))
+    except ConfigError as exc:
+        logger.error("configuration error: %s", exc)
+        return ExitCode.CONFIG
+    except KeyboardInterrupt:
+        return ExitCode.INTERRUPTED
+
+
+# ---- daemon commands ------------------------------------------------------------------
+
+
+def _daemon_config(args: argparse.Namespace) -> config_module.Config:
+    flags = {name: getattr(args, name) for name in (
+        "endpoint", "tcp", "policy", "queue_bytes", "emitter_window_bytes",
+        "subscriber_timeout", "drain_timeout", "max_message_bytes", "pidfile",
+    )}  # fmt: skip
+    flags["log_level"] = args.log_level
+    return config_module.load(flags, args.config)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    config = _daemon_config(args)
+    if args.detach:
+        return _start_detached(config)
+    return run_daemon(config)
+
+
+def run_daemon(config: config_module.Config) -> int:
+    from tapd.daemon.server import Daemon
+
+    daemon = Daemon(config)
+    try:
+        daemon.bind()
+    except OSError as exc:
+        logger.error("%s", exc)
+        return ExitCode.ALREADY_RUNNING if "already" in str(exc) else ExitCode.FAILURE
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: daemon.request_stop())
+    pidfile = config.pidfile
+    if pidfile is not None:
+        pidfile.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        pidfile.write_text(f"{os.getpid()}\n")
+
+    def announce(endpoints: list[str]) -> None:
+        print(READY_PREFIX, " ".join(endpoints), flush=True)
+
+    try:
+        daemon.serve(on_ready=announce)
+    finally:
+        if pidfile is not None and _read_pid(pidfile) == os.getpid():
+            pidfile.unlink(missing_ok=True)
+    return ExitCode.OK
+
+
+def _start_detached(config: config_module.Config) -> int:
+    from tapd.daemon import control
+
+    try:
+        control.stats(config.endpoint, timeout=0.5)
+        logger.error("a tapd daemon already answers at %s", config.endpoint)
+        return ExitCode.ALREADY_RUNNING
+    except TimeoutError:
+        pass
+    argv = [sys.executable, "-m", "tapd", "start"] + [
+        a for a in sys.argv[2:] if a != "--detach"
+    ]
+    log_path = (config.pidfile or default_pidfile()).with_suffix(".log")
+    log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                 start_new_session=True)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            logger.error("the daemon exited with %s; see %s", child.returncode, log_path)
+            return ExitCode.FAILURE
+        try:
+            control.stats(config.endpoint, timeout=0.2)
+        except TimeoutError:
+            continue
+        print(f"tapd daemon started (pid {child.pid}, log {log_path})")
+        return ExitCode.OK
+    logger.error("the daemon did not become ready in 15 s; see %s", log_path)
+    return ExitCode.FAILURE
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _endpoint(args: argparse.Namespace) -> str:
+    return str(args.endpoint or os.environ.get("TAPD_ENDPOINT") or default_endpoint())
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from tapd.daemon import control
+
+    pidfile = args.pidfile or default_pidfile()
+    pid = _read_pid(pidfile)
+    if pid is None:
+        endpoint = _endpoint(args)
+        try:
+            control.stats(endpoint, timeout=1.0)
+        except TimeoutError:
+            logger.error("no pidfile at %s and no daemon at %s", pidfile, endpoint)
+            return ExitCode.UNREACHABLE
+        control.request(endpoint, "shutdown")
+        print(f"asked the daemon at {endpoint} to stop")
+        return ExitCode.OK
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pidfile.unlink(missing_ok=True)
+        logger.error("pidfile %s named pid %d, which is not running (removed it)", pidfile, pid)
+        return ExitCode.UNREACHABLE
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print(f"tapd daemon (pid {pid}) stopped")
+            return ExitCode.OK
+        time.sleep(0.05)
+    logger.error("daemon pid %d still running after %g s", pid, args.timeout)
+    return ExitCode.FAILURE
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from tapd.daemon import control
+    from tapd.daemon.router import summarize
+
+    endpoint = _endpoint(args)
+    try:
+        stats = control.stats(endpoint)
+    except TimeoutError as exc:
+        logger.error("%s", exc)
+        return ExitCode.UNREACHABLE
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+    else:
+        print(f"tapd daemon at {endpoint}")
+        for line in summarize(stats):
+            print("  " + line)
+    return ExitCode.OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from tapd.daemon import control
+
+    try:
+        control.stats(_endpoint(args), timeout=args.timeout)
+    except TimeoutError as exc:
+        print(f"unhealthy: {exc}")
+        return ExitCode.UNREACHABLE
+    print("ok")
+    return ExitCode.OK
+
+
+# ---- subscriber commands -----------------------------------------------------------------
+
+
+def _run_subscriber(subscriber: Any) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
+    try:
+        subscriber.connect()
+    except TimeoutError as exc:
+        logger.error("%s", exc)
+        return ExitCode.UNREACHABLE
+    print(f"subscribed to {', '.join(subscriber.consumers)} at {subscriber.endpoint}",
+          flush=True)
+    try:
+        subscriber.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        subscriber.close()
+    return ExitCode.OK
+
+
+def cmd_subscribe(args: argparse.Namespace) -> int:
+    from tapd_client import Subscriber
+    from tapd_client.tap_functions import serve_module
+
+    try:
+        subscriber = serve_module(args.module, Subscriber(args.endpoint))
+    except ImportError as exc:
+        logger.error("cannot import tap function module %r: %s", args.module, exc)
+        return ExitCode.FAILURE
+    return _run_subscriber(subscriber)
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    from tapd_client import Subscriber, TapMeta
+
+    subscriber = Subscriber(args.endpoint)
+
+    def show(arg: Any, meta: TapMeta) -> None:
+        step = "" if meta.step is None else f" step={meta.step}"
+        print(f"[{meta.emitter} #{meta.seq}{step}] {meta.consumer}: {arg}", flush=True)
+
+    for name in args.names:
+        subscriber.add_handler(name, show)
+    return _run_subscriber(subscriber)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tapd.demo.orchestrate import run_demo
+
+    try:
+        return run_demo(steps=args.steps)
+    except TapdError as exc:
+        logger.error("demo failed: %s", exc)
+        return ExitCode.FAILURE
+
+
+_COMMANDS = {
+    "start": cmd_start, "stop": cmd_stop, "status": cmd_status, "check": cmd_check,
+    "subscribe": cmd_subscribe, "tail": cmd_tail, "demo": cmd_demo,
+}  # fmt: skip
