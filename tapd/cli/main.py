@@ -112,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = args.log_level or os.environ.get("TAPD_LOG_LEVEL", "info")
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("tapd").setLevel(level.upper())  # other libraries stay at WARNING
     try:
         return int(_COMMANDS[args.command](args))
     except ConfigError as exc:

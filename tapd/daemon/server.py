@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
@@ -60,7 +61,7 @@ class Daemon:
         for endpoint in endpoints:
             if endpoint.startswith("ipc://"):
                 path = endpoint.removeprefix("ipc://")
-                ensure_private_dir(_parent(path))
+                ensure_private_dir(Path(path).parent)
                 _remove_stale_socket(path)
             sock = self._context.socket(zmq.ROUTER)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
@@ -146,6 +147,9 @@ class Daemon:
         for sock in self._sockets:
             sock.close(linger=1000)
         self._sockets.clear()
+        for endpoint in self.endpoints:
+            if endpoint.startswith("ipc://"):  # libzmq leaves the socket file behind
+                Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
         self._context.term()
         for fd in (self._wake_read, self._wake_write):
             try:
@@ -213,12 +217,6 @@ class Daemon:
                 router.reject("forbidden", "shutdown is accepted on the local ipc endpoint only")
         else:
             router.reject("bad_header", f"{kind!r} is not something peers send to a daemon")
-
-
-def _parent(path: str) -> Any:
-    from pathlib import Path
-
-    return Path(path).parent
 
 
 def _remove_stale_socket(path: str) -> None:

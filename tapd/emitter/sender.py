@@ -56,6 +56,7 @@ class _Tap:
 @dataclasses.dataclass
 class _Barrier:
     id: int
+    covers: int  # taps submitted before it
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     reply: dict[str, Any] = dataclasses.field(default_factory=dict)
     nbytes: int = 0
@@ -98,6 +99,7 @@ class Sender:
         self._errors: list[str] = []
         self._barriers: dict[int, _Barrier] = {}
         self._next_barrier = 0
+        self._confirmed = 0  # taps submitted before the last barrier that passed
         self._stats = SenderStats()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -162,7 +164,7 @@ class Sender:
     def barrier(self, timeout: float | None) -> dict[str, Any]:
         """Wait until every tap submitted so far is processed; raise handler errors."""
         with self._lock:
-            barrier = _Barrier(self._next_barrier)
+            barrier = _Barrier(self._next_barrier, covers=self._stats.submitted)
             self._next_barrier += 1
             self._barriers[barrier.id] = barrier
             self._queue.append(barrier)
@@ -178,9 +180,15 @@ class Sender:
             )
         with self._lock:
             errors, self._errors = self._errors, []
+            self._confirmed = max(self._confirmed, barrier.covers)
         if errors:
             raise TapFunctionException(errors)
         return barrier.reply
+
+    def all_confirmed(self) -> bool:
+        """True when a barrier has passed since the last tap was submitted."""
+        with self._lock:
+            return self._confirmed == self._stats.submitted
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -92,7 +92,8 @@ def _drain_at_exit() -> None:
     except Exception:  # JAX may be half torn down at exit; drain what we have
         pass
     try:
-        sender.barrier(_settings.exit_timeout)
+        if not sender.all_confirmed():
+            sender.barrier(_settings.exit_timeout)
     except Exception as exc:
         logger.error("tapd: at exit, not every tap was delivered: %s", exc)
     counts = sender.stats()
