@@ -62,7 +62,7 @@ def _get_sender() -> Sender:
                 if _settings is None:
                     _settings = from_environment()
                 _sender = Sender(_settings, process_index=jax.process_index())
-                atexit.register(_drain_at_exit)
+                _register_exit_drain()
     return _sender
 
 
@@ -81,6 +81,17 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.
     reply = _sender.barrier(timeout)
     if logging_name:
         logger.info("barrier %s passed: %s", logging_name, reply)
+
+
+def _register_exit_drain() -> None:
+    # threading's exit hooks run when the main thread ends, before `atexit` handlers:
+    # pyzmq's zero-copy machinery and JAX's backends are both still alive then.
+    # (concurrent.futures relies on the same hook.)
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_drain_at_exit)
+    else:
+        atexit.register(_drain_at_exit)
 
 
 def _drain_at_exit() -> None:

@@ -1,0 +1,101 @@
+"""A real JAX emitter process for the tests. `python emitter_app.py SCENARIO [ARGS]`
+taps into the daemon at $TAPD_ENDPOINT and prints one JSON line of results last."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import tapd
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+
+
+def transforms() -> dict[str, Any]:
+    """jit, scan, fori_loop, vmap, cond and grad, each tapping its own consumer."""
+    jax.jit(lambda x: tapd.tap(x * 2, "jit", step=7, note="hello"))(jnp.arange(3.0))
+
+    def scan_body(carry: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
+        carry = carry + x
+        tapd.tap(carry, "scan")
+        return carry, None
+
+    jax.jit(lambda xs: lax.scan(scan_body, 0.0, xs))(jnp.arange(5.0))
+    jax.jit(lambda: lax.fori_loop(0, 4, lambda i, c: tapd.tap(c + i, "fori", step=i), 0))()
+    jax.jit(jax.vmap(lambda x: tapd.tap({"x": x, "sq": x * x}, "vmap")))(jnp.arange(3.0))
+
+    def branchy(x: jax.Array) -> jax.Array:
+        return lax.cond(x > 0, lambda v: tapd.tap(v, "cond_true"),
+                        lambda v: tapd.tap(-v, "cond_false"), x)
+
+    jax.jit(branchy)(1.0)
+    jax.jit(branchy)(-2.0)
+
+    def loss(w: jax.Array, tapped: bool) -> jax.Array:
+        y = jnp.sin(w) * 3.0
+        if tapped:
+            y = tapd.tap(y, "grad")
+        return jnp.sum(y**2)
+
+    w = jnp.array([0.1, 0.2, 0.3])
+    grad_plain = jax.grad(lambda w: loss(w, False))(w)
+    grad_tapped = jax.jit(jax.grad(lambda w: loss(w, True)))(w)
+    tapd.barrier_wait()
+    return {"grad_plain": grad_plain.tolist(), "grad_tapped": grad_tapped.tolist()}
+
+
+def steps(count: str, barrier: str = "barrier") -> dict[str, Any]:
+    """`count` taps of consumer "loss" from a jitted step; time the loop and the barrier."""
+    step = jax.jit(lambda i: tapd.tap(i * 1.0, "loss", step=i))
+    step(0).block_until_ready()  # compile outside the timed loop
+    started = time.perf_counter()
+    for i in range(1, int(count)):
+        step(i)
+    jax.effects_barrier()
+    loop = time.perf_counter() - started
+    if barrier == "barrier":
+        tapd.barrier_wait(timeout=60)
+    waited = time.perf_counter() - started - loop
+    return {"loop_s": loop, "barrier_s": waited, "stats": tapd.stats()}
+
+
+def raising() -> dict[str, Any]:
+    jax.jit(lambda x: tapd.tap(x, "bad"))(1.0)
+    jax.jit(lambda x: tapd.tap(x, "good"))(2.0)
+    try:
+        tapd.barrier_wait(timeout=30)
+    except tapd.TapFunctionException as exc:
+        return {"raised": str(exc), "errors": exc.errors}
+    return {"raised": None}
+
+
+def host_callback_api() -> dict[str, Any]:
+    import tap_functions
+
+    f = jax.jit(lambda x: tapd.id_tap(tap_functions.record, x, result=x + 1))
+    g = jax.jit(lambda x: tapd.id_tap(tap_functions.record, x, tap_with_device=True))
+    h = jax.jit(lambda x: tapd.id_print(x * 10, what="scaled"))
+    out = [f(jnp.arange(2)).tolist(), g(jnp.arange(3)).tolist(), h(jnp.ones(2)).tolist()]
+    tapd.barrier_wait(timeout=30)
+    return {"results": out, "stats": tapd.stats()}
+
+
+def many_bytes(count: str, kib: str) -> dict[str, Any]:
+    """`count` taps of `kib` KiB each, no barrier: the exit drain has to deliver them."""
+    step = jax.jit(lambda i: tapd.tap(jnp.full((int(kib) * 256,), i, jnp.float32), "big",
+                                      step=i))
+    for i in range(int(count)):
+        step(i)
+    jax.effects_barrier()
+    return {"stats": tapd.stats()}
+
+
+if __name__ == "__main__":
+    result = globals()[sys.argv[1]](*sys.argv[2:])
+    print(json.dumps(result), flush=True)

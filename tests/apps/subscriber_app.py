@@ -1,0 +1,52 @@
+"""A real subscriber process for the tests: records each tap as one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import time
+from typing import Any
+
+import numpy as np
+
+from tapd_client import Subscriber, TapMeta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("consumers", nargs="+")
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--record", required=True)
+    parser.add_argument("--sleep-ms", type=float, default=0)
+    parser.add_argument("--raise-on", default="")
+    parser.add_argument("--window", type=int, default=64)
+    args = parser.parse_args()
+
+    subscriber = Subscriber(args.endpoint, window=args.window, heartbeat=0.2)
+    out = open(args.record, "a", buffering=1)  # noqa: SIM115 (closed at exit)
+
+    def handle(arg: Any, meta: TapMeta) -> None:
+        if args.sleep_ms:
+            time.sleep(args.sleep_ms / 1000)
+        if meta.consumer == args.raise_on:
+            raise ValueError(f"deliberate failure at seq {meta.seq}")
+        value = {k: np.asarray(v).tolist() for k, v in arg.items()} \
+            if isinstance(arg, dict) else np.asarray(arg).tolist()
+        out.write(json.dumps({
+            "consumer": meta.consumer, "seq": meta.seq, "step": meta.step,
+            "device": meta.device, "process": meta.process, "emitter": meta.emitter,
+            "transforms": [[n, p] for n, p in meta.transforms], "meta": meta.meta,
+            "value": value, "shape": list(np.shape(arg)) if not isinstance(arg, dict) else None,
+        }) + "\n")
+
+    for consumer in args.consumers:
+        subscriber.add_handler(consumer, handle)
+    signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
+    with subscriber:
+        subscriber.run()
+    out.close()
+
+
+if __name__ == "__main__":
+    main()

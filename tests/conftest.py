@@ -1,0 +1,166 @@
+"""Fixtures that start real daemons, subscribers and JAX emitters as processes.
+
+Every process is started with a short `ipc://` endpoint in a private temporary
+directory and waited for by readiness (the daemon's ready line, the daemon's view of
+its subscribers), never by a fixed sleep. Every process is stopped with a time bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tapd.daemon import control
+
+APPS = Path(__file__).parent / "apps"
+READY_PREFIX = "tapd ready:"
+PROCESS_TIMEOUT = 60.0
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
+    """Poll `condition` until truthy; fail the test naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    pytest.fail(f"timed out after {timeout} s waiting for {what}")
+
+
+def stop_process(process: subprocess.Popen[str], timeout: float = 20.0) -> int:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        pytest.fail(f"process {process.args!r} ignored SIGTERM for {timeout} s")
+    finally:
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+@pytest.fixture
+def runtime_dir() -> Iterator[Path]:
+    # Short on purpose: ipc:// paths must stay under 107 bytes.
+    path = Path(tempfile.mkdtemp(prefix="tapd-", dir="/tmp"))
+    os.chmod(path, 0o700)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class Daemon:
+    def __init__(self, process: subprocess.Popen[str], endpoints: list[str]) -> None:
+        self.process = process
+        self.endpoints = endpoints
+        self.endpoint = endpoints[0]
+
+    def stats(self) -> dict[str, Any]:
+        return control.stats(self.endpoint, timeout=5.0)
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.stats()["counters"])
+
+    def subscriber_count(self) -> int:
+        return len(self.stats()["subscribers"])
+
+    def stop(self) -> int:
+        return stop_process(self.process)
+
+
+@pytest.fixture
+def start_daemon(runtime_dir: Path) -> Iterator[Callable[..., Daemon]]:
+    started: list[Daemon] = []
+
+    def start(*flags: str, name: str = "tapd.sock") -> Daemon:
+        endpoint = f"ipc://{runtime_dir / name}"
+        argv = [sys.executable, "-m", "tapd", "start", "--endpoint", endpoint,
+                "--pidfile", str(runtime_dir / f"{name}.pid"), *flags]
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        assert process.stdout is not None
+        line = process.stdout.readline()  # blocks until ready (or exit)
+        if not line.startswith(READY_PREFIX):
+            process.kill()
+            pytest.fail(f"daemon did not become ready: {line!r}")
+        daemon = Daemon(process, line.removeprefix(READY_PREFIX).split())
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        stop_process(daemon.process)
+
+
+class SubscriberProcess:
+    """tests/apps/subscriber_app.py: records every tap it handles as a JSON line."""
+
+    def __init__(self, process: subprocess.Popen[str], record: Path) -> None:
+        self.process = process
+        self.record = record
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.record.exists():
+            return []
+        lines = self.record.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=PROCESS_TIMEOUT)
+
+
+@pytest.fixture
+def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProcess]]:
+    started: list[SubscriberProcess] = []
+    counter = iter(range(1000))
+
+    def start(daemon: Daemon, *consumers: str, sleep_ms: float = 0, raise_on: str = "",
+              window: int = 64) -> SubscriberProcess:
+        record = runtime_dir / f"sub{next(counter)}.jsonl"
+        before = daemon.subscriber_count()
+        argv = [sys.executable, str(APPS / "subscriber_app.py"), "--endpoint", daemon.endpoint,
+                "--record", str(record), "--sleep-ms", str(sleep_ms), "--raise-on", raise_on,
+                "--window", str(window), *consumers]
+        process = subprocess.Popen(argv)
+        subscriber = SubscriberProcess(process, record)
+        started.append(subscriber)
+        wait_until(lambda: daemon.subscriber_count() > before or process.poll() is not None,
+                   "the subscriber to connect")
+        assert process.poll() is None, "subscriber exited early"
+        return subscriber
+
+    yield start
+    for subscriber in started:
+        stop_process(subscriber.process)
+
+
+def run_emitter(endpoint: str, scenario: str, *args: str, env: dict[str, str] | None = None,
+                expect_rc: int = 0) -> dict[str, Any]:
+    """Run one scenario of tests/apps/emitter_app.py (a real JAX process); return the JSON
+    object it prints last."""
+    full_env = {**os.environ, "TAPD_ENDPOINT": endpoint, **(env or {})}
+    result = subprocess.run(
+        [sys.executable, str(APPS / "emitter_app.py"), scenario, *args],
+        env=full_env, capture_output=True, text=True, timeout=PROCESS_TIMEOUT,
+    )
+    assert result.returncode == expect_rc, (
+        f"emitter {scenario} exited {result.returncode}\n{result.stdout}\n{result.stderr}"
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"emitter {scenario} printed no result\n{result.stdout}\n{result.stderr}"
+    output: dict[str, Any] = json.loads(lines[-1])
+    output["stderr"] = result.stderr
+    return output

@@ -1,0 +1,157 @@
+"""Real daemon, real subscriber processes, real jitted JAX emitters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from conftest import Daemon, SubscriberProcess, run_emitter, wait_until
+
+StartDaemon = Callable[..., Daemon]
+StartSubscriber = Callable[..., SubscriberProcess]
+
+
+def by_consumer(records: list[dict[str, Any]], consumer: str) -> list[dict[str, Any]]:
+    return [r for r in records if r["consumer"] == consumer]
+
+
+def test_taps_under_jit_scan_fori_vmap_cond_and_grad(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "*")
+    result = run_emitter(daemon.endpoint, "transforms")
+    records = subscriber.records()
+
+    [jit] = by_consumer(records, "jit")
+    assert jit["value"] == [0.0, 2.0, 4.0]
+    assert (jit["step"], jit["seq"], jit["meta"]) == (7, 0, {"note": "hello"})
+    assert jit["transforms"] == []
+
+    scan = by_consumer(records, "scan")
+    assert [r["value"] for r in scan] == [0.0, 1.0, 3.0, 6.0, 10.0]
+    assert [r["seq"] for r in scan] == [0, 1, 2, 3, 4]
+
+    fori = by_consumer(records, "fori")
+    assert [(r["step"], r["value"]) for r in fori] == [(0, 0), (1, 1), (2, 3), (3, 6)]
+
+    [vmap] = by_consumer(records, "vmap")  # one tap for the whole batch
+    assert vmap["value"] == {"sq": [0.0, 1.0, 4.0], "x": [0.0, 1.0, 2.0]}
+    assert vmap["transforms"] == [["batch", {"batch_dims": [0, 0]}]]
+
+    assert [r["value"] for r in by_consumer(records, "cond_true")] == [1.0]
+    assert [r["value"] for r in by_consumer(records, "cond_false")] == [2.0]
+
+    [grad] = by_consumer(records, "grad")  # the primal, once
+    assert len(grad["value"]) == 3
+    assert result["grad_tapped"] == result["grad_plain"]
+    assert all(r["emitter"].endswith(str(r["emitter"].split(":")[-1])) for r in records)
+
+
+def test_two_subscribers_both_get_every_tap_and_others_get_none(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    daemon = start_daemon()
+    first = start_subscriber(daemon, "loss")
+    second = start_subscriber(daemon, "loss")
+    other = start_subscriber(daemon, "accuracy")
+    result = run_emitter(daemon.endpoint, "steps", "30")
+    expected = [float(i) for i in range(30)]
+    assert [r["value"] for r in first.records()] == expected
+    assert [r["value"] for r in second.records()] == expected
+    assert other.records() == []
+    assert result["stats"]["delivered"] == 30
+    assert result["stats"]["unrouted"] == 0
+
+
+def test_slow_handler_does_not_slow_the_loop_and_the_barrier_waits(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    daemon = start_daemon("--policy", "block")
+    subscriber = start_subscriber(daemon, "loss", sleep_ms=50)
+    result = run_emitter(daemon.endpoint, "steps", "20")
+    handler_time = 20 * 0.050
+    # The loop only queues taps; the handlers' second of sleeping happens after it.
+    assert result["loop_s"] < handler_time / 2, result
+    assert result["loop_s"] + result["barrier_s"] >= handler_time * 0.9, result
+    assert [r["value"] for r in subscriber.records()] == [float(i) for i in range(20)]
+    assert result["stats"]["delivered"] == 20
+    assert result["stats"]["dropped"] == result["stats"]["daemon_dropped"] == 0
+
+
+def test_handler_exception_surfaces_in_barrier_wait(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "bad", "good", raise_on="bad")
+    result = run_emitter(daemon.endpoint, "raising")
+    assert result["raised"] is not None, "barrier_wait did not raise TapFunctionException"
+    assert "handle raised ValueError('deliberate failure at seq 0')" in result["raised"]
+    assert result["errors"][0].startswith("bad#0:")
+    assert [r["consumer"] for r in subscriber.records()] == ["good"]
+    assert daemon.counters()["handler_errors"] == 1
+
+
+def test_subscriber_killed_mid_stream_daemon_survives_and_serves_its_replacement(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    daemon = start_daemon("--subscriber-timeout", "1")
+    doomed = start_subscriber(daemon, "big", sleep_ms=20, window=4)
+    run_emitter(daemon.endpoint, "many_bytes", "50", "4", env={"TAPD_EXIT_TIMEOUT": "0.5"})
+    wait_until(lambda: doomed.records(), "the first taps to arrive")
+    doomed.kill()
+    wait_until(lambda: daemon.subscriber_count() == 0, "the daemon to drop the dead subscriber")
+    assert daemon.process.poll() is None
+    counters = daemon.counters()
+    assert counters["deliveries_lost"] + len(doomed.records()) == 50, counters
+
+    replacement = start_subscriber(daemon, "big")
+    run_emitter(daemon.endpoint, "many_bytes", "10", "4")
+    records = wait_until(lambda: len(replacement.records()) == 10 and replacement.records(),
+                         "the replacement to get every tap")
+    assert [r["step"] for r in records] == list(range(10))
+
+
+def test_exit_drains_taps_without_an_explicit_barrier(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "big", sleep_ms=5)
+    run_emitter(daemon.endpoint, "many_bytes", "40", "64")
+    # The emitter has exited: its atexit drain waited until the handlers were done.
+    records = subscriber.records()
+    assert [r["step"] for r in records] == list(range(40))
+    assert all(len(r["value"]) == 64 * 256 for r in records)
+
+
+def test_block_policy_with_tiny_queues_loses_nothing(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    daemon = start_daemon("--policy", "block", "--queue-bytes", "40000",
+                          "--emitter-window-bytes", "40000")
+    subscriber = start_subscriber(daemon, "big", sleep_ms=10, window=2)
+    result = run_emitter(daemon.endpoint, "many_bytes", "60", "16",
+                         env={"TAPD_BUFFER_BYTES": "40000"})
+    assert result["stats"]["dropped"] == 0
+    assert [r["step"] for r in subscriber.records()] == list(range(60))
+
+
+def test_drop_newest_counts_exactly(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    daemon = start_daemon("--policy", "drop_newest", "--queue-bytes", "40000")
+    subscriber = start_subscriber(daemon, "loss", sleep_ms=20, window=1)
+    result = run_emitter(daemon.endpoint, "steps", "200", env={"TAPD_POLICY": "drop_newest"})
+    stats = result["stats"]
+    received = len(subscriber.records())
+    assert stats["sent"] + stats["dropped"] == 200
+    assert stats["delivered"] == received
+    assert stats["delivered"] + stats["daemon_dropped"] + stats["unrouted"] == stats["sent"]
+    assert daemon.counters().get("deliveries_dropped", 0) == stats["daemon_dropped"]
+
+
+def test_taps_with_no_subscriber_are_counted_unrouted(start_daemon: StartDaemon) -> None:
+    daemon = start_daemon()
+    result = run_emitter(daemon.endpoint, "steps", "5")
+    assert result["stats"]["unrouted"] == 5
+    assert daemon.counters()["taps_unrouted"] == 5
