@@ -195,11 +195,13 @@ def _emit(consumer: str, arg: Any, step: Any, static_meta: dict[str, Any]) -> No
     spec, leaves = flatten(arg, custom=_describe_custom_node)
     arrays = []
     for index, leaf in enumerate(leaves):
-        array = jnp.asarray(leaf)
         try:
+            array = jnp.asarray(leaf)
             dtype_name(np.dtype(array.dtype))
-        except ValueError as exc:
-            raise TapDefinitionError(f"tap {consumer!r}, leaf {index}: {exc}") from exc
+        except (TypeError, ValueError) as exc:  # PRNG keys, strings, object arrays...
+            raise TapDefinitionError(
+                f"tap {consumer!r}, leaf {index} ({type(leaf).__name__}): cannot be tapped: {exc}"
+            ) from exc
         arrays.append(array)
     step_operand = None if step is None else jnp.asarray(step).astype(int)
     _tap_fn(consumer, {"tree": spec, "meta": static_meta}, ())(tuple(arrays), step_operand)

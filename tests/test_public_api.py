@@ -1,0 +1,76 @@
+"""The public surface: what is exported, what importing costs, trace-time refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import tapd
+import tapd_client
+
+
+def test_exported_members() -> None:
+    assert sorted(tapd.__all__) == sorted([
+        "BarrierTimeout", "ConfigError", "ProtocolError", "TapDefinitionError",
+        "TapFunctionException", "TapdError", "__version__", "barrier_wait", "configure",
+        "id_print", "id_tap", "stats", "tap",
+    ])  # fmt: skip
+    assert sorted(tapd_client.__all__) == ["Handler", "Subscriber", "TapMeta"]
+    for module in (tapd, tapd_client):
+        for name in module.__all__:
+            assert hasattr(module, name), name
+
+
+def test_importing_tapd_and_the_subscriber_library_does_not_import_jax() -> None:
+    code = (
+        "import sys, tapd, tapd_client, tapd.cli.main, tapd.daemon.server, "
+        "tapd_client.tap_functions\n"
+        "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)\n"
+        "print('clean')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "clean"
+
+
+def module_level_tap(arg: object, transforms: object) -> None:
+    """An importable tap function (never run here)."""
+
+
+def test_id_tap_names_importable_functions() -> None:
+    from tapd.emitter.tapping import consumer_name
+
+    assert consumer_name(module_level_tap) == f"{__name__}:module_level_tap"
+
+
+def test_id_tap_refuses_a_lambda_at_trace_time_saying_what_to_do() -> None:
+    with pytest.raises(tapd.TapDefinitionError, match="lambda, closure") as info:
+        jax.make_jaxpr(lambda x: tapd.id_tap(lambda a, t: None, x))(1.0)
+    assert "tapd.tap(x, 'name')" in str(info.value)
+
+
+def test_id_tap_refuses_a_closure_at_trace_time() -> None:
+    def inner(arg: object, transforms: object) -> None:
+        pass
+
+    with pytest.raises(tapd.TapDefinitionError, match="<locals>"):
+        jax.make_jaxpr(lambda x: tapd.id_tap(inner, x))(1.0)
+
+
+def test_unsupported_leaf_is_refused_at_trace_time_naming_the_tap() -> None:
+    with pytest.raises(tapd.TapDefinitionError, match="tap 'weird', leaf 1"):
+        jax.make_jaxpr(lambda x: tapd.tap((x, jax.random.key(0)), "weird"))(1.0)
+
+
+def test_static_metadata_must_be_plain_values() -> None:
+    with pytest.raises(tapd.TapDefinitionError, match="metadata scale="):
+        jax.make_jaxpr(lambda x: tapd.tap(x, "m", scale=jnp.ones(2)))(1.0)
+
+
+def test_tap_is_the_identity_without_running_anything() -> None:
+    jaxpr = jax.make_jaxpr(lambda x: tapd.tap(x, "identity") * 2)(1.0)
+    assert "debug_callback" in str(jaxpr)
