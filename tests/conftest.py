@@ -87,8 +87,17 @@ def start_daemon(runtime_dir: Path) -> Iterator[Callable[..., Daemon]]:
 
     def start(*flags: str, name: str = "tapd.sock") -> Daemon:
         endpoint = f"ipc://{runtime_dir / name}"
-        argv = [sys.executable, "-m", "tapd", "start", "--endpoint", endpoint,
-                "--pidfile", str(runtime_dir / f"{name}.pid"), *flags]
+        argv = [
+            sys.executable,
+            "-m",
+            "tapd",
+            "start",
+            "--endpoint",
+            endpoint,
+            "--pidfile",
+            str(runtime_dir / f"{name}.pid"),
+            *flags,
+        ]
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         assert process.stdout is not None
         line = process.stdout.readline()  # blocks until ready (or exit)
@@ -127,18 +136,33 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
     started: list[SubscriberProcess] = []
     counter = iter(range(1000))
 
-    def start(daemon: Daemon, *consumers: str, sleep_ms: float = 0, raise_on: str = "",
-              window: int = 64) -> SubscriberProcess:
+    def start(
+        daemon: Daemon, *consumers: str, sleep_ms: float = 0, raise_on: str = "", window: int = 64
+    ) -> SubscriberProcess:
         record = runtime_dir / f"sub{next(counter)}.jsonl"
         before = daemon.subscriber_count()
-        argv = [sys.executable, str(APPS / "subscriber_app.py"), "--endpoint", daemon.endpoint,
-                "--record", str(record), "--sleep-ms", str(sleep_ms), "--raise-on", raise_on,
-                "--window", str(window), *consumers]
+        argv = [
+            sys.executable,
+            str(APPS / "subscriber_app.py"),
+            "--endpoint",
+            daemon.endpoint,
+            "--record",
+            str(record),
+            "--sleep-ms",
+            str(sleep_ms),
+            "--raise-on",
+            raise_on,
+            "--window",
+            str(window),
+            *consumers,
+        ]
         process = subprocess.Popen(argv)
         subscriber = SubscriberProcess(process, record)
         started.append(subscriber)
-        wait_until(lambda: daemon.subscriber_count() > before or process.poll() is not None,
-                   "the subscriber to connect")
+        wait_until(
+            lambda: daemon.subscriber_count() > before or process.poll() is not None,
+            "the subscriber to connect",
+        )
         assert process.poll() is None, "subscriber exited early"
         return subscriber
 
@@ -147,14 +171,18 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
         stop_process(subscriber.process)
 
 
-def run_emitter(endpoint: str, scenario: str, *args: str, env: dict[str, str] | None = None,
-                expect_rc: int = 0) -> dict[str, Any]:
+def run_emitter(
+    endpoint: str, scenario: str, *args: str, env: dict[str, str] | None = None, expect_rc: int = 0
+) -> dict[str, Any]:
     """Run one scenario of tests/apps/emitter_app.py (a real JAX process); return the JSON
     object it prints last."""
     full_env = {**os.environ, "TAPD_ENDPOINT": endpoint, **(env or {})}
     result = subprocess.run(
         [sys.executable, str(APPS / "emitter_app.py"), scenario, *args],
-        env=full_env, capture_output=True, text=True, timeout=PROCESS_TIMEOUT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT,
     )
     assert result.returncode == expect_rc, (
         f"emitter {scenario} exited {result.returncode}\n{result.stdout}\n{result.stderr}"

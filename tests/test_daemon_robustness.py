@@ -50,16 +50,28 @@ def test_malformed_frames_are_rejected_counted_and_the_daemon_serves_on(
     not_msgpack = [MAGIC, b"\xc1\xc1\xc1"]
     unknown_kind = [MAGIC, msgpack.packb({"kind": "launch_missiles"})]
     sock = raw_peer(daemon.endpoint)
-    for frames in ([b"garbage"], [b"garbage", b"more"], truncated, wrong_version,
-                   not_msgpack, unknown_kind, oversized):
+    for frames in (
+        [b"garbage"],
+        [b"garbage", b"more"],
+        truncated,
+        wrong_version,
+        not_msgpack,
+        unknown_kind,
+        oversized,
+    ):
         sock.send_multipart(frames)
 
     expected = {
-        "rejected_bad_frames": 2, "rejected_bad_magic": 1, "rejected_bad_version": 1,
-        "rejected_bad_header": 2, "rejected_too_large": 1,
+        "rejected_bad_frames": 2,
+        "rejected_bad_magic": 1,
+        "rejected_bad_version": 1,
+        "rejected_bad_header": 2,
+        "rejected_too_large": 1,
     }
-    wait_until(lambda: all(daemon.counters().get(k) == v for k, v in expected.items()),
-               f"the daemon to count {expected}")
+    wait_until(
+        lambda: all(daemon.counters().get(k) == v for k, v in expected.items()),
+        f"the daemon to count {expected}",
+    )
     assert daemon.process.poll() is None
     # Real taps still flow, from a real JAX process.
     result = run_emitter(daemon.endpoint, "steps", "5")

@@ -107,8 +107,10 @@ def test_subscriber_killed_mid_stream_daemon_survives_and_serves_its_replacement
 
     replacement = start_subscriber(daemon, "big")
     run_emitter(daemon.endpoint, "many_bytes", "10", "4")
-    records = wait_until(lambda: len(replacement.records()) == 10 and replacement.records(),
-                         "the replacement to get every tap")
+    records = wait_until(
+        lambda: len(replacement.records()) == 10 and replacement.records(),
+        "the replacement to get every tap",
+    )
     assert [r["step"] for r in records] == list(range(10))
 
 
@@ -127,11 +129,13 @@ def test_exit_drains_taps_without_an_explicit_barrier(
 def test_block_policy_with_tiny_queues_loses_nothing(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber
 ) -> None:
-    daemon = start_daemon("--policy", "block", "--queue-bytes", "40000",
-                          "--emitter-window-bytes", "40000")
+    daemon = start_daemon(
+        "--policy", "block", "--queue-bytes", "40000", "--emitter-window-bytes", "40000"
+    )
     subscriber = start_subscriber(daemon, "big", sleep_ms=10, window=2)
-    result = run_emitter(daemon.endpoint, "many_bytes", "60", "16",
-                         env={"TAPD_BUFFER_BYTES": "40000"})
+    result = run_emitter(
+        daemon.endpoint, "many_bytes", "60", "16", env={"TAPD_BUFFER_BYTES": "40000"}
+    )
     assert result["stats"]["dropped"] == 0
     assert [r["step"] for r in subscriber.records()] == list(range(60))
 

@@ -53,7 +53,7 @@ class Subscriber:
         self.heartbeat = heartbeat
         self._handlers: dict[str, Handler] = {}
         self._stop = threading.Event()
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[Any] = zmq.Context.instance()
         self._sock: zmq.Socket[Any] | None = None
         self._last_tid = -1
         self._acked_tid = -1
@@ -102,8 +102,7 @@ class Subscriber:
             if self._sock.poll(100):
                 message = self._receive()
                 if message is not None and message.kind == "welcome":
-                    logger.info("subscribed to %s at %s", ", ".join(self._handlers),
-                                self.endpoint)
+                    logger.info("subscribed to %s at %s", ", ".join(self._handlers), self.endpoint)
                     return
                 if message is not None:
                     self._handle(message)
@@ -206,8 +205,13 @@ class Subscriber:
         except Exception as exc:
             self.failed += 1
             name = getattr(handler, "__qualname__", repr(handler))
-            logger.error("handler %s for %r (seq %s) raised:\n%s", name, consumer,
-                         header["seq"], traceback.format_exc())
+            logger.error(
+                "handler %s for %r (seq %s) raised:\n%s",
+                name,
+                consumer,
+                header["seq"],
+                traceback.format_exc(),
+            )
             self._errors.append({"tid": tid, "error": f"{name} raised {exc!r}"})
 
     def _handler_for(self, consumer: str) -> Handler | None:

@@ -51,32 +51,57 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tapd", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--log-level", default=None,
-                        help="debug, info, warning or error (default info)")
+    parser.add_argument(
+        "--log-level", default=None, help="debug, info, warning or error (default info)"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    start = commands.add_parser("start", help="run the receiver daemon (foreground)",
-                                description="Run this host's receiver daemon.")
+    start = commands.add_parser(
+        "start",
+        help="run the receiver daemon (foreground)",
+        description="Run this host's receiver daemon.",
+    )
     _endpoint_arg(start)
-    start.add_argument("--tcp", metavar="tcp://HOST:PORT",
-                       help="also listen here for other hosts (UNAUTHENTICATED for now)")
-    start.add_argument("--policy", choices=["block", "drop_newest"],
-                       help="when a subscriber's queue is full: block (lossless, slows the "
-                       "emitters) or drop_newest (counted). Default block")
-    start.add_argument("--queue-bytes", type=int, help="bound of each subscriber queue "
-                       "(default 256 MB)")
-    start.add_argument("--emitter-window-bytes", type=int,
-                       help="bytes an emitter may have in flight (default 64 MiB)")
-    start.add_argument("--subscriber-timeout", type=float,
-                       help="drop a subscriber silent this many seconds (default 10)")
-    start.add_argument("--drain-timeout", type=float,
-                       help="on SIGTERM, keep delivering this many seconds (default 10)")
+    start.add_argument(
+        "--tcp",
+        metavar="tcp://HOST:PORT",
+        help="also listen here for other hosts (UNAUTHENTICATED for now)",
+    )
+    start.add_argument(
+        "--policy",
+        choices=["block", "drop_newest"],
+        help="when a subscriber's queue is full: block (lossless, slows the "
+        "emitters) or drop_newest (counted). Default block",
+    )
+    start.add_argument(
+        "--queue-bytes", type=int, help="bound of each subscriber queue (default 256 MB)"
+    )
+    start.add_argument(
+        "--emitter-window-bytes",
+        type=int,
+        help="bytes an emitter may have in flight (default 64 MiB)",
+    )
+    start.add_argument(
+        "--subscriber-timeout",
+        type=float,
+        help="drop a subscriber silent this many seconds (default 10)",
+    )
+    start.add_argument(
+        "--drain-timeout",
+        type=float,
+        help="on SIGTERM, keep delivering this many seconds (default 10)",
+    )
     start.add_argument("--max-message-bytes", type=int, help="largest tap accepted (1 GiB)")
-    start.add_argument("--config", type=Path, help="TOML file ([daemon] table; "
-                       "default $TAPD_CONFIG); flags and TAPD_* variables override it")
+    start.add_argument(
+        "--config",
+        type=Path,
+        help="TOML file ([daemon] table; "
+        "default $TAPD_CONFIG); flags and TAPD_* variables override it",
+    )
     start.add_argument("--pidfile", type=Path, help=f"default {default_pidfile()}")
-    start.add_argument("--detach", action="store_true",
-                       help="run in the background; return once it is ready")
+    start.add_argument(
+        "--detach", action="store_true", help="run in the background; return once it is ready"
+    )
 
     stop = commands.add_parser("stop", help="stop the daemon (it drains first)")
     _endpoint_arg(stop)
@@ -88,23 +113,28 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="print the raw stats as JSON")
 
     check = commands.add_parser(
-        "check", help="health probe: exit 0 if the daemon answers, "
-        f"{int(ExitCode.UNREACHABLE)} if not")
+        "check",
+        help=f"health probe: exit 0 if the daemon answers, {int(ExitCode.UNREACHABLE)} if not",
+    )
     _endpoint_arg(check)
     check.add_argument("--timeout", type=float, default=2.0)
 
     subscribe = commands.add_parser(
-        "subscribe", help="run the tap functions of MODULE (id_tap(MODULE.f, x))")
+        "subscribe", help="run the tap functions of MODULE (id_tap(MODULE.f, x))"
+    )
     subscribe.add_argument("module", metavar="MODULE")
     _endpoint_arg(subscribe)
 
-    tail = commands.add_parser("tail", help="print taps named NAME as they arrive "
-                               "('module:*' matches by prefix, '*' everything)")
+    tail = commands.add_parser(
+        "tail",
+        help="print taps named NAME as they arrive ('module:*' matches by prefix, '*' everything)",
+    )
     tail.add_argument("names", metavar="NAME", nargs="+")
     _endpoint_arg(tail)
 
-    demo = commands.add_parser("demo", help="daemon + subscriber + a small JAX training "
-                               "loop with taps, then a summary")
+    demo = commands.add_parser(
+        "demo", help="daemon + subscriber + a small JAX training loop with taps, then a summary"
+    )
     demo.add_argument("--steps", type=int, default=20)
     return parser
 
@@ -112,8 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = args.log_level or os.environ.get("TAPD_LOG_LEVEL", "info")
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     logging.getLogger("tapd").setLevel(level.upper())  # other libraries stay at WARNING
     try:
         return int(_COMMANDS[args.command](args))
@@ -179,14 +212,13 @@ def _start_detached(config: config_module.Config) -> int:
         return ExitCode.ALREADY_RUNNING
     except TimeoutError:
         pass
-    argv = [sys.executable, "-m", "tapd", "start"] + [
-        a for a in sys.argv[2:] if a != "--detach"
-    ]
+    argv = [sys.executable, "-m", "tapd", "start"] + [a for a in sys.argv[2:] if a != "--detach"]
     log_path = (config.pidfile or default_pidfile()).with_suffix(".log")
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        child = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                 start_new_session=True)
+        child = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+        )
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         if child.poll() is not None:
@@ -287,8 +319,7 @@ def _run_subscriber(subscriber: Any) -> int:
     except TimeoutError as exc:
         logger.error("%s", exc)
         return ExitCode.UNREACHABLE
-    print(f"subscribed to {', '.join(subscriber.consumers)} at {subscriber.endpoint}",
-          flush=True)
+    print(f"subscribed to {', '.join(subscriber.consumers)} at {subscriber.endpoint}", flush=True)
     try:
         subscriber.run()
     except KeyboardInterrupt:

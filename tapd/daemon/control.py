@@ -13,7 +13,7 @@ from tapd.protocol import decode, encode
 def request(endpoint: str, kind: str, timeout: float = 2.0) -> dict[str, Any] | None:
     """Send one control message; return the reply header (None for `shutdown`).
     Raises TimeoutError if the daemon does not answer within `timeout` seconds."""
-    context = zmq.Context.instance()
+    context: zmq.Context[Any] = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

@@ -73,9 +73,7 @@ class Subscriber:
     window: int
     last_seen: float
     queue: collections.deque[_Delivery] = dataclasses.field(default_factory=collections.deque)
-    in_flight: collections.deque[_Delivery] = dataclasses.field(
-        default_factory=collections.deque
-    )
+    in_flight: collections.deque[_Delivery] = dataclasses.field(default_factory=collections.deque)
     held_bytes: int = 0  # queued + in flight
     delivered: int = 0
     dropped: int = 0
@@ -114,8 +112,11 @@ class Router:
         self._welcome(emitter)
 
     def _welcome(self, emitter: Emitter) -> None:
-        fields = {"window_bytes": self.window_bytes, "daemon": self.daemon_id,
-                  "held_bytes": emitter.held_bytes}
+        fields = {
+            "window_bytes": self.window_bytes,
+            "daemon": self.daemon_id,
+            "held_bytes": emitter.held_bytes,
+        }
         self._send(emitter.key, encode("welcome", fields))
 
     def tap(self, key: PeerKey, tap: Message) -> None:
@@ -225,8 +226,12 @@ class Router:
     def subscriber_hello(self, key: PeerKey, header: dict[str, Any], now: float) -> None:
         consumers = header.get("consumers")
         window = header.get("window")
-        if not (isinstance(consumers, list) and all(isinstance(c, str) for c in consumers)
-                and isinstance(window, int) and window > 0):
+        if not (
+            isinstance(consumers, list)
+            and all(isinstance(c, str) for c in consumers)
+            and isinstance(window, int)
+            and window > 0
+        ):
             self.reject("bad_field", "subscriber hello needs consumers: [str] and window > 0")
             return
         if key in self.subscribers:
@@ -289,8 +294,11 @@ class Router:
                 delivery = subscriber.queue.popleft()
                 delivery.tid = next(self._tids)
                 subscriber.in_flight.append(delivery)
-                header = {**delivery.tap.header, "tid": delivery.tid,
-                          "emitter": delivery.emitter.name}
+                header = {
+                    **delivery.tap.header,
+                    "tid": delivery.tid,
+                    "emitter": delivery.emitter.name,
+                }
                 frames = [MAGIC, encode_header(header), *delivery.tap.frames]
                 if not self._send(subscriber.key, frames):
                     self.drop_subscriber(subscriber.key, "is unreachable")
@@ -302,8 +310,12 @@ class Router:
             return
         lost = list(subscriber.in_flight) + list(subscriber.queue)
         if lost:
-            logger.warning("subscriber %s %s; %d taps it had not processed are lost",
-                           subscriber.name, why, len(lost))
+            logger.warning(
+                "subscriber %s %s; %d taps it had not processed are lost",
+                subscriber.name,
+                why,
+                len(lost),
+            )
         else:
             logger.info("subscriber %s %s", subscriber.name, why)
         self.counters["deliveries_lost"] += len(lost)
@@ -339,15 +351,28 @@ class Router:
 
 
 def _emitter_stats(e: Emitter) -> dict[str, Any]:
-    return {"name": e.name, "taps": e.next_index, "delivered": e.delivered,
-            "dropped": e.dropped, "unrouted": e.unrouted, "pending": len(e.pending),
-            "parked_bytes": e.parked_bytes}
+    return {
+        "name": e.name,
+        "taps": e.next_index,
+        "delivered": e.delivered,
+        "dropped": e.dropped,
+        "unrouted": e.unrouted,
+        "pending": len(e.pending),
+        "parked_bytes": e.parked_bytes,
+    }
 
 
 def _subscriber_stats(s: Subscriber) -> dict[str, Any]:
-    return {"name": s.name, "consumers": list(s.patterns), "queued": len(s.queue),
-            "in_flight": len(s.in_flight), "held_bytes": s.held_bytes,
-            "delivered": s.delivered, "dropped": s.dropped, "errors": s.errors}
+    return {
+        "name": s.name,
+        "consumers": list(s.patterns),
+        "queued": len(s.queue),
+        "in_flight": len(s.in_flight),
+        "held_bytes": s.held_bytes,
+        "delivered": s.delivered,
+        "dropped": s.dropped,
+        "errors": s.errors,
+    }
 
 
 def summarize(stats: dict[str, Any]) -> Sequence[str]:

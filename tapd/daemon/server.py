@@ -14,8 +14,8 @@ import socket
 import threading
 import time
 import uuid
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -98,8 +98,12 @@ class Daemon:
     def serve(self, on_ready: Callable[[list[str]], None] | None = None) -> None:
         if not self._sockets:
             self.bind()
-        logger.info("tapd daemon %s serving on %s (policy %s)", self.id,
-                    ", ".join(self.endpoints), self.config.policy)
+        logger.info(
+            "tapd daemon %s serving on %s (policy %s)",
+            self.id,
+            ", ".join(self.endpoints),
+            self.config.policy,
+        )
         if on_ready is not None:
             on_ready(self.endpoints)
         poller = zmq.Poller()
@@ -126,8 +130,7 @@ class Daemon:
                 if self._stop.is_set():
                     if drain_deadline is None:
                         drain_deadline = now + self.config.drain_timeout
-                        logger.info("stopping: draining for up to %g s",
-                                    self.config.drain_timeout)
+                        logger.info("stopping: draining for up to %g s", self.config.drain_timeout)
                     if self.router.idle() or now >= drain_deadline:
                         break
         finally:
@@ -139,8 +142,9 @@ class Daemon:
             self.router.drop_subscriber(key, "was still connected at shutdown")
         parked = sum(len(e.parked) for e in self.router.emitters.values())
         if parked:
-            logger.error("%d taps were still waiting for queue room at shutdown and are lost",
-                         parked)
+            logger.error(
+                "%d taps were still waiting for queue room at shutdown and are lost", parked
+            )
         logger.info("tapd daemon stopped: %s", dict(self.router.counters))
 
     def close(self) -> None:
@@ -195,8 +199,11 @@ class Daemon:
         elif kind == "heartbeat":
             router.heartbeat(key, now)
         elif kind == "hello":
-            if header["role"] == "emitter" and isinstance(header.get("host"), str) \
-                    and isinstance(header.get("pid"), int):
+            if (
+                header["role"] == "emitter"
+                and isinstance(header.get("host"), str)
+                and isinstance(header.get("pid"), int)
+            ):
                 router.emitter_hello(key, header)
             elif header["role"] == "subscriber":
                 router.subscriber_hello(key, header, now)

@@ -57,7 +57,8 @@ def run_demo(steps: int) -> int:
             print(f"demo: using the tapd daemon already running at {endpoint}")
         else:
             print(f"demo: starting the tapd daemon at {endpoint}")
-            stack.enter_context(_process([sys.executable, "-m", "tapd", "--log-level", "warning", "start"]))
+            daemon_argv = [sys.executable, "-m", "tapd", "--log-level", "warning", "start"]
+            stack.enter_context(_process(daemon_argv))
             _wait_for("the daemon", lambda: _daemon_answers(endpoint))
         print("demo: starting a subscriber process (tapd.demo.watch)")
         stack.enter_context(_process([sys.executable, "-m", "tapd.demo.watch"]))

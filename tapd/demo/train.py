@@ -19,8 +19,9 @@ def _loss(params: dict[str, Any], x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _train_chunk(params: dict[str, Any], first_step: jax.Array,
-                 x: jax.Array, y: jax.Array) -> tuple[dict[str, Any], jax.Array]:
+def _train_chunk(
+    params: dict[str, Any], first_step: jax.Array, x: jax.Array, y: jax.Array
+) -> tuple[dict[str, Any], jax.Array]:
     def one_step(params: dict[str, Any], step: jax.Array) -> tuple[dict[str, Any], jax.Array]:
         loss, grads = jax.value_and_grad(_loss)(params, x, y)
         grad_norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree_util.tree_leaves(grads)))

@@ -19,8 +19,11 @@ def main() -> None:
         row = latest.setdefault(meta.step, {})
         row[meta.consumer] = float(arg)
         if len(row) == 2:
-            print(f"  step {meta.step:3d}  loss {row['loss']:9.5f}  "
-                  f"grad_norm {row['grad_norm']:9.5f}   (from {meta.emitter})", flush=True)
+            print(
+                f"  step {meta.step:3d}  loss {row['loss']:9.5f}  "
+                f"grad_norm {row['grad_norm']:9.5f}   (from {meta.emitter})",
+                flush=True,
+            )
             del latest[meta.step]
 
     signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())

@@ -105,7 +105,7 @@ class Sender:
         os.set_blocking(self._wake_read, False)
         self._wake_pending = False
         self._closing = False
-        self._context = zmq.Context.instance()
+        self._context: zmq.Context[Any] = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="tapd-sender", daemon=True)
         self._thread.start()
 
@@ -150,7 +150,11 @@ class Sender:
                     "tap %r has waited %.0f s for buffer space (%d bytes buffered, limit %d): "
                     "the daemon at %s is not taking taps; is it running and are its "
                     "subscribers keeping up?",
-                    consumer, waited, self._stats.buffered_bytes, limit, self.settings.endpoint,
+                    consumer,
+                    waited,
+                    self._stats.buffered_bytes,
+                    limit,
+                    self.settings.endpoint,
                 )
         return True
 
@@ -272,8 +276,7 @@ class Sender:
             connection.heard_from_daemon(header)
             if kind == "error":
                 text = f"{header['consumer']}#{header['seq']}: {header['error']}"
-                logger.error("tap function raised in subscriber %s: %s",
-                             header["subscriber"], text)
+                logger.error("tap function raised in subscriber %s: %s", header["subscriber"], text)
                 with self._lock:
                     self._errors.append(text)
                     self._stats.errors += 1
@@ -296,8 +299,11 @@ class Sender:
             self._stats.buffered_bytes = 0
             self._space.notify_all()
         if abandoned:
-            logger.error("tapd: %d taps were never sent to the daemon at %s and are lost",
-                         abandoned, self.settings.endpoint)
+            logger.error(
+                "tapd: %d taps were never sent to the daemon at %s and are lost",
+                abandoned,
+                self.settings.endpoint,
+            )
 
 
 class _Connection:
@@ -331,8 +337,9 @@ class _Connection:
                 lost = self.in_flight - held
                 self.lost_bytes += lost
                 if self.window:  # not our first welcome: the daemon restarted
-                    logger.warning("tapd daemon restarted; %d bytes of taps in flight to it "
-                                   "were lost", lost)
+                    logger.warning(
+                        "tapd daemon restarted; %d bytes of taps in flight to it were lost", lost
+                    )
             self.window = header["window_bytes"]
             self.in_flight = held
         elif kind == "rehello":

@@ -75,7 +75,7 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.
     """Block until every tap emitted so far has been processed by every subscribed
     handler. Raises `TapFunctionException` if handlers raised, `BarrierTimeout` if not
     done within `timeout` seconds."""
-    jax.effects_barrier()  # callbacks of dispatched computations have run
+    jax.effects_barrier()  # type: ignore[no-untyped-call]  # callbacks of dispatched computations have run
     if _sender is None:
         return
     reply = _sender.barrier(timeout)
@@ -99,7 +99,7 @@ def _drain_at_exit() -> None:
     if sender is None or _settings is None:
         return
     try:
-        jax.effects_barrier()
+        jax.effects_barrier()  # type: ignore[no-untyped-call]
     except Exception:  # JAX may be half torn down at exit; drain what we have
         pass
     try:
@@ -184,8 +184,8 @@ def _check_consumer(name: object) -> None:
 
 def _describe_custom_node(node: Any) -> tuple[str, list[str], list[Any]] | None:
     """Tree hook: a registered pytree node other than the protocol's containers."""
-    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(node)
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+    leaves_with_paths, _ = jax.tree_util.tree_flatten_with_path(node)
+    if len(leaves_with_paths) == 1 and leaves_with_paths[0][1] is node:
         return None  # a leaf
     paths = [jax.tree_util.keystr(path) for path, _ in leaves_with_paths]
     return type(node).__name__, paths, [leaf for _, leaf in leaves_with_paths]

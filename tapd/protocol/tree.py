@@ -144,6 +144,6 @@ def _split(node: Any) -> tuple[str, list[Any]]:
 @functools.lru_cache(maxsize=256)
 def _namedtuple_type(name: str, fields: tuple[str, ...]) -> Any:
     try:
-        return collections.namedtuple(name, fields)  # type: ignore[misc]
+        return collections.namedtuple(name, fields)
     except ValueError as exc:
         raise ProtocolError("bad_tree", f"bad namedtuple {name!r} {fields!r}") from exc

@@ -101,7 +101,7 @@ def describe_array(array: np.ndarray) -> tuple[np.ndarray, list[Any]]:
 
 def array_frame(array: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array, without copying (works for ml_dtypes too)."""
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return memoryview(array.reshape(-1).view(np.uint8).data)
 
 
 def encode(kind: str, fields: Mapping[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Frame]:

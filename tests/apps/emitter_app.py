@@ -31,8 +31,9 @@ def transforms() -> dict[str, Any]:
     jax.jit(jax.vmap(lambda x: tapd.tap({"x": x, "sq": x * x}, "vmap")))(jnp.arange(3.0))
 
     def branchy(x: jax.Array) -> jax.Array:
-        return lax.cond(x > 0, lambda v: tapd.tap(v, "cond_true"),
-                        lambda v: tapd.tap(-v, "cond_false"), x)
+        return lax.cond(
+            x > 0, lambda v: tapd.tap(v, "cond_true"), lambda v: tapd.tap(-v, "cond_false"), x
+        )
 
     jax.jit(branchy)(1.0)
     jax.jit(branchy)(-2.0)
@@ -88,8 +89,7 @@ def host_callback_api() -> dict[str, Any]:
 
 def many_bytes(count: str, kib: str) -> dict[str, Any]:
     """`count` taps of `kib` KiB each, no barrier: the exit drain has to deliver them."""
-    step = jax.jit(lambda i: tapd.tap(jnp.full((int(kib) * 256,), i, jnp.float32), "big",
-                                      step=i))
+    step = jax.jit(lambda i: tapd.tap(jnp.full((int(kib) * 256,), i, jnp.float32), "big", step=i))
     for i in range(int(count)):
         step(i)
     jax.effects_barrier()

@@ -31,14 +31,28 @@ def main() -> None:
             time.sleep(args.sleep_ms / 1000)
         if meta.consumer == args.raise_on:
             raise ValueError(f"deliberate failure at seq {meta.seq}")
-        value = {k: np.asarray(v).tolist() for k, v in arg.items()} \
-            if isinstance(arg, dict) else np.asarray(arg).tolist()
-        out.write(json.dumps({
-            "consumer": meta.consumer, "seq": meta.seq, "step": meta.step,
-            "device": meta.device, "process": meta.process, "emitter": meta.emitter,
-            "transforms": [[n, p] for n, p in meta.transforms], "meta": meta.meta,
-            "value": value, "shape": list(np.shape(arg)) if not isinstance(arg, dict) else None,
-        }) + "\n")
+        value = (
+            {k: np.asarray(v).tolist() for k, v in arg.items()}
+            if isinstance(arg, dict)
+            else np.asarray(arg).tolist()
+        )
+        out.write(
+            json.dumps(
+                {
+                    "consumer": meta.consumer,
+                    "seq": meta.seq,
+                    "step": meta.step,
+                    "device": meta.device,
+                    "process": meta.process,
+                    "emitter": meta.emitter,
+                    "transforms": [[n, p] for n, p in meta.transforms],
+                    "meta": meta.meta,
+                    "value": value,
+                    "shape": list(np.shape(arg)) if not isinstance(arg, dict) else None,
+                }
+            )
+            + "\n"
+        )
 
     for consumer in args.consumers:
         subscriber.add_handler(consumer, handle)
