@@ -213,6 +213,9 @@ class Sender:
     def _run(self) -> None:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
+        # The credit window bounds what is in flight, in bytes; a message-count
+        # high-water mark would only make this thread block on many small taps.
+        sock.setsockopt(zmq.SNDHWM, 0)
         sock.connect(self.settings.endpoint)
         connection = _Connection(sock, self._identity)
         poller = zmq.Poller()
@@ -314,10 +317,11 @@ class _Connection:
         self.identity = identity
         self.window = 0  # no taps until the daemon has welcomed us
         self.in_flight = 0
+        self.sent_since_hello = 0
+        self.daemon_id: str | None = None
         self.lost_bytes = 0
         self.last_heard = time.monotonic()
-        self.last_hello = time.monotonic()
-        self.sock.send_multipart(encode("hello", identity))
+        self._hello()
 
     def may_send(self, nbytes: int) -> bool:
         if self.window == 0:
@@ -327,21 +331,30 @@ class _Connection:
     def send(self, frames: list[Any], nbytes: int) -> None:
         self.sock.send_multipart(frames, copy=False)
         self.in_flight += nbytes
+        self.sent_since_hello += nbytes
 
     def heard_from_daemon(self, header: dict[str, Any]) -> None:
         self.last_heard = time.monotonic()
         kind = header["kind"]
         if kind == "welcome":
-            held = int(header.get("held_bytes", 0))
-            if self.in_flight > held:
-                lost = self.in_flight - held
-                self.lost_bytes += lost
-                if self.window:  # not our first welcome: the daemon restarted
-                    logger.warning(
-                        "tapd daemon restarted; %d bytes of taps in flight to it were lost", lost
-                    )
+            if self.daemon_id is not None and header["daemon"] != self.daemon_id:
+                # A restarted daemon (it met one of our taps first): resynchronise with
+                # a hello, whose answer comes after it has read everything before it.
+                self.daemon_id = header["daemon"]
+                self._hello()
+                return
+            self.daemon_id = header["daemon"]
             self.window = header["window_bytes"]
-            self.in_flight = held
+            expected = int(header.get("held_bytes", 0)) + self.sent_since_hello
+            if self.in_flight > expected:
+                lost = self.in_flight - expected
+                self.lost_bytes += lost
+                logger.warning(
+                    "%d bytes of taps sent to the tapd daemon never reached it "
+                    "(it restarted?) and are lost",
+                    lost,
+                )
+            self.in_flight = expected
         elif kind == "rehello":
             self._hello()
         elif kind == "credit":
@@ -354,6 +367,7 @@ class _Connection:
 
     def _hello(self) -> None:
         self.last_hello = time.monotonic()
+        self.sent_since_hello = 0
         self.sock.send_multipart(encode("hello", self.identity))
 
     def say_bye(self) -> None:
