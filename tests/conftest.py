@@ -63,10 +63,16 @@ def runtime_dir() -> Iterator[Path]:
 
 
 class Daemon:
-    def __init__(self, process: subprocess.Popen[str], endpoints: list[str]) -> None:
+    def __init__(
+        self, process: subprocess.Popen[str], endpoints: list[str], log: Path | None = None
+    ) -> None:
         self.process = process
         self.endpoints = endpoints
         self.endpoint = endpoints[0]
+        self.log_path = log
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path else ""
 
     def stats(self) -> dict[str, Any]:
         return control.stats(self.endpoint, timeout=5.0)
@@ -98,19 +104,22 @@ def start_daemon(runtime_dir: Path) -> Iterator[Callable[..., Daemon]]:
             str(runtime_dir / f"{name}.pid"),
             *flags,
         ]
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        log = runtime_dir / f"{name}.log"
+        with open(log, "w") as stderr:
+            process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, text=True)
         assert process.stdout is not None
         line = process.stdout.readline()  # blocks until ready (or exit)
         if not line.startswith(READY_PREFIX):
             process.kill()
-            pytest.fail(f"daemon did not become ready: {line!r}")
-        daemon = Daemon(process, line.removeprefix(READY_PREFIX).split())
+            pytest.fail(f"daemon did not become ready: {line!r}\n{log.read_text()}")
+        daemon = Daemon(process, line.removeprefix(READY_PREFIX).split(), log)
         started.append(daemon)
         return daemon
 
     yield start
     for daemon in started:
         stop_process(daemon.process)
+        sys.stderr.write(daemon.log())  # shown by pytest when the test failed
 
 
 class SubscriberProcess:

@@ -140,3 +140,15 @@ def test_config_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
         config_module.load({}, None, {"TAPD_QUEUE_BYTES": "lots"})
     with pytest.raises(ConfigError, match="policy 'sometimes'"):
         config_module.load({"policy": "sometimes"}, None, {})
+
+
+def test_tail_prints_taps_as_they_arrive(start_daemon: Callable[..., Daemon]) -> None:
+    daemon = start_daemon()
+    tail = subprocess.Popen(
+        [sys.executable, "-m", "tapd", "tail", "loss", "--endpoint", daemon.endpoint],
+        stdout=subprocess.PIPE, text=True)  # fmt: skip
+    wait_until(lambda: daemon.subscriber_count() == 1, "tail to subscribe")
+    run_emitter(daemon.endpoint, "steps", "3")
+    lines = [line for line in stop_and_read(tail).splitlines() if "loss:" in line]
+    assert [line.split("loss: ")[1] for line in lines] == ["0.0", "1.0", "2.0"]
+    assert "#2 step=2]" in lines[2]

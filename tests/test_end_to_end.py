@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from conftest import Daemon, SubscriberProcess, run_emitter, wait_until
+from conftest import APPS, Daemon, SubscriberProcess, run_emitter, wait_until
 
 StartDaemon = Callable[..., Daemon]
 StartSubscriber = Callable[..., SubscriberProcess]
@@ -163,3 +167,45 @@ def test_taps_with_no_subscriber_are_counted_unrouted(start_daemon: StartDaemon)
     result = run_emitter(daemon.endpoint, "steps", "5")
     assert result["stats"]["unrouted"] == 5
     assert daemon.counters()["taps_unrouted"] == 5
+
+
+def test_sigterm_drains_queued_taps_before_exit(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    daemon = start_daemon("--drain-timeout", "30")
+    subscriber = start_subscriber(daemon, "loss", sleep_ms=50)
+    emitter = subprocess.Popen(
+        [sys.executable, str(APPS / "emitter_app.py"), "steps", "20"],
+        env={**os.environ, "TAPD_ENDPOINT": daemon.endpoint},
+        stdout=subprocess.DEVNULL,
+    )
+    wait_until(lambda: daemon.counters().get("taps_received") == 20, "all taps at the daemon")
+    assert len(subscriber.records()) < 20, "the handlers finished before the test could stop"
+    assert daemon.stop() == 0
+    assert [r["value"] for r in subscriber.records()] == [float(i) for i in range(20)]
+    assert emitter.wait(timeout=60) == 0
+
+
+def test_tcp_endpoint_is_opt_in_and_warns_it_is_unauthenticated(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    daemon = start_daemon("--tcp", "tcp://127.0.0.1:0")
+    local, remote = daemon.endpoints
+    assert local.startswith("ipc://") and remote.startswith("tcp://127.0.0.1:")
+    over_tcp = start_subscriber(Daemon(daemon.process, [remote]), "loss")
+    run_emitter(local, "steps", "3")
+    assert [r["value"] for r in over_tcp.records()] == [0.0, 1.0, 2.0]
+    assert "WITHOUT authentication" in daemon.log()
+
+
+def test_exit_without_a_daemon_counts_and_logs_what_was_lost(runtime_dir: Path) -> None:
+    result = run_emitter(
+        f"ipc://{runtime_dir}/nobody.sock",
+        "steps",
+        "3",
+        "no_barrier",
+        env={"TAPD_EXIT_TIMEOUT": "0.5"},
+    )
+    assert result["stats"]["sent"] == 0
+    assert "3 taps were never sent to the daemon" in result["stderr"]
+    assert "barrier_wait timed out after 0.5 s" in result["stderr"]

@@ -119,12 +119,13 @@ def encode(kind: str, fields: Mapping[str, Any], arrays: Sequence[np.ndarray] = 
         header["leaves"] = leaves
     elif arrays:
         raise ValueError(f"{kind!r} messages carry no arrays")
-    return [MAGIC, msgpack.packb(header, use_bin_type=True), *frames]
+    return [MAGIC, encode_header(header), *frames]
 
 
 def encode_header(header: Mapping[str, Any]) -> bytes:
-    """Re-pack a header (the daemon uses it to stamp delivery ids on forwarded taps)."""
-    return msgpack.packb(dict(header), use_bin_type=True)
+    """Pack a header (the daemon also uses it to stamp delivery ids on forwarded taps)."""
+    packed: bytes = msgpack.packb(dict(header), use_bin_type=True)
+    return packed
 
 
 def _buffer(frame: Any) -> memoryview:
