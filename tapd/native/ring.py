@@ -1,0 +1,167 @@
+"""A shared-memory ring of tap records (layout in tapd/native/tapd_native.cc and
+docs/PROTOCOL.md). Writers are the FFI handler (or `write`, for tests); the reader is
+the daemon, which releases space only once the taps it read were delivered."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tapd.errors import TapdError
+from tapd.native import library
+
+POLICIES = {"block": 0, "drop_newest": 1}
+NO_STEP = -(2**63)
+RECORD_HEADER = np.dtype([
+    ("length", "<u4"), ("nleaves", "<u4"), ("site", "<u8"), ("seq", "<u8"),
+    ("step", "<i8"), ("time_ns", "<i8"), ("device", "<i4"), ("reserved", "<u4"),
+])  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Counters:
+    head: int  # bytes reserved by writers, ever
+    committed: int  # bytes readable
+    tail: int  # bytes released by the reader
+    taps: int  # records committed
+    dropped: int  # taps refused for lack of space (drop_newest, or larger than the ring)
+    blocked_ns: int  # time writers spent waiting for space (block)
+    writer_pid: int
+    capacity: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    start: int  # ring position of the record
+    end: int  # ring position after it
+    site: int
+    seq: int
+    step: int | None
+    time_ns: int
+    device: int
+    payload: memoryview  # the leaves, each padded to 8 bytes
+
+
+class RingError(TapdError):
+    """The ring could not be created or opened, or holds a malformed record."""
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library.load()
+    if lib is None:
+        raise RingError(f"tapd's native library is unavailable: {library.unavailable_reason()}")
+    return lib
+
+
+def round_capacity(nbytes: int) -> int:
+    """`nbytes` rounded up to whole pages (the double mapping needs it)."""
+    page = mmap.PAGESIZE
+    return max(page, -(-nbytes // page) * page)
+
+
+class Ring:
+    def __init__(self, handle: int, path: Path) -> None:
+        self._handle: int | None = handle
+        self.path = path
+        self._lib = _lib()
+        self.header_bytes = int(self._lib.tapd_ring_record_header_bytes())
+        assert self.header_bytes == RECORD_HEADER.itemsize
+
+    @classmethod
+    def create(cls, path: Path, capacity: int, policy: str = "block") -> Ring:
+        handle = _lib().tapd_ring_create(
+            str(path).encode(), round_capacity(capacity), POLICIES[policy]
+        )
+        if not handle:
+            err = ctypes.get_errno() or 0
+            raise RingError(f"cannot create ring {path}: {os.strerror(err) if err else 'failed'}")
+        return cls(handle, path)
+
+    @classmethod
+    def open(cls, path: Path) -> Ring:
+        handle = _lib().tapd_ring_open(str(path).encode())
+        if not handle:
+            raise RingError(
+                f"cannot open ring {path}: not a tapd ring of this version, or unreadable"
+            )
+        return cls(handle, path)
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise RingError(f"ring {self.path} is closed")
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._lib.tapd_ring_close(self._handle)
+            self._handle = None
+
+    def install(self) -> None:
+        """Make this the ring the process's FFI taps write to."""
+        self._lib.tapd_ring_install(self.handle)
+
+    def counters(self) -> Counters:
+        out = (ctypes.c_uint64 * 8)()
+        self._lib.tapd_ring_counters(self.handle, out)
+        return Counters(*[int(v) for v in out])
+
+    def set_reader(self, pid: int) -> None:
+        self._lib.tapd_ring_set_reader(self.handle, pid)
+
+    def write(
+        self,
+        site: int,
+        payload: bytes,
+        *,
+        consumer: int = 0,
+        device: int = 0,
+        step: int | None = None,
+    ) -> bool:
+        """Append one record from Python (tests, benchmarks). False if dropped."""
+        step_value = NO_STEP if step is None else step
+        return (
+            self._lib.tapd_ring_write(
+                self.handle, site, consumer, device, step_value, payload, len(payload)
+            )
+            == 0
+        )
+
+    def read(self, position: int, max_records: int = 1024) -> list[Record]:
+        """Committed records from `position` on (views into the ring: valid until the
+        space is released and rewritten)."""
+        pointer = ctypes.c_void_p()
+        available = int(self._lib.tapd_ring_readable(self.handle, position, ctypes.byref(pointer)))
+        if available == 0:
+            return []
+        view = memoryview((ctypes.c_ubyte * available).from_address(pointer.value or 0)).cast("B")
+        records = []
+        offset = 0
+        while offset < available and len(records) < max_records:
+            if available - offset < self.header_bytes:
+                raise RingError(f"ring {self.path}: truncated record header at {position + offset}")
+            header = np.frombuffer(view, RECORD_HEADER, count=1, offset=offset)[0]
+            length = int(header["length"])
+            if length < self.header_bytes or length % 8 or offset + length > available:
+                raise RingError(
+                    f"ring {self.path}: bad record length {length} at {position + offset}"
+                )
+            step = int(header["step"])
+            records.append(Record(
+                start=position + offset, end=position + offset + length,
+                site=int(header["site"]), seq=int(header["seq"]),
+                step=None if step == NO_STEP else step, time_ns=int(header["time_ns"]),
+                device=int(header["device"]),
+                payload=view[offset + self.header_bytes : offset + length],
+            ))  # fmt: skip
+            offset += length
+        return records
+
+    def release(self, position: int) -> None:
+        """Everything before `position` was delivered: writers may reuse it."""
+        self._lib.tapd_ring_release(self.handle, position)

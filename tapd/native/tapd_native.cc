@@ -1,0 +1,357 @@
+// tapd's native hot path: an XLA FFI handler that copies a tap's operands into a
+// shared-memory ring, and the C functions (loaded with ctypes) that create, attach to
+// and drain that ring. No Python runs on the tap path.
+//
+// Ring file layout (docs/PROTOCOL.md, "Shared-memory ring"):
+//   [ one page: RingControl ][ capacity bytes of records ]
+// The record area is mapped twice, back to back, so a record that crosses the end of
+// the ring is still contiguous in memory: any record up to `capacity` bytes fits.
+//
+// Writers (XLA threads, several at once) reserve space with a CAS on `head`, copy, and
+// then commit in reservation order by advancing `committed` (a writer whose predecessor
+// is still copying waits for it; that wait is one memcpy long). The reader (the daemon)
+// consumes [tail, committed) and advances `tail` only once the taps were delivered, so a
+// daemon that dies loses nothing: its successor starts again from `tail`.
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr uint64_t kMagic = 0x31474e4952504154ULL;  // "TAPRING1"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kControlBytes = 4096;
+constexpr int64_t kNoStep = INT64_MIN;
+constexpr uint32_t kPolicyBlock = 0;
+constexpr uint32_t kPolicyDropNewest = 1;
+
+struct RingControl {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t policy;
+  uint64_t capacity;
+  int64_t writer_pid;
+  alignas(64) std::atomic<uint64_t> head;       // next byte to reserve
+  alignas(64) std::atomic<uint64_t> committed;  // every byte below is readable
+  alignas(64) std::atomic<uint64_t> tail;       // every byte below was delivered
+  alignas(64) std::atomic<uint64_t> taps;       // committed tap records
+  std::atomic<uint64_t> dropped;                // refused for lack of space
+  std::atomic<uint64_t> blocked_ns;             // total time writers waited for space
+  std::atomic<int64_t> reader_pid;              // the daemon draining it, 0 if none
+};
+static_assert(sizeof(RingControl) <= kControlBytes, "control block must fit its page");
+
+// One record; 8-byte aligned; followed by the leaves' bytes, each padded to 8.
+struct RecordHeader {
+  uint32_t length;  // whole record, header included, multiple of 8
+  uint32_t nleaves;
+  uint64_t site;    // tap site id (registered in the emitter's .sites file)
+  uint64_t seq;     // per (consumer, device), counting drops too: gaps are visible
+  int64_t step;     // kNoStep if none
+  int64_t time_ns;  // CLOCK_REALTIME
+  int32_t device;
+  uint32_t reserved;
+};
+
+struct Ring {
+  RingControl* control;
+  uint8_t* data;  // capacity bytes, mapped twice
+  uint64_t capacity;
+  size_t mapped;  // bytes of address space reserved
+};
+
+uint64_t Align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
+
+int64_t NowNs(clockid_t clock) {
+  timespec ts;
+  clock_gettime(clock, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+Ring* MapRing(int fd, uint64_t capacity) {
+  size_t total = kControlBytes + 2 * capacity;
+  void* base = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+  auto* bytes = static_cast<uint8_t*>(base);
+  int prot = PROT_READ | PROT_WRITE;
+  if (mmap(bytes, kControlBytes + capacity, prot, MAP_SHARED | MAP_FIXED, fd, 0) ==
+          MAP_FAILED ||
+      mmap(bytes + kControlBytes + capacity, capacity, prot, MAP_SHARED | MAP_FIXED, fd,
+           kControlBytes) == MAP_FAILED) {
+    munmap(base, total);
+    return nullptr;
+  }
+  return new Ring{reinterpret_cast<RingControl*>(bytes), bytes + kControlBytes, capacity,
+                  total};
+}
+
+// The emitter process's ring, used by the FFI handler.
+std::atomic<Ring*> g_ring{nullptr};
+std::mutex g_seq_mutex;
+std::unordered_map<uint64_t, uint64_t> g_seq;  // (consumer << 32 | device) -> next seq
+
+uint64_t NextSeq(uint32_t consumer, int32_t device) {
+  std::lock_guard<std::mutex> lock(g_seq_mutex);
+  return g_seq[(uint64_t{consumer} << 32) | uint32_t(device)]++;
+}
+
+// Reserve `length` bytes; returns the position or UINT64_MAX if dropped.
+uint64_t Reserve(Ring* ring, uint64_t length) {
+  RingControl* c = ring->control;
+  uint64_t head = c->head.load(std::memory_order_relaxed);
+  int64_t waiting_since = 0;
+  bool warned = false;
+  for (int spins = 0;; ++spins) {
+    uint64_t tail = c->tail.load(std::memory_order_acquire);
+    if (head + length - tail <= ring->capacity) {
+      if (c->head.compare_exchange_weak(head, head + length, std::memory_order_acq_rel,
+                                        std::memory_order_relaxed)) {
+        if (waiting_since) {
+          c->blocked_ns.fetch_add(NowNs(CLOCK_MONOTONIC) - waiting_since,
+                                  std::memory_order_relaxed);
+        }
+        return head;
+      }
+      continue;  // lost the race: `head` was reloaded by the CAS
+    }
+    if (c->policy == kPolicyDropNewest) {
+      c->dropped.fetch_add(1, std::memory_order_relaxed);
+      return UINT64_MAX;
+    }
+    // Policy block: the device pauses until the daemon frees space, as host_callback's
+    // outfeed did. Spin briefly, then sleep in short steps.
+    if (!waiting_since) waiting_since = NowNs(CLOCK_MONOTONIC);
+    if (spins < 64) {
+      sched_yield();
+    } else {
+      timespec pause{0, 50000};
+      nanosleep(&pause, nullptr);
+    }
+    if (!warned && NowNs(CLOCK_MONOTONIC) - waiting_since > 5000000000LL) {
+      warned = true;
+      std::fprintf(stderr,
+                   "tapd: a tap has waited 5 s for ring space (policy block); is the tapd "
+                   "daemon running and draining? (`tapd status`)\n");
+    }
+    head = c->head.load(std::memory_order_relaxed);
+  }
+}
+
+void Commit(Ring* ring, uint64_t position, uint64_t length) {
+  RingControl* c = ring->control;
+  // Commits happen in reservation order; wait for the writer before us to finish.
+  for (int spins = 0; c->committed.load(std::memory_order_acquire) != position; ++spins) {
+    if (spins > 64) sched_yield();
+  }
+  c->taps.fetch_add(1, std::memory_order_relaxed);
+  c->committed.store(position + length, std::memory_order_release);
+}
+
+ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, int64_t site, int64_t consumer,
+                   int64_t has_step) {
+  Ring* ring = g_ring.load(std::memory_order_acquire);
+  if (ring == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "tapd: native tap ran before the emitter attached its ring");
+  }
+  size_t nleaves = args.size() - (has_step ? 1 : 0);
+  uint64_t length = sizeof(RecordHeader);
+  for (size_t i = 0; i < nleaves; ++i) {
+    auto buffer = args.get<ffi::AnyBuffer>(i);
+    if (buffer.has_error()) return buffer.error();
+    length += Align8(buffer->size_bytes());
+  }
+  uint64_t seq = NextSeq(uint32_t(consumer), device);
+  if (length > ring->capacity) {
+    ring->control->dropped.fetch_add(1, std::memory_order_relaxed);
+    std::fprintf(stderr, "tapd: a %llu-byte tap is larger than the whole ring; dropped\n",
+                 static_cast<unsigned long long>(length));
+    return ffi::Error::Success();
+  }
+  uint64_t position = Reserve(ring, length);
+  if (position == UINT64_MAX) return ffi::Error::Success();  // counted as dropped
+  uint8_t* out = ring->data + (position % ring->capacity);
+  RecordHeader header{};
+  header.length = uint32_t(length);
+  header.nleaves = uint32_t(nleaves);
+  header.site = uint64_t(site);
+  header.seq = seq;
+  header.step = kNoStep;
+  if (has_step) {
+    auto step = args.get<ffi::AnyBuffer>(nleaves);
+    if (step.has_error()) return step.error();
+    header.step = step->element_type() == ffi::DataType::S64
+                      ? *static_cast<int64_t*>(step->untyped_data())
+                      : *static_cast<int32_t*>(step->untyped_data());
+  }
+  header.time_ns = NowNs(CLOCK_REALTIME);
+  header.device = device;
+  std::memcpy(out, &header, sizeof(header));
+  uint64_t offset = sizeof(header);
+  for (size_t i = 0; i < nleaves; ++i) {
+    auto buffer = args.get<ffi::AnyBuffer>(i);
+    size_t size = buffer->size_bytes();
+    if (size) std::memcpy(out + offset, buffer->untyped_data(), size);
+    offset += Align8(size);
+  }
+  Commit(ring, position, length);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTap, TapImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("consumer")
+                                  .Attr<int64_t>("has_step"));
+
+// ---- C API for ctypes (tapd/native/ring.py) ------------------------------------------
+
+extern "C" {
+
+// Create a ring file (mode 0600, must not exist); capacity: a multiple of the page size.
+void* tapd_ring_create(const char* path, uint64_t capacity, uint32_t policy) {
+  if (capacity == 0 || capacity % uint64_t(sysconf(_SC_PAGESIZE)) != 0) {
+    errno = EINVAL;
+    return nullptr;
+  }
+  int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return nullptr;
+  if (ftruncate(fd, off_t(kControlBytes + capacity)) != 0) {
+    int saved = errno;
+    close(fd);
+    unlink(path);
+    errno = saved;
+    return nullptr;
+  }
+  Ring* ring = MapRing(fd, capacity);
+  int saved = errno;
+  close(fd);
+  if (ring == nullptr) {
+    unlink(path);
+    errno = saved;
+    return nullptr;
+  }
+  RingControl* c = new (ring->control) RingControl();
+  c->version = kVersion;
+  c->policy = policy == kPolicyDropNewest ? kPolicyDropNewest : kPolicyBlock;
+  c->capacity = capacity;
+  c->writer_pid = getpid();
+  std::atomic_thread_fence(std::memory_order_release);
+  c->magic = kMagic;
+  return ring;
+}
+
+// Map an existing ring (the daemon's side). Returns null with errno set, EPROTO if the
+// file is not a ring of this version.
+void* tapd_ring_open(const char* path) {
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) return nullptr;
+  RingControl probe;
+  struct stat info;
+  if (fstat(fd, &info) != 0 || info.st_size < off_t(kControlBytes) ||
+      pread(fd, &probe, sizeof(uint64_t) * 3, 0) != sizeof(uint64_t) * 3 ||
+      probe.magic != kMagic || probe.version != kVersion ||
+      info.st_size != off_t(kControlBytes + probe.capacity)) {
+    close(fd);
+    errno = EPROTO;
+    return nullptr;
+  }
+  Ring* ring = MapRing(fd, probe.capacity);
+  int saved = errno;
+  close(fd);
+  errno = saved;
+  return ring;
+}
+
+void tapd_ring_close(void* handle) {
+  auto* ring = static_cast<Ring*>(handle);
+  if (ring == nullptr) return;
+  Ring* expected = ring;
+  g_ring.compare_exchange_strong(expected, nullptr);
+  munmap(ring->control, ring->mapped);
+  delete ring;
+}
+
+// Make `handle` the ring this process's FFI taps write to.
+void tapd_ring_install(void* handle) { g_ring.store(static_cast<Ring*>(handle)); }
+
+// Reader: the committed bytes not yet consumed start at *data; returns their length.
+// The region is contiguous (double mapping) and holds whole records.
+uint64_t tapd_ring_readable(void* handle, uint64_t from, const uint8_t** data) {
+  auto* ring = static_cast<Ring*>(handle);
+  uint64_t committed = ring->control->committed.load(std::memory_order_acquire);
+  *data = ring->data + (from % ring->capacity);
+  uint64_t available = committed - from;
+  return available > ring->capacity ? ring->capacity : available;
+}
+
+// Reader: every record below `position` has been delivered; writers may reuse it.
+void tapd_ring_release(void* handle, uint64_t position) {
+  static_cast<Ring*>(handle)->control->tail.store(position, std::memory_order_release);
+}
+
+// Counters and positions, for the daemon and for `barrier_wait`.
+void tapd_ring_counters(void* handle, uint64_t* out /* [8] */) {
+  RingControl* c = static_cast<Ring*>(handle)->control;
+  out[0] = c->head.load(std::memory_order_acquire);
+  out[1] = c->committed.load(std::memory_order_acquire);
+  out[2] = c->tail.load(std::memory_order_acquire);
+  out[3] = c->taps.load(std::memory_order_relaxed);
+  out[4] = c->dropped.load(std::memory_order_relaxed);
+  out[5] = c->blocked_ns.load(std::memory_order_relaxed);
+  out[6] = uint64_t(c->writer_pid);
+  out[7] = c->capacity;
+}
+
+void tapd_ring_set_reader(void* handle, int64_t pid) {
+  static_cast<Ring*>(handle)->control->reader_pid.store(pid, std::memory_order_release);
+}
+
+int64_t tapd_ring_reader(void* handle) {
+  return static_cast<Ring*>(handle)->control->reader_pid.load(std::memory_order_acquire);
+}
+
+// Write one record from the calling thread (tests and benchmarks of the ring itself).
+// Returns 0, or 1 if dropped.
+int tapd_ring_write(void* handle, uint64_t site, uint32_t consumer, int32_t device,
+                    int64_t step, const uint8_t* payload, uint64_t size) {
+  auto* ring = static_cast<Ring*>(handle);
+  uint64_t length = sizeof(RecordHeader) + Align8(size);
+  uint64_t seq = NextSeq(consumer, device);
+  if (length > ring->capacity) {
+    ring->control->dropped.fetch_add(1, std::memory_order_relaxed);
+    return 1;
+  }
+  uint64_t position = Reserve(ring, length);
+  if (position == UINT64_MAX) return 1;
+  uint8_t* out = ring->data + (position % ring->capacity);
+  RecordHeader header{uint32_t(length), 1, site, seq, step, NowNs(CLOCK_REALTIME), device, 0};
+  std::memcpy(out, &header, sizeof(header));
+  if (size) std::memcpy(out + sizeof(header), payload, size);
+  Commit(ring, position, length);
+  return 0;
+}
+
+uint64_t tapd_ring_record_header_bytes() { return sizeof(RecordHeader); }
+
+}  // extern "C"
