@@ -36,6 +36,7 @@ __all__ = [
     "TapFunctionException",
     "TapdError",
     "__version__",
+    "backend",
     "barrier_wait",
     "configure",
     "id_print",
@@ -78,6 +79,14 @@ def configure(**settings: Any) -> Any:
     from tapd.emitter import tapping
 
     return tapping.configure(**settings)
+
+
+def backend() -> str:
+    """The backend this process's taps use: "native" (XLA FFI + shared-memory ring) or
+    "portable" (jax.debug.callback). Decided once, from settings and availability."""
+    from tapd.emitter import tapping
+
+    return tapping.backend()
 
 
 def stats() -> dict[str, int]:

@@ -32,6 +32,9 @@ class Config:
     emitter_window_bytes: int = 64 * 2**20
     # A subscriber silent this long (no ack, no heartbeat) is dropped; its taps count lost.
     subscriber_timeout: float = 10.0
+    # After start, how long to wait before draining rings, so that subscribers of a
+    # restarted daemon are back before the taps waiting in rings are routed.
+    startup_grace: float = 2.0
     # On SIGTERM, how long to keep delivering what is queued before exiting.
     drain_timeout: float = 10.0
     # Largest tap accepted, in bytes of array payload.
@@ -45,7 +48,7 @@ class Config:
         for name in ("queue_bytes", "emitter_window_bytes", "max_message_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("subscriber_timeout", "drain_timeout"):
+        for name in ("subscriber_timeout", "drain_timeout", "startup_grace"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.endpoint.startswith(("ipc://", "tcp://", "inproc://")):
@@ -61,7 +64,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 def _convert(name: str, raw: Any, source: str) -> Any:
     kind = {
         "queue_bytes": int, "emitter_window_bytes": int, "max_message_bytes": int,
-        "subscriber_timeout": float, "drain_timeout": float, "pidfile": Path,
+        "subscriber_timeout": float, "drain_timeout": float, "startup_grace": float,
+        "pidfile": Path,
     }.get(name, str)  # fmt: skip
     try:
         return kind(raw)

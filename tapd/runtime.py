@@ -60,3 +60,12 @@ def check_ipc_endpoint(endpoint: str) -> None:
                 f"ipc path {path!r} is {len(path.encode())} bytes; the limit is {IPC_PATH_MAX}. "
                 "Set TAPD_RUNTIME_DIR to a shorter directory."
             )
+
+
+def ring_dir_for(endpoint: str) -> Path | None:
+    """Where emitters of the daemon at `endpoint` put their shared-memory rings: beside
+    its ipc socket, so the daemon finds them (and only it can). None for tcp endpoints:
+    a ring is shared memory, so the daemon must be on this host."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    return Path(endpoint.removeprefix("ipc://")).parent / "rings"

@@ -53,6 +53,24 @@ def stop_process(process: subprocess.Popen[str], timeout: float = 20.0) -> int:
             process.stdout.close()
 
 
+def native_unavailable() -> str | None:
+    from tapd.native import library
+
+    if library.load() is None:
+        return f"needs tapd's native library: {library.unavailable_reason()}"
+    return None
+
+
+@pytest.fixture(params=["native", "portable"])
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test once per emitter backend (emitters inherit TAPD_BACKEND)."""
+    name: str = request.param
+    if name == "native" and (reason := native_unavailable()):
+        pytest.skip(reason)
+    monkeypatch.setenv("TAPD_BACKEND", name)
+    return name
+
+
 @pytest.fixture
 def runtime_dir() -> Iterator[Path]:
     # Short on purpose: ipc:// paths must stay under 107 bytes.
@@ -102,6 +120,8 @@ def start_daemon(runtime_dir: Path) -> Iterator[Callable[..., Daemon]]:
             endpoint,
             "--pidfile",
             str(runtime_dir / f"{name}.pid"),
+            "--startup-grace",  # no subscriber is waiting to reconnect; tests may override
+            "0",
             *flags,
         ]
         log = runtime_dir / f"{name}.log"

@@ -13,11 +13,21 @@ import tapd
 import tapd_client
 
 
+@pytest.fixture(autouse=True, scope="module")
+def in_process_emitter(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """These tests only trace taps; keep this process's emitter away from any daemon."""
+    from tapd.emitter import tapping
+
+    if tapping._sender is None and tapping._settings is None:
+        tapd.configure(endpoint=f"ipc://{tmp_path_factory.mktemp('t')}/none.sock",
+                       backend="portable", exit_timeout=0)  # fmt: skip
+
+
 def test_exported_members() -> None:
     assert sorted(tapd.__all__) == sorted([
         "BarrierTimeout", "ConfigError", "ProtocolError", "TapDefinitionError",
-        "TapFunctionException", "TapdError", "__version__", "barrier_wait", "configure",
-        "id_print", "id_tap", "stats", "tap",
+        "TapFunctionException", "TapdError", "__version__", "backend", "barrier_wait",
+        "configure", "id_print", "id_tap", "stats", "tap",
     ])  # fmt: skip
     assert sorted(tapd_client.__all__) == ["Handler", "Subscriber", "TapMeta"]
     for module in (tapd, tapd_client):

@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="on SIGTERM, keep delivering this many seconds (default 10)",
     )
+    start.add_argument(
+        "--startup-grace",
+        type=float,
+        help="seconds to wait after start before draining emitters' rings, "
+        "so subscribers can reconnect first (default 2)",
+    )
     start.add_argument("--max-message-bytes", type=int, help="largest tap accepted (1 GiB)")
     start.add_argument(
         "--config",
@@ -163,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _daemon_config(args: argparse.Namespace) -> config_module.Config:
     flags = {name: getattr(args, name) for name in (
         "endpoint", "tcp", "policy", "queue_bytes", "emitter_window_bytes",
-        "subscriber_timeout", "drain_timeout", "max_message_bytes", "pidfile",
+        "subscriber_timeout", "drain_timeout", "startup_grace", "max_message_bytes", "pidfile",
     )}  # fmt: skip
     flags["log_level"] = args.log_level
     return config_module.load(flags, args.config)

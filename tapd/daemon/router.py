@@ -38,9 +38,9 @@ class Emitter:
     next_index: int = 0
     low: int = 0  # every tap below this index is finished
     pending: dict[int, _Pending] = dataclasses.field(default_factory=dict)
-    parked: collections.deque[tuple[int, Message, int]] = dataclasses.field(
+    parked: collections.deque[tuple[int, Message, int, int]] = dataclasses.field(
         default_factory=collections.deque
-    )  # (index, tap, nbytes) waiting for queue room under "block"
+    )  # (index, tap, nbytes, credit bytes) waiting for queue room under "block"
     barriers: collections.deque[tuple[int, int]] = dataclasses.field(
         default_factory=collections.deque
     )  # (barrier id, first index after it)
@@ -119,24 +119,44 @@ class Router:
         }
         self._send(emitter.key, encode("welcome", fields))
 
-    def tap(self, key: PeerKey, tap: Message) -> None:
+    def tap(
+        self, key: PeerKey, tap: Message, *, credit: bool = True, nbytes: int | None = None
+    ) -> int:
+        """Take one tap from emitter `key`; return its index. `credit=False` for taps
+        read from a ring, whose space the ring itself bounds."""
         emitter = self.emitters.get(key)
         if emitter is None:  # e.g. this daemon restarted: the tap says who sent it
             header = tap.header
-            emitter = self.emitters[key] = Emitter(key, f"{header['host']}:{header['pid']}")
-            logger.info("emitter %s reconnected", emitter.name)
+            emitter = self.adopt(key, f"{header['host']}:{header['pid']}")
             self._welcome(emitter)
-        nbytes = sum(len(f) for f in tap.frames)
+        if nbytes is None:
+            nbytes = sum(len(f) for f in tap.frames)
         index = emitter.next_index
         emitter.next_index += 1
         self.counters["taps_received"] += 1
         self.counters["bytes_received"] += nbytes
+        credit_bytes = nbytes if credit else 0
         if emitter.parked or (self.policy == "block" and not self._has_room(tap, nbytes)):
-            emitter.parked.append((index, tap, nbytes))
-            emitter.parked_bytes += nbytes
+            emitter.parked.append((index, tap, nbytes, credit_bytes))
+            emitter.parked_bytes += credit_bytes
             emitter.pending[index] = _Pending(remaining=-1)  # parked: not routed yet
-            return
-        self._route(emitter, index, tap, nbytes)
+            return index
+        self._route(emitter, index, tap, nbytes, credit_bytes)
+        return index
+
+    def adopt(self, key: PeerKey, name: str) -> Emitter:
+        """State for an emitter met without a hello (daemon restart, orphaned ring)."""
+        emitter = self.emitters[key] = Emitter(key, name)
+        logger.info("emitter %s (re)connected", name)
+        return emitter
+
+    def rekey(self, old: PeerKey, new: PeerKey) -> None:
+        """An emitter reconnected under a new socket identity: keep its state."""
+        emitter = self.emitters.pop(old, None)
+        if emitter is not None:
+            self.emitters.pop(new, None)
+            emitter.key = new
+            self.emitters[new] = emitter
 
     def _targets(self, consumer: str) -> list[Subscriber]:
         return [s for s in self.subscribers.values() if s.wants(consumer)]
@@ -147,8 +167,10 @@ class Router:
             for s in self._targets(tap.header["consumer"])
         )
 
-    def _route(self, emitter: Emitter, index: int, tap: Message, nbytes: int) -> None:
-        emitter.credit_due += nbytes
+    def _route(
+        self, emitter: Emitter, index: int, tap: Message, nbytes: int, credit_bytes: int
+    ) -> None:
+        emitter.credit_due += credit_bytes
         targets = self._targets(tap.header["consumer"])
         if not targets:
             emitter.unrouted += 1
@@ -173,12 +195,12 @@ class Router:
         """Route parked taps, in order, as far as queue room allows."""
         for emitter in self.emitters.values():
             while emitter.parked:
-                index, tap, nbytes = emitter.parked[0]
+                index, tap, nbytes, credit_bytes = emitter.parked[0]
                 if self.policy == "block" and not self._has_room(tap, nbytes):
                     break
                 emitter.parked.popleft()
-                emitter.parked_bytes -= nbytes
-                self._route(emitter, index, tap, nbytes)
+                emitter.parked_bytes -= credit_bytes
+                self._route(emitter, index, tap, nbytes, credit_bytes)
 
     def _finish(self, emitter: Emitter, index: int) -> None:
         pending = emitter.pending.pop(index)

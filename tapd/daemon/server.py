@@ -21,10 +21,11 @@ from typing import Any
 import zmq
 
 from tapd.config import Config
+from tapd.daemon.rings import RingSet
 from tapd.daemon.router import Router
 from tapd.errors import ProtocolError
 from tapd.protocol import Limits, decode, encode
-from tapd.runtime import ensure_private_dir
+from tapd.runtime import ensure_private_dir, ring_dir_for
 
 logger = logging.getLogger("tapd.daemon")
 
@@ -51,6 +52,7 @@ class Daemon:
             daemon_id=self.id,
         )
         self.endpoints: list[str] = []
+        self.rings = RingSet(ring_dir_for(config.endpoint))
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -110,32 +112,50 @@ class Daemon:
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
-        last_expiry = time.monotonic()
+        if self.rings.directory is not None:
+            ensure_private_dir(self.rings.directory)
+            self.rings.adopt_orphans(self.router)
+        last_check = time.monotonic()
+        rings_from = last_check + self.config.startup_grace
         drain_deadline: float | None = None
+        quiet_rounds = 0
         try:
             while True:
-                events = dict(poller.poll(timeout=100))
+                events = dict(poller.poll(timeout=self._poll_timeout(quiet_rounds)))
                 for index, sock in enumerate(self._sockets):
                     if sock in events:
                         self._read(index, sock)
                 if self._wake_read in events:
                     _drain_pipe(self._wake_read)
                 now = time.monotonic()
-                if now - last_expiry > _EXPIRE_EVERY:
+                if now - last_check > _EXPIRE_EVERY:
                     self.router.expire(now, self.config.subscriber_timeout)
-                    last_expiry = now
+                    self.rings.check_writers(self.router)
+                    last_check = now
                 self.router.unpark()
+                moved = self.rings.poll(self.router) if now >= rings_from else 0
+                quiet_rounds = 0 if moved or events else quiet_rounds + 1
                 self.router.pump()
                 self.router.flush_credit()
                 if self._stop.is_set():
                     if drain_deadline is None:
                         drain_deadline = now + self.config.drain_timeout
                         logger.info("stopping: draining for up to %g s", self.config.drain_timeout)
-                    if self.router.idle() or now >= drain_deadline:
+                    if (self.router.idle() and self.rings.idle()) or now >= drain_deadline:
                         break
         finally:
             self._report_undelivered()
             self.close()
+
+    def _poll_timeout(self, quiet_rounds: int) -> int:
+        """Milliseconds to wait for a socket. Rings have no file descriptor to wait on,
+        so while any is attached the loop polls them: at once after activity, then
+        every millisecond, then every 10 ms once quiet for a while."""
+        if not self.rings.sources:
+            return 100
+        if quiet_rounds == 0:
+            return 0
+        return 1 if quiet_rounds < 500 else 10
 
     def _report_undelivered(self) -> None:
         for key in list(self.router.subscribers):
@@ -148,6 +168,7 @@ class Daemon:
         logger.info("tapd daemon stopped: %s", dict(self.router.counters))
 
     def close(self) -> None:
+        self.rings.close()
         for sock in self._sockets:
             sock.close(linger=1000)
         self._sockets.clear()
@@ -205,17 +226,26 @@ class Daemon:
                 and isinstance(header.get("pid"), int)
             ):
                 router.emitter_hello(key, header)
+                if isinstance(header.get("ring"), str):
+                    self.rings.attach(key, header, router)
             elif header["role"] == "subscriber":
                 router.subscriber_hello(key, header, now)
             else:
                 router.reject("bad_field", f"hello with unknown role {header['role']!r:.40}")
         elif kind == "barrier":
-            router.barrier(key, header["id"])
+            position = header.get("ring_position")
+            if not (
+                isinstance(position, int)
+                and self.rings.barrier(key, header["id"], position, router)
+            ):
+                router.barrier(key, header["id"])
         elif kind == "bye":
             router.drop_subscriber(key, "said goodbye")
-            router.emitter_bye(key)
+            if key not in self.rings.sources:  # a ring's lifetime is its writer's
+                router.emitter_bye(key)
         elif kind == "stats":
-            self._send(key, encode("stats_reply", {"stats": router.stats()}))
+            stats = {**router.stats(), "rings": self.rings.stats()}
+            self._send(key, encode("stats_reply", {"stats": stats}))
         elif kind == "shutdown":
             if index == 0 and self.config.endpoint.startswith("ipc://"):
                 logger.info("shutdown requested over the local endpoint")

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from tapd.emitter.native_backend import NativeEmitter
 from tapd.emitter.settings import EmitterSettings
 from tapd.errors import BarrierTimeout, ProtocolError, TapFunctionException
 from tapd.protocol import decode, encode
@@ -57,6 +58,8 @@ class _Tap:
 class _Barrier:
     id: int
     covers: int  # taps submitted before it
+    ring_position: int | None = None  # native backend: ring bytes committed before it
+    lost_bytes: int = 0
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     reply: dict[str, Any] = dataclasses.field(default_factory=dict)
     nbytes: int = 0
@@ -84,13 +87,21 @@ class SenderStats:
 class Sender:
     """Connection of one emitter process to its host's daemon."""
 
-    def __init__(self, settings: EmitterSettings, *, process_index: int = 0) -> None:
+    def __init__(
+        self,
+        settings: EmitterSettings,
+        *,
+        process_index: int = 0,
+        native: NativeEmitter | None = None,
+    ) -> None:
         self.settings = settings
-        self._identity = {
+        self.native = native  # taps go through its ring; this thread does control only
+        self._identity: dict[str, Any] = {
             "role": "emitter",
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "process": process_index,
+            **(native.identity() if native else {}),
         }
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)  # producers wait here for room
@@ -168,7 +179,9 @@ class Sender:
     def barrier(self, timeout: float | None) -> dict[str, Any]:
         """Wait until every tap submitted so far is processed; raise handler errors."""
         with self._lock:
-            barrier = _Barrier(self._next_barrier, covers=self._stats.submitted)
+            barrier = _Barrier(self._next_barrier, covers=self._submitted_locked())
+            if self.native is not None:  # everything committed so far precedes it
+                barrier.ring_position = self.native.committed()
             self._next_barrier += 1
             self._barriers[barrier.id] = barrier
             self._queue.append(barrier)
@@ -185,18 +198,31 @@ class Sender:
         with self._lock:
             errors, self._errors = self._errors, []
             self._confirmed = max(self._confirmed, barrier.covers)
+            self._stats.lost_in_flight_bytes = barrier.lost_bytes
         if errors:
             raise TapFunctionException(errors)
         return barrier.reply
 
+    def _submitted_locked(self) -> int:
+        if self.native is not None:
+            native = self.native.stats()
+            return native["sent"] + native["dropped"]
+        return self._stats.submitted
+
     def all_confirmed(self) -> bool:
         """True when a barrier has passed since the last tap was submitted."""
         with self._lock:
-            return self._confirmed == self._stats.submitted
+            return self._confirmed == self._submitted_locked()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return self._stats.as_dict()
+            stats = self._stats.as_dict()
+            if self.native is not None:
+                native = self.native.stats()
+                stats.update(submitted=native["sent"] + native["dropped"],
+                             sent=native["sent"], dropped=native["dropped"],
+                             blocked_ns=native["blocked_ns"])  # fmt: skip
+            return stats
 
     def close(self, timeout: float) -> None:
         """Stop the thread; whatever is still buffered is counted as dropped and logged."""
@@ -259,7 +285,10 @@ class Sender:
                 if isinstance(item, _Tap):
                     self._stats.sent += 1
             if isinstance(item, _Barrier):
-                connection.send(encode("barrier", {"id": item.id}), 0)
+                fields: dict[str, Any] = {"id": item.id}
+                if item.ring_position is not None:
+                    fields["ring_position"] = item.ring_position
+                connection.send(encode("barrier", fields), 0)
             else:
                 connection.send(_encode_tap(item, self._identity), item.nbytes)
 
@@ -289,8 +318,8 @@ class Sender:
                     self._stats.delivered = header["delivered"]
                     self._stats.daemon_dropped = header["dropped"]
                     self._stats.unrouted = header["unrouted"]
-                    self._stats.lost_in_flight_bytes = connection.lost_bytes
                 if barrier is not None:
+                    barrier.lost_bytes = connection.lost_bytes
                     barrier.reply = dict(header)
                     barrier.done.set()
 
@@ -361,8 +390,11 @@ class _Connection:
             self.in_flight = max(0, self.in_flight - header["bytes"])
 
     def keep_alive(self) -> None:
+        # With a ring, taps do not travel over this socket, so hello is also how a
+        # restarted daemon learns where our ring is.
+        waiting = self.in_flight or "ring" in self.identity
         now = time.monotonic()
-        if self.in_flight and now - max(self.last_heard, self.last_hello) > _REHELLO_AFTER:
+        if waiting and now - max(self.last_heard, self.last_hello) > _REHELLO_AFTER:
             self._hello()
 
     def _hello(self) -> None:

@@ -11,13 +11,18 @@ from tapd.runtime import default_endpoint
 
 Policy = Literal["block", "drop_newest"]
 POLICIES: tuple[Policy, ...] = ("block", "drop_newest")
+Backend = Literal["auto", "native", "portable"]
+BACKENDS: tuple[Backend, ...] = ("auto", "native", "portable")
 
 
 @dataclasses.dataclass(frozen=True)
 class EmitterSettings:
     endpoint: str = dataclasses.field(default_factory=default_endpoint)
     policy: Policy = "block"
-    # The emitter's own buffer, in bytes of array payload (host_callback's 256 MB).
+    # native: XLA FFI handler into a shared-memory ring (CPU, daemon on this host);
+    # portable: jax.debug.callback; auto: native where it can be used.
+    backend: Backend = "auto"
+    # The emitter's own buffer (or ring), in bytes of payload (host_callback's 256 MB).
     buffer_bytes: int = 256 * 10**6
     # How long interpreter exit waits for taps to be delivered.
     exit_timeout: float = 10.0
@@ -27,6 +32,8 @@ class EmitterSettings:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ConfigError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.buffer_bytes <= 0:
             raise ConfigError(f"buffer_bytes must be positive, got {self.buffer_bytes}")
         if self.exit_timeout < 0:
@@ -36,6 +43,7 @@ class EmitterSettings:
 _ENV = {
     "TAPD_ENDPOINT": ("endpoint", str),
     "TAPD_POLICY": ("policy", str),
+    "TAPD_BACKEND": ("backend", str),
     "TAPD_BUFFER_BYTES": ("buffer_bytes", int),
     "TAPD_EXIT_TIMEOUT": ("exit_timeout", float),
 }

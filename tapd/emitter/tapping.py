@@ -23,11 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter, register_ffi_target
 from tapd.emitter.sender import Sender, TapSite
 from tapd.emitter.settings import EmitterSettings, from_environment
-from tapd.errors import TapDefinitionError
+from tapd.errors import ConfigError, TapDefinitionError
+from tapd.native import library
+from tapd.native.ring import RingError
 from tapd.protocol import flatten
 from tapd.protocol.dtypes import dtype_name
+from tapd.runtime import ring_dir_for
 
 logger = logging.getLogger("tapd.emitter")
 
@@ -61,9 +65,46 @@ def _get_sender() -> Sender:
             if _sender is None:
                 if _settings is None:
                     _settings = from_environment()
-                _sender = Sender(_settings, process_index=jax.process_index())
+                _sender = Sender(
+                    _settings,
+                    process_index=jax.process_index(),
+                    native=_native_emitter(_settings),
+                )
                 _register_exit_drain()
     return _sender
+
+
+def _native_emitter(settings: EmitterSettings) -> NativeEmitter | None:
+    """The native backend if settings allow and this process can use it, else None
+    (saying why, once)."""
+    if settings.backend == "portable":
+        return None
+    directory = ring_dir_for(settings.endpoint)
+    reason = None
+    if directory is None:
+        reason = f"the daemon endpoint {settings.endpoint} is not a local ipc:// socket"
+    elif jax.default_backend() != "cpu":
+        reason = f"the native handler is CPU-only so far (JAX backend {jax.default_backend()})"
+    elif not register_ffi_target():
+        reason = library.unavailable_reason()
+    if reason is None and directory is not None:
+        try:
+            return NativeEmitter(directory, settings.buffer_bytes, settings.policy)
+        except (RingError, OSError) as exc:
+            reason = str(exc)
+    if settings.backend == "native":
+        raise ConfigError(f"backend 'native' was asked for but cannot be used: {reason}")
+    logger.warning(
+        "tapd: using the portable backend (jax.debug.callback, ~50 us per tap); "
+        "the native one is unavailable: %s",
+        reason,
+    )
+    return None
+
+
+def backend() -> str:
+    """The backend this process's taps use ("native" or "portable")."""
+    return "native" if _get_sender().native is not None else "portable"
 
 
 def stats() -> dict[str, int]:
@@ -109,6 +150,8 @@ def _drain_at_exit() -> None:
         logger.error("tapd: at exit, not every tap was delivered: %s", exc)
     counts = sender.stats()
     sender.close(timeout=2.0)
+    if sender.native is not None and sender.all_confirmed():
+        sender.native.remove_files()  # all delivered; otherwise a daemon drains it later
     undelivered = counts["sent"] - counts["delivered"] - counts["unrouted"]
     if counts["dropped"] or counts["daemon_dropped"] or undelivered > 0:
         logger.error("tapd at exit: %s", counts)
@@ -207,6 +250,23 @@ def _emit(consumer: str, arg: Any, step: Any, static_meta: dict[str, Any]) -> No
     _tap_fn(consumer, {"tree": spec, "meta": static_meta}, ())(tuple(arrays), step_operand)
 
 
+def _native_tap(native: NativeEmitter, site: TapSite, leaves: Sequence[Any], step: Any) -> None:
+    """Emit the FFI call; XLA runs the C++ handler, which writes to the ring."""
+    described = [
+        [dtype_name(np.dtype(leaf.dtype)), list(leaf.shape),
+         int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize]
+        for leaf in leaves
+    ]  # fmt: skip
+    site_id = native.register_site(site.consumer, dict(site.fields), described)
+    operands = [*leaves] if step is None else [*leaves, step]
+    jax.ffi.ffi_call(FFI_TARGET, (), has_side_effect=True)(
+        *operands,
+        site=np.int64(site_id),
+        consumer=np.int64(native.consumer_id(site.consumer)),
+        has_step=np.int64(step is not None),
+    )
+
+
 def _tap_fn(
     consumer: str, site_fields: dict[str, Any], transforms: tuple[Any, ...]
 ) -> Callable[..., Any]:
@@ -222,7 +282,11 @@ def _tap_fn(
 
     @jax.custom_batching.custom_vmap
     def batched(leaves: tuple[Any, ...], step: Any) -> tuple[Any, ...]:
-        jax.debug.callback(callback, leaves, step)
+        native = _get_sender().native
+        if native is None:
+            jax.debug.callback(callback, leaves, step)
+        else:
+            _native_tap(native, site, leaves, step)
         return leaves
 
     @batched.def_vmap

@@ -125,12 +125,10 @@ class Ring:
     ) -> bool:
         """Append one record from Python (tests, benchmarks). False if dropped."""
         step_value = NO_STEP if step is None else step
-        return (
-            self._lib.tapd_ring_write(
-                self.handle, site, consumer, device, step_value, payload, len(payload)
-            )
-            == 0
+        status: int = self._lib.tapd_ring_write(
+            self.handle, site, consumer, device, step_value, payload, len(payload)
         )
+        return status == 0
 
     def read(self, position: int, max_records: int = 1024) -> list[Record]:
         """Committed records from `position` on (views into the ring: valid until the
@@ -140,7 +138,7 @@ class Ring:
         if available == 0:
             return []
         view = memoryview((ctypes.c_ubyte * available).from_address(pointer.value or 0)).cast("B")
-        records = []
+        records: list[Record] = []
         offset = 0
         while offset < available and len(records) < max_records:
             if available - offset < self.header_bytes:

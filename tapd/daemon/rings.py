@@ -1,0 +1,275 @@
+"""The daemon's side of the native backend: drain emitters' shared-memory rings.
+
+Each ring record becomes an ordinary tap `Message` (header from the emitter's sites
+file, frames viewing the ring memory, so nothing is copied until ZeroMQ sends it) and
+goes through the same router as taps that arrived over the socket: subscribers see no
+difference. Ring space is released only once the taps in it were delivered, so a
+daemon killed and restarted re-reads them from the ring's tail: nothing is lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+from tapd.daemon.router import Router
+from tapd.emitter.native_backend import read_sites
+from tapd.native.ring import Record, Ring, RingError
+from tapd.protocol import Message
+
+logger = logging.getLogger("tapd.daemon")
+
+_RECORDS_PER_POLL = 4096
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RingSource:
+    """One emitter's ring, its sites, and what of it the router still has to finish."""
+
+    def __init__(self, key: Hashable, ring_path: Path, sites_path: Path,
+                 identity: dict[str, Any]) -> None:  # fmt: skip
+        self.key = key
+        self.ring = Ring.open(ring_path)
+        self.ring.set_reader(os.getpid())
+        self.sites_path = sites_path
+        self.identity = identity
+        self._sites: dict[int, dict[str, Any]] = {}
+        self._sites_offset = 0
+        counters = self.ring.counters()
+        self.writer_pid = counters.writer_pid
+        self.read_position = counters.tail  # a restarted daemon starts where delivery stopped
+        self._in_router: collections.deque[tuple[int, int]] = collections.deque()  # (index, end)
+        self._barriers: list[tuple[int, int]] = []  # (barrier id, ring position)
+        self.writer_gone = False
+
+    @property
+    def path(self) -> Path:
+        return self.ring.path
+
+    def _site(self, site_id: int) -> dict[str, Any] | None:
+        if site_id not in self._sites:
+            try:
+                entries, self._sites_offset = read_sites(self.sites_path, self._sites_offset)
+            except OSError:
+                entries = []
+            for entry in entries:
+                self._sites[int(entry["site"])] = entry
+        return self._sites.get(site_id)
+
+    def _message(self, record: Record, site: dict[str, Any]) -> Message:
+        frames = []
+        offset = 0
+        for _, _, nbytes in site["leaves"]:
+            frames.append(record.payload[offset : offset + nbytes])
+            offset += (nbytes + 7) & ~7
+        header = {
+            "kind": "tap", "consumer": site["consumer"], "seq": record.seq, "step": record.step,
+            "device": record.device, "process": self.identity.get("process", 0),
+            "host": self.identity.get("host", "?"), "pid": self.writer_pid,
+            "time": record.time_ns, "transforms": site["transforms"], "meta": site["meta"],
+            "tree": site["tree"], "leaves": site["leaves"],
+        }  # fmt: skip
+        return Message(header, frames)
+
+    def drain(self, router: Router) -> int:
+        """Hand committed records to the router, in order, while it can take them."""
+        emitter = router.emitters.get(self.key)
+        if emitter is None or emitter.parked:
+            return 0  # under "block", a full subscriber queue stops us here
+        try:
+            records = self.ring.read(self.read_position, _RECORDS_PER_POLL)
+        except RingError as exc:
+            router.reject("bad_ring", str(exc))
+            return 0
+        taken = 0
+        for record in records:
+            site = self._site(record.site)
+            if site is None:
+                if not self.writer_gone:
+                    break  # its site entry is still being written: read it next time
+                router.reject("bad_ring", f"{self.path}: record for unknown site {record.site}")
+                self.read_position = record.end
+                continue
+            nbytes = sum(leaf[2] for leaf in site["leaves"])
+            index = router.tap(self.key, self._message(record, site), credit=False,
+                               nbytes=nbytes)  # fmt: skip
+            self._in_router.append((index, record.end))
+            self.read_position = record.end
+            taken += 1
+            if emitter.parked:
+                break
+        self._release_barriers(router)
+        return taken
+
+    def barrier(self, router: Router, barrier_id: int, position: int) -> None:
+        """A barrier covering the ring up to `position`: it joins the router's queue of
+        barriers once every record before `position` has been handed over."""
+        self._barriers.append((barrier_id, position))
+        self._release_barriers(router)
+
+    def _release_barriers(self, router: Router) -> None:
+        ready = [b for b in self._barriers if b[1] <= self.read_position]
+        self._barriers = [b for b in self._barriers if b[1] > self.read_position]
+        for barrier_id, _ in ready:
+            router.barrier(self.key, barrier_id)
+
+    def release_delivered(self, router: Router) -> None:
+        """Give writers back the space of every tap the router has finished."""
+        emitter = router.emitters.get(self.key)
+        low = emitter.low if emitter is not None else None
+        end = None
+        while self._in_router and (low is None or self._in_router[0][0] < low):
+            end = self._in_router.popleft()[1]
+        if end is not None:
+            self.ring.release(end)
+
+    def finished(self) -> bool:
+        """The writer is gone and everything it committed was read and delivered."""
+        if not self.writer_gone:
+            return False
+        counters = self.ring.counters()
+        return self.read_position >= counters.committed and not self._in_router
+
+    def close(self, *, remove: bool) -> None:
+        counters = self.ring.counters()
+        if remove:
+            uncommitted = counters.head - counters.committed
+            if uncommitted:
+                logger.error(
+                    "emitter pid %d died while writing %d bytes of taps to %s; they are lost",
+                    self.writer_pid,
+                    uncommitted,
+                    self.path,
+                )
+            self.path.unlink(missing_ok=True)
+            self.sites_path.unlink(missing_ok=True)
+        else:
+            self.ring.set_reader(0)
+        self.ring.close()
+
+
+class RingSet:
+    """Every ring this daemon drains, by emitter key."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        self.sources: dict[Hashable, RingSource] = {}
+
+    def attach(self, key: Hashable, identity: dict[str, Any], router: Router) -> None:
+        ring_path = Path(str(identity["ring"]))
+        sites_path = Path(str(identity.get("sites", ring_path.with_suffix(".sites"))))
+        if self.directory is None or ring_path.parent != self.directory:
+            router.reject("bad_field", f"ring {ring_path} is not in {self.directory}")
+            return
+        for source in self.sources.values():
+            if source.path == ring_path:
+                if source.key != key:  # the emitter reconnected under a new identity
+                    router.rekey(source.key, key)
+                    del self.sources[source.key]
+                    source.key = key
+                    self.sources[key] = source
+                return
+        try:
+            source = RingSource(key, ring_path, sites_path, identity)
+        except RingError as exc:
+            router.reject("bad_ring", str(exc))
+            return
+        self.sources[key] = source
+        logger.info(
+            "draining ring %s of emitter pid %d from position %d",
+            ring_path,
+            source.writer_pid,
+            source.read_position,
+        )
+
+    def adopt_orphans(self, router: Router) -> None:
+        """At start: rings left by emitters that died while no daemon ran are drained
+        (their writer is gone) and then removed. Live writers will say hello."""
+        if self.directory is None or not self.directory.is_dir():
+            return
+        for ring_path in sorted(self.directory.glob("*.ring")):
+            key = ("ring", str(ring_path))
+            try:
+                source = RingSource(key, ring_path, ring_path.with_suffix(".sites"), {})
+            except RingError as exc:
+                logger.warning("removing unreadable ring %s: %s", ring_path, exc)
+                ring_path.unlink(missing_ok=True)
+                ring_path.with_suffix(".sites").unlink(missing_ok=True)
+                continue
+            if pid_alive(source.writer_pid):
+                source.close(remove=False)
+                continue
+            source.writer_gone = True
+            router.adopt(key, f"dead emitter pid {source.writer_pid}")
+            self.sources[key] = source
+            logger.warning(
+                "found the ring of dead emitter pid %d: draining %d bytes, then removing it",
+                source.writer_pid,
+                source.ring.counters().committed - source.read_position,
+            )
+
+    def poll(self, router: Router) -> int:
+        moved = 0
+        for source in list(self.sources.values()):
+            moved += source.drain(router)
+            source.release_delivered(router)
+        return moved
+
+    def check_writers(self, router: Router) -> None:
+        for key, source in list(self.sources.items()):
+            if not source.writer_gone and not pid_alive(source.writer_pid):
+                source.writer_gone = True
+                logger.info("emitter pid %d is gone; draining what it committed", source.writer_pid)
+            if source.finished():
+                source.close(remove=True)
+                del self.sources[key]
+                router.emitter_bye(key)
+
+    def barrier(self, key: Hashable, barrier_id: int, position: int, router: Router) -> bool:
+        source = self.sources.get(key)
+        if source is None:
+            return False
+        source.barrier(router, barrier_id, position)
+        return True
+
+    def idle(self) -> bool:
+        """Every committed record was read and handed on."""
+        return all(s.read_position >= s.ring.counters().committed for s in self.sources.values())
+
+    def stats(self) -> list[dict[str, Any]]:
+        out = []
+        for source in self.sources.values():
+            counters = source.ring.counters()
+            out.append(
+                {
+                    "path": str(source.path),
+                    "writer_pid": source.writer_pid,
+                    "committed": counters.committed,
+                    "read": source.read_position,
+                    "released": counters.tail,
+                    "taps": counters.taps,
+                    "dropped": counters.dropped,
+                    "blocked_ns": counters.blocked_ns,
+                    "capacity": counters.capacity,
+                    "writer_gone": source.writer_gone,
+                }
+            )
+        return out
+
+    def close(self) -> None:
+        for source in self.sources.values():
+            source.close(remove=False)
+        self.sources.clear()
