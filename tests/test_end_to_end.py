@@ -57,6 +57,27 @@ def test_taps_under_jit_scan_fori_vmap_cond_and_grad(
     assert all(r["emitter"].endswith(str(r["emitter"].split(":")[-1])) for r in records)
 
 
+def test_pmap_over_four_devices_taps_every_shard(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str
+) -> None:
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "shard")
+    result = run_emitter(daemon.endpoint, "pmap", "3",
+                         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})  # fmt: skip
+    assert (result["devices"], result["backend"]) == (4, backend)
+    records = subscriber.records()
+    assert len(records) == 4 * 3  # one tap per device per step
+    for step in range(3):
+        values = sorted(r["value"] for r in records if r["step"] == step)
+        assert values == sorted([[10.0 * (2 * d) + step, 10.0 * (2 * d + 1) + step]
+                                 for d in range(4)])  # fmt: skip
+    if backend == "native":  # the FFI handler knows its device; in program order per device
+        for device in range(4):
+            mine = [r for r in records if r["device"] == device]
+            assert [(r["seq"], r["step"]) for r in mine] == [(0, 0), (1, 1), (2, 2)]
+            assert mine[0]["value"] == [20.0 * device, 20.0 * device + 10.0]
+
+
 def test_two_subscribers_both_get_every_tap_and_others_get_none(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber
 ) -> None:

@@ -60,6 +60,7 @@ class _Barrier:
     covers: int  # taps submitted before it
     ring_position: int | None = None  # native backend: ring bytes committed before it
     lost_bytes: int = 0
+    sent: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     reply: dict[str, Any] = dataclasses.field(default_factory=dict)
     nbytes: int = 0
@@ -285,10 +286,7 @@ class Sender:
                 if isinstance(item, _Tap):
                     self._stats.sent += 1
             if isinstance(item, _Barrier):
-                fields: dict[str, Any] = {"id": item.id}
-                if item.ring_position is not None:
-                    fields["ring_position"] = item.ring_position
-                connection.send(encode("barrier", fields), 0)
+                connection.send(_encode_barrier(item), 0)
             else:
                 connection.send(_encode_tap(item, self._identity), item.nbytes)
 
@@ -306,7 +304,12 @@ class Sender:
             header = message.header
             kind = message.kind
             connection.heard_from_daemon(header)
-            if kind == "error":
+            if kind == "rehello":  # a restarted daemon: barriers sent to the old one are lost
+                with self._lock:
+                    outstanding = [b for b in self._barriers.values() if b.sent]
+                for waiting in outstanding:
+                    connection.send(_encode_barrier(waiting), 0)
+            elif kind == "error":
                 text = f"{header['consumer']}#{header['seq']}: {header['error']}"
                 logger.error("tap function raised in subscriber %s: %s", header["subscriber"], text)
                 with self._lock:
@@ -407,6 +410,14 @@ class _Connection:
             self.sock.send_multipart(encode("bye", {}), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+
+
+def _encode_barrier(barrier: _Barrier) -> list[Any]:
+    barrier.sent = True
+    fields: dict[str, Any] = {"id": barrier.id}
+    if barrier.ring_position is not None:
+        fields["ring_position"] = barrier.ring_position
+    return encode("barrier", fields)
 
 
 def _encode_tap(tap: _Tap, identity: Mapping[str, Any]) -> list[Any]:

@@ -96,6 +96,41 @@ def many_bytes(count: str, kib: str) -> dict[str, Any]:
     return {"stats": tapd.stats()}
 
 
+def pmap(steps: str) -> dict[str, Any]:
+    """pmap over every local device (run with 4 forced CPU devices): each device taps
+    its own shard every step."""
+    devices = jax.local_device_count()
+    step = jax.pmap(lambda x, i: tapd.tap(x * 10 + i, "shard", step=i), in_axes=(0, None))
+    shards = jnp.arange(devices * 2, dtype=jnp.float32).reshape(devices, 2)
+    for i in range(int(steps)):
+        step(shards, i)
+    tapd.barrier_wait(timeout=60)
+    return {"devices": devices, "backend": tapd.backend(), "stats": tapd.stats()}
+
+
+def paced(count: str, interval_ms: str) -> dict[str, Any]:
+    """`count` taps, one every `interval_ms`, then a barrier (daemon restart tests)."""
+    step = jax.jit(lambda i: tapd.tap(i * 1.0, "loss", step=i))
+    for i in range(int(count)):
+        step(i)
+        time.sleep(float(interval_ms) / 1000)
+    jax.effects_barrier()
+    print("TAPPED", flush=True)
+    tapd.barrier_wait(timeout=60)
+    return {"stats": tapd.stats()}
+
+
+def taps_then_hang(count: str) -> dict[str, Any]:
+    """`count` taps, then wait to be killed (emitter death tests)."""
+    step = jax.jit(lambda i: tapd.tap(i * 1.0, "loss", step=i))
+    for i in range(int(count)):
+        step(i)
+    jax.effects_barrier()
+    print("TAPPED", flush=True)
+    time.sleep(600)
+    return {}
+
+
 if __name__ == "__main__":
     result = globals()[sys.argv[1]](*sys.argv[2:])
     print(json.dumps(result), flush=True)
