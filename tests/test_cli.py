@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import APPS, Daemon, run_emitter, wait_until
+from conftest import APPS, Daemon, SubscriberProcess, run_emitter, wait_until
 from tapd import config as config_module
 from tapd.cli.exit_codes import ExitCode
 from tapd.errors import ConfigError
@@ -40,7 +40,7 @@ def stop_and_read(process: subprocess.Popen[str]) -> str:
 def test_help_explains_every_command() -> None:
     result = tapd_cmd("--help")
     assert result.returncode == 0
-    for command in ("start", "stop", "status", "check", "subscribe", "tail", "demo"):
+    for command in ("start", "stop", "status", "check", "subscribe", "tail", "demo", "doctor"):
         assert command in result.stdout
     start_help = tapd_cmd("start", "--help").stdout
     assert "--policy" in start_help and "drop_newest" in start_help
@@ -153,3 +153,27 @@ def test_tail_prints_taps_as_they_arrive(start_daemon: Callable[..., Daemon]) ->
     lines = [line for line in stop_and_read(tail).splitlines() if "loss:" in line]
     assert [line.split("loss: ")[1] for line in lines] == ["0.0", "1.0", "2.0"]
     assert "#2 step=2]" in lines[2]
+
+
+def test_doctor_reports_the_native_library_and_the_daemon(runtime_dir: Path) -> None:
+    result = tapd_cmd("doctor", "--endpoint", f"ipc://{runtime_dir}/none.sock")
+    assert result.returncode == 0
+    assert "native library" in result.stdout
+    assert "not answering" in result.stdout
+
+
+def test_without_the_native_library_auto_falls_back_to_portable_and_says_so_once(
+    start_daemon: Callable[..., Daemon],
+    start_subscriber: Callable[..., SubscriberProcess],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TAPD_BACKEND", "auto")
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "loss")
+    result = run_emitter(daemon.endpoint, "steps", "5",
+                         env={"TEST_HIDE_NATIVE_LIBRARY": "1",
+                              "XDG_CACHE_HOME": str(tmp_path)})  # fmt: skip
+    assert result["stderr"].count("using the portable backend") == 1
+    assert "/nonexistent/c++" in result["stderr"] or "compiler" in result["stderr"]
+    assert [r["value"] for r in subscriber.records()] == [0.0, 1.0, 2.0, 3.0, 4.0]

@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("names", metavar="NAME", nargs="+")
     _endpoint_arg(tail)
 
+    doctor = commands.add_parser(
+        "doctor", help="what this machine offers tapd: backends, native library, daemon"
+    )
+    _endpoint_arg(doctor)
+
     demo = commands.add_parser(
         "demo", help="daemon + subscriber + a small JAX training loop with taps, then a summary"
     )
@@ -361,6 +366,52 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return _run_subscriber(subscriber)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import importlib.metadata
+    import platform
+
+    from tapd.daemon import control
+    from tapd.native import library
+    from tapd.runtime import ring_dir_for, runtime_dir
+
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    endpoint = _endpoint(args)
+    lib = library.load()
+    rows = [
+        ("tapd", version("tapd")),
+        ("python", platform.python_version()),
+        ("jax / jaxlib", f"{version('jax')} / {version('jaxlib')}"),
+        ("pyzmq", version("pyzmq")),
+        ("runtime dir", str(runtime_dir())),
+        ("endpoint", endpoint),
+        ("rings", str(ring_dir_for(endpoint) or "none (not an ipc:// endpoint)")),
+        ("native library", str(lib._name) if lib is not None
+         else f"unavailable: {library.unavailable_reason()}"),
+    ]  # fmt: skip
+    try:
+        stats = control.stats(endpoint, timeout=1.0)
+        daemon = f"running ({len(stats['subscribers'])} subscribers, {len(stats['rings'])} rings)"
+    except TimeoutError:
+        daemon = "not answering (start one with `tapd start`)"
+    rows.append(("daemon", daemon))
+    if lib is None:
+        backend = "portable (the native library is unavailable)"
+    elif ring_dir_for(endpoint) is None:
+        backend = "portable (the endpoint is not a local ipc:// socket)"
+    else:
+        backend = "native on CPU; portable on other JAX platforms"
+    rows.append(("emitters here use", backend))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return ExitCode.OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from tapd.demo.orchestrate import run_demo
 
@@ -373,5 +424,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 _COMMANDS = {
     "start": cmd_start, "stop": cmd_stop, "status": cmd_status, "check": cmd_check,
-    "subscribe": cmd_subscribe, "tail": cmd_tail, "demo": cmd_demo,
+    "subscribe": cmd_subscribe, "tail": cmd_tail, "demo": cmd_demo, "doctor": cmd_doctor,
 }  # fmt: skip
