@@ -7,6 +7,7 @@ owner may enter it, which is what keeps other users off the unauthenticated ipc 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 from pathlib import Path
@@ -63,9 +64,15 @@ def check_ipc_endpoint(endpoint: str) -> None:
 
 
 def ring_dir_for(endpoint: str) -> Path | None:
-    """Where emitters of the daemon at `endpoint` put their shared-memory rings: beside
-    its ipc socket, so the daemon finds them (and only it can). None for tcp endpoints:
-    a ring is shared memory, so the daemon must be on this host."""
+    """Where emitters of the daemon at `endpoint` put their shared-memory rings, so the
+    daemon finds them: in /dev/shm (memory, never written back to disk) when it exists,
+    in a private directory named after the socket's directory; else beside the socket.
+    None for tcp endpoints: a ring is shared memory, so the daemon must be on this host."""
     if not endpoint.startswith("ipc://"):
         return None
-    return Path(endpoint.removeprefix("ipc://")).parent / "rings"
+    socket_dir = Path(endpoint.removeprefix("ipc://")).parent.resolve()
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        digest = hashlib.sha256(str(socket_dir).encode()).hexdigest()[:12]
+        return shm / f"tapd-{os.getuid()}-{digest}"
+    return socket_dir / "rings"

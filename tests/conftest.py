@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tapd.daemon import control
+from tapd.runtime import ring_dir_for
 
 APPS = Path(__file__).parent / "apps"
 READY_PREFIX = "tapd ready:"
@@ -71,6 +72,13 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return name
 
 
+def rings_of(runtime_dir: Path) -> Path:
+    """The ring directory of the daemon whose socket is in `runtime_dir`."""
+    directory = ring_dir_for(f"ipc://{runtime_dir}/tapd.sock")
+    assert directory is not None
+    return directory
+
+
 @pytest.fixture
 def runtime_dir() -> Iterator[Path]:
     # Short on purpose: ipc:// paths must stay under 107 bytes.
@@ -78,6 +86,7 @@ def runtime_dir() -> Iterator[Path]:
     os.chmod(path, 0o700)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(rings_of(path), ignore_errors=True)
 
 
 class Daemon:

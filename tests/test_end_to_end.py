@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from conftest import APPS, Daemon, SubscriberProcess, run_emitter, wait_until
+from conftest import APPS, Daemon, SubscriberProcess, rings_of, run_emitter, wait_until
 
 pytestmark = pytest.mark.usefixtures("backend")
 
@@ -242,10 +242,10 @@ def test_exit_without_a_daemon_counts_and_logs_what_was_lost(
     # Native: the taps wait in the ring; a daemon started later drains the dead
     # emitter's ring, delivers them, and removes it.
     assert result["stats"]["sent"] == 3
-    assert list((runtime_dir / "rings").glob("*.ring"))
+    assert list(rings_of(runtime_dir).glob("*.ring"))
     daemon = start_daemon("--startup-grace", "10")  # time for the subscriber to connect
     subscriber = start_subscriber(daemon, "loss")
     records = wait_until(lambda: len(subscriber.records()) == 3 and subscriber.records(),
                          "the orphaned ring's taps")  # fmt: skip
     assert [r["value"] for r in records] == [0.0, 1.0, 2.0]
-    wait_until(lambda: not list((runtime_dir / "rings").glob("*")), "the ring's removal")
+    wait_until(lambda: not list(rings_of(runtime_dir).glob("*")), "the ring's removal")
