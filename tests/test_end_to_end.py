@@ -177,15 +177,20 @@ def test_block_policy_with_tiny_queues_loses_nothing(
 def test_drop_newest_counts_exactly(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber
 ) -> None:
-    daemon = start_daemon("--policy", "drop_newest", "--queue-bytes", "40000")
+    # Each tap is 4 bytes: the subscriber's queue holds two, and it is slow.
+    daemon = start_daemon("--policy", "drop_newest", "--queue-bytes", "8")
     subscriber = start_subscriber(daemon, "loss", sleep_ms=20, window=1)
     result = run_emitter(daemon.endpoint, "steps", "200", env={"TAPD_POLICY": "drop_newest"})
     stats = result["stats"]
-    received = len(subscriber.records())
+    seqs = [r["seq"] for r in subscriber.records()]
+    assert stats["daemon_dropped"] > 0
     assert stats["sent"] + stats["dropped"] == 200
-    assert stats["delivered"] == received
+    assert stats["delivered"] == len(seqs)
     assert stats["delivered"] + stats["daemon_dropped"] + stats["unrouted"] == stats["sent"]
     assert daemon.counters().get("deliveries_dropped", 0) == stats["daemon_dropped"]
+    # What arrived is in order, and the drops show as gaps in the sequence numbers.
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    assert 200 - len(seqs) == stats["dropped"] + stats["daemon_dropped"]
 
 
 def test_taps_with_no_subscriber_are_counted_unrouted(start_daemon: StartDaemon) -> None:

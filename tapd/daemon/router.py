@@ -403,4 +403,5 @@ def summarize(stats: dict[str, Any]) -> Sequence[str]:
     lines = [", ".join(f"{k}={v}" for k, v in sorted(counters.items())) or "no traffic yet"]
     lines += [f"emitter {e['name']}: {e}" for e in stats["emitters"]]
     lines += [f"subscriber {s['name']}: {s}" for s in stats["subscribers"]]
+    lines += [f"ring {r['path']}: {r}" for r in stats.get("rings", [])]
     return lines

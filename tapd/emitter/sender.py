@@ -131,12 +131,13 @@ class Sender:
         now = time.time_ns()
         with self._lock:
             self._stats.submitted += 1
-            if not self._wait_for_room(nbytes, site.consumer):
-                self._stats.dropped += 1
-                return False
+            # A dropped tap still takes its sequence number, so the gap is visible.
             key = (device, site.consumer)
             seq = self._sequences.get(key, 0)
             self._sequences[key] = seq + 1
+            if not self._wait_for_room(nbytes, site.consumer):
+                self._stats.dropped += 1
+                return False
             self._queue.append(_Tap(site, seq, step, device, now, arrays, nbytes))
             self._stats.buffered_bytes += nbytes
             self._wake_locked()
