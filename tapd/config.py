@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,12 @@ from tapd.runtime import check_ipc_endpoint, default_endpoint, default_pidfile
 class Config:
     # Local endpoint for emitters, subscribers and control (ipc in a 0700 directory).
     endpoint: str = dataclasses.field(default_factory=default_endpoint)
-    # Optional extra endpoint reachable from other hosts. Unauthenticated for now.
+    # Optional extra endpoint reachable from other hosts: CurveZMQ-authenticated (our
+    # key pair in curve_secret_key, the peers we admit in curve_allowed), unless insecure.
     tcp: str | None = None
+    curve_secret_key: Path | None = None
+    curve_allowed: Path | None = None
+    insecure: bool = False
     # What a full subscriber queue does: "block" slows the emitters, "drop_newest" drops.
     policy: str = "block"
     # Bound of each subscriber's queue, in bytes of array payload.
@@ -56,21 +60,42 @@ class Config:
         check_ipc_endpoint(self.endpoint)
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise ConfigError(f"--tcp {self.tcp!r} must be a tcp:// endpoint")
+        curve = (self.curve_secret_key, self.curve_allowed)
+        if self.tcp is not None and not self.insecure and None in curve:
+            raise ConfigError(
+                f"--tcp {self.tcp} leaves this host, so it needs CurveZMQ: give "
+                "--curve-secret-key (this daemon's NAME.key_secret, from `tapd keygen`) and "
+                "--curve-allowed (a directory of the NAME.key files of peers to admit), "
+                "or pass --insecure to accept anyone who can reach the port"
+            )
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 
 
+def _boolean(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
+
+
 def _convert(name: str, raw: Any, source: str) -> Any:
-    kind = {
+    converters: dict[str, Callable[[Any], Any]] = {
         "queue_bytes": int, "emitter_window_bytes": int, "max_message_bytes": int,
         "subscriber_timeout": float, "drain_timeout": float, "startup_grace": float,
-        "pidfile": Path,
-    }.get(name, str)  # fmt: skip
+        "pidfile": Path, "curve_secret_key": Path, "curve_allowed": Path, "insecure": _boolean,
+    }  # fmt: skip
+    kind = converters.get(name, str)
     try:
         return kind(raw)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{source}: {name}={raw!r} is not a valid {kind.__name__}") from exc
+        what = getattr(kind, "__name__", "value").lstrip("_")
+        raise ConfigError(f"{source}: {name}={raw!r} is not a valid {what}") from exc
 
 
 def load(

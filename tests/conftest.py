@@ -175,15 +175,22 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
     counter = iter(range(1000))
 
     def start(
-        daemon: Daemon, *consumers: str, sleep_ms: float = 0, raise_on: str = "", window: int = 64
+        daemon: Daemon,
+        *consumers: str,
+        sleep_ms: float = 0,
+        raise_on: str = "",
+        window: int = 64,
+        endpoint: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> SubscriberProcess:
+        """A subscriber of `daemon` (at `endpoint`, default its local one), connected."""
         record = runtime_dir / f"sub{next(counter)}.jsonl"
         before = daemon.subscriber_count()
         argv = [
             sys.executable,
             str(APPS / "subscriber_app.py"),
             "--endpoint",
-            daemon.endpoint,
+            endpoint or daemon.endpoint,
             "--record",
             str(record),
             "--sleep-ms",
@@ -194,7 +201,7 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
             str(window),
             *consumers,
         ]
-        process = subprocess.Popen(argv)
+        process = subprocess.Popen(argv, env={**os.environ, **(env or {})})
         subscriber = SubscriberProcess(process, record)
         started.append(subscriber)
         wait_until(

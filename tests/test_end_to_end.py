@@ -217,13 +217,13 @@ def test_sigterm_drains_queued_taps_before_exit(
     assert emitter.wait(timeout=60) == 0
 
 
-def test_tcp_endpoint_is_opt_in_and_warns_it_is_unauthenticated(
+def test_insecure_tcp_endpoint_is_opt_in_and_warns_loudly(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber
 ) -> None:
-    daemon = start_daemon("--tcp", "tcp://127.0.0.1:0")
+    daemon = start_daemon("--tcp", "tcp://127.0.0.1:0", "--insecure")
     local, remote = daemon.endpoints
     assert local.startswith("ipc://") and remote.startswith("tcp://127.0.0.1:")
-    over_tcp = start_subscriber(Daemon(daemon.process, [remote]), "loss")
+    over_tcp = start_subscriber(daemon, "loss", endpoint=remote)
     run_emitter(local, "steps", "3")
     assert [r["value"] for r in over_tcp.records()] == [0.0, 1.0, 2.0]
     assert "WITHOUT authentication" in daemon.log()

@@ -23,6 +23,7 @@ import zmq
 from tapd.errors import ProtocolError, TapdError
 from tapd.protocol import Message, decode, encode
 from tapd.runtime import default_endpoint
+from tapd.security import ClientKeys, secure_client
 from tapd_client.meta import TapMeta
 
 logger = logging.getLogger("tapd.subscriber")
@@ -35,6 +36,8 @@ class Subscriber:
 
     `endpoint`: the daemon's address (default: this host's daemon, `TAPD_ENDPOINT` or
     the per-user ipc socket). `window`: taps in flight before the daemon waits for acks.
+    `curve`: keys for a tcp:// daemon (default: from TAPD_CURVE_SERVER_KEY and
+    TAPD_CURVE_SECRET).
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class Subscriber:
         name: str | None = None,
         window: int = 64,
         heartbeat: float = 1.0,
+        curve: ClientKeys | None = None,
     ) -> None:
         if window <= 0:
             raise ValueError(f"window must be positive, got {window}")
@@ -51,6 +55,7 @@ class Subscriber:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.window = window
         self.heartbeat = heartbeat
+        self.curve = curve  # for tcp:// daemons; default from TAPD_CURVE_* variables
         self._handlers: dict[str, Handler] = {}
         self._stop = threading.Event()
         self._context: zmq.Context[Any] = zmq.Context.instance()
@@ -95,6 +100,7 @@ class Subscriber:
         if self._sock is None:
             self._sock = self._context.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.LINGER, 1000)
+            secure_client(self._sock, self.endpoint, self.curve)
             self._sock.connect(self.endpoint)
         self._hello()
         deadline = time.monotonic() + timeout

@@ -65,7 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--tcp",
         metavar="tcp://HOST:PORT",
-        help="also listen here for other hosts (UNAUTHENTICATED for now)",
+        help="also listen here for other hosts; CurveZMQ-authenticated "
+        "(see --curve-secret-key, --curve-allowed) unless --insecure",
+    )
+    start.add_argument(
+        "--curve-secret-key",
+        type=Path,
+        metavar="NAME.key_secret",
+        help="this daemon's key pair, from `tapd keygen`",
+    )
+    start.add_argument(
+        "--curve-allowed",
+        type=Path,
+        metavar="DIR",
+        help="directory of the NAME.key public keys of peers to admit",
+    )
+    start.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="let --tcp accept anyone who can reach it, unencrypted",
     )
     start.add_argument(
         "--policy",
@@ -138,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("names", metavar="NAME", nargs="+")
     _endpoint_arg(tail)
 
+    keygen = commands.add_parser(
+        "keygen", help="write a CurveZMQ key pair: NAME.key (public), NAME.key_secret"
+    )
+    keygen.add_argument("name", metavar="NAME")
+    keygen.add_argument("--dir", type=Path, default=Path("."), help="where (default .)")
+
     doctor = commands.add_parser(
         "doctor", help="what this machine offers tapd: backends, native library, daemon"
     )
@@ -173,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _daemon_config(args: argparse.Namespace) -> config_module.Config:
     flags = {name: getattr(args, name) for name in (
-        "endpoint", "tcp", "policy", "queue_bytes", "emitter_window_bytes",
+        "endpoint", "tcp", "curve_secret_key", "curve_allowed", "insecure", "policy",
+        "queue_bytes", "emitter_window_bytes",
         "subscriber_timeout", "drain_timeout", "startup_grace", "max_message_bytes", "pidfile",
     )}  # fmt: skip
     flags["log_level"] = args.log_level
@@ -366,6 +392,14 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return _run_subscriber(subscriber)
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from tapd.security import keygen
+
+    public, secret = keygen(args.dir, args.name)
+    print(f"public key (give it to peers): {public}\nkey pair (keep it secret): {secret}")
+    return ExitCode.OK
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     import importlib.metadata
     import platform
@@ -425,4 +459,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "start": cmd_start, "stop": cmd_stop, "status": cmd_status, "check": cmd_check,
     "subscribe": cmd_subscribe, "tail": cmd_tail, "demo": cmd_demo, "doctor": cmd_doctor,
+    "keygen": cmd_keygen,
 }  # fmt: skip

@@ -8,6 +8,7 @@ import zmq
 
 from tapd.errors import ProtocolError
 from tapd.protocol import decode, encode
+from tapd.security import secure_client
 
 
 def request(endpoint: str, kind: str, timeout: float = 2.0) -> dict[str, Any] | None:
@@ -17,6 +18,7 @@ def request(endpoint: str, kind: str, timeout: float = 2.0) -> dict[str, Any] | 
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
+        secure_client(sock, endpoint)
         sock.connect(endpoint)
         sock.send_multipart(encode(kind, {}))
         if kind == "shutdown":

@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from tapd import security
 from tapd.config import Config
 from tapd.daemon.rings import RingSet
 from tapd.daemon.router import Router
@@ -52,6 +53,7 @@ class Daemon:
             daemon_id=self.id,
         )
         self.endpoints: list[str] = []
+        self.zap: security.ZapHandler | None = None
         self.rings = RingSet(ring_dir_for(config.endpoint))
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -73,6 +75,8 @@ class Daemon:
             # A hard ceiling far above the protocol limit, so a runaway peer cannot make
             # us allocate without bound; the protocol limit itself is checked and counted.
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes + (1 << 20))
+            if endpoint.startswith("tcp://") and not self.config.insecure:
+                self._secure(sock)
             try:
                 sock.bind(endpoint)
             except zmq.ZMQError as exc:
@@ -81,13 +85,25 @@ class Daemon:
                 raise OSError(f"cannot bind {endpoint}: {exc}") from exc
             self._sockets.append(sock)
             self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        if self.config.tcp:
+        if self.config.tcp and self.config.insecure:
             logger.warning(
                 "listening on %s WITHOUT authentication or encryption: anyone who can reach "
                 "it can send taps and read them. Use it only on a trusted network.",
                 self.endpoints[-1],
             )
         return self.endpoints
+
+    def _secure(self, sock: zmq.Socket[Any]) -> None:
+        assert self.config.curve_secret_key and self.config.curve_allowed
+        if self.zap is None:
+            allowed = security.load_allowed(self.config.curve_allowed)
+            self.zap = security.ZapHandler(self._context, allowed)
+            logger.info(
+                "CurveZMQ on the tcp endpoint: %d allowed peer key(s) from %s",
+                len(allowed),
+                self.config.curve_allowed,
+            )
+        security.make_server(sock, self.config.curve_secret_key)
 
     def request_stop(self) -> None:
         """Safe from signal handlers and other threads."""
@@ -112,6 +128,8 @@ class Daemon:
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
+        if self.zap is not None:
+            poller.register(self.zap.socket, zmq.POLLIN)
         if self.rings.directory is not None:
             ensure_private_dir(self.rings.directory)
             self.rings.adopt_orphans(self.router)
@@ -127,6 +145,9 @@ class Daemon:
                         self._read(index, sock)
                 if self._wake_read in events:
                     _drain_pipe(self._wake_read)
+                if self.zap is not None and self.zap.socket in events:
+                    self.zap.handle()
+                    self.router.counters["auth_refused"] = self.zap.refused
                 now = time.monotonic()
                 if now - last_check > _EXPIRE_EVERY:
                     self.router.expire(now, self.config.subscriber_timeout)
@@ -169,6 +190,8 @@ class Daemon:
 
     def close(self) -> None:
         self.rings.close()
+        if self.zap is not None:
+            self.zap.close()
         for sock in self._sockets:
             sock.close(linger=1000)
         self._sockets.clear()

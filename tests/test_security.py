@@ -1,0 +1,79 @@
+"""CurveZMQ on tcp endpoints: keys required, allowed peers served, others refused and
+counted; and the ipc side's private directory."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import APPS, Daemon, SubscriberProcess, run_emitter, wait_until
+from tapd.cli.exit_codes import ExitCode
+
+
+def tapd_cmd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tapd", *args], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+
+
+def keygen(directory: Path, name: str) -> tuple[Path, Path]:
+    result = tapd_cmd("keygen", name, "--dir", str(directory))
+    assert result.returncode == 0, result.stderr
+    return directory / f"{name}.key", directory / f"{name}.key_secret"
+
+
+def test_keygen_writes_a_public_key_and_a_private_key_pair(tmp_path: Path) -> None:
+    public, secret = keygen(tmp_path, "daemon")
+    assert "public-key" in public.read_text() and "secret-key" not in public.read_text()
+    assert "secret-key" in secret.read_text()
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    again = tapd_cmd("keygen", "daemon", "--dir", str(tmp_path))
+    assert again.returncode == ExitCode.CONFIG and "not overwriting" in again.stderr
+
+
+def test_tcp_without_keys_is_refused_unless_insecure(runtime_dir: Path) -> None:
+    result = tapd_cmd("start", "--endpoint", f"ipc://{runtime_dir}/t.sock",
+                      "--tcp", "tcp://127.0.0.1:0")  # fmt: skip
+    assert result.returncode == ExitCode.CONFIG
+    assert "needs CurveZMQ" in result.stderr and "--insecure" in result.stderr
+
+
+def test_allowed_key_is_served_and_an_unknown_key_refused_logged_and_counted(
+    start_daemon: Callable[..., Daemon],
+    start_subscriber: Callable[..., SubscriberProcess],
+    tmp_path: Path,
+) -> None:
+    _, daemon_secret = keygen(tmp_path / "daemon", "daemon")
+    allowed = tmp_path / "allowed"
+    friend_public, friend_secret = keygen(tmp_path / "friend", "friend")
+    allowed.mkdir()
+    (allowed / "friend.key").write_text(friend_public.read_text())
+    _, stranger_secret = keygen(tmp_path / "stranger", "stranger")
+    daemon = start_daemon("--tcp", "tcp://127.0.0.1:0", "--curve-secret-key",
+                          str(daemon_secret), "--curve-allowed", str(allowed))  # fmt: skip
+    remote = daemon.endpoints[1]
+    server_key = str(tmp_path / "daemon" / "daemon.key")
+
+    friend = start_subscriber(daemon, "loss", endpoint=remote,
+                              env={"TAPD_CURVE_SERVER_KEY": server_key,
+                                   "TAPD_CURVE_SECRET": str(friend_secret)})  # fmt: skip
+    stranger = subprocess.Popen(
+        [sys.executable, str(APPS / "subscriber_app.py"), "--endpoint", remote,
+         "--record", str(tmp_path / "stranger.jsonl"), "loss"],
+        env={**os.environ, "TAPD_CURVE_SERVER_KEY": server_key,
+             "TAPD_CURVE_SECRET": str(stranger_secret)},
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: daemon.counters().get("auth_refused", 0) >= 1, "a refusal")
+        run_emitter(daemon.endpoint, "steps", "3")
+        assert [r["value"] for r in friend.records()] == [0.0, 1.0, 2.0]
+        assert daemon.subscriber_count() == 1  # the stranger never got in
+        assert "not in the allowed keys" in daemon.log()
+    finally:
+        stranger.kill()
+        stranger.communicate(timeout=30)
+    assert not (tmp_path / "stranger.jsonl").read_text()  # it received nothing
