@@ -100,7 +100,7 @@ def load(*, allow_build: bool = True) -> ctypes.CDLL | None:
                 _reason = "the native library was not built at install time"
                 return None
         try:
-            _library = _bind(ctypes.CDLL(str(path)))
+            _library = _bind(ctypes.CDLL(str(path), use_errno=True))  # errno for messages
         except OSError as exc:
             _reason = f"cannot load {path}: {exc}"
             return None

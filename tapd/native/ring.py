@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import errno
 import mmap
 import os
 from pathlib import Path
@@ -86,9 +87,10 @@ class Ring:
     def open(cls, path: Path) -> Ring:
         handle = _lib().tapd_ring_open(str(path).encode())
         if not handle:
-            raise RingError(
-                f"cannot open ring {path}: not a tapd ring of this version, or unreadable"
-            )
+            err = ctypes.get_errno()
+            why = ("not a tapd ring of this version" if err == errno.EPROTO
+                   else os.strerror(err) if err else "failed")  # fmt: skip
+            raise RingError(f"cannot open ring {path}: {why}")
         return cls(handle, path)
 
     @property
