@@ -54,7 +54,15 @@ def test_taps_under_jit_scan_fori_vmap_cond_and_grad(
     [grad] = by_consumer(records, "grad")  # the primal, once
     assert len(grad["value"]) == 3
     assert result["grad_tapped"] == result["grad_plain"]
-    assert all(r["emitter"].endswith(str(r["emitter"].split(":")[-1])) for r in records)
+
+    [vmap2] = by_consumer(records, "vmap2")
+    assert vmap2["transforms"] == [["batch", {"batch_dims": [0]}]] * 2
+    assert vmap2["shape"] == [2, 3]
+    assert [(r["seq"], r["value"]) for r in by_consumer(records, "while")] == [
+        (0, 1), (1, 2), (2, 3)]  # fmt: skip
+    assert [r["value"] for r in by_consumer(records, "remat")] == [pytest.approx(0.84147098)]
+    assert [(r["seq"], r["value"]) for r in by_consumer(records, "scan_grad")] == [
+        (0, 0.0), (1, 1.0), (2, 2.0)]  # fmt: skip
 
 
 def test_pmap_over_four_devices_taps_every_shard(

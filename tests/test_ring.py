@@ -7,11 +7,13 @@ that are not rings. Every ring lives in the test's own tmp_path and is closed by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import mmap
 import random
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,8 @@ if library.load() is None:
 PAGE = mmap.PAGESIZE
 CAPACITY = 2 * PAGE  # small, so that a few records wrap it
 HEADER = RECORD_HEADER.itemsize
-JOIN_TIMEOUT = 60.0  # only bounds a hang; never decides a pass
+CONTROL_BYTES = 4096  # the ring file starts with one control page of this size
+JOIN_TIMEOUT = 30.0  # only bounds a hang (failing the test then); never decides a pass
 
 # Sequence numbers are kept per (consumer, device) for the whole process, not per ring:
 # each test takes consumer ids no other test (or module) uses, so its seqs start at 0.
@@ -102,10 +105,18 @@ class Rings:
         return ring
 
 
+# Threads these tests start. A ring is never unmapped while one of them may still be
+# inside a ring call (that would crash the process instead of failing the test).
+_threads: list[threading.Thread] = []
+
+
 @pytest.fixture
 def rings(tmp_path: Path) -> Iterator[Rings]:
     made = Rings(tmp_path)
     yield made
+    stuck = [thread.name for thread in _threads if thread.is_alive()]
+    if stuck:  # only after a failure: leave the rings mapped rather than crash
+        pytest.fail(f"threads still running, rings left mapped: {stuck}")
     for ring in made.opened:
         ring.close()  # idempotent: closing twice is a no-op
 
@@ -123,6 +134,7 @@ class Worker(threading.Thread):
         self._target_fn = target
         self.result: Any = None
         self.error: BaseException | None = None
+        _threads.append(self)
 
     def run(self) -> None:
         try:
@@ -133,8 +145,8 @@ class Worker(threading.Thread):
 
 class Drainer(threading.Thread):
     """The reader: reads and releases until `expected` records arrived, keeping copies.
-    If reading fails it keeps releasing everything committed, so that blocked writers
-    finish and the ring can be closed safely; the error is re-raised by `finish()`."""
+    If reading fails it keeps releasing everything committed until told to stop, so that
+    blocked writers can finish; `finish()` re-raises the error."""
 
     def __init__(self, ring: Ring, expected: int, position: int = 0, batch: int = 64) -> None:
         super().__init__(daemon=True)
@@ -146,6 +158,7 @@ class Drainer(threading.Thread):
         self.error: BaseException | None = None
         self._done = threading.Event()  # all records arrived, or reading failed
         self._halt = threading.Event()
+        _threads.append(self)
 
     def run(self) -> None:
         try:
@@ -155,7 +168,7 @@ class Drainer(threading.Thread):
                     self._halt.wait(0.0002)  # pacing only
                     continue
                 for record in records:
-                    assert record.start == self.position, (record, self.position)
+                    assert record.start == self.position, (record.start, self.position)
                     self.records.append(Copied.of(record))
                     self.position = record.end
                 self.ring.release(self.position)
@@ -168,28 +181,36 @@ class Drainer(threading.Thread):
         self._done.set()
 
     def finish(self) -> list[Copied]:
-        self._done.wait(timeout=JOIN_TIMEOUT)
+        """Call once the writers are done: the records, after every one arrived."""
+        arrived = self._done.wait(timeout=JOIN_TIMEOUT)
         self._halt.set()
         self.join(timeout=JOIN_TIMEOUT)
-        assert not self.is_alive(), "the reader thread did not finish"
+        assert not self.is_alive(), "the reader thread did not stop"
         if self.error is not None:
             raise self.error
+        assert arrived, (
+            f"only {len(self.records)} of {self.expected} records arrived; "
+            f"reader at {self.position}, {self.ring.counters()}"
+        )
         return self.records
 
 
 def join_writers(ring: Ring, writers: list[Worker]) -> None:
-    """Join the writers; if some are stuck (a blocked write), free the ring for them so
-    they can return before the ring is unmapped, then fail."""
+    """Join the writers. Should some be stuck (blocked on a ring nobody frees), release
+    everything committed so that they return before the ring is unmapped, then fail."""
+    deadline = time.monotonic() + JOIN_TIMEOUT
     for writer in writers:
-        writer.join(timeout=JOIN_TIMEOUT)
+        writer.join(timeout=max(0.0, deadline - time.monotonic()))
     stuck = [writer for writer in writers if writer.is_alive()]
     if stuck:
-        for _ in range(100_000):
+        counters = ring.counters()
+        rescue = time.monotonic() + 10
+        while any(w.is_alive() for w in stuck) and time.monotonic() < rescue:
             ring.release(ring.counters().committed)
-            if not any(writer.is_alive() for writer in stuck):
-                break
             stuck[0].join(timeout=0.001)
-        pytest.fail(f"{len(stuck)} writer thread(s) did not finish within {JOIN_TIMEOUT} s")
+        pytest.fail(
+            f"{len(stuck)} writer thread(s) still blocked after {JOIN_TIMEOUT} s: {counters}"
+        )
     for writer in writers:
         if writer.error is not None:
             raise writer.error
@@ -469,7 +490,7 @@ PER_THREAD = 2000
 def producer_payload(tid: int, i: int) -> bytes:
     """(tid, i) repeated, so a torn or interleaved record shows; lengths vary and are
     not all multiples of 8."""
-    words = 2 + (i * 5 + tid) % 12
+    words = 2 + (i * 37 + tid) % 512  # up to 4 KiB: records up to half the ring
     return (struct.pack("<II", tid, i) * words)[: 8 * words - (i + tid) % 8]
 
 
@@ -483,7 +504,7 @@ def run_producers(ring: Ring, consumer: int) -> tuple[list[Copied], list[list[bo
             for i in range(PER_THREAD)
         ]
 
-    writers = [Worker(lambda tid=tid: produce(tid)) for tid in range(THREADS)]
+    writers = [Worker(functools.partial(produce, tid)) for tid in range(THREADS)]
     reader = Drainer(ring, expected=THREADS * PER_THREAD)
     reader.start()
     try:
@@ -607,32 +628,40 @@ def _valid_ring_bytes(rings: Rings) -> bytes:
     return rings.path("template").read_bytes()
 
 
-CORRUPTIONS: dict[str, Callable[[bytes], bytes | None]] = {
-    "missing": lambda good: None,
-    "empty": lambda good: b"",
-    "shorter than the control page": lambda good: good[:100],
-    "zeros of a ring's size": lambda good: bytes(len(good)),
-    "random bytes of a ring's size": lambda good: random.Random(3).randbytes(len(good)),
-    "truncated by a page": lambda good: good[:-PAGE],
-    "extended by a page": lambda good: good + bytes(PAGE),
-    "extended by a byte": lambda good: good + b"\0",
-    "other version": lambda good: good[:8] + struct.pack("<I", 2) + good[12:],
-    "capacity field disagrees with size": lambda good: (
-        good[:16] + struct.pack("<Q", 4 * CAPACITY) + good[24:]
+NOT_A_RING = "not a tapd ring"
+CORRUPTIONS: dict[str, tuple[Callable[[bytes], bytes | None], str]] = {
+    "missing": (lambda good: None, "No such file"),
+    "empty": (lambda good: b"", NOT_A_RING),
+    "shorter than the control page": (lambda good: good[:100], NOT_A_RING),
+    "zeros of a ring's size": (lambda good: bytes(len(good)), NOT_A_RING),
+    "random bytes of a ring's size": (
+        lambda good: random.Random(3).randbytes(len(good)),
+        NOT_A_RING,
     ),
-    "capacity not whole pages, size matching": lambda good: (
-        good[:16] + struct.pack("<Q", 100) + good[24 : 4096 + 100]
+    "truncated by a page": (lambda good: good[:-PAGE], NOT_A_RING),
+    "extended by a page": (lambda good: good + bytes(PAGE), NOT_A_RING),
+    "extended by a byte": (lambda good: good + b"\0", NOT_A_RING),
+    "other version": (lambda good: good[:8] + struct.pack("<I", 2) + good[12:], NOT_A_RING),
+    "capacity field disagrees with size": (
+        lambda good: good[:16] + struct.pack("<Q", 4 * CAPACITY) + good[24:],
+        NOT_A_RING,
+    ),
+    # Size and capacity agree, but the record area cannot be mapped twice.
+    "capacity not whole pages": (
+        lambda good: good[:16] + struct.pack("<Q", 100) + good[24 : CONTROL_BYTES + 100],
+        "",
     ),
 }
 
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_open_refuses_what_is_not_a_ring(rings: Rings, corruption: str) -> None:
-    content = CORRUPTIONS[corruption](_valid_ring_bytes(rings))
+    make, reason = CORRUPTIONS[corruption]
+    content = make(_valid_ring_bytes(rings))
     path = rings.path("candidate")
     if content is not None:
         path.write_bytes(content)
-    with pytest.raises(RingError, match="cannot open ring"):
+    with pytest.raises(RingError, match=f"cannot open ring .*: .*{reason}"):
         rings.open("candidate")
 
 

@@ -99,6 +99,30 @@ def read_sites(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     return entries, offset + position
 
 
+def _allow_under_remat() -> None:
+    """Give side-effecting FFI calls (our taps) the standing `jax.debug.callback` has
+    in JAX's effect tables: allowed under `jax.checkpoint` and in custom derivatives,
+    and kept by partial evaluation. Without the last one, `grad` of a `scan` drops a
+    native tap whose operand does not depend on the carry (the JAX #16637 family); the
+    tests check both. The tap is a custom_jvp that taps the primal only, so
+    rematerialisation does not run it twice. JAX has no public switch for this."""
+    try:
+        from jax._src import effects, ffi
+
+        for table in (
+            effects.remat_allowed_effects,
+            effects.custom_derivatives_allowed_effects,
+            effects.partial_eval_kept_effects,
+        ):
+            table.add_type(ffi.FfiEffect)
+    except (ImportError, AttributeError):
+        logger.warning(
+            "tapd: this JAX version hides the tables that keep native taps under "
+            "jax.checkpoint and grad-of-scan; if a tap is missing there, use "
+            "TAPD_BACKEND=portable"
+        )
+
+
 _ffi_registered = False
 _ffi_lock = threading.Lock()
 
@@ -116,5 +140,6 @@ def register_ffi_target() -> bool:
 
         capsule = jax.ffi.pycapsule(lib.TapdTap)  # type: ignore[no-untyped-call]
         jax.ffi.register_ffi_target(FFI_TARGET, capsule, platform="cpu")
+        _allow_under_remat()
         _ffi_registered = True
         return True

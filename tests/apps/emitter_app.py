@@ -55,6 +55,24 @@ def transforms() -> dict[str, Any]:
     w = jnp.array([0.1, 0.2, 0.3])
     grad_plain = jax.grad(lambda w: loss(w, False))(w)
     grad_tapped = jax.jit(jax.grad(lambda w: loss(w, True)))(w)
+
+    # Nested vmap: one tap, both batch entries.
+    jax.jit(jax.vmap(jax.vmap(lambda x: tapd.tap(x, "vmap2"))))(jnp.ones((2, 3)))
+    # while_loop: once per executed iteration.
+    jax.jit(lambda: lax.while_loop(lambda c: c < 3, lambda c: tapd.tap(c + 1, "while"), 0))()
+
+    # remat: the tap runs in the forward pass only, not again when rematerialised.
+    def remat_body(x: jax.Array) -> jax.Array:
+        return tapd.tap(jnp.sin(x), "remat") * 2
+
+    jax.jit(jax.grad(lambda x: jax.checkpoint(remat_body)(x)))(1.0)
+
+    # scan under grad, tapping a loop-invariant-looking value (JAX #16637): not hoisted.
+    def scan_grad_body(c: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
+        tapd.tap(x, "scan_grad")
+        return c + x * c, None
+
+    jax.jit(jax.grad(lambda c: lax.scan(scan_grad_body, c, jnp.arange(3.0))[0]))(1.0)
     tapd.barrier_wait()
     return {"grad_plain": grad_plain.tolist(), "grad_tapped": grad_tapped.tolist()}
 
