@@ -292,6 +292,9 @@ class Sender:
                 connection.send(_encode_barrier(item), 0)
             else:
                 connection.send(_encode_tap(item, self._identity), item.nbytes)
+            # Hand the GIL over between messages: an XLA thread waiting to run a tap
+            # callback would otherwise wait out Python's 5 ms switch interval.
+            time.sleep(0)
 
     def _receive(self, sock: zmq.Socket[Any], connection: _Connection) -> None:
         while True:
