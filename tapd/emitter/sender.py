@@ -6,6 +6,9 @@ a pipe. Only when the buffer is full does it wait (policy `block`) or drop and c
 (`drop_newest`). The sender thread sends while the daemon's credit window allows
 (docs/PROTOCOL.md, "Flow control"), so a slow subscriber fills the daemon's queues, then
 this buffer, then pauses the computation -- never memory without bound, never silently.
+
+On the native backend the taps go through the shared-memory ring instead, and this
+thread carries only control traffic: hello (naming the ring), barriers, handler errors.
 """
 
 from __future__ import annotations
