@@ -278,14 +278,17 @@ class Sender:
                 pass
         except BlockingIOError:
             pass
-        with self._lock:
-            self._wake_pending = False
 
     def _send_ready(self, connection: _Connection) -> None:
         while True:
             with self._lock:
-                if not self._queue or not connection.may_send(self._queue[0].nbytes):
+                if not self._queue:
+                    # Going idle: from now on a new tap must wake us. While we are busy,
+                    # producers skip the pipe write (a syscall and a thread switch each).
+                    self._wake_pending = False
                     return
+                if not connection.may_send(self._queue[0].nbytes):
+                    return  # credit will wake us
                 item = self._queue.popleft()
                 self._stats.buffered_bytes -= item.nbytes
                 self._space.notify_all()

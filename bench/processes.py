@@ -1,0 +1,154 @@
+"""The benchmark's child processes: one tapd daemon, subscriber sinks, and their cleanup.
+
+Readiness is always observed, never slept for: the daemon's `tapd ready:` line on its
+stdout, and the daemon's own list of subscribers (`control.stats`) for each sink.
+Every process started here is stopped by `Processes.stop_all()` with SIGTERM and a
+bounded wait (SIGKILL after it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tapd.daemon import control
+
+BENCH_DIR = Path(__file__).resolve().parent
+READY_PREFIX = "tapd ready:"
+STOP_TIMEOUT = 15.0
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+    """Poll `condition` every 20 ms until it is truthy; raise TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+
+
+class Sink:
+    """A running `subscriber_sink.py` process and the file it writes its results to."""
+
+    def __init__(self, process: subprocess.Popen[bytes], consumer: str, result: Path) -> None:
+        self.process = process
+        self.consumer = consumer
+        self.result = result
+
+    def results(self) -> dict[str, Any]:
+        """What the sink wrote at exit (call after `Processes.stop`)."""
+        return dict(json.loads(self.result.read_text()))
+
+
+class Processes:
+    """Starts the daemon and sinks in `workdir` and remembers them for cleanup."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.endpoint = f"ipc://{workdir / 'd.sock'}"
+        self.daemon_log = workdir / "daemon.log"
+        self._started: list[subprocess.Popen[bytes]] = []
+        self._daemon: subprocess.Popen[bytes] | None = None
+
+    # ---- daemon ---------------------------------------------------------------------
+
+    def start_daemon(self, timeout: float = 30.0) -> list[str]:
+        """Start `python -m tapd start` and return its endpoints once it says it is ready."""
+        argv = [
+            sys.executable, "-m", "tapd", "--log-level", "warning", "start",
+            "--endpoint", self.endpoint, "--pidfile", str(self.workdir / "d.pid"),
+        ]  # fmt: skip
+        with open(self.daemon_log, "wb") as log:
+            process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
+        self._started.append(process)
+        self._daemon = process
+        line = _read_line(process, timeout)
+        if not line.startswith(READY_PREFIX):
+            raise RuntimeError(f"daemon did not become ready: {line!r}\n{self.daemon_log_text()}")
+        return line.removeprefix(READY_PREFIX).split()
+
+    def daemon_stats(self) -> dict[str, Any]:
+        return control.stats(self.endpoint, timeout=5.0)
+
+    def daemon_cpu_seconds(self) -> float:
+        """User + system CPU seconds the daemon process has used so far."""
+        assert self._daemon is not None
+        with open(f"/proc/{self._daemon.pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+        return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+    def daemon_log_text(self) -> str:
+        return self.daemon_log.read_text(errors="replace") if self.daemon_log.exists() else ""
+
+    # ---- subscribers ----------------------------------------------------------------
+
+    def start_sink(
+        self, consumer: str, *, sleep_ms: float = 0.0, latency: bool = False, window: int = 64
+    ) -> Sink:
+        """Start a subscriber for `consumer`; return once the daemon lists it."""
+        result = self.workdir / f"{consumer}.json"
+        argv = [
+            sys.executable, str(BENCH_DIR / "subscriber_sink.py"),
+            "--endpoint", self.endpoint, "--consumer", consumer, "--result", str(result),
+            "--sleep-ms", str(sleep_ms), "--window", str(window),
+            *(["--latency"] if latency else []),
+        ]  # fmt: skip
+        process = subprocess.Popen(argv)
+        self._started.append(process)
+        wait_until(
+            lambda: self._subscribed(consumer) or process.poll() is not None,
+            f"the subscriber for {consumer!r} to connect",
+        )
+        if process.poll() is not None:
+            raise RuntimeError(f"the subscriber for {consumer!r} exited with {process.returncode}")
+        return Sink(process, consumer, result)
+
+    def _subscribed(self, consumer: str) -> bool:
+        subscribers = self.daemon_stats()["subscribers"]
+        return any(consumer in s["consumers"] for s in subscribers)
+
+    # ---- stopping -------------------------------------------------------------------
+
+    def stop(self, process: subprocess.Popen[bytes], timeout: float = STOP_TIMEOUT) -> int:
+        """SIGTERM, wait at most `timeout` s, then SIGKILL. Returns the exit status."""
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"warning: {process.args!r} ignored SIGTERM for {timeout} s; killing it")
+            process.kill()
+            code = process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+        if process in self._started:
+            self._started.remove(process)
+        return code
+
+    def stop_all(self) -> None:
+        """Stop the subscribers first (newest first), then the daemon."""
+        for process in reversed(list(self._started)):
+            if process is not self._daemon:
+                self.stop(process)
+        if self._daemon is not None and self._daemon in self._started:
+            self.stop(self._daemon)
+
+
+def _read_line(process: subprocess.Popen[bytes], timeout: float) -> str:
+    """The first line of the process's stdout, or '' if it exits or `timeout` passes."""
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    if not ready:
+        return ""
+    return process.stdout.readline().decode(errors="replace").strip()
