@@ -113,8 +113,9 @@ _threads: list[threading.Thread] = []
 @pytest.fixture
 def rings(tmp_path: Path) -> Iterator[Rings]:
     made = Rings(tmp_path)
+    first_thread = len(_threads)
     yield made
-    stuck = [thread.name for thread in _threads if thread.is_alive()]
+    stuck = [thread.name for thread in _threads[first_thread:] if thread.is_alive()]
     if stuck:  # only after a failure: leave the rings mapped rather than crash
         pytest.fail(f"threads still running, rings left mapped: {stuck}")
     for ring in made.opened:
@@ -180,6 +181,10 @@ class Drainer(threading.Thread):
                 self._halt.wait(0.001)
         self._done.set()
 
+    def abandon(self) -> None:
+        self._halt.set()
+        self.join(timeout=JOIN_TIMEOUT)
+
     def finish(self) -> list[Copied]:
         """Call once the writers are done: the records, after every one arrived."""
         arrived = self._done.wait(timeout=JOIN_TIMEOUT)
@@ -214,6 +219,16 @@ def join_writers(ring: Ring, writers: list[Worker]) -> None:
     for writer in writers:
         if writer.error is not None:
             raise writer.error
+
+
+def bounded_write(ring: Ring, site: int, payload: bytes, **fields: Any) -> bool:
+    """`ring.write` from a helper thread: on a block ring, a write that never returns (a
+    bug) then fails the test instead of hanging the session in C, out of pytest-timeout's
+    reach."""
+    writer = Worker(functools.partial(ring.write, site, payload, **fields))
+    writer.start()
+    join_writers(ring, [writer])
+    return bool(writer.result)
 
 
 # ---- 1. wrap-around ------------------------------------------------------------------
@@ -292,7 +307,7 @@ def test_records_larger_than_half_the_ring(rings: Rings, consumer: int, policy: 
     crossing = 0
     for i in range(12):
         data = random.Random(i).randbytes(size)
-        assert ring.write(7, data, consumer=consumer, device=2, step=i)
+        assert bounded_write(ring, 7, data, consumer=consumer, device=2, step=i)
         records = ring.read(position)
         assert len(records) == 1
         [record] = records
@@ -308,7 +323,7 @@ def test_records_larger_than_half_the_ring(rings: Rings, consumer: int, policy: 
     # A record of exactly the ring's size fits an empty ring, even starting mid-ring.
     assert position % CAPACITY != 0
     data = random.Random(99).randbytes(CAPACITY - HEADER)
-    assert ring.write(8, data, consumer=consumer, device=2, step=None)
+    assert bounded_write(ring, 8, data, consumer=consumer, device=2, step=None)
     [record] = ring.read(position)
     assert (record.start, record.end, record.seq, record.step) == (
         position,
@@ -349,11 +364,11 @@ def test_record_larger_than_the_ring_is_dropped_and_counted(
     rings: Rings, consumer: int, policy: str
 ) -> None:
     ring = rings.create(policy)
-    assert ring.write(1, b"before", consumer=consumer, step=1)
+    assert bounded_write(ring, 1, b"before", consumer=consumer, step=1)
     before = ring.counters()
     # Larger than the ring by the header, and by one byte (padded to 8) over the maximum.
-    assert not ring.write(2, bytes(CAPACITY), consumer=consumer, step=2)
-    assert not ring.write(2, bytes(CAPACITY - HEADER + 1), consumer=consumer, step=2)
+    assert not bounded_write(ring, 2, bytes(CAPACITY), consumer=consumer, step=2)
+    assert not bounded_write(ring, 2, bytes(CAPACITY - HEADER + 1), consumer=consumer, step=2)
     after = ring.counters()
     assert after.dropped == 2
     assert (after.head, after.committed, after.tail, after.taps) == (
@@ -364,7 +379,7 @@ def test_record_larger_than_the_ring_is_dropped_and_counted(
     )
     assert after.blocked_ns == before.blocked_ns == 0
 
-    assert ring.write(3, b"after", consumer=consumer, step=3)
+    assert bounded_write(ring, 3, b"after", consumer=consumer, step=3)
     records = ring.read(0)
     # Drops count in the sequence too: the gap (seqs 1 and 2) is visible.
     assert [(r.site, r.seq, r.step) for r in records] == [(1, 0, 1), (3, 3, 3)]
@@ -447,11 +462,12 @@ def test_block_policy_writer_waits_until_the_reader_frees_space(
         return [ring.write(i, data(i), consumer=consumer, step=i) for i in range(fit, total)]
 
     for i in range(fit):
-        assert ring.write(i, data(i), consumer=consumer, step=i)
+        assert bounded_write(ring, i, data(i), consumer=consumer, step=i)
     full = ring.counters()
 
     writer = Worker(write_rest)
     writer.start()
+    reader = Drainer(ring, expected=total, batch=3)
     try:
         writer.join(timeout=0.5)
         # Not a timing assertion: a write into a full ring must not return at all until
@@ -465,10 +481,13 @@ def test_block_policy_writer_waits_until_the_reader_frees_space(
             0,
         )
     finally:
-        reader = Drainer(ring, expected=total, batch=3)
         reader.start()
-        join_writers(ring, [writer])
-        records = reader.finish()
+        try:
+            join_writers(ring, [writer])
+        except BaseException:
+            reader.abandon()
+            raise
+    records = reader.finish()
 
     assert writer.result == [True] * (total - fit)
     assert [r.seq for r in records] == list(range(total))
@@ -510,11 +529,13 @@ def run_producers(ring: Ring, consumer: int) -> tuple[list[Copied], list[list[bo
     try:
         for writer in writers:
             writer.start()
-    finally:
         join_writers(ring, writers)
-        if ring.counters().dropped:  # drop_newest: fewer records will come
-            reader.expected = ring.counters().taps
-        records = reader.finish()
+    except BaseException:
+        reader.abandon()
+        raise
+    if ring.counters().dropped:  # drop_newest: fewer records will come
+        reader.expected = ring.counters().taps
+    records = reader.finish()
     return records, [writer.result for writer in writers]
 
 
