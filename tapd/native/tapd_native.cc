@@ -36,7 +36,10 @@ namespace {
 
 constexpr uint64_t kMagic = 0x31474e4952504154ULL;  // "TAPRING1"
 constexpr uint32_t kVersion = 1;
-constexpr size_t kControlBytes = 4096;
+// The control page: 4096 bytes, or one page where pages are larger (the record area
+// must start on a page boundary to be mapped twice).
+const size_t kControlBytes =
+    sysconf(_SC_PAGESIZE) > 4096 ? size_t(sysconf(_SC_PAGESIZE)) : size_t{4096};
 constexpr int64_t kNoStep = INT64_MIN;
 constexpr uint32_t kPolicyBlock = 0;
 constexpr uint32_t kPolicyDropNewest = 1;
@@ -55,7 +58,7 @@ struct RingControl {
   std::atomic<uint64_t> blocked_ns;             // total time writers waited for space
   std::atomic<int64_t> reader_pid;              // the daemon draining it, 0 if none
 };
-static_assert(sizeof(RingControl) <= kControlBytes, "control block must fit its page");
+static_assert(sizeof(RingControl) <= 4096, "control block must fit its page");
 
 // One record; 8-byte aligned; followed by the leaves' bytes, each padded to 8.
 struct RecordHeader {
@@ -121,6 +124,10 @@ uint64_t Reserve(Ring* ring, uint64_t length) {
   bool warned = false;
   for (int spins = 0;; ++spins) {
     uint64_t tail = c->tail.load(std::memory_order_acquire);
+    if (tail > head) {  // our `head` went stale while the reader moved on: reload it
+      head = c->head.load(std::memory_order_relaxed);
+      continue;
+    }
     if (head + length - tail <= ring->capacity) {
       if (c->head.compare_exchange_weak(head, head + length, std::memory_order_acq_rel,
                                         std::memory_order_relaxed)) {
@@ -158,8 +165,16 @@ uint64_t Reserve(Ring* ring, uint64_t length) {
 void Commit(Ring* ring, uint64_t position, uint64_t length) {
   RingControl* c = ring->control;
   // Commits happen in reservation order; wait for the writer before us to finish.
+  // With more writer threads than cores the predecessor may be preempted: back off
+  // from spinning to yielding to short sleeps so that it gets the core.
   for (int spins = 0; c->committed.load(std::memory_order_acquire) != position; ++spins) {
-    if (spins > 64) sched_yield();
+    if (spins < 64) continue;
+    if (spins < 256) {
+      sched_yield();
+    } else {
+      timespec pause{0, 2000};
+      nanosleep(&pause, nullptr);
+    }
   }
   c->taps.fetch_add(1, std::memory_order_relaxed);
   c->committed.store(position + length, std::memory_order_release);
@@ -180,7 +195,7 @@ ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, int64_t site, int64_
     length += Align8(buffer->size_bytes());
   }
   uint64_t seq = NextSeq(uint32_t(consumer), device);
-  if (length > ring->capacity) {
+  if (length > ring->capacity || length > UINT32_MAX) {
     ring->control->dropped.fetch_add(1, std::memory_order_relaxed);
     std::fprintf(stderr, "tapd: a %llu-byte tap is larger than the whole ring; dropped\n",
                  static_cast<unsigned long long>(length));
@@ -303,13 +318,19 @@ uint64_t tapd_ring_readable(void* handle, uint64_t from, const uint8_t** data) {
   auto* ring = static_cast<Ring*>(handle);
   uint64_t committed = ring->control->committed.load(std::memory_order_acquire);
   *data = ring->data + (from % ring->capacity);
+  if (from >= committed) return 0;
   uint64_t available = committed - from;
   return available > ring->capacity ? ring->capacity : available;
 }
 
 // Reader: every record below `position` has been delivered; writers may reuse it.
 void tapd_ring_release(void* handle, uint64_t position) {
-  static_cast<Ring*>(handle)->control->tail.store(position, std::memory_order_release);
+  RingControl* c = static_cast<Ring*>(handle)->control;
+  uint64_t committed = c->committed.load(std::memory_order_acquire);
+  if (position > committed) position = committed;  // never hand out unwritten space
+  if (position > c->tail.load(std::memory_order_relaxed)) {
+    c->tail.store(position, std::memory_order_release);
+  }
 }
 
 // Counters and positions, for the daemon and for `barrier_wait`.
@@ -340,7 +361,7 @@ int tapd_ring_write(void* handle, uint64_t site, uint32_t consumer, int32_t devi
   auto* ring = static_cast<Ring*>(handle);
   uint64_t length = sizeof(RecordHeader) + Align8(size);
   uint64_t seq = NextSeq(consumer, device);
-  if (length > ring->capacity) {
+  if (length > ring->capacity || length > UINT32_MAX) {
     ring->control->dropped.fetch_add(1, std::memory_order_relaxed);
     return 1;
   }
