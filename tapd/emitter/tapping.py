@@ -95,7 +95,7 @@ def _native_emitter(settings: EmitterSettings) -> NativeEmitter | None:
     if settings.backend == "native":
         raise ConfigError(f"backend 'native' was asked for but cannot be used: {reason}")
     logger.warning(
-        "tapd: using the portable backend (jax.debug.callback, ~50 us per tap); "
+        "tapd: using the portable backend (jax.debug.callback, ~100+ us per tap); "
         "the native one is unavailable: %s",
         reason,
     )
