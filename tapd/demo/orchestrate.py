@@ -77,7 +77,7 @@ def run_demo(steps: int) -> int:
     dropped = counts["dropped"] + counts["daemon_dropped"]
     print(
         f"demo: final loss {final_loss:.5f}; training took {trained:.2f} s, the barrier "
-        f"{waited:.3f} s more\n"
+        f"{waited:.3f} s more (backend: {tapd.backend()})\n"
         f"demo summary: taps sent {counts['sent']} / delivered {counts['delivered']} / "
         f"dropped {dropped} / unrouted {counts['unrouted']} / handler errors {counts['errors']}"
     )
