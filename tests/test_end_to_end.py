@@ -3,6 +3,7 @@ once per emitter backend (native ring, portable callback)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -84,6 +85,32 @@ def test_pmap_over_four_devices_taps_every_shard(
             mine = [r for r in records if r["device"] == device]
             assert [(r["seq"], r["step"]) for r in mine] == [(0, 0), (1, 1), (2, 2)]
             assert mine[0]["value"] == [20.0 * device, 20.0 * device + 10.0]
+
+
+def test_one_subscriber_follows_two_daemons(start_daemon: StartDaemon, runtime_dir: Path) -> None:
+    """Two hosts' daemons (each with its own emitter) and one subscriber for both."""
+    first, second = start_daemon(name="a.sock"), start_daemon(name="b.sock")
+    record = runtime_dir / "both.jsonl"
+    subscriber = subprocess.Popen(
+        [sys.executable, str(APPS / "subscriber_app.py"), "--endpoint", first.endpoint,
+         "--endpoint", second.endpoint, "--record", str(record), "loss"])  # fmt: skip
+    try:
+        wait_until(lambda: first.subscriber_count() == second.subscriber_count() == 1,
+                   "the subscriber on both daemons")  # fmt: skip
+        a = subprocess.Popen([sys.executable, str(APPS / "emitter_app.py"), "steps", "20"],
+                             env={**os.environ, "TAPD_ENDPOINT": first.endpoint})  # fmt: skip
+        b = subprocess.Popen([sys.executable, str(APPS / "emitter_app.py"), "steps", "30"],
+                             env={**os.environ, "TAPD_ENDPOINT": second.endpoint})  # fmt: skip
+        assert a.wait(timeout=60) == 0 and b.wait(timeout=60) == 0  # both barriers passed
+        records = [json.loads(line) for line in record.read_text().splitlines()]
+    finally:
+        subscriber.terminate()
+        subscriber.wait(timeout=30)
+    by_emitter: dict[str, list[int]] = {}
+    for r in records:
+        by_emitter.setdefault(r["emitter"], []).append(r["step"])
+    assert sorted(len(steps) for steps in by_emitter.values()) == [20, 30]
+    assert all(steps == list(range(len(steps))) for steps in by_emitter.values())
 
 
 def test_two_subscribers_both_get_every_tap_and_others_get_none(

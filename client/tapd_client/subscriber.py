@@ -1,9 +1,11 @@
-"""`Subscriber`: connect to a daemon, receive taps, run handlers, acknowledge them.
+"""`Subscriber`: connect to one or more daemons, receive taps, run handlers, ack them.
 
-The daemon sends at most `window` taps this subscriber has not acknowledged; handlers
-run one at a time, in arrival order, on the thread that called `run()`. Acks go back in
-batches (when the receive queue runs dry, or every half window), carrying the text of
-any handler exception so that the emitter's `barrier_wait()` raises it.
+Each daemon sends at most `window` taps this subscriber has not acknowledged; handlers
+run one at a time, in arrival order per daemon, on the thread that called `run()`. Acks
+go back in batches (when the receive queue runs dry, or every half window), carrying
+the text of any handler exception so that the emitter's `barrier_wait()` raises it.
+A subscriber given several endpoints (one daemon per host of a multi-host job) keeps
+one connection, with its own delivery ids and acks, per daemon.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -31,18 +33,67 @@ logger = logging.getLogger("tapd.subscriber")
 Handler = Callable[[Any, TapMeta], object]
 
 
+class _DaemonLink:
+    """The connection to one daemon: its socket and its delivery ids and acks."""
+
+    def __init__(self, endpoint: str, sock: zmq.Socket[Any]) -> None:
+        self.endpoint = endpoint
+        self.sock = sock
+        self.welcomed = False
+        self.last_tid = -1
+        self.acked_tid = -1
+        self.errors: list[dict[str, Any]] = []
+        self.last_sent = 0.0
+
+    def send(self, frames: list[Any]) -> None:
+        self.sock.send_multipart(frames)
+        self.last_sent = time.monotonic()
+
+    def hello(self, fields: dict[str, Any]) -> None:
+        self.last_tid = self.acked_tid = -1  # delivery ids are per daemon incarnation
+        self.errors = []
+        self.send(encode("hello", fields))
+
+    def receive(self) -> Message | None:
+        try:
+            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        try:
+            return decode(frames)
+        except ProtocolError as exc:
+            logger.error("ignoring malformed message from the daemon at %s: %s",
+                         self.endpoint, exc)  # fmt: skip
+            return None
+
+    def ack(self) -> None:
+        if self.last_tid > self.acked_tid:
+            self.send(encode("ack", {"upto": self.last_tid, "errors": self.errors}))
+            self.acked_tid = self.last_tid
+            self.errors = []
+
+    def keep_alive(self, heartbeat: float) -> None:
+        if time.monotonic() - self.last_sent > heartbeat:
+            self.send(encode("heartbeat", {}))
+
+    def close(self) -> None:
+        self.ack()
+        self.send(encode("bye", {}))
+        self.sock.close(linger=1000)
+
+
 class Subscriber:
     """Receives the taps of the consumers it has handlers for.
 
-    `endpoint`: the daemon's address (default: this host's daemon, `TAPD_ENDPOINT` or
-    the per-user ipc socket). `window`: taps in flight before the daemon waits for acks.
-    `curve`: keys for a tcp:// daemon (default: from TAPD_CURVE_SERVER_KEY and
-    TAPD_CURVE_SECRET).
+    `endpoint`: the daemon's address, or a list of them (default: this host's daemon,
+    `TAPD_ENDPOINT` or the per-user ipc socket). `window`: taps in flight per daemon
+    before it waits for acks. `curve`: keys for tcp:// daemons (default: from
+    TAPD_CURVE_SERVER_KEY and TAPD_CURVE_SECRET).
     """
 
     def __init__(
         self,
-        endpoint: str | None = None,
+        endpoint: str | Sequence[str] | None = None,
         *,
         name: str | None = None,
         window: int = 64,
@@ -51,19 +102,22 @@ class Subscriber:
     ) -> None:
         if window <= 0:
             raise ValueError(f"window must be positive, got {window}")
-        self.endpoint = endpoint or os.environ.get("TAPD_ENDPOINT") or default_endpoint()
+        if isinstance(endpoint, str) or endpoint is None:
+            endpoints = [endpoint or os.environ.get("TAPD_ENDPOINT") or default_endpoint()]
+        else:
+            endpoints = list(endpoint)
+        if not endpoints:
+            raise ValueError("give at least one endpoint")
+        self.endpoints = endpoints
+        self.endpoint = endpoints[0]
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         self.window = window
         self.heartbeat = heartbeat
-        self.curve = curve  # for tcp:// daemons; default from TAPD_CURVE_* variables
+        self.curve = curve
         self._handlers: dict[str, Handler] = {}
         self._stop = threading.Event()
         self._context: zmq.Context[Any] = zmq.Context.instance()
-        self._sock: zmq.Socket[Any] | None = None
-        self._last_tid = -1
-        self._acked_tid = -1
-        self._errors: list[dict[str, Any]] = []
-        self._last_sent = 0.0
+        self._links: list[_DaemonLink] = []
         self.processed = 0
         self.failed = 0
 
@@ -80,7 +134,7 @@ class Subscriber:
         return register
 
     def add_handler(self, consumer: str, handler: Handler) -> None:
-        if self._sock is not None:
+        if self._links:
             raise RuntimeError("add handlers before connecting")
         if consumer in self._handlers:
             raise ValueError(f"consumer {consumer!r} already has a handler")
@@ -93,59 +147,63 @@ class Subscriber:
     # ---- lifecycle --------------------------------------------------------------
 
     def connect(self, timeout: float = 10.0) -> None:
-        """Subscribe and wait until the daemon confirms (so taps emitted after this
-        returns reach us). Raises TimeoutError if no daemon answers."""
+        """Subscribe to every daemon and wait until each confirms (so taps emitted after
+        this returns reach us). Raises TimeoutError naming the daemons that did not."""
         if not self._handlers:
             raise ValueError("no handlers: register some with @subscriber.on(name) first")
-        if self._sock is None:
-            self._sock = self._context.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 1000)
-            secure_client(self._sock, self.endpoint, self.curve)
-            self._sock.connect(self.endpoint)
-        self._hello()
+        if not self._links:
+            for endpoint in self.endpoints:
+                sock = self._context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 1000)
+                secure_client(sock, endpoint, self.curve)
+                sock.connect(endpoint)
+                self._links.append(_DaemonLink(endpoint, sock))
+        for link in self._links:
+            link.welcomed = False
+            link.hello(self._hello_fields())
+        poller = self._poller()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self._sock.poll(100):
-                message = self._receive()
-                if message is not None and message.kind == "welcome":
-                    logger.info("subscribed to %s at %s", ", ".join(self._handlers), self.endpoint)
-                    return
-                if message is not None:
-                    self._handle(message)
+            if all(link.welcomed for link in self._links):
+                logger.info("subscribed to %s at %s", ", ".join(self._handlers),
+                            ", ".join(self.endpoints))  # fmt: skip
+                return
+            for link in self._ready(poller, 100):
+                while (message := link.receive()) is not None:
+                    self._handle(link, message)
+        silent = [link.endpoint for link in self._links if not link.welcomed]
         raise TimeoutError(
-            f"no tapd daemon answered at {self.endpoint} within {timeout} s "
+            f"no tapd daemon answered at {', '.join(silent)} within {timeout} s "
             "(start one with `tapd start`)"
         )
 
     def run(self, *, until: Callable[[], bool] | None = None) -> None:
         """Receive and handle taps until `stop()` is called (or `until()` is true)."""
-        if self._sock is None:
+        if not self._links:
             self.connect()
-        sock = self._sock
-        assert sock is not None
+        poller = self._poller()
+        half_window = max(1, self.window // 2)
         while not self._stop.is_set() and not (until is not None and until()):
-            if sock.poll(int(self.heartbeat * 500)):
+            for link in self._ready(poller, int(self.heartbeat * 500)):
                 for _ in range(self.window):
-                    message = self._receive()
+                    message = link.receive()
                     if message is None:
                         break
-                    self._handle(message)
-                    if self._last_tid - self._acked_tid >= max(1, self.window // 2):
-                        self._ack()
-            self._ack()
-            if time.monotonic() - self._last_sent > self.heartbeat:
-                self._send(encode("heartbeat", {}))
+                    self._handle(link, message)
+                    if link.last_tid - link.acked_tid >= half_window:
+                        link.ack()
+            for link in self._links:
+                link.ack()
+                link.keep_alive(self.heartbeat)
 
     def stop(self) -> None:
         """Make `run()` return; safe from other threads and signal handlers."""
         self._stop.set()
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._ack()
-            self._send(encode("bye", {}))
-            self._sock.close(linger=1000)
-            self._sock = None
+        for link in self._links:
+            link.close()
+        self._links = []
 
     def __enter__(self) -> Subscriber:
         self.connect()
@@ -161,46 +219,38 @@ class Subscriber:
 
     # ---- internals --------------------------------------------------------------
 
-    def _send(self, frames: Iterable[Any]) -> None:
-        assert self._sock is not None
-        self._sock.send_multipart(list(frames))
-        self._last_sent = time.monotonic()
+    def _hello_fields(self) -> dict[str, Any]:
+        return {"role": "subscriber", "consumers": list(self._handlers),
+                "window": self.window, "name": self.name}  # fmt: skip
 
-    def _hello(self) -> None:
-        self._last_tid = self._acked_tid = -1
-        self._errors = []
-        self._send(encode("hello", {
-            "role": "subscriber", "consumers": list(self._handlers), "window": self.window,
-            "name": self.name,
-        }))  # fmt: skip
+    def _poller(self) -> zmq.Poller:
+        poller = zmq.Poller()
+        for link in self._links:
+            poller.register(link.sock, zmq.POLLIN)
+        return poller
 
-    def _receive(self) -> Message | None:
-        assert self._sock is not None
-        try:
-            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
-        try:
-            return decode(frames)
-        except ProtocolError as exc:
-            logger.error("ignoring malformed message from the daemon: %s", exc)
-            return None
+    def _ready(self, poller: zmq.Poller, timeout_ms: int) -> list[_DaemonLink]:
+        events = dict(poller.poll(timeout_ms))
+        return [link for link in self._links if link.sock in events]
 
-    def _handle(self, message: Message) -> None:
+    def _handle(self, link: _DaemonLink, message: Message) -> None:
         kind = message.kind
         if kind == "tap":
-            self._run_handler(message)
+            self._run_handler(link, message)
+        elif kind == "welcome":
+            link.welcomed = True
         elif kind == "rehello":  # the daemon restarted and does not know us
-            logger.warning("daemon at %s asked us to subscribe again", self.endpoint)
-            self._hello()
+            logger.warning("daemon at %s asked us to subscribe again", link.endpoint)
+            link.hello(self._hello_fields())
 
-    def _run_handler(self, message: Message) -> None:
+    def _run_handler(self, link: _DaemonLink, message: Message) -> None:
         header = message.header
         tid = header.get("tid")
         if not isinstance(tid, int):
-            logger.error("tap from the daemon without a delivery id; ignored")
+            logger.error("tap from the daemon at %s without a delivery id; ignored",
+                         link.endpoint)  # fmt: skip
             return
-        self._last_tid = tid
+        link.last_tid = tid
         consumer = header["consumer"]
         handler = self._handler_for(consumer)
         try:
@@ -211,14 +261,9 @@ class Subscriber:
         except Exception as exc:
             self.failed += 1
             name = getattr(handler, "__qualname__", repr(handler))
-            logger.error(
-                "handler %s for %r (seq %s) raised:\n%s",
-                name,
-                consumer,
-                header["seq"],
-                traceback.format_exc(),
-            )
-            self._errors.append({"tid": tid, "error": f"{name} raised {exc!r}"})
+            logger.error("handler %s for %r (seq %s) raised:\n%s", name, consumer,
+                         header["seq"], traceback.format_exc())  # fmt: skip
+            link.errors.append({"tid": tid, "error": f"{name} raised {exc!r}"})
 
     def _handler_for(self, consumer: str) -> Handler | None:
         if consumer in self._handlers:
@@ -227,9 +272,3 @@ class Subscriber:
             if pattern.endswith("*") and consumer.startswith(pattern[:-1]):
                 return handler
         return None
-
-    def _ack(self) -> None:
-        if self._last_tid > self._acked_tid:
-            self._send(encode("ack", {"upto": self._last_tid, "errors": self._errors}))
-            self._acked_tid = self._last_tid
-            self._errors = []

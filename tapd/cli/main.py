@@ -39,11 +39,13 @@ Typical use:
 """
 
 
-def _endpoint_arg(parser: argparse.ArgumentParser) -> None:
+def _endpoint_arg(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
     parser.add_argument(
         "--endpoint",
-        help="the daemon's local endpoint (default: $TAPD_ENDPOINT, else "
-        f"ipc://<runtime dir>/tapd.sock, here {default_endpoint()})",
+        action="append" if several else "store",
+        help="the daemon's endpoint (default: $TAPD_ENDPOINT, else "
+        f"ipc://<runtime dir>/tapd.sock, here {default_endpoint()})"
+        + ("; repeat it to follow the daemons of several hosts" if several else ""),
     )
 
 
@@ -148,14 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
         "subscribe", help="run the tap functions of MODULE (id_tap(MODULE.f, x))"
     )
     subscribe.add_argument("module", metavar="MODULE")
-    _endpoint_arg(subscribe)
+    _endpoint_arg(subscribe, several=True)
 
     tail = commands.add_parser(
         "tail",
         help="print taps named NAME as they arrive ('module:*' matches by prefix, '*' everything)",
     )
     tail.add_argument("names", metavar="NAME", nargs="+")
-    _endpoint_arg(tail)
+    _endpoint_arg(tail, several=True)
 
     keygen = commands.add_parser(
         "keygen", help="write a CurveZMQ key pair: NAME.key (public), NAME.key_secret"
@@ -356,7 +358,10 @@ def _run_subscriber(subscriber: Any) -> int:
     except TimeoutError as exc:
         logger.error("%s", exc)
         return ExitCode.UNREACHABLE
-    print(f"subscribed to {', '.join(subscriber.consumers)} at {subscriber.endpoint}", flush=True)
+    print(
+        f"subscribed to {', '.join(subscriber.consumers)} at {', '.join(subscriber.endpoints)}",
+        flush=True,
+    )
     try:
         subscriber.run()
     except KeyboardInterrupt:

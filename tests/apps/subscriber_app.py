@@ -16,7 +16,7 @@ from tapd_client import Subscriber, TapMeta
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("consumers", nargs="+")
-    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--endpoint", required=True, action="append")
     parser.add_argument("--record", required=True)
     parser.add_argument("--sleep-ms", type=float, default=0)
     parser.add_argument("--raise-on", default="")
