@@ -134,6 +134,28 @@ def pmap(steps: str) -> dict[str, Any]:
     return {"devices": devices, "backend": tapd.backend(), "stats": tapd.stats()}
 
 
+def multihost(process_id: str, coordinator: str, steps: str) -> dict[str, Any]:
+    """One process of a 2-process jax.distributed job on CPU (run with 4 forced devices):
+    a pmap over all 8 devices with a cross-process psum, each device tapping its
+    shard and the psum into this host's daemon ($TAPD_ENDPOINT)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=2, process_id=int(process_id))
+    local = jax.local_device_count()
+    shards = jnp.arange(local, dtype=jnp.float32) + 10 * jax.process_index()
+
+    def step(x: jax.Array, i: jax.Array) -> jax.Array:
+        total = jax.lax.psum(x, "devices")
+        return tapd.tap({"shard": x, "total": total}, "multihost", step=i)["total"]
+
+    run = jax.pmap(step, axis_name="devices", in_axes=(0, None))
+    totals = [run(shards, i).tolist() for i in range(int(steps))]
+    tapd.barrier_wait(timeout=60)
+    result = {"process": jax.process_index(), "devices": jax.device_count(),
+              "totals": totals, "backend": tapd.backend(), "stats": tapd.stats()}  # fmt: skip
+    jax.distributed.shutdown()
+    return result
+
+
 def paced(count: str, interval_ms: str) -> dict[str, Any]:
     """`count` taps, one every `interval_ms`, then a barrier (daemon restart tests)."""
     step = jax.jit(lambda i: tapd.tap(i * 1.0, "loss", step=i))
