@@ -1,20 +1,25 @@
 """A real multi-process JAX job: 2 processes (jax.distributed on CPU, 4 devices each,
 cross-process collectives over gloo), each tapping into its own host's daemon, and one
-subscriber that follows both daemons and receives every shard."""
+subscriber that follows both daemons and receives every shard. Once on loopback, and
+once with the hosts made real as network namespaces joined by a veth pair, the
+subscriber reaching both daemons over CurveZMQ tcp."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from conftest import APPS, Daemon, wait_until
+from tapd.daemon import control
 
 pytestmark = pytest.mark.usefixtures("backend")
 STEPS = 3
@@ -84,3 +89,130 @@ def test_two_process_job_taps_reach_one_subscriber_from_both_hosts(
             for device in devices:
                 steps = [r["step"] for r in mine if r["device"] == device]
                 assert steps == list(range(STEPS))
+
+
+# ---- the same job across network namespaces: two real hosts on one machine ----------
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[list[tuple[str, str]]]:
+    """Two network namespaces joined by a veth pair: [(namespace, address), ...].
+    Made and removed here; skips, saying why, where namespaces cannot be made."""
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's `ip` to make network namespaces")
+    tag = secrets.token_hex(3)
+    hosts = [(f"tapd{tag}a", "10.213.7.1"), (f"tapd{tag}b", "10.213.7.2")]
+    made = _ip("netns", "add", hosts[0][0])
+    if made.returncode != 0:
+        pytest.skip(f"needs permission to create network namespaces: {made.stderr.strip()}")
+    try:
+        steps = [
+            ("netns", "add", hosts[1][0]),
+            ("link", "add", f"v{tag}a", "netns", hosts[0][0], "type", "veth",
+             "peer", "name", f"v{tag}b", "netns", hosts[1][0]),
+        ]  # fmt: skip
+        for (namespace, address), device in zip(hosts, (f"v{tag}a", f"v{tag}b"), strict=True):
+            steps += [
+                ("-n", namespace, "addr", "add", f"{address}/24", "dev", device),
+                ("-n", namespace, "link", "set", device, "up"),
+                ("-n", namespace, "link", "set", "lo", "up"),
+            ]
+        for step in steps:
+            result = _ip(*step)
+            assert result.returncode == 0, f"ip {' '.join(step)}: {result.stderr}"
+        for namespace, address in hosts:
+            # `ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts: inside each
+            # namespace this machine's name resolves to that host's own address, which
+            # is what gloo advertises to the other process.
+            etc = Path("/etc/netns") / namespace
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
+        yield hosts
+    finally:
+        for namespace, _ in hosts:
+            _ip("netns", "del", namespace)
+            shutil.rmtree(Path("/etc/netns") / namespace, ignore_errors=True)
+
+
+def _in(namespace: str, *argv: str) -> list[str]:
+    return ["ip", "netns", "exec", namespace, *argv]
+
+
+def test_two_hosts_in_network_namespaces_over_curve_tcp(
+    two_hosts: list[tuple[str, str]], runtime_dir: Path, tmp_path: Path, backend: str
+) -> None:
+    keys = tmp_path / "keys"
+    for name in ("daemon", "watcher"):
+        subprocess.run([sys.executable, "-m", "tapd", "keygen", name, "--dir", str(keys)],
+                       check=True, capture_output=True)  # fmt: skip
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    shutil.copy(keys / "watcher.key", allowed / "watcher.key")
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        daemons = []
+        for index, (namespace, address) in enumerate(two_hosts):
+            local = f"ipc://{runtime_dir}/h{index}.sock"
+            daemon = subprocess.Popen(
+                _in(namespace, sys.executable, "-m", "tapd", "start", "--endpoint", local,
+                    "--pidfile", str(runtime_dir / f"h{index}.pid"), "--startup-grace", "0",
+                    "--tcp", f"tcp://{address}:5555", "--curve-secret-key",
+                    str(keys / "daemon.key_secret"), "--curve-allowed", str(allowed)),
+                stdout=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            processes.append(daemon)
+            assert daemon.stdout is not None
+            assert daemon.stdout.readline().startswith("tapd ready:")
+            daemons.append(local)
+        record = runtime_dir / "all.jsonl"
+        first_host = two_hosts[0][0]
+        remote = [arg for _, address in two_hosts
+                  for arg in ("--endpoint", f"tcp://{address}:5555")]  # fmt: skip
+        subscriber = subprocess.Popen(
+            _in(first_host, sys.executable, str(APPS / "subscriber_app.py"), *remote,
+                "--record", str(record), "multihost"),
+            env={**os.environ, "TAPD_CURVE_SERVER_KEY": str(keys / "daemon.key"),
+                 "TAPD_CURVE_SECRET": str(keys / "watcher.key_secret")},
+        )  # fmt: skip
+        processes.append(subscriber)
+        wait_until(lambda: all(len(control.stats(d)["subscribers"]) == 1 for d in daemons),
+                   "the subscriber on both hosts' daemons")  # fmt: skip
+        coordinator = f"{two_hosts[0][1]}:{free_port()}"
+        jobs = [
+            subprocess.Popen(
+                _in(
+                    namespace,
+                    sys.executable,
+                    str(APPS / "emitter_app.py"),
+                    "multihost",
+                    str(index),
+                    coordinator,
+                    str(STEPS),
+                ),
+                env={
+                    **os.environ,
+                    "TAPD_ENDPOINT": daemons[index],
+                    "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                },
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for index, (namespace, _) in enumerate(two_hosts)
+        ]
+        outputs = [job.communicate(timeout=180) for job in jobs]
+        for job, (_, err) in zip(jobs, outputs, strict=True):
+            assert job.returncode == 0, err[-3000:]
+        records = [json.loads(line) for line in record.read_text().splitlines()]
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+            process.communicate(timeout=30)
+    assert len(records) == 2 * 4 * STEPS
+    assert {(r["process"], r["step"]) for r in records} == {
+        (p, s) for p in (0, 1) for s in range(STEPS)}  # fmt: skip
+    assert {r["value"]["total"] for r in records} == {float(sum(range(4)) + sum(range(10, 14)))}
