@@ -37,10 +37,14 @@ def test_two_process_job_taps_reach_one_subscriber_from_both_hosts(
     hosts = [start_daemon(name="host0.sock"), start_daemon(name="host1.sock")]
     record = runtime_dir / "all.jsonl"
     follow = [arg for host in hosts for arg in ("--endpoint", host.endpoint)]
+    assembled = runtime_dir / "assembled.jsonl"
     subscriber = subprocess.Popen([sys.executable, str(APPS / "subscriber_app.py"), *follow,
                                    "--record", str(record), "multihost"])  # fmt: skip
+    assembler = subprocess.Popen([sys.executable, str(APPS / "subscriber_app.py"), *follow,
+                                  "--record", str(assembled), "--assemble", "8",
+                                  "multihost"])  # fmt: skip
     try:
-        wait_until(lambda: all(h.subscriber_count() == 1 for h in hosts), "the subscriber")
+        wait_until(lambda: all(h.subscriber_count() == 2 for h in hosts), "the subscribers")
         coordinator = f"127.0.0.1:{free_port()}"
         jobs = [
             subprocess.Popen(
@@ -68,10 +72,21 @@ def test_two_process_job_taps_reach_one_subscriber_from_both_hosts(
             assert job.returncode == 0, err[-3000:]
         results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
         records = [json.loads(line) for line in record.read_text().splitlines()]
+        global_steps = [json.loads(line) for line in assembled.read_text().splitlines()]
     finally:
-        subscriber.terminate()
-        subscriber.wait(timeout=30)
+        for process in (subscriber, assembler):
+            process.terminate()
+            process.wait(timeout=30)
 
+    # The assembling subscriber got each step once, as the global (8-shard) array --
+    # given device ids, which only the native backend has.
+    if backend == "native":
+        assert sorted(g["step"] for g in global_steps) == list(range(STEPS))
+        for g in global_steps:
+            assert g["value"]["shard"] == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
+            assert [p for p, _ in g["shards"]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    else:
+        assert global_steps == []
     expected_total = sum(range(4)) + sum(range(10, 14))  # psum over all 8 devices
     for result in results:
         assert result["devices"] == 8 and result["backend"] == backend

@@ -29,7 +29,7 @@ def test_exported_members() -> None:
         "TapFunctionException", "TapdError", "__version__", "backend", "barrier_wait",
         "configure", "id_print", "id_tap", "stats", "tap",
     ])  # fmt: skip
-    assert sorted(tapd_client.__all__) == ["Handler", "Subscriber", "TapMeta"]
+    assert sorted(tapd_client.__all__) == ["Assembler", "Handler", "Subscriber", "TapMeta"]
     for module in (tapd, tapd_client):
         for name in module.__all__:
             assert hasattr(module, name), name

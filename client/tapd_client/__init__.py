@@ -13,7 +13,8 @@
 Importing this package does not import JAX.
 """
 
+from tapd_client.assemble import Assembler
 from tapd_client.meta import TapMeta
 from tapd_client.subscriber import Handler, Subscriber
 
-__all__ = ["Handler", "Subscriber", "TapMeta"]
+__all__ = ["Assembler", "Handler", "Subscriber", "TapMeta"]

@@ -195,6 +195,10 @@ class Subscriber:
             for link in self._links:
                 link.ack()
                 link.keep_alive(self.heartbeat)
+            for handler in self._handlers.values():  # e.g. Assembler: report stale steps
+                expire = getattr(handler, "expire", None)
+                if callable(expire):
+                    expire()
 
     def stop(self) -> None:
         """Make `run()` return; safe from other threads and signal handlers."""

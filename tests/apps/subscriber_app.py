@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tapd_client import Subscriber, TapMeta
+from tapd_client import Assembler, Subscriber, TapMeta
 
 
 def main() -> None:
@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--sleep-ms", type=float, default=0)
     parser.add_argument("--raise-on", default="")
     parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--assemble", type=int, default=0, help="shards per step")
     args = parser.parse_args()
 
     subscriber = Subscriber(args.endpoint, window=args.window, heartbeat=0.2)
@@ -54,8 +55,18 @@ def main() -> None:
             + "\n"
         )
 
+    def assembled(value: Any, metas: list[TapMeta]) -> None:
+        out.write(json.dumps({
+            "consumer": metas[0].consumer, "step": metas[0].step, "assembled": True,
+            "shards": [[m.process, m.device] for m in metas],
+            "value": {k: np.asarray(v).tolist() for k, v in value.items()},
+        }) + "\n")  # fmt: skip
+
     for consumer in args.consumers:
-        subscriber.add_handler(consumer, handle)
+        if args.assemble:
+            subscriber.add_handler(consumer, Assembler(assembled, shards=args.assemble))
+        else:
+            subscriber.add_handler(consumer, handle)
     signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
     with subscriber:
         subscriber.run()
