@@ -111,11 +111,6 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
-def library_path() -> str | None:
-    library = load()
-    return None if library is None else str(library._name)
-
-
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     c = ctypes
     signatures = {
@@ -127,7 +122,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_release": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_counters": ([c.c_void_p, c.POINTER(c.c_uint64)], None),
         "tapd_ring_set_reader": ([c.c_void_p, c.c_int64], None),
-        "tapd_ring_reader": ([c.c_void_p], c.c_int64),
         "tapd_ring_write": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32, c.c_int64,
                              c.c_char_p, c.c_uint64], c.c_int),
         "tapd_ring_record_header_bytes": ([], c.c_uint64),

@@ -350,10 +350,6 @@ void tapd_ring_set_reader(void* handle, int64_t pid) {
   static_cast<Ring*>(handle)->control->reader_pid.store(pid, std::memory_order_release);
 }
 
-int64_t tapd_ring_reader(void* handle) {
-  return static_cast<Ring*>(handle)->control->reader_pid.load(std::memory_order_acquire);
-}
-
 // Write one record from the calling thread (tests and benchmarks of the ring itself).
 // Returns 0, or 1 if dropped.
 int tapd_ring_write(void* handle, uint64_t site, uint32_t consumer, int32_t device,
