@@ -273,3 +273,8 @@ class RingSet:
         for source in self.sources.values():
             source.close(remove=False)
         self.sources.clear()
+        if self.directory is not None:
+            try:
+                self.directory.rmdir()  # only if empty: rings waiting for a daemon stay
+            except OSError:
+                pass
