@@ -74,6 +74,10 @@ class NativeEmitter:
         self._sites_file.close()
         self.ring_path.unlink(missing_ok=True)
         self.sites_path.unlink(missing_ok=True)
+        try:
+            self.ring_path.parent.rmdir()  # only if no other emitter's ring is there
+        except OSError:
+            pass
 
     def stats(self) -> dict[str, int]:
         counters = self.ring.counters()
