@@ -25,6 +25,37 @@ pytestmark = pytest.mark.usefixtures("backend")
 STEPS = 3
 
 
+def run_job(endpoints: list[str], coordinator: str, prefixes: list[list[str]]) -> list[str]:
+    """Run the 2-process job, process i tapping into endpoints[i] (its command prefixed
+    by prefixes[i], e.g. `ip netns exec HOST`); return each process's stdout."""
+    jobs = [
+        subprocess.Popen(
+            [
+                *prefix,
+                sys.executable,
+                str(APPS / "emitter_app.py"),
+                "multihost",
+                str(index),
+                coordinator,
+                str(STEPS),
+            ],
+            env={
+                **os.environ,
+                "TAPD_ENDPOINT": endpoint,
+                "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for index, (endpoint, prefix) in enumerate(zip(endpoints, prefixes, strict=True))
+    ]
+    outputs = [job.communicate(timeout=180) for job in jobs]
+    for job, (_, err) in zip(jobs, outputs, strict=True):
+        assert job.returncode == 0, err[-3000:]
+    return [out for out, _ in outputs]
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -46,31 +77,8 @@ def test_two_process_job_taps_reach_one_subscriber_from_both_hosts(
     try:
         wait_until(lambda: all(h.subscriber_count() == 2 for h in hosts), "the subscribers")
         coordinator = f"127.0.0.1:{free_port()}"
-        jobs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(APPS / "emitter_app.py"),
-                    "multihost",
-                    str(index),
-                    coordinator,
-                    str(STEPS),
-                ],
-                env={
-                    **os.environ,
-                    "TAPD_ENDPOINT": host.endpoint,
-                    "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-                },
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for index, host in enumerate(hosts)
-        ]
-        outputs = [job.communicate(timeout=120) for job in jobs]
-        for job, (_, err) in zip(jobs, outputs, strict=True):
-            assert job.returncode == 0, err[-3000:]
-        results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+        outputs = run_job([h.endpoint for h in hosts], coordinator, [[], []])
+        results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
         records = [json.loads(line) for line in record.read_text().splitlines()]
         global_steps = [json.loads(line) for line in assembled.read_text().splitlines()]
     finally:
@@ -197,31 +205,7 @@ def test_two_hosts_in_network_namespaces_over_curve_tcp(
         wait_until(lambda: all(len(control.stats(d)["subscribers"]) == 1 for d in daemons),
                    "the subscriber on both hosts' daemons")  # fmt: skip
         coordinator = f"{two_hosts[0][1]}:{free_port()}"
-        jobs = [
-            subprocess.Popen(
-                _in(
-                    namespace,
-                    sys.executable,
-                    str(APPS / "emitter_app.py"),
-                    "multihost",
-                    str(index),
-                    coordinator,
-                    str(STEPS),
-                ),
-                env={
-                    **os.environ,
-                    "TAPD_ENDPOINT": daemons[index],
-                    "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-                },
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for index, (namespace, _) in enumerate(two_hosts)
-        ]
-        outputs = [job.communicate(timeout=180) for job in jobs]
-        for job, (_, err) in zip(jobs, outputs, strict=True):
-            assert job.returncode == 0, err[-3000:]
+        run_job(daemons, coordinator, [_in(namespace) for namespace, _ in two_hosts])
         records = [json.loads(line) for line in record.read_text().splitlines()]
     finally:
         for process in reversed(processes):
