@@ -54,6 +54,19 @@ def stop_process(process: subprocess.Popen[str], timeout: float = 20.0) -> int:
             process.stdout.close()
 
 
+def tapd_cmd(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run the `tapd` command in a subprocess, capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "tapd", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def native_unavailable() -> str | None:
     from tapd.native import library
 

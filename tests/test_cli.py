@@ -12,22 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import APPS, Daemon, SubscriberProcess, run_emitter, wait_until
+from conftest import APPS, Daemon, SubscriberProcess, run_emitter, tapd_cmd, wait_until
 from tapd import config as config_module
 from tapd.cli.exit_codes import ExitCode
 from tapd.errors import ConfigError
-
-
-def tapd_cmd(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tapd", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def stop_and_read(process: subprocess.Popen[str]) -> str:

@@ -81,6 +81,11 @@ def test_static_metadata_must_be_plain_values() -> None:
         jax.make_jaxpr(lambda x: tapd.tap(x, "m", scale=jnp.ones(2)))(1.0)
 
 
-def test_tap_is_the_identity_without_running_anything() -> None:
-    jaxpr = jax.make_jaxpr(lambda x: tapd.tap(x, "identity") * 2)(1.0)
+def test_tap_returns_its_argument_and_stages_the_callback() -> None:
+    def doubled(x: jax.Array) -> jax.Array:
+        tapped = tapd.tap(x, "identity")
+        assert tapped is x
+        return tapped * 2
+
+    jaxpr = jax.make_jaxpr(doubled)(1.0)
     assert "debug_callback" in str(jaxpr)

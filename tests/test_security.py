@@ -10,13 +10,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import APPS, Daemon, SubscriberProcess, run_emitter, wait_until
+from conftest import APPS, Daemon, SubscriberProcess, run_emitter, tapd_cmd, wait_until
 from tapd.cli.exit_codes import ExitCode
-
-
-def tapd_cmd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tapd", *args], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
 
 
 def keygen(directory: Path, name: str) -> tuple[Path, Path]:

@@ -104,10 +104,7 @@ class Router:
     # ---- emitters -------------------------------------------------------------------
 
     def emitter_hello(self, key: PeerKey, header: dict[str, Any]) -> None:
-        emitter = self.emitters.get(key)
-        if emitter is None:
-            emitter = self.emitters[key] = Emitter(key, f"{header['host']}:{header['pid']}")
-            logger.info("emitter %s connected", emitter.name)
+        emitter = self.emitters.get(key) or self.adopt(key, f"{header['host']}:{header['pid']}")
         emitter.gone = False
         self._welcome(emitter)
 
@@ -145,9 +142,10 @@ class Router:
         return index
 
     def adopt(self, key: PeerKey, name: str) -> Emitter:
-        """State for an emitter met without a hello (daemon restart, orphaned ring)."""
+        """State for a new emitter: from its hello, or met without one (a restarted
+        daemon seeing its taps, an orphaned ring)."""
         emitter = self.emitters[key] = Emitter(key, name)
-        logger.info("emitter %s (re)connected", name)
+        logger.info("emitter %s connected", name)
         return emitter
 
     def rekey(self, old: PeerKey, new: PeerKey) -> None:

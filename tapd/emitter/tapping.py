@@ -167,12 +167,6 @@ def tap(arg: Any, name: str, *, step: Any = None, **static_meta: Any) -> Any:
     float, bool, None) handed to the handler in `meta.meta`.
     """
     _check_consumer(name)
-    for key, value in static_meta.items():
-        if not isinstance(value, _META_TYPES):
-            raise TapDefinitionError(
-                f"tap {name!r}: metadata {key}={value!r} must be str, int, float, bool or None "
-                "(it is static; pass arrays as part of the tapped value)"
-            )
     _emit(name, arg, step, static_meta)
     return arg
 
@@ -194,11 +188,7 @@ def id_tap(
 def id_print(arg: Any, *, result: Any = None, what: str | None = None, **kwargs: Any) -> Any:
     """host_callback's `id_print`: printed by a subscriber of `tapd.printing`
     (`tapd subscribe tapd.printing`, or `tapd tail`)."""
-    meta = {"what": what, **kwargs}
-    for key, value in meta.items():
-        if not isinstance(value, _META_TYPES):
-            raise TapDefinitionError(f"id_print: {key}={value!r} must be a str/int/float/bool")
-    _emit(PRINT_CONSUMER, arg, None, meta)
+    _emit(PRINT_CONSUMER, arg, None, {"what": what, **kwargs})
     return arg if result is None else result
 
 
@@ -235,6 +225,12 @@ def _describe_custom_node(node: Any) -> tuple[str, list[str], list[Any]] | None:
 
 
 def _emit(consumer: str, arg: Any, step: Any, static_meta: dict[str, Any]) -> None:
+    for key, value in static_meta.items():
+        if not isinstance(value, _META_TYPES):
+            raise TapDefinitionError(
+                f"tap {consumer!r}: metadata {key}={value!r} must be str, int, float, bool or "
+                "None (it is static; pass arrays as part of the tapped value)"
+            )
     spec, leaves = flatten(arg, custom=_describe_custom_node)
     arrays = []
     for index, leaf in enumerate(leaves):
