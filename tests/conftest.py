@@ -195,8 +195,10 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
         window: int = 64,
         endpoint: str | None = None,
         env: dict[str, str] | None = None,
+        assemble: bool = False,
     ) -> SubscriberProcess:
-        """A subscriber of `daemon` (at `endpoint`, default its local one), connected."""
+        """A subscriber of `daemon` (at `endpoint`, default its local one), connected;
+        with `assemble`, its handlers are Assemblers recording one line per step."""
         record = runtime_dir / f"sub{next(counter)}.jsonl"
         before = daemon.subscriber_count()
         argv = [
@@ -212,6 +214,7 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
             raise_on,
             "--window",
             str(window),
+            *(["--assemble"] if assemble else []),
             *consumers,
         ]
         process = subprocess.Popen(argv, env={**os.environ, **(env or {})})

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 
-from tapd_client import Assembler, TapMeta
+from tapd_client import Assembler, ShardInfo, TapMeta
 
 
 def meta(process: int, device: int, step: int, consumer: str = "g") -> TapMeta:
@@ -62,3 +63,41 @@ def test_incomplete_steps_are_reported_after_the_timeout_not_waited_for() -> Non
     assert reported == [("g", 7, 2)]
     assembler(np.array(2), meta(0, 2, step=7))  # a late shard starts over, alone
     assert calls == []
+
+
+def sharded_meta(coords: tuple[int, ...], layout: list[Any], step: int = 0) -> TapMeta:
+    shard = ShardInfo.from_header({"axes": ["a", "b"], "sizes": [2, 2], "coords": list(coords),
+                                   "layout": layout})  # fmt: skip
+    return dataclasses.replace(meta(0, 0, step), device=None, shard=shard)
+
+
+def test_shard_info_names_the_block_of_each_leaf() -> None:
+    tiled = [[4, 6], [["a"], ["b"]]]
+    stacked = [[2, 2, 3], [["a"], ["b"], []]]
+    info = sharded_meta((1, 0), [tiled, stacked]).shard
+    assert info is not None
+    assert (info.index, info.count, info.mesh_coords) == (2, 4, {"a": 1, "b": 0})
+    assert info.block(0) == (slice(2, 4), slice(0, 3))
+    assert info.block(1) == (slice(1, 2), slice(0, 1), slice(0, 3))
+
+
+def test_blocks_are_placed_by_their_layout_whatever_the_arrival_order() -> None:
+    grid = np.arange(24.0).reshape(4, 6)
+    calls: list[Any] = []
+    assembler = Assembler(lambda value, metas: calls.append(value))  # count from the layout
+    for a, b in [(1, 1), (0, 0), (1, 0), (0, 1)]:
+        assert not calls
+        block = grid[2 * a : 2 * a + 2, 3 * b : 3 * b + 3]
+        rows = grid[2 * a : 2 * a + 2, 0]  # split over "a", the same on both "b" devices
+        assembler({"g": block, "rows": rows},
+                  sharded_meta((a, b), [[[4, 6], [["a"], ["b"]]], [[4], [["a"]]]]))  # fmt: skip
+    [value] = calls
+    assert value["g"].tolist() == grid.tolist()
+    assert value["rows"].tolist() == grid[:, 0].tolist()
+
+
+def test_taps_with_neither_layout_nor_shards_are_counted_not_assembled() -> None:
+    calls: list[Any] = []
+    assembler = Assembler(lambda value, metas: calls.append(value))
+    assembler(np.array(1), meta(0, 0, step=0))
+    assert (calls, assembler.unplaced) == ([], 1)

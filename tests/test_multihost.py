@@ -72,7 +72,7 @@ def test_two_process_job_taps_reach_one_subscriber_from_both_hosts(
     subscriber = subprocess.Popen([sys.executable, str(APPS / "subscriber_app.py"), *follow,
                                    "--record", str(record), "multihost"])  # fmt: skip
     assembler = subprocess.Popen([sys.executable, str(APPS / "subscriber_app.py"), *follow,
-                                  "--record", str(assembled), "--assemble", "8",
+                                  "--record", str(assembled), "--assemble",
                                   "multihost"])  # fmt: skip
     try:
         wait_until(lambda: all(h.subscriber_count() == 2 for h in hosts), "the subscribers")
@@ -86,15 +86,13 @@ def test_two_process_job_taps_reach_one_subscriber_from_both_hosts(
             process.terminate()
             process.wait(timeout=30)
 
-    # The assembling subscriber got each step once, as the global (8-shard) array --
-    # given device ids, which only the native backend has.
-    if backend == "native":
-        assert sorted(g["step"] for g in global_steps) == list(range(STEPS))
-        for g in global_steps:
-            assert g["value"]["shard"] == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
-            assert [p for p, _ in g["shards"]] == [0, 0, 0, 0, 1, 1, 1, 1]
-    else:
-        assert global_steps == []
+    # The assembling subscriber got each step once, as the global (8-shard) value, each
+    # shard placed by the pmap coordinates its tap carried.
+    assert sorted(g["step"] for g in global_steps) == list(range(STEPS))
+    for g in global_steps:
+        assert g["value"]["shard"] == [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
+        assert [(p, s) for p, _, s in g["shards"]] == [(p, 4 * p + d) for p in (0, 1)
+                                                      for d in range(4)]  # fmt: skip
     expected_total = sum(range(4)) + sum(range(10, 14))  # psum over all 8 devices
     for result in results:
         assert result["devices"] == 8 and result["backend"] == backend
@@ -105,6 +103,11 @@ def test_two_process_job_taps_reach_one_subscriber_from_both_hosts(
         mine = [r for r in records if r["process"] == process]
         shards = sorted(r["value"]["shard"] for r in mine if r["step"] == 0)
         assert shards == [10.0 * process + d for d in range(4)]
+        # pmap's shard metadata: global position on the 8-device axis, global shapes.
+        step0 = sorted((r["shard_index"], r["value"]["shard"]) for r in mine if r["step"] == 0)
+        assert step0 == [(4 * process + d, 10.0 * process + d) for d in range(4)]
+        assert all(r["global_shapes"] == [[8], [8]] for r in mine)  # "shard", "total"
+        assert all(r["mesh_coords"] == {"devices": r["shard_index"]} for r in mine)
         assert all(r["value"]["total"] == expected_total for r in mine)
         if backend == "native":  # each device's taps in order, from its own handler call
             devices = sorted({r["device"] for r in mine})

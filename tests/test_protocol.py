@@ -901,3 +901,48 @@ def test_duplicate_tree_keys_refused(tree: list[Any]) -> None:
 def test_bool_dict_key_refused() -> None:
     frames = tap_frames(np.zeros(1), tree=["d", [True], [["*"]]])
     expect_error(frames, "bad_tree")
+
+
+# --------------------------------------------------------------------------- shard field
+
+
+def shard_field(**overrides: Any) -> dict[str, Any]:
+    """A valid `shard` for one f32[2, 3] leaf: block (0, 1) of a 2x2 mesh tiling [4, 6]."""
+    shard: dict[str, Any] = {"axes": ["a", "b"], "sizes": [2, 2], "coords": [0, 1],
+                             "layout": [[[4, 6], [["a"], ["b"]]]]}  # fmt: skip
+    shard.update(overrides)
+    return shard
+
+
+def test_a_valid_shard_field_is_kept() -> None:
+    message = decode(tap_frames(sample("float32", (2, 3)), shard=shard_field()))
+    assert message.header["shard"] == shard_field()
+
+
+def test_shard_may_be_nil_or_absent() -> None:
+    assert decode(tap_frames(sample("float32"), shard=None)).header["shard"] is None
+    assert "shard" not in decode(tap_frames(sample("float32"))).header
+
+
+BAD_SHARDS: dict[str, Any] = {
+    "not a map": [1, 2],
+    "lengths differ": shard_field(coords=[0]),
+    "coordinate past the axis": shard_field(coords=[0, 2]),
+    "negative coordinate": shard_field(coords=[-1, 0]),
+    "bool coordinate": shard_field(coords=[True, 0]),
+    "repeated axis": shard_field(axes=["a", "a"]),
+    "axis not a str": shard_field(axes=["a", 3]),
+    "layout per leaf": shard_field(layout=[]),
+    "layout entry shape": shard_field(layout=[[[4, 6]]]),
+    "dims and shape disagree": shard_field(layout=[[[4, 6], [["a"]]]]),
+    "unknown axis": shard_field(layout=[[[4, 6], [["a"], ["z"]]]]),
+    "extent not divisible": shard_field(layout=[[[5, 6], [["a"], ["b"]]]]),
+    "block does not hold the leaf": shard_field(layout=[[[4, 4], [["a"], ["b"]]]]),
+    "missing layout": {"axes": ["a"], "sizes": [2], "coords": [0]},
+}
+
+
+@pytest.mark.parametrize("shard", list(BAD_SHARDS.values()), ids=list(BAD_SHARDS))
+def test_bad_shard_fields_are_refused(shard: Any) -> None:
+    frames = tap_frames(sample("float32", (2, 3)), shard=shard_field())
+    expect_error(with_header(frames, set_field("shard", shard)), "bad_shard")

@@ -29,7 +29,13 @@ def test_exported_members() -> None:
         "TapFunctionException", "TapdError", "__version__", "backend", "barrier_wait",
         "configure", "id_print", "id_tap", "stats", "tap",
     ])  # fmt: skip
-    assert sorted(tapd_client.__all__) == ["Assembler", "Handler", "Subscriber", "TapMeta"]
+    assert sorted(tapd_client.__all__) == [
+        "Assembler",
+        "Handler",
+        "ShardInfo",
+        "Subscriber",
+        "TapMeta",
+    ]
     for module in (tapd, tapd_client):
         for name in module.__all__:
             assert hasattr(module, name), name
@@ -89,3 +95,19 @@ def test_tap_returns_its_argument_and_stages_the_callback() -> None:
 
     jaxpr = jax.make_jaxpr(doubled)(1.0)
     assert "debug_callback" in str(jaxpr)
+
+
+def test_spec_outside_a_per_device_region_is_refused_at_trace_time() -> None:
+    from jax.sharding import PartitionSpec as P
+
+    with pytest.raises(tapd.TapDefinitionError, match="inside shard_map or pmap only"):
+        jax.jit(lambda x: tapd.tap(x, "rows", spec=P("data")))(jnp.ones(3))
+
+
+def test_spec_must_name_the_axes_the_tap_runs_under_and_fit_the_leaf() -> None:
+    from jax.sharding import PartitionSpec as P
+
+    with pytest.raises(tapd.TapDefinitionError, match="names mesh axis 'model'"):
+        jax.pmap(lambda x: tapd.tap(x, "rows", spec=P("model")), axis_name="data")(jnp.ones((1, 2)))
+    with pytest.raises(tapd.TapDefinitionError, match="2 entries but the tapped leaf has only 1"):
+        jax.pmap(lambda x: tapd.tap(x, "rows", spec=P("i", None)), axis_name="i")(jnp.ones((1, 2)))

@@ -14,7 +14,7 @@ Importing this package does not import JAX.
 """
 
 from tapd_client.assemble import Assembler
-from tapd_client.meta import TapMeta
+from tapd_client.meta import ShardInfo, TapMeta
 from tapd_client.subscriber import Handler, Subscriber
 
-__all__ = ["Assembler", "Handler", "Subscriber", "TapMeta"]
+__all__ = ["Assembler", "Handler", "ShardInfo", "Subscriber", "TapMeta"]

@@ -3,7 +3,63 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardInfo:
+    """Where a tap inside pmap/shard_map (or a per-shard jit tap) sits in the global value.
+
+    `coords` are the device's coordinates on the mesh axes it ran under; `index` is
+    their row-major rank, from 0 to `count` - 1. For each leaf of the tapped value,
+    `global_shapes` has the global array's shape and `dims` the mesh axes that split
+    each global dimension (docs/PROTOCOL.md, "shard").
+    """
+
+    axes: tuple[str, ...]
+    sizes: tuple[int, ...]
+    coords: tuple[int, ...]
+    global_shapes: tuple[tuple[int, ...], ...]
+    dims: tuple[tuple[tuple[str, ...], ...], ...]
+
+    @property
+    def index(self) -> int:
+        index = 0
+        for coord, size in zip(self.coords, self.sizes, strict=True):
+            index = index * size + coord
+        return index
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def mesh_coords(self) -> dict[str, int]:
+        return dict(zip(self.axes, self.coords, strict=True))
+
+    def block(self, leaf: int = 0) -> tuple[slice, ...]:
+        """The slice of leaf `leaf`'s global array that this tap's block fills."""
+        sizes = dict(zip(self.axes, self.sizes, strict=True))
+        where = self.mesh_coords
+        out = []
+        for extent, split in zip(self.global_shapes[leaf], self.dims[leaf], strict=True):
+            position = 0
+            for name in split:  # row-major over the axes that split this dimension
+                position = position * sizes[name] + where[name]
+            length = extent // math.prod(sizes[name] for name in split)
+            out.append(slice(position * length, (position + 1) * length))
+        return tuple(out)
+
+    @classmethod
+    def from_header(cls, shard: dict[str, Any]) -> ShardInfo:
+        return cls(
+            axes=tuple(shard["axes"]),
+            sizes=tuple(shard["sizes"]),
+            coords=tuple(shard["coords"]),
+            global_shapes=tuple(tuple(shape) for shape, _ in shard["layout"]),
+            dims=tuple(tuple(tuple(split) for split in dims) for _, dims in shard["layout"]),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +75,19 @@ class TapMeta:
     transforms: tuple[tuple[str, dict[str, Any]], ...]  # e.g. (("batch", {"batch_dims": [0]}),)
     time: float  # unix seconds when the tap ran
     meta: dict[str, Any]  # static metadata given at the tap site
+    shard: ShardInfo | None = None  # inside pmap/shard_map, or a per-shard jit tap
+
+    @property
+    def shard_index(self) -> int | None:
+        return None if self.shard is None else self.shard.index
+
+    @property
+    def global_shape(self) -> tuple[int, ...] | None:
+        """The global shape of a one-leaf tapped value (`shard.global_shapes` has them
+        all); None for unsharded taps."""
+        if self.shard is None or len(self.shard.global_shapes) != 1:
+            return None
+        return self.shard.global_shapes[0]
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> TapMeta:
@@ -34,4 +103,5 @@ class TapMeta:
             transforms=tuple((str(t[0]), dict(t[1])) for t in header["transforms"]),
             time=header["time"] / 1e9,
             meta=dict(header["meta"]),
+            shard=ShardInfo.from_header(header["shard"]) if header.get("shard") else None,
         )

@@ -16,6 +16,8 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tapd.daemon.router import Router
 from tapd.emitter.native_backend import read_sites
 from tapd.native.ring import Record, Ring, RingError
@@ -36,6 +38,20 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+class _Site:
+    """One tap site of the sites file, as the daemon needs it for each record."""
+
+    def __init__(self, entry: dict[str, Any]) -> None:
+        self.entry = entry
+        self.shard: dict[str, Any] | None = entry.get("shard")
+        leaves = entry["leaves"][:-1] if self.shard is not None else entry["leaves"]
+        self.nbytes = sum(leaf[2] for leaf in leaves)
+        self.static = {
+            "kind": "tap", "consumer": entry["consumer"], "transforms": entry["transforms"],
+            "meta": entry["meta"], "tree": entry["tree"], "leaves": leaves,
+        }  # fmt: skip
+
+
 class RingSource:
     """One emitter's ring, its sites, and what of it the router still has to finish."""
 
@@ -46,7 +62,7 @@ class RingSource:
         self.ring.set_reader(os.getpid())
         self.sites_path = sites_path
         self.identity = identity
-        self._sites: dict[int, dict[str, Any]] = {}
+        self._sites: dict[int, _Site] = {}
         self._sites_offset = 0
         counters = self.ring.counters()
         self.writer_pid = counters.writer_pid
@@ -59,29 +75,30 @@ class RingSource:
     def path(self) -> Path:
         return self.ring.path
 
-    def _site(self, site_id: int) -> dict[str, Any] | None:
+    def _site(self, site_id: int) -> _Site | None:
         if site_id not in self._sites:
             try:
                 entries, self._sites_offset = read_sites(self.sites_path, self._sites_offset)
             except OSError:
                 entries = []
             for entry in entries:
-                self._sites[int(entry["site"])] = entry
+                self._sites[int(entry["site"])] = _Site(entry)
         return self._sites.get(site_id)
 
-    def _message(self, record: Record, site: dict[str, Any]) -> Message:
+    def _message(self, record: Record, site: _Site) -> Message:
         frames = []
         offset = 0
-        for _, _, nbytes in site["leaves"]:
+        for _, _, nbytes in site.entry["leaves"]:
             frames.append(record.payload[offset : offset + nbytes])
             offset += (nbytes + 7) & ~7
         header = {
-            "kind": "tap", "consumer": site["consumer"], "seq": record.seq, "step": record.step,
-            "device": record.device, "process": self.identity.get("process", 0),
-            "host": self.identity.get("host", "?"), "pid": self.writer_pid,
-            "time": record.time_ns, "transforms": site["transforms"], "meta": site["meta"],
-            "tree": site["tree"], "leaves": site["leaves"],
+            **site.static, "seq": record.seq, "step": record.step, "device": record.device,
+            "process": self.identity.get("process", 0), "host": self.identity.get("host", "?"),
+            "pid": self.writer_pid, "time": record.time_ns,
         }  # fmt: skip
+        if site.shard is not None:  # the last operand was this device's shard coordinates
+            coords = np.frombuffer(frames.pop(), dtype="<i4")
+            header["shard"] = {**site.shard, "coords": coords.tolist()}
         return Message(header, frames)
 
     def drain(self, router: Router) -> int:
@@ -103,9 +120,8 @@ class RingSource:
                 router.reject("bad_ring", f"{self.path}: record for unknown site {record.site}")
                 self.read_position = record.end
                 continue
-            nbytes = sum(leaf[2] for leaf in site["leaves"])
             index = router.tap(self.key, self._message(record, site), credit=False,
-                               nbytes=nbytes)  # fmt: skip
+                               nbytes=site.nbytes)  # fmt: skip
             self._in_router.append((index, record.end))
             self.read_position = record.end
             taken += 1

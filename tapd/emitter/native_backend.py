@@ -19,6 +19,7 @@ from typing import Any
 
 import msgpack
 
+from tapd.errors import TapDefinitionError
 from tapd.native import library
 from tapd.native.ring import Ring, round_capacity
 from tapd.runtime import ensure_private_dir
@@ -127,6 +128,53 @@ def _allow_under_remat() -> None:
         )
 
 
+def _lower_taps_per_device() -> None:
+    """Lower our FFI call with the sharding JAX gives `jax.debug.callback`, and refuse
+    the one placement XLA cannot compile, with a message that says what to do.
+
+    XLA's SPMD partitioner needs a sharding on every side-effecting op, and
+    `jax.ffi.ffi_call` sets none. Inside shard_map/pmap (manual axes) we ask JAX for the
+    callbacks' MANUAL sharding: each device taps its block. In a jit that the compiler
+    partitions, a MAXIMAL sharding (one device) is what callbacks get, but XLA keeps it
+    only for its own callback targets (Shardy drops it on ours), so tapd wraps such
+    taps in a shard_map at trace time (`tapd.emitter.sharding`). A tap that still
+    reaches a partitioned lowering (the trace saw no mesh) gets a clear error here
+    instead of XLA's RET_CHECK. JAX has no public switch for any of this."""
+    try:
+        from jax._src import callback, ffi, sharding_impls
+        from jax._src.interpreters import mlir
+
+        def lower(ctx: Any, *operands: Any, target_name: str, **params: Any) -> Any:
+            if target_name != FFI_TARGET:
+                return ffi.ffi_call_lowering(ctx, *operands, target_name=target_name, **params)
+            module = ctx.module_context
+            context = module.axis_context
+            if isinstance(context, sharding_impls.ShardingContext) and context.num_devices > 1:
+                raise TapDefinitionError(
+                    f"a native tap is in a jit partitioned over {context.num_devices} "
+                    "devices whose mesh it could not see while tracing. Put the tapped "
+                    "value on a mesh (jax.device_put(x, NamedSharding(mesh, spec)) or "
+                    "jax.set_mesh(mesh)), tap inside shard_map, or use "
+                    "TAPD_BACKEND=portable."
+                )
+            attributes = ffi._unwrap_kwargs_hashable(params["attributes"])
+            op = ffi.build_ffi_lowering_function(FFI_TARGET, has_side_effect=True)(
+                ctx, *operands, **attributes
+            )
+            sharding = callback._callback_op_sharding(context, None, ctx.avals_out)
+            if sharding is not None:
+                mlir.set_sharding(module, op, sharding)
+            return op.results
+
+        mlir.register_lowering(ffi.ffi_call_p, lower, platform="cpu")
+    except (ImportError, AttributeError):
+        logger.warning(
+            "tapd: this JAX version hides how callbacks are placed on devices; a native "
+            "tap in a jit partitioned over several devices may fail to compile there "
+            "(use TAPD_BACKEND=portable for such programs)"
+        )
+
+
 _ffi_registered = False
 _ffi_lock = threading.Lock()
 
@@ -145,5 +193,6 @@ def register_ffi_target() -> bool:
         capsule = jax.ffi.pycapsule(lib.TapdTap)  # type: ignore[no-untyped-call]
         jax.ffi.register_ffi_target(FFI_TARGET, capsule, platform="cpu")
         _allow_under_remat()
+        _lower_taps_per_device()
         _ffi_registered = True
         return True

@@ -56,6 +56,7 @@ class _Tap:
     time_ns: int
     arrays: list[np.ndarray]
     nbytes: int
+    coords: list[int] | None = None  # shard coordinates inside pmap/shard_map
 
 
 @dataclasses.dataclass
@@ -128,7 +129,13 @@ class Sender:
     # ---- called from XLA callback threads -------------------------------------------
 
     def submit(
-        self, site: TapSite, arrays: list[np.ndarray], *, step: int | None, device: int | None
+        self,
+        site: TapSite,
+        arrays: list[np.ndarray],
+        *,
+        step: int | None,
+        device: int | None,
+        coords: list[int] | None = None,
     ) -> bool:
         """Queue one tap (arrays already copied). False if dropped under drop_newest."""
         nbytes = sum(a.nbytes for a in arrays)
@@ -142,7 +149,7 @@ class Sender:
             if not self._wait_for_room(nbytes, site.consumer):
                 self._stats.dropped += 1
                 return False
-            self._queue.append(_Tap(site, seq, step, device, now, arrays, nbytes))
+            self._queue.append(_Tap(site, seq, step, device, now, arrays, nbytes, coords))
             self._stats.buffered_bytes += nbytes
             self._wake_locked()
         return True
@@ -444,4 +451,6 @@ def _encode_tap(tap: _Tap, identity: Mapping[str, Any]) -> list[Any]:
         "pid": identity["pid"],
         "time": tap.time_ns,
     }
+    if tap.coords is not None:  # the site's static shard layout plus where this tap ran
+        fields["shard"] = {**tap.site.fields["shard"], "coords": tap.coords}
     return encode("tap", fields, tap.arrays)

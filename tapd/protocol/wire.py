@@ -220,3 +220,51 @@ def _check_tap(header: dict[str, Any], payload: list[memoryview], limits: Limits
             raise ProtocolError("too_large", f"arrays exceed {limits.max_message_bytes} bytes")
     if header["seq"] < 0:
         raise ProtocolError("bad_field", f"negative seq {header['seq']}")
+    shard = header.get("shard")
+    if shard is not None:
+        _check_shard(shard, leaves, limits)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_shard(shard: Any, leaves: list[Any], limits: Limits) -> None:
+    """A tap's optional `shard` field (docs/PROTOCOL.md): mesh axes, this device's
+    coordinates on them, and each leaf's global shape and splitting axes."""
+
+    def bad(why: str) -> ProtocolError:
+        return ProtocolError("bad_shard", f"shard {why}")
+
+    if not isinstance(shard, dict):
+        raise bad(f"is a {type(shard).__name__}, not a map")
+    axes, sizes, coords, layout = (shard.get(k) for k in ("axes", "sizes", "coords", "layout"))
+    if not (isinstance(axes, list) and isinstance(sizes, list) and isinstance(coords, list)):
+        raise bad("needs lists 'axes', 'sizes' and 'coords'")
+    if not (len(axes) == len(sizes) == len(coords)) or len(axes) > limits.max_ndim:
+        raise bad(f"axes/sizes/coords lengths {len(axes)}/{len(sizes)}/{len(coords)} differ")
+    if not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
+        raise bad(f"axes {axes!r:.60} are not distinct names")
+    for name, size, coord in zip(axes, sizes, coords, strict=True):
+        if not (_is_int(size) and _is_int(coord) and 0 <= coord < size):
+            raise bad(f"axis {name!r}: coordinate {coord!r:.20} not within size {size!r:.20}")
+    if not isinstance(layout, list) or len(layout) != len(leaves):
+        raise bad(f"layout must have one entry per leaf ({len(leaves)})")
+    for index, (entry, leaf) in enumerate(zip(layout, leaves, strict=True)):
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise bad(f"layout {index} is not [global_shape, dims]")
+        global_shape, dims = entry
+        if not (isinstance(global_shape, list) and isinstance(dims, list)):
+            raise bad(f"layout {index} is not [global_shape, dims]")
+        if len(global_shape) != len(dims) or len(dims) > limits.max_ndim:
+            raise bad(f"layout {index}: {len(global_shape)} dimensions but {len(dims)} dims")
+        block = []
+        for extent, split in zip(global_shape, dims, strict=True):
+            if not (isinstance(split, list) and all(a in axes for a in split)):
+                raise bad(f"layout {index}: dims {split!r:.40} name unknown axes")
+            parts = math.prod(sizes[axes.index(a)] for a in split)
+            if not _is_int(extent) or extent < 0 or extent % parts:
+                raise bad(f"layout {index}: extent {extent!r:.20} not divisible by {parts}")
+            block.append(extent // parts)
+        if math.prod(block) != math.prod(leaf[1]):
+            raise bad(f"layout {index}: block {block} does not hold the leaf's shape {leaf[1]}")

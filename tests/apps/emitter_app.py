@@ -134,6 +134,30 @@ def pmap(steps: str) -> dict[str, Any]:
     return {"devices": devices, "backend": tapd.backend(), "stats": tapd.stats()}
 
 
+def sharded() -> dict[str, Any]:
+    """Taps of sharded values (run with 4 forced CPU devices), one consumer each."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    grid = jnp.arange(16.0).reshape(4, 4)
+    mesh = jax.make_mesh((2, 2), ("a", "b"))  # Explicit axes: shardings known in jit
+    # shard_map, each device's 2x2 block placed by spec=, as out_specs would place it.
+    blocks = jax.shard_map(lambda v: tapd.tap(v, "shard_map", step=0, spec=P("a", "b")),
+                           mesh=mesh, in_specs=P("a", "b"), out_specs=P("a", "b"))  # fmt: skip
+    jax.jit(blocks)(jax.device_put(grid, NamedSharding(mesh, P("a", "b"))))
+    # jit of an argument sharded over "a" (replicated over "b"): a tap per device.
+    rows = jax.device_put(grid, NamedSharding(mesh, P("a")))
+    jax.jit(lambda x: tapd.tap({"x": x, "y": x[:, :1]}, "jit_explicit", step=0))(rows)
+    # Auto axes: the compiler decides the sharding, the tap sees the whole value once.
+    auto = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Auto,))
+    spread = jax.device_put(jnp.arange(8.0), NamedSharding(auto, P("d")))
+    jax.jit(lambda x: tapd.tap(x * 2, "jit_auto", step=0))(spread)
+    # vmap inside pmap: each device taps its batch, the layout gains the batch dim.
+    jax.pmap(jax.vmap(lambda x: tapd.tap(x, "pmap_vmap", step=0)))(grid.reshape(4, 2, 2))
+    tapd.barrier_wait(timeout=60)
+    return {"backend": tapd.backend(), "grid": grid.tolist()}
+
+
 def multihost(process_id: str, coordinator: str, steps: str) -> dict[str, Any]:
     """One process of a 2-process jax.distributed job on CPU (run with 4 forced devices):
     a pmap over all 8 devices with a cross-process psum, each device tapping its

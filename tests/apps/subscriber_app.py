@@ -21,7 +21,7 @@ def main() -> None:
     parser.add_argument("--sleep-ms", type=float, default=0)
     parser.add_argument("--raise-on", default="")
     parser.add_argument("--window", type=int, default=64)
-    parser.add_argument("--assemble", type=int, default=0, help="shards per step")
+    parser.add_argument("--assemble", action="store_true", help="one record per global step")
     args = parser.parse_args()
 
     subscriber = Subscriber(args.endpoint, window=args.window, heartbeat=0.2)
@@ -48,6 +48,9 @@ def main() -> None:
                     "emitter": meta.emitter,
                     "transforms": [[n, p] for n, p in meta.transforms],
                     "meta": meta.meta,
+                    "shard_index": meta.shard_index,
+                    "mesh_coords": meta.shard.mesh_coords if meta.shard else None,
+                    "global_shapes": meta.shard.global_shapes if meta.shard else None,
                     "value": value,
                     "shape": list(np.shape(arg)) if not isinstance(arg, dict) else None,
                 }
@@ -58,13 +61,17 @@ def main() -> None:
     def assembled(value: Any, metas: list[TapMeta]) -> None:
         out.write(json.dumps({
             "consumer": metas[0].consumer, "step": metas[0].step, "assembled": True,
-            "shards": [[m.process, m.device] for m in metas],
-            "value": {k: np.asarray(v).tolist() for k, v in value.items()},
+            "shards": [[m.process, m.device, m.shard_index] for m in metas],
+            "value": (
+                {k: np.asarray(v).tolist() for k, v in value.items()}
+                if isinstance(value, dict)
+                else np.asarray(value).tolist()
+            ),
         }) + "\n")  # fmt: skip
 
     for consumer in args.consumers:
         if args.assemble:
-            subscriber.add_handler(consumer, Assembler(assembled, shards=args.assemble))
+            subscriber.add_handler(consumer, Assembler(assembled))
         else:
             subscriber.add_handler(consumer, handle)
     signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
