@@ -1,9 +1,10 @@
-"""The benchmark's child processes: one tapd daemon, subscriber sinks, and their cleanup.
+"""The benchmark's child processes: one tapd daemon, subscriber sinks, other helpers
+(`spawn`), and their cleanup.
 
 Readiness is always observed, never slept for: the daemon's `tapd ready:` line on its
-stdout, and the daemon's own list of subscribers (`control.stats`) for each sink.
-Every process started here is stopped by `Processes.stop_all()` with SIGTERM and a
-bounded wait (SIGKILL after it).
+stdout, and the daemon's own list of subscribers (`control.stats`) for each sink (every
+daemon's list, for a sink that follows several). Every process started here is stopped
+by `Processes.stop_all()` with SIGTERM and a bounded wait (SIGKILL after it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,7 @@ class Processes:
             process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
         self._started.append(process)
         self._daemon = process
-        line = _read_line(process, timeout)
+        line = read_line(process, timeout)
         if not line.startswith(READY_PREFIX):
             raise RuntimeError(f"daemon did not become ready: {line!r}\n{self.daemon_log_text()}")
         return line.removeprefix(READY_PREFIX).split()
@@ -94,29 +95,48 @@ class Processes:
     # ---- subscribers ----------------------------------------------------------------
 
     def start_sink(
-        self, consumer: str, *, sleep_ms: float = 0.0, latency: bool = False, window: int = 64
+        self,
+        consumer: str,
+        *,
+        sleep_ms: float = 0.0,
+        latency: bool = False,
+        tally: bool = False,
+        window: int = 64,
+        endpoints: Sequence[str] = (),
     ) -> Sink:
-        """Start a subscriber for `consumer`; return once the daemon lists it."""
-        result = self.workdir / f"{consumer}.json"
+        """Start a subscriber for `consumer` following this daemon, or every daemon in
+        `endpoints`; return once each of them lists it."""
+        follow = list(endpoints) or [self.endpoint]
+        result = self.workdir / f"{consumer.replace('*', 'all')}.json"
         argv = [
             sys.executable, str(BENCH_DIR / "subscriber_sink.py"),
-            "--endpoint", self.endpoint, "--consumer", consumer, "--result", str(result),
+            *(arg for endpoint in follow for arg in ("--endpoint", endpoint)),
+            "--consumer", consumer, "--result", str(result),
             "--sleep-ms", str(sleep_ms), "--window", str(window),
-            *(["--latency"] if latency else []),
+            *(["--latency"] if latency else []), *(["--tally"] if tally else []),
         ]  # fmt: skip
         process = subprocess.Popen(argv)
         self._started.append(process)
         wait_until(
-            lambda: self._subscribed(consumer) or process.poll() is not None,
-            f"the subscriber for {consumer!r} to connect",
+            lambda: all(_subscribed(e, consumer) for e in follow) or process.poll() is not None,
+            f"the subscriber for {consumer!r} to connect to {', '.join(follow)}",
         )
         if process.poll() is not None:
             raise RuntimeError(f"the subscriber for {consumer!r} exited with {process.returncode}")
         return Sink(process, consumer, result)
 
-    def _subscribed(self, consumer: str) -> bool:
-        subscribers = self.daemon_stats()["subscribers"]
-        return any(consumer in s["consumers"] for s in subscribers)
+    # ---- other processes ------------------------------------------------------------
+
+    def spawn(self, argv: list[str], *, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+        """Start `argv` with pipes for stdin and (unbuffered) stdout, stderr to `log`;
+        it is stopped with the rest."""
+        with open(log, "wb") as stderr:
+            process = subprocess.Popen(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
+                bufsize=0,
+            )  # fmt: skip
+        self._started.append(process)
+        return process
 
     # ---- stopping -------------------------------------------------------------------
 
@@ -130,8 +150,12 @@ class Processes:
             print(f"warning: {process.args!r} ignored SIGTERM for {timeout} s; killing it")
             process.kill()
             code = process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+        for pipe in (process.stdin, process.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except BrokenPipeError:  # unflushed input to a process that has gone
+                    pass
         if process in self._started:
             self._started.remove(process)
         return code
@@ -145,8 +169,16 @@ class Processes:
             self.stop(self._daemon)
 
 
-def _read_line(process: subprocess.Popen[bytes], timeout: float) -> str:
-    """The first line of the process's stdout, or '' if it exits or `timeout` passes."""
+def _subscribed(endpoint: str, consumer: str) -> bool:
+    """Whether the daemon at `endpoint` lists a subscriber for `consumer`."""
+    subscribers = control.stats(endpoint, timeout=5.0)["subscribers"]
+    return any(consumer in s["consumers"] for s in subscribers)
+
+
+def read_line(process: subprocess.Popen[bytes], timeout: float) -> str:
+    """The next line of the process's stdout, or '' if it exits or `timeout` passes.
+    Past the first line, only for unbuffered stdout (`spawn`): a buffered reader can
+    hold lines that select() no longer sees."""
     assert process.stdout is not None
     ready, _, _ = select.select([process.stdout], [], [], timeout)
     if not ready:

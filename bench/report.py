@@ -92,6 +92,14 @@ def number(value: float, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def size_name(size: int) -> str:
+    """Bytes as `64 B`, `64 KiB`, `1 MiB`."""
+    for unit, factor in (("MiB", 2**20), ("KiB", 2**10)):
+        if size >= factor:
+            return f"{size // factor} {unit}"
+    return f"{size} B"
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A Markdown table whose columns are padded to line up in a terminal too."""
     cells = [list(header), *[list(row) for row in rows]]

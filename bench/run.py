@@ -20,6 +20,11 @@ within this one run rather than absolute numbers across runs.
    ipc and a multiprocessing.Queue pipeline moving the same arrays (baselines.py).
 3. Delivery latency at a steady, modest tap rate: the handler's `time.time()` minus
    `meta.time` (when the tap ran in the emitter).
+4. Per-tap cost and isolation on each emitter backend (overhead_probe.py, one process
+   per backend).
+5. Multi-host throughput (multihost.py): taps/s and MB/s reaching one subscriber from
+   one JAX process with 4 CPU devices, and from a 2-process `jax.distributed` job with
+   4 devices and its own daemon per process, the subscriber following both daemons.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import multihost
 import numpy as np
 from jax import lax
 from processes import BENCH_DIR, Processes
@@ -49,6 +55,7 @@ from report import (
     machine_description,
     median,
     number,
+    size_name,
     table,
     with_spread,
 )
@@ -73,6 +80,8 @@ class Plan:
     counts: dict[int, int]  # throughput: payload bytes -> taps (messages) per repeat
     latency: tuple[tuple[float, float], ...]  # (taps per second, seconds) runs
     idle_seconds: float  # watching the daemon's CPU use with no taps
+    multihost_repeats: int
+    multihost: dict[int, int]  # multi-host: bytes per device-tap -> steps (taps per device)
 
 
 FULL = Plan(
@@ -85,6 +94,8 @@ FULL = Plan(
     counts={64: 10000, 64 * 1024: 3000, 1024 * 1024: 500},
     latency=((200.0, 3.0), (1.0, 10.0)),
     idle_seconds=5.0,
+    multihost_repeats=7,
+    multihost={64: 3000, 1024 * 1024: 200},
 )
 QUICK = Plan(
     step_repeats=3,
@@ -96,6 +107,8 @@ QUICK = Plan(
     counts={64: 1000, 64 * 1024: 400, 1024 * 1024: 60},
     latency=((200.0, 1.0), (1.0, 3.0)),
     idle_seconds=2.0,
+    multihost_repeats=3,
+    multihost={64: 500, 1024 * 1024: 40},
 )
 
 
@@ -259,13 +272,6 @@ class ThroughputCase:
     @property
     def consumer(self) -> str:
         return f"bench.throughput.{self.size}"
-
-
-def size_name(size: int) -> str:
-    for unit, factor in (("MiB", 2**20), ("KiB", 2**10)):
-        if size >= factor:
-            return f"{size // factor} {unit}"
-    return f"{size} B"
 
 
 def payload_loop(name: str) -> Callable[[jax.Array, int], jax.Array]:
@@ -450,6 +456,7 @@ def describe_method(plan: Plan) -> str:
         "- Processes: this one (JAX emitter), one tapd daemon, one subscriber process per "
         "consumer name, all on the same machine and cores: the daemon and subscriber "
         "compete with the tapped loop for CPU, which is part of what (b) and (c) measure.",
+        multihost.method(plan.multihost, plan.multihost_repeats),
     ])  # fmt: skip
 
 
@@ -475,7 +482,7 @@ def render(
 def run(
     plan: Plan, workdir: Path, backend: str | None
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Start the daemon, run the three measurements; return the result sections
+    """Start the daemon, run the measurements; return the result sections
     (title, text) and facts about the run (what, value) for the machine table."""
     procs = Processes(workdir)
     try:
@@ -494,6 +501,16 @@ def run(
         counters = procs.daemon_stats()["counters"]
     finally:
         procs.stop_all()
+    print("5. multi-host throughput", flush=True)
+    section_started = time.monotonic()
+    try:
+        several = multihost.render(
+            multihost.measure(workdir, plan.multihost, plan.multihost_repeats, backend)
+        )
+        print(f"  multi-host: {time.monotonic() - section_started:.0f} s", flush=True)
+    except (RuntimeError, TimeoutError, OSError) as exc:  # report it; keep the other sections
+        print(f"  multi-host: failed: {exc}", flush=True)
+        several = f"**Failed**, so no figures:\n\n```\n{exc}\n```"
     log = procs.daemon_log_text().strip()
     health = [
         f"- daemon counters: `{json.dumps(counters, sort_keys=True)}`",
@@ -505,6 +522,10 @@ def run(
         ("2. Throughput, JAX -> subscriber handler", throughput),
         ("3. Delivery latency", latency + "\n\n- " + idle),
         ("4. Per-tap cost on the JAX loop and isolation, both backends", backends),
+        (
+            "5. Multi-host throughput: 2 processes x 4 devices vs 1 x 4, one subscriber",
+            several,
+        ),
         ("Health of the run", "\n".join(health)),
     ]
     return sections, [("tapd emitter backend", emitter_backend())]

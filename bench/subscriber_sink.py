@@ -1,12 +1,15 @@
 """A tapd subscriber process for the benchmark: one consumer, a minimal handler.
 
-    python bench/subscriber_sink.py --endpoint ipc://... --consumer NAME --result PATH
-        [--sleep-ms MS] [--latency] [--window N]
+    python bench/subscriber_sink.py --endpoint ipc://... [--endpoint ...] --consumer NAME
+        --result PATH [--sleep-ms MS] [--latency] [--tally] [--window N]
 
-The handler counts taps, optionally sleeps `--sleep-ms` (a slow tap function), and with
-`--latency` records `time.time() - meta.time`: seconds from the moment the tap ran in
-the emitter to the moment the handler runs here. On SIGTERM it stops, closes, and writes
-`{"processed": n, "latencies_s": [...]}` to `--result`.
+It follows every daemon given (one per host of a multi-host job). The handler counts
+taps, optionally sleeps `--sleep-ms` (a slow tap function), with `--latency` records
+`time.time() - meta.time`: seconds from the moment the tap ran in the emitter to the
+moment the handler runs here, and with `--tally` adds up taps and array bytes per
+(consumer, emitting process). On SIGTERM it stops, closes, and writes
+`{"processed": n, "latencies_s": [...], "tally": {consumer: {process: [taps, bytes]}}}`
+to `--result`.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ from tapd_client import Subscriber, TapMeta
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--endpoint", action="append", required=True)
     parser.add_argument("--consumer", required=True)
     parser.add_argument("--result", required=True)
     parser.add_argument("--sleep-ms", type=float, default=0.0)
     parser.add_argument("--latency", action="store_true")
+    parser.add_argument("--tally", action="store_true")
     parser.add_argument("--window", type=int, default=64)
     return parser.parse_args()
 
@@ -35,20 +39,29 @@ def main() -> None:
     args = parse_args()
     subscriber = Subscriber(args.endpoint, name=f"sink:{args.consumer}", window=args.window)
     latencies: list[float] = []
+    tally: dict[tuple[str, int], list[int]] = {}
     sleep_s = args.sleep_ms / 1000
 
     @subscriber.on(args.consumer)
     def handle(arg: Any, meta: TapMeta) -> None:
         if args.latency:
             latencies.append(time.time() - meta.time)
+        if args.tally:
+            counts = tally.setdefault((meta.consumer, meta.process), [0, 0])
+            counts[0] += 1
+            counts[1] += getattr(arg, "nbytes", 0)
         if sleep_s:
             time.sleep(sleep_s)
 
     signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
     with subscriber:
         subscriber.run()
+    by_consumer: dict[str, dict[str, list[int]]] = {}
+    for (consumer, process), counts in tally.items():
+        by_consumer.setdefault(consumer, {})[str(process)] = counts
     with open(args.result, "w") as out:
-        json.dump({"processed": subscriber.processed, "latencies_s": latencies}, out)
+        result = {"processed": subscriber.processed, "latencies_s": latencies, "tally": by_consumer}
+        json.dump(result, out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,282 @@
+"""Multi-host throughput (bench/run.py, section 5): taps/s and MB/s reaching ONE
+subscriber from (a) a single JAX process with 4 CPU devices tapping into one daemon,
+and (b) a 2-process `jax.distributed` job, 4 CPU devices each, every process tapping
+into its own daemon (its own ipc socket and ring directory, as on two hosts), the one
+subscriber following both daemons.
+
+Both jobs (multihost_job.py processes) are started once, up front, and wait on stdin;
+each repeat asks each of them, in turn, for one timed run per payload size, so (a) and
+(b) alternate and share the machine's noise while the other job sits idle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from processes import BENCH_DIR, Processes, read_line
+from report import median, number, size_name, table, with_spread
+
+DEVICES_PER_PROCESS = 4
+CONSUMERS = "bench.multihost.*"
+READY_TIMEOUT = 300.0  # import, distributed init and compiling, on a loaded machine
+RUN_TIMEOUT = 360.0
+
+
+@dataclasses.dataclass
+class Runs:
+    """One job at one payload size: per repeat, the span from the earliest start to
+    the latest end over its processes, and how far apart the processes started."""
+
+    processes: int
+    size: int
+    steps: int
+    span_s: list[float] = dataclasses.field(default_factory=list)
+    start_skew_s: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def taps(self) -> int:
+        return self.processes * DEVICES_PER_PROCESS * self.steps
+
+    def taps_per_s(self) -> list[float]:
+        return [self.taps / s for s in self.span_s]
+
+    def mb_per_s(self) -> list[float]:
+        return [self.taps * self.size / s / 1e6 for s in self.span_s]
+
+
+class Job:
+    """The processes of one JAX job (one per "host"), driven line by line."""
+
+    def __init__(
+        self, name: str, processes: list[subprocess.Popen[bytes]], logs: list[Path]
+    ) -> None:
+        self.name = name
+        self.processes = processes
+        self.logs = logs
+        self.facts: list[dict[str, Any]] = []
+        self.stats: list[dict[str, Any]] = []
+
+    def _replies(self, timeout: float, what: str) -> list[str]:
+        lines = []
+        for index, process in enumerate(self.processes):
+            line = read_line(process, timeout)
+            if not line:
+                tail = self.logs[index].read_text(errors="replace")[-3000:]
+                raise RuntimeError(
+                    f"{self.name}, process {index}: no answer to {what} within {timeout:g} s "
+                    f"(exit status {process.poll()}); its stderr ends:\n{tail}"
+                )
+            lines.append(line)
+        return lines
+
+    def _send(self, line: str) -> None:
+        for process in self.processes:
+            assert process.stdin is not None
+            process.stdin.write(line.encode() + b"\n")
+            process.stdin.flush()
+
+    def wait_ready(self) -> None:
+        for line in self._replies(READY_TIMEOUT, "start-up"):
+            if not line.startswith("ready "):
+                raise RuntimeError(f"{self.name}: expected 'ready', got {line!r}")
+            self.facts.append(json.loads(line.removeprefix("ready ")))
+
+    def run(self, runs: Runs) -> None:
+        """One timed run on every process at once; records span and start skew."""
+        self._send(f"run {runs.size} {runs.steps}")
+        replies = [json.loads(line) for line in self._replies(RUN_TIMEOUT, "run")]
+        starts = [r["start"] for r in replies]
+        runs.span_s.append(max(r["end"] for r in replies) - min(starts))
+        runs.start_skew_s.append(max(starts) - min(starts))
+
+    def quit(self, processes: Processes) -> None:
+        """Leave the job: every process prints its tapd.stats() and exits."""
+        self._send("quit")
+        self.stats = [json.loads(line)["stats"] for line in self._replies(60.0, "quit")]
+        for process in self.processes:
+            processes.stop(process, timeout=60.0)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def start_job(hosts: list[Processes], count: int, sizes: list[int], backend: str | None) -> Job:
+    """`count` processes, process i tapping into hosts[i]'s daemon (not yet ready)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+    }
+    coordinator = f"127.0.0.1:{free_port()}"
+    processes, logs = [], []
+    for index in range(count):
+        host = hosts[index]
+        argv = [
+            sys.executable, str(BENCH_DIR / "multihost_job.py"), "--endpoint", host.endpoint,
+            "--sizes", ",".join(map(str, sizes)), "--processes", str(count),
+            "--process-id", str(index), "--coordinator", coordinator,
+            *(["--backend", backend] if backend else []),
+        ]  # fmt: skip
+        log = host.workdir / f"job{count}.{index}.log"
+        processes.append(host.spawn(argv, env=env, log=log))
+        logs.append(log)
+    return Job(f"the {count}-process job", processes, logs)
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What section 5 reports."""
+
+    single: list[Runs]
+    pair: list[Runs]
+    tally: dict[str, dict[str, list[int]]]
+    expected: dict[str, dict[str, list[int]]]
+    facts: list[dict[str, Any]]
+    emitter_stats: list[dict[str, Any]]
+    daemon_counters: list[dict[str, Any]]
+    daemon_logs: list[str]
+
+
+def measure(workdir: Path, counts: dict[int, int], repeats: int, backend: str | None) -> Outcome:
+    """Two daemons, one sink following both, both jobs; `repeats` interleaved rounds."""
+    hosts = []
+    for index in range(2):
+        directory = workdir / f"host{index}"
+        directory.mkdir(mode=0o700)
+        hosts.append(Processes(directory))
+    sizes = list(counts)
+    single = [Runs(1, size, steps) for size, steps in counts.items()]
+    pair = [Runs(2, size, steps) for size, steps in counts.items()]
+    try:
+        for host in hosts:
+            host.start_daemon()
+        endpoints = [host.endpoint for host in hosts]
+        sink = hosts[0].start_sink(CONSUMERS, tally=True, endpoints=endpoints)
+        jobs = [start_job(hosts, 1, sizes, backend), start_job(hosts, 2, sizes, backend)]
+        for job in jobs:
+            job.wait_ready()
+        print(f"  multi-host: jobs ready ({jobs[0].facts + jobs[1].facts})", flush=True)
+        for repeat in range(repeats):
+            for index in range(len(sizes)):
+                pairs = [(jobs[0], single[index]), (jobs[1], pair[index])]
+                for job, runs in pairs if repeat % 2 == 0 else reversed(pairs):
+                    job.run(runs)
+            print(f"  multi-host: repeat {repeat + 1}/{repeats} done", flush=True)
+        for job in jobs:
+            job.quit(hosts[0])
+        hosts[0].stop(sink.process)
+        tally = sink.results()["tally"]
+        counters = [host.daemon_stats()["counters"] for host in hosts]
+    finally:
+        for host in reversed(hosts):
+            host.stop_all()
+    expected: dict[str, dict[str, list[int]]] = {}
+    for runs in single + pair:
+        taps = DEVICES_PER_PROCESS * (2 + repeats * runs.steps)  # + the 2 warm-up steps
+        expected[f"bench.multihost.p{runs.processes}.{runs.size}"] = {
+            str(p): [taps, taps * runs.size] for p in range(runs.processes)
+        }
+    return Outcome(
+        single, pair, tally, expected, jobs[0].facts + jobs[1].facts,
+        jobs[0].stats + jobs[1].stats, counters,
+        [host.daemon_log_text().strip() for host in hosts],
+    )  # fmt: skip
+
+
+def spread(values: list[float]) -> str:
+    """`median (min-max)`, big numbers with thousands separators."""
+    return f"{number(median(values), 0)} ({number(min(values), 0)}-{number(max(values), 0)})"
+
+
+def render(outcome: Outcome) -> str:
+    """The table, the ratios, and the checks of what the subscriber received."""
+    rows = []
+    for a, b in zip(outcome.single, outcome.pair, strict=True):
+        ratios = [y / x for x, y in zip(a.taps_per_s(), b.taps_per_s(), strict=True)]
+        for runs, label in ((a, "(a) 1 process x 4 devices, 1 daemon"),
+                            (b, "(b) 2 processes x 4 devices, 2 daemons")):  # fmt: skip
+            rows.append([
+                size_name(runs.size), label, f"{runs.taps:,}",
+                spread(runs.taps_per_s()), number(median(runs.mb_per_s()), 1),
+                f"{median(runs.span_s) * 1e3:.0f}",
+                with_spread(ratios) if runs is b else "",
+            ])  # fmt: skip
+    header = [
+        "payload per device-tap", "job", "taps per run", "taps/s: median (min-max)",
+        "MB/s (median)", "run ms (median)", "(b) ÷ (a) taps/s: median (min-max)",
+    ]  # fmt: skip
+    skews = [s * 1e3 for runs in outcome.pair for s in runs.start_skew_s]
+    notes = [
+        f"(b)'s two processes started their timed runs within {median(skews):.2f} ms of each "
+        f"other (median; at most {max(skews):.2f} ms) after the sync.",
+        "Ideal scaling would be x2 (twice the devices, processes and daemons); all of them, "
+        "and the one subscriber, share this machine's cores.",
+    ]
+    if outcome.tally == outcome.expected:
+        taps = sum(c[0] for per in outcome.tally.values() for c in per.values())
+        data = sum(c[1] for per in outcome.tally.values() for c in per.values())
+        notes.append(
+            f"The subscriber received every tap, warm-ups included: {taps:,} taps, "
+            f"{data / 1e6:,.1f} MB, from process 0 and (in (b)) process 1, as expected."
+        )
+    else:
+        notes.append(
+            "**The subscriber's tally differs from what was tapped**: got "
+            f"`{json.dumps(outcome.tally, sort_keys=True)}`, expected "
+            f"`{json.dumps(outcome.expected, sort_keys=True)}` ({{consumer: {{process: "
+            "[taps, bytes]}}}})."
+        )
+    backends = sorted({f["backend"] for f in outcome.facts})
+    health = [
+        f"emitter backend(s): {', '.join(backends)}; devices seen by (a): "
+        f"{outcome.facts[0]['devices']}, by (b): {outcome.facts[1]['devices']}",
+        "daemon counters, host 0 then host 1: "
+        + "; ".join(f"`{json.dumps(c, sort_keys=True)}`" for c in outcome.daemon_counters),
+        "emitter counters, (a) then (b)'s processes 0 and 1 (`blocked_ns`: time taps "
+        "waited for room in a full ring, i.e. for the daemon and subscriber to catch up): "
+        + "; ".join(f"`{json.dumps(s, sort_keys=True)}`" for s in outcome.emitter_stats),
+    ]
+    logs = "\n".join(log for log in outcome.daemon_logs if log)
+    health.append("daemon warnings/errors: " + (f"\n\n```\n{logs}\n```" if logs else "none"))
+    return (
+        table(header, rows)
+        + "\n\n"
+        + "\n".join(f"- {n}" for n in notes)
+        + "\n\nHealth of this section:\n\n"
+        + "\n".join(f"- {h}" for h in health)
+    )
+
+
+def method(counts: dict[int, int], repeats: int) -> str:
+    """The Method bullet for RESULTS.md."""
+    sizes = ", ".join(f"{size_name(s)} x {steps} steps" for s, steps in counts.items())
+    return (
+        "- Multi-host throughput: two tapd daemons, each on its own ipc socket and ring "
+        "directory (two hosts' daemons, on one machine), and ONE subscriber process "
+        "following both with a no-op handler that adds up taps and bytes per consumer and "
+        "emitting process. (a) is one JAX process with 4 CPU devices "
+        "(`--xla_force_host_platform_device_count=4`) tapping into daemon 0; (b) is a "
+        "2-process `jax.distributed` job (gloo CPU collectives), 4 devices each, process i "
+        "tapping into daemon i. Each job runs a `pmap` over all its devices (4 or 8) of a "
+        "`fori_loop` whose every step taps the device's float32 shard "
+        f"({sizes} per device per run; no collective inside the loop). Per process the "
+        "time runs from just after a cross-process sync "
+        "(`multihost_utils.sync_global_devices`; none in (a)) through dispatch, "
+        "`block_until_ready()` and `tapd.barrier_wait()` returning (every tap of that "
+        "process handled by the subscriber); a run's time is the earliest start to the "
+        "latest end over the job's processes (`time.monotonic()`, one clock on this "
+        f"machine). taps/s = taps of all devices / that time. {repeats} repeats; within "
+        "each, (a) and (b) alternate per size (order flipped every repeat) while the other "
+        "job waits idle; the (b) ÷ (a) column is the median of the per-repeat ratios. "
+        "Compilation, process start-up and 2 warm-up steps per size are outside the timing."
+    )
