@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,6 +29,11 @@ class Config:
     curve_secret_key: Path | None = None
     curve_allowed: Path | None = None
     insecure: bool = False
+    # Forward every tap to the daemon at this endpoint (ipc:// or tcp://HOST:PORT), as
+    # well as to local subscribers. On tcp, CurveZMQ: the upstream's public key in
+    # forward_server_key, ours in curve_secret_key (unless insecure).
+    forward: str | None = None
+    forward_server_key: Path | None = None
     # What a full subscriber queue does: "block" slows the emitters, "drop_newest" drops.
     policy: str = "block"
     # Bound of each subscriber's queue, in bytes of array payload.
@@ -68,6 +74,40 @@ class Config:
                 "--curve-allowed (a directory of the NAME.key files of peers to admit), "
                 "or pass --insecure to accept anyone who can reach the port"
             )
+        if self.forward is not None:
+            self._check_forward(self.forward)
+
+    def _check_forward(self, forward: str) -> None:
+        if forward.startswith("ipc://"):
+            if not forward.removeprefix("ipc://"):
+                raise ConfigError(f"--forward {forward!r} names no socket path")
+            check_ipc_endpoint(forward)
+        elif forward.startswith("tcp://"):
+            match = _TCP_ENDPOINT.fullmatch(forward)
+            if match is None or not 0 < int(match["port"]) < 65536:
+                raise ConfigError(
+                    f"--forward {forward!r} is not a tcp://HOST:PORT endpoint "
+                    "(a host name or address, and a port from 1 to 65535)"
+                )
+        else:
+            raise ConfigError(
+                f"--forward {forward!r} is not an endpoint: give the upstream daemon's "
+                "ipc://PATH or tcp://HOST:PORT"
+            )
+        if forward in (self.endpoint, self.tcp):
+            raise ConfigError(f"--forward {forward} is this daemon's own endpoint")
+        keys = (self.forward_server_key, self.curve_secret_key)
+        if forward.startswith("tcp://") and not self.insecure and None in keys:
+            raise ConfigError(
+                f"--forward {forward} leaves this host, so it needs CurveZMQ: give "
+                "--forward-server-key (the upstream daemon's public NAME.key) and "
+                "--curve-secret-key (this daemon's NAME.key_secret, from `tapd keygen`; "
+                "the upstream admits it by its NAME.key in its --curve-allowed directory), "
+                "or pass --insecure to forward unauthenticated and unencrypted"
+            )
+
+
+_TCP_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[^:/\[\]\s]+):(?P<port>[0-9]+)")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -89,6 +129,7 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         "queue_bytes": int, "emitter_window_bytes": int, "max_message_bytes": int,
         "subscriber_timeout": float, "drain_timeout": float, "startup_grace": float,
         "pidfile": Path, "curve_secret_key": Path, "curve_allowed": Path, "insecure": _boolean,
+        "forward_server_key": Path,
     }  # fmt: skip
     kind = converters.get(name, str)
     try:

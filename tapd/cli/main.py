@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve-secret-key",
         type=Path,
         metavar="NAME.key_secret",
-        help="this daemon's key pair, from `tapd keygen`",
+        help="this daemon's key pair, from `tapd keygen` (for --tcp, and as its identity "
+        "towards a --forward tcp:// upstream)",
     )
     start.add_argument(
         "--curve-allowed",
@@ -83,10 +84,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory of the NAME.key public keys of peers to admit",
     )
     start.add_argument(
+        "--forward",
+        metavar="ENDPOINT",
+        help="also send every tap on to the daemon at ENDPOINT (ipc://PATH, or "
+        "tcp://HOST:PORT of its --tcp), so that a job's subscribers can all connect to "
+        "that one daemon; local subscribers still get theirs. Taps keep their emitter's "
+        "identity and seq. Flow control runs end to end: what the upstream cannot take "
+        "(or while it is not up yet) waits in this daemon's queue, under --policy. "
+        "An emitter's barrier_wait() returns once the upstream's subscribers have "
+        "handled its taps. tcp:// needs --forward-server-key and --curve-secret-key "
+        "unless --insecure",
+    )
+    start.add_argument(
+        "--forward-server-key",
+        type=Path,
+        metavar="NAME.key",
+        help="the upstream daemon's public key, for --forward tcp://; the upstream "
+        "admits this daemon by the public half of --curve-secret-key",
+    )
+    start.add_argument(
         "--insecure",
         action="store_true",
         default=None,
-        help="let --tcp accept anyone who can reach it, unencrypted",
+        help="let --tcp accept anyone who can reach it, and --forward tcp:// connect, "
+        "unauthenticated and unencrypted",
     )
     start.add_argument(
         "--policy",
@@ -200,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _daemon_config(args: argparse.Namespace) -> config_module.Config:
     flags = {name: getattr(args, name) for name in (
-        "endpoint", "tcp", "curve_secret_key", "curve_allowed", "insecure", "policy",
+        "endpoint", "tcp", "curve_secret_key", "curve_allowed", "insecure", "forward",
+        "forward_server_key", "policy",
         "queue_bytes", "emitter_window_bytes",
         "subscriber_timeout", "drain_timeout", "startup_grace", "max_message_bytes", "pidfile",
     )}  # fmt: skip

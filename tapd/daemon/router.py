@@ -23,6 +23,10 @@ logger = logging.getLogger("tapd.daemon")
 
 PeerKey = Hashable
 Send = Callable[[PeerKey, list[Any]], bool]  # False when the peer is gone
+# An in-process subscriber (the forwarder) takes each delivery as (tid, tap, emitter
+# name, nbytes) instead of frames on a socket, and acknowledges it through `ack`.
+Deliver = Callable[[int, Message, str, int], None]
+_UNLIMITED = 2**62  # the message-count window of in-process subscribers
 
 
 @dataclasses.dataclass
@@ -78,6 +82,7 @@ class Subscriber:
     delivered: int = 0
     dropped: int = 0
     errors: int = 0
+    deliver: Deliver | None = None  # set for in-process subscribers
 
     def wants(self, consumer: str) -> bool:
         # exact names, or prefixes written "module:*" (the client matches the same way)
@@ -104,7 +109,11 @@ class Router:
     # ---- emitters -------------------------------------------------------------------
 
     def emitter_hello(self, key: PeerKey, header: dict[str, Any]) -> None:
-        emitter = self.emitters.get(key) or self.adopt(key, f"{header['host']}:{header['pid']}")
+        name = f"{header['host']}:{header['pid']}"
+        if isinstance(header.get("forwarder"), str):  # a daemon forwarding its emitters' taps
+            name = f"forwarding daemon {header['forwarder']}"
+        emitter = self.emitters.get(key) or self.adopt(key, name)
+        emitter.name = name  # met first through a tap, it was named after the tap's emitter
         emitter.gone = False
         self._welcome(emitter)
 
@@ -261,6 +270,15 @@ class Router:
         logger.info("subscriber %s connected for %s", name, ", ".join(consumers))
         self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
 
+    def add_local_subscriber(
+        self, key: PeerKey, name: str, patterns: Sequence[str], deliver: Deliver, now: float
+    ) -> None:
+        """An in-process subscriber: fed through `deliver`, with no message-count window
+        (its bytes are still bounded by `queue_bytes` and the policy) and never expired."""
+        self.subscribers[key] = Subscriber(
+            key, name, tuple(patterns), _UNLIMITED, now, deliver=deliver
+        )
+
     def ack(self, key: PeerKey, header: dict[str, Any], now: float) -> None:
         subscriber = self.subscribers.get(key)
         if subscriber is None:
@@ -295,6 +313,8 @@ class Router:
         self._send(emitter.key, encode("error", {
             "consumer": header["consumer"], "seq": header["seq"], "error": error,
             "subscriber": subscriber.name,
+            # which tap, for a forwarder that has to pass the error on to its emitter
+            "emitter": _emitter_name(delivery), "device": header.get("device"),
         }))  # fmt: skip
 
     def _delivered(self, delivery: _Delivery, *, lost: bool) -> None:
@@ -314,11 +334,11 @@ class Router:
                 delivery = subscriber.queue.popleft()
                 delivery.tid = next(self._tids)
                 subscriber.in_flight.append(delivery)
-                header = {
-                    **delivery.tap.header,
-                    "tid": delivery.tid,
-                    "emitter": delivery.emitter.name,
-                }
+                name = _emitter_name(delivery)
+                if subscriber.deliver is not None:
+                    subscriber.deliver(delivery.tid, delivery.tap, name, delivery.nbytes)
+                    continue
+                header = {**delivery.tap.header, "tid": delivery.tid, "emitter": name}
                 frames = [MAGIC, encode_header(header), *delivery.tap.frames]
                 if not self._send(subscriber.key, frames):
                     self.drop_subscriber(subscriber.key, "is unreachable")
@@ -344,7 +364,7 @@ class Router:
 
     def expire(self, now: float, timeout: float) -> None:
         for subscriber in list(self.subscribers.values()):
-            if now - subscriber.last_seen > timeout:
+            if subscriber.deliver is None and now - subscriber.last_seen > timeout:
                 self.drop_subscriber(subscriber.key, f"was silent for {timeout:g} s")
 
     # ---- bookkeeping ----------------------------------------------------------------
@@ -368,6 +388,13 @@ class Router:
             "subscribers": [_subscriber_stats(s) for s in self.subscribers.values()],
             "time": time.time(),
         }
+
+
+def _emitter_name(delivery: _Delivery) -> str:
+    """The emitter a subscriber is told about: the one named in a forwarded tap (a
+    forwarding daemon passes on its emitter's name), else the one that sent it here."""
+    name = delivery.tap.header.get("emitter")
+    return name if isinstance(name, str) else delivery.emitter.name
 
 
 def _emitter_stats(e: Emitter) -> dict[str, Any]:
@@ -402,4 +429,6 @@ def summarize(stats: dict[str, Any]) -> Sequence[str]:
     lines += [f"emitter {e['name']}: {e}" for e in stats["emitters"]]
     lines += [f"subscriber {s['name']}: {s}" for s in stats["subscribers"]]
     lines += [f"ring {r['path']}: {r}" for r in stats.get("rings", [])]
+    if forward := stats.get("forward"):
+        lines.append(f"forward to {forward['endpoint']}: {forward}")
     return lines

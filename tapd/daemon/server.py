@@ -22,6 +22,7 @@ import zmq
 
 from tapd import security
 from tapd.config import Config
+from tapd.daemon.forward import Forwarder
 from tapd.daemon.rings import RingSet
 from tapd.daemon.router import Router
 from tapd.errors import ProtocolError
@@ -55,12 +56,13 @@ class Daemon:
         self.endpoints: list[str] = []
         self.zap: security.ZapHandler | None = None
         self.rings = RingSet(ring_dir_for(config.endpoint))
+        self.forwarder: Forwarder | None = None
 
     # ---- lifecycle ------------------------------------------------------------------
 
     def bind(self) -> list[str]:
-        """Bind the local endpoint (and the tcp one if configured); return the real
-        addresses (port 0 resolved)."""
+        """Bind the local endpoint (and the tcp one if configured), connect to the
+        upstream if forwarding; return the real addresses (port 0 resolved)."""
         endpoints = [self.config.endpoint] + ([self.config.tcp] if self.config.tcp else [])
         for endpoint in endpoints:
             if endpoint.startswith("ipc://"):
@@ -91,6 +93,15 @@ class Daemon:
                 "it can send taps and read them. Use it only on a trusted network.",
                 self.endpoints[-1],
             )
+        if self.config.forward:
+            if self.config.forward.startswith("tcp://") and self.config.insecure:
+                logger.warning("forwarding to %s WITHOUT authentication or encryption",
+                               self.config.forward)  # fmt: skip
+            try:
+                self.forwarder = Forwarder(self._context, self.config, self.router, self.id)
+            except Exception:
+                self.close()
+                raise
         return self.endpoints
 
     def _secure(self, sock: zmq.Socket[Any]) -> None:
@@ -130,6 +141,9 @@ class Daemon:
         poller.register(self._wake_read, zmq.POLLIN)
         if self.zap is not None:
             poller.register(self.zap.socket, zmq.POLLIN)
+        forwarder = self.forwarder
+        if forwarder is not None:
+            poller.register(forwarder.socket, zmq.POLLIN)
         if self.rings.directory is not None:
             ensure_private_dir(self.rings.directory)
             self.rings.adopt_orphans(self.router)
@@ -149,6 +163,8 @@ class Daemon:
                     self.zap.handle()
                     self.router.counters["auth_refused"] = self.zap.refused
                 now = time.monotonic()
+                if forwarder is not None and forwarder.socket in events:
+                    forwarder.receive(now)
                 if now - last_check > _EXPIRE_EVERY:
                     self.router.expire(now, self.config.subscriber_timeout)
                     self.rings.check_writers(self.router)
@@ -157,6 +173,8 @@ class Daemon:
                 moved = self.rings.poll(self.router) if now >= rings_from else 0
                 quiet_rounds = 0 if moved or events else quiet_rounds + 1
                 self.router.pump()
+                if forwarder is not None:
+                    forwarder.flush(now)
                 self.router.flush_credit()
                 if self._stop.is_set():
                     if drain_deadline is None:
@@ -189,7 +207,9 @@ class Daemon:
         logger.info("tapd daemon stopped: %s", dict(self.router.counters))
 
     def close(self) -> None:
-        self.rings.close()
+        if self.forwarder is not None:
+            self.forwarder.close()
+            self.forwarder = None
         if self.zap is not None:
             self.zap.close()
         for sock in self._sockets:
@@ -199,6 +219,8 @@ class Daemon:
             if endpoint.startswith("ipc://"):  # libzmq leaves the socket file behind
                 Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
         self._context.term()
+        # Only now: until the sockets are gone, ZeroMQ may still be sending ring memory.
+        self.rings.close()
         for fd in (self._wake_read, self._wake_write):
             try:
                 os.close(fd)
@@ -268,6 +290,8 @@ class Daemon:
                 router.emitter_bye(key)
         elif kind == "stats":
             stats = {**router.stats(), "rings": self.rings.stats()}
+            if self.forwarder is not None:
+                stats["forward"] = self.forwarder.stats()
             self._send(key, encode("stats_reply", {"stats": stats}))
         elif kind == "shutdown":
             if index == 0 and self.config.endpoint.startswith("ipc://"):
