@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ DEVICES_PER_PROCESS = 4
 CONSUMERS = "bench.multihost.*"
 READY_TIMEOUT = 300.0  # import, distributed init and compiling, on a loaded machine
 RUN_TIMEOUT = 360.0
+EXIT_TIMEOUT = 60.0
 
 
 @dataclasses.dataclass
@@ -62,6 +64,7 @@ class Job:
         self.logs = logs
         self.facts: list[dict[str, Any]] = []
         self.stats: list[dict[str, Any]] = []
+        self.exits: list[int | None] = []  # exit statuses after `quit`; None: had to stop it
 
     def _replies(self, timeout: float, what: str) -> list[str]:
         lines = []
@@ -97,11 +100,18 @@ class Job:
         runs.start_skew_s.append(max(starts) - min(starts))
 
     def quit(self, processes: Processes) -> None:
-        """Leave the job: every process prints its tapd.stats() and exits."""
+        """Leave the job: every process prints its tapd.stats() and exits by itself
+        (leaving the job, then tapd's exit drain, which removes its ring); a process
+        still there after EXIT_TIMEOUT s is stopped, and `exits` says so."""
         self._send("quit")
-        self.stats = [json.loads(line)["stats"] for line in self._replies(60.0, "quit")]
+        self.stats = [json.loads(line)["stats"] for line in self._replies(EXIT_TIMEOUT, "quit")]
+        deadline = time.monotonic() + EXIT_TIMEOUT
         for process in self.processes:
-            processes.stop(process, timeout=60.0)
+            try:
+                self.exits.append(process.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.exits.append(None)
+            processes.stop(process)
 
 
 def free_port() -> int:
@@ -143,6 +153,7 @@ class Outcome:
     expected: dict[str, dict[str, list[int]]]
     facts: list[dict[str, Any]]
     emitter_stats: list[dict[str, Any]]
+    exits: list[int | None]
     daemon_counters: list[dict[str, Any]]
     daemon_logs: list[str]
 
@@ -188,7 +199,7 @@ def measure(workdir: Path, counts: dict[int, int], repeats: int, backend: str | 
         }
     return Outcome(
         single, pair, tally, expected, jobs[0].facts + jobs[1].facts,
-        jobs[0].stats + jobs[1].stats, counters,
+        jobs[0].stats + jobs[1].stats, jobs[0].exits + jobs[1].exits, counters,
         [host.daemon_log_text().strip() for host in hosts],
     )  # fmt: skip
 
@@ -246,6 +257,10 @@ def render(outcome: Outcome) -> str:
         "waited for room in a full ring, i.e. for the daemon and subscriber to catch up): "
         + "; ".join(f"`{json.dumps(s, sort_keys=True)}`" for s in outcome.emitter_stats),
     ]
+    health.append(
+        "job processes' exit statuses after `quit`, (a) then (b)'s 0 and 1: "
+        + ", ".join("stopped, had not exited" if e is None else str(e) for e in outcome.exits)
+    )
     logs = "\n".join(log for log in outcome.daemon_logs if log)
     health.append("daemon warnings/errors: " + (f"\n\n```\n{logs}\n```" if logs else "none"))
     return (
