@@ -29,6 +29,7 @@ from tapd.protocol import (
     flatten,
     unflatten,
 )
+from tapd.protocol.batch import BatchTap, encode_batch
 from tapd.protocol.dtypes import SUPPORTED_DTYPES
 from tapd.protocol.wire import _SCHEMAS, KINDS
 
@@ -511,11 +512,13 @@ MINIMAL_FIELDS: dict[str, dict[str, Any]] = {
 
 
 def valid_fields(kind: str) -> dict[str, Any]:
+    if kind == "taps":
+        return {"statics": [], "taps": []}
     return tap_fields(tree=["n"], leaves=[]) if kind == "tap" else dict(MINIMAL_FIELDS[kind])
 
 
 def test_minimal_fields_cover_every_non_tap_kind() -> None:
-    assert set(MINIMAL_FIELDS) == set(_SCHEMAS) - {"tap"}
+    assert set(MINIMAL_FIELDS) == set(_SCHEMAS) - {"tap", "taps"}
     assert set(_SCHEMAS) == KINDS
     for kind, fields in MINIMAL_FIELDS.items():
         assert set(fields) == set(_SCHEMAS[kind]), kind
@@ -551,7 +554,8 @@ def wrong_type_value(expected: type | tuple[type, ...]) -> Any:
 
 def fields_frames(kind: str, fields: dict[str, Any]) -> Frames:
     """Frames for a header built verbatim (no `leaves` generation), with matching arrays."""
-    return [MAGIC, msgpack.packb({"kind": kind, **fields}, use_bin_type=True)]
+    body = [b""] if kind == "taps" else []  # a batch's (here empty) body frame
+    return [MAGIC, msgpack.packb({"kind": kind, **fields}, use_bin_type=True), *body]
 
 
 @pytest.mark.parametrize(("kind", "name"), REQUIRED_FIELDS, ids="-".join)
@@ -946,3 +950,80 @@ BAD_SHARDS: dict[str, Any] = {
 def test_bad_shard_fields_are_refused(shard: Any) -> None:
     frames = tap_frames(sample("float32", (2, 3)), shard=shard_field())
     expect_error(with_header(frames, set_field("shard", shard)), "bad_shard")
+
+
+# --------------------------------------------------------------------------- taps batches
+
+
+def batch_of(*arrays: np.ndarray, shard: Any = None) -> Frames:
+    """A `taps` message with one single-leaf tap per array: seq 0, 1, ..., one site."""
+    taps = []
+    for seq, array in enumerate(arrays):
+        fields = tap_fields(seq=seq) if shard is None else tap_fields(seq=seq, shard=shard)
+        frames = encode("tap", fields, [array])
+        header = header_of(wire(frames))
+        taps.append(BatchTap(header, frames[2:], tid=100 + seq, emitter="h:1", site=None))
+    return wire(encode_batch(taps))
+
+
+def test_a_batch_decodes_to_its_taps_in_order_with_padding_between_them() -> None:
+    arrays = [sample("int8", (3,)), sample("float64", (2, 2)), sample("bool", (0,))]
+    message = decode(batch_of(*arrays))
+    assert message.kind == "taps" and len(message.frames) == 1
+    assert len(message.header["statics"]) == 3  # shapes differ: three statics
+    assert [tap.header["seq"] for tap in message.batch] == [0, 1, 2]
+    assert [tap.header["tid"] for tap in message.batch] == [100, 101, 102]
+    for tap, array in zip(message.batch, arrays, strict=True):
+        assert tap.kind == "tap" and tap.header["emitter"] == "h:1"
+        assert tap.header["consumer"] == "loss"
+        assert_same_array(tap.value(), array)
+
+
+def test_taps_of_one_site_share_one_static_entry() -> None:
+    message = decode(batch_of(*[sample("float32", (2,))] * 5))
+    assert len(message.header["statics"]) == 1 and len(message.batch) == 5
+
+
+def test_shard_coordinates_travel_per_tap_and_the_layout_once() -> None:
+    arrays = [sample("float32", (2, 3))] * 2
+    message = decode(batch_of(*arrays, shard=shard_field()))
+    [static] = message.header["statics"]
+    assert "coords" not in static["shard"]
+    assert all(tap.header["shard"] == shard_field() for tap in message.batch)
+
+
+BAD_BATCHES: dict[str, Callable[[dict[str, Any]], None]] = {
+    "static lacks a field": lambda h: h["statics"][0].pop("consumer"),
+    "static leaf size": lambda h: h["statics"][0]["leaves"][0].__setitem__(1, [3]),
+    "static not a map": lambda h: h["statics"].__setitem__(0, 7),
+    "row too short": lambda h: h["taps"][0].pop(),
+    "row names no static": lambda h: h["taps"][0].__setitem__(0, 5),
+    "negative seq": lambda h: h["taps"][0].__setitem__(2, -1),
+    "bool device": lambda h: h["taps"][0].__setitem__(4, True),
+    "coordinates on an unsharded tap": lambda h: h["taps"][0].__setitem__(6, [0]),
+}
+BAD_BATCH_REASONS = {"coordinates on an unsharded tap": "bad_shard",
+                     "static leaf size": "bad_frames"}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BAD_BATCHES))
+def test_bad_batches_are_refused(name: str) -> None:
+    frames = batch_of(sample("float32", (2,)), sample("float32", (2,)))
+    expect_error(with_header(frames, BAD_BATCHES[name]), BAD_BATCH_REASONS.get(name, "bad_field"))
+
+
+def test_bad_shard_coordinates_in_a_batch_are_refused() -> None:
+    frames = batch_of(sample("float32", (2, 3)), shard=shard_field())
+    expect_error(with_header(frames, lambda h: h["taps"][0].__setitem__(6, [0, 2])), "bad_shard")
+
+
+def test_a_batch_body_must_match_its_taps_exactly() -> None:
+    frames = batch_of(sample("float32", (2,)))
+    expect_error([*frames[:2], frames[2] + bytes(8)], "bad_frames")  # extra bytes
+    expect_error([*frames[:2], frames[2][:4]], "bad_frames")  # overrun
+    expect_error([*frames, b""], "bad_frames")  # two body frames
+
+
+def test_batch_size_is_bounded() -> None:
+    frames = batch_of(*[sample("int8", (1,))] * 3)
+    expect_error(frames, "too_large", Limits(max_batch=2))

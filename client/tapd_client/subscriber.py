@@ -225,7 +225,7 @@ class Subscriber:
 
     def _hello_fields(self) -> dict[str, Any]:
         return {"role": "subscriber", "consumers": list(self._handlers),
-                "window": self.window, "name": self.name}  # fmt: skip
+                "window": self.window, "name": self.name, "batch": True}  # fmt: skip
 
     def _poller(self) -> zmq.Poller:
         poller = zmq.Poller()
@@ -241,6 +241,9 @@ class Subscriber:
         kind = message.kind
         if kind == "tap":
             self._run_handler(link, message)
+        elif kind == "taps":  # small taps, several per message
+            for tap in message.batch:
+                self._run_handler(link, tap)
         elif kind == "welcome":
             link.welcomed = True
         elif kind == "rehello":  # the daemon restarted and does not know us

@@ -99,7 +99,7 @@ class RingSource:
         if site.shard is not None:  # the last operand was this device's shard coordinates
             coords = np.frombuffer(frames.pop(), dtype="<i4")
             header["shard"] = {**site.shard, "coords": coords.tolist()}
-        return Message(header, frames)
+        return Message(header, frames, site=site)
 
     def drain(self, router: Router) -> int:
         """Hand committed records to the router, in order, while it can take them."""

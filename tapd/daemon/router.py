@@ -17,6 +17,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from tapd.protocol import MAGIC, Message, encode
+from tapd.protocol.batch import BatchTap, encode_batch
 from tapd.protocol.wire import encode_header
 
 logger = logging.getLogger("tapd.daemon")
@@ -27,6 +28,8 @@ Send = Callable[[PeerKey, list[Any]], bool]  # False when the peer is gone
 # name, nbytes) instead of frames on a socket, and acknowledges it through `ack`.
 Deliver = Callable[[int, Message, str, int], None]
 _UNLIMITED = 2**62  # the message-count window of in-process subscribers
+# Taps smaller than this go to subscribers in batches; pyzmq would copy them anyway.
+_BATCH_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass
@@ -83,6 +86,7 @@ class Subscriber:
     dropped: int = 0
     errors: int = 0
     deliver: Deliver | None = None  # set for in-process subscribers
+    batch: bool = False  # takes `taps` messages (several small taps in one)
 
     def wants(self, consumer: str) -> bool:
         # exact names, or prefixes written "module:*" (the client matches the same way)
@@ -103,6 +107,7 @@ class Router:
         self.daemon_id = daemon_id
         self.emitters: dict[PeerKey, Emitter] = {}
         self.subscribers: dict[PeerKey, Subscriber] = {}
+        self._targets_cache: dict[str, list[Subscriber]] = {}  # cleared on any change
         self._tids = itertools.count()
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -166,7 +171,12 @@ class Router:
             self.emitters[new] = emitter
 
     def _targets(self, consumer: str) -> list[Subscriber]:
-        return [s for s in self.subscribers.values() if s.wants(consumer)]
+        # Looked up twice per tap: cached per consumer until the subscribers change.
+        targets = self._targets_cache.get(consumer)
+        if targets is None:
+            targets = [s for s in self.subscribers.values() if s.wants(consumer)]
+            self._targets_cache[consumer] = targets
+        return targets
 
     def _has_room(self, tap: Message, nbytes: int) -> bool:
         return all(
@@ -266,7 +276,9 @@ class Router:
         if key in self.subscribers:
             self.drop_subscriber(key, "said hello again")
         name = str(header.get("name", "")) or repr(key)
-        self.subscribers[key] = Subscriber(key, name, tuple(consumers), window, now)
+        self._targets_cache.clear()
+        self.subscribers[key] = Subscriber(key, name, tuple(consumers), window, now,
+                                           batch=header.get("batch") is True)  # fmt: skip
         logger.info("subscriber %s connected for %s", name, ", ".join(consumers))
         self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
 
@@ -275,6 +287,7 @@ class Router:
     ) -> None:
         """An in-process subscriber: fed through `deliver`, with no message-count window
         (its bytes are still bounded by `queue_bytes` and the policy) and never expired."""
+        self._targets_cache.clear()
         self.subscribers[key] = Subscriber(
             key, name, tuple(patterns), _UNLIMITED, now, deliver=deliver
         )
@@ -331,21 +344,46 @@ class Router:
         """Send each subscriber what its window allows."""
         for subscriber in list(self.subscribers.values()):
             while subscriber.queue and len(subscriber.in_flight) < subscriber.window:
-                delivery = subscriber.queue.popleft()
-                delivery.tid = next(self._tids)
-                subscriber.in_flight.append(delivery)
-                name = _emitter_name(delivery)
-                if subscriber.deliver is not None:
-                    subscriber.deliver(delivery.tid, delivery.tap, name, delivery.nbytes)
-                    continue
-                header = {**delivery.tap.header, "tid": delivery.tid, "emitter": name}
-                frames = [MAGIC, encode_header(header), *delivery.tap.frames]
-                if not self._send(subscriber.key, frames):
+                if not self._send_next(subscriber):
                     self.drop_subscriber(subscriber.key, "is unreachable")
                     break
 
+    def _send_next(self, subscriber: Subscriber) -> bool:
+        """Send the next queued tap, or the next run of small ones as one `taps`
+        message; False if the subscriber is unreachable."""
+        if subscriber.deliver is not None:
+            delivery = self._start_delivery(subscriber)
+            name = _emitter_name(delivery)
+            subscriber.deliver(delivery.tid, delivery.tap, name, delivery.nbytes)
+            return True
+        queue = subscriber.queue
+        if subscriber.batch and queue[0].nbytes < _BATCH_BYTES:
+            # Up to half a window per message, so that the subscriber's ack of one batch
+            # overlaps its work on the next.
+            room = subscriber.window - len(subscriber.in_flight)
+            limit = min(room, max(1, subscriber.window // 2))
+            taps: list[BatchTap] = []
+            size = 0
+            while queue and len(taps) < limit and size + queue[0].nbytes <= _BATCH_BYTES:
+                delivery = self._start_delivery(subscriber)
+                tap = delivery.tap
+                taps.append(BatchTap(tap.header, tap.frames, delivery.tid,
+                                     _emitter_name(delivery), tap.site))  # fmt: skip
+                size += delivery.nbytes
+            return self._send(subscriber.key, encode_batch(taps))
+        delivery = self._start_delivery(subscriber)
+        header = encode_header(_subscriber_header(delivery))
+        return self._send(subscriber.key, [MAGIC, header, *delivery.tap.frames])
+
+    def _start_delivery(self, subscriber: Subscriber) -> _Delivery:
+        delivery = subscriber.queue.popleft()
+        delivery.tid = next(self._tids)
+        subscriber.in_flight.append(delivery)
+        return delivery
+
     def drop_subscriber(self, key: PeerKey, why: str) -> None:
         subscriber = self.subscribers.pop(key, None)
+        self._targets_cache.clear()
         if subscriber is None:
             return
         lost = list(subscriber.in_flight) + list(subscriber.queue)
@@ -388,6 +426,11 @@ class Router:
             "subscribers": [_subscriber_stats(s) for s in self.subscribers.values()],
             "time": time.time(),
         }
+
+
+def _subscriber_header(delivery: _Delivery) -> dict[str, Any]:
+    """A tap's header as its subscriber gets it: with its delivery id and emitter."""
+    return {**delivery.tap.header, "tid": delivery.tid, "emitter": _emitter_name(delivery)}
 
 
 def _emitter_name(delivery: _Delivery) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -17,7 +17,7 @@ import numpy as np
 
 from tapd.errors import ProtocolError
 from tapd.protocol.dtypes import dtype_from_name, dtype_name
-from tapd.protocol.tree import count_leaves, unflatten
+from tapd.protocol.tree import LEAF, count_leaves, unflatten
 
 VERSION = 1
 MAGIC = b"TAPD" + bytes([VERSION])
@@ -34,6 +34,7 @@ class Limits:
     max_tree_depth: int = 64
     max_ndim: int = 32
     max_message_bytes: int = 1 << 30
+    max_batch: int = 4096  # taps in one `taps` message
 
 
 DEFAULT_LIMITS = Limits()
@@ -41,7 +42,8 @@ DEFAULT_LIMITS = Limits()
 # Fields each kind must carry, with their types. Unknown extra fields are ignored so
 # that a minor addition does not break older peers; known ones are checked strictly.
 _OPT_INT = (int, type(None))
-_SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
+Schema = dict[str, type | tuple[type, ...]]
+_SCHEMAS: dict[str, Schema] = {
     "hello": {"role": str},
     "welcome": {"window_bytes": int, "daemon": str},
     "rehello": {},
@@ -50,6 +52,7 @@ _SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
         "host": str, "pid": int, "time": int, "transforms": list, "meta": dict,
         "tree": list, "leaves": list,
     },
+    "taps": {"statics": list, "taps": list},
     "credit": {"bytes": int},
     "ack": {"upto": int, "errors": list},
     "error": {"consumer": str, "seq": int, "error": str, "subscriber": str},
@@ -70,6 +73,8 @@ class Message:
 
     header: dict[str, Any]
     frames: Sequence[Frame] = ()
+    batch: Sequence[Message] = ()  # a `taps` message's taps, each a `tap` Message
+    site: Hashable | None = None  # equal for taps of one site: static fields equal too
 
     @property
     def kind(self) -> str:
@@ -86,7 +91,10 @@ class Message:
 
     def value(self) -> Any:
         """The tapped value, rebuilt with its pytree structure."""
-        return unflatten(self.header["tree"], self.arrays())
+        arrays = self.arrays()
+        if self.header["tree"] == LEAF:  # the common case: one array, nothing to rebuild
+            return arrays[0]
+        return unflatten(self.header["tree"], arrays)
 
 
 def describe_array(array: np.ndarray) -> tuple[np.ndarray, list[Any]]:
@@ -106,8 +114,9 @@ def array_frame(array: np.ndarray) -> memoryview:
 
 def encode(kind: str, fields: Mapping[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Frame]:
     """Frames for one message. For `tap`, `fields` omits `leaves`: it is built here."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown message kind {kind!r}")
+    if kind not in KINDS or kind == "taps":
+        raise ValueError(f"unknown message kind {kind!r}" if kind != "taps" else
+                         "'taps' messages are made by tapd.protocol.batch")  # fmt: skip
     header = {**fields, "kind": kind}
     frames: list[Frame] = []
     if kind == "tap":
@@ -146,18 +155,29 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     kind = header.get("kind")
     if not isinstance(kind, str) or kind not in KINDS:
         raise ProtocolError("bad_header", f"unknown message kind {kind!r:.40}")
-    for name, expected in _SCHEMAS[kind].items():
+    check_fields(kind, header)
+    payload = [_buffer(f) for f in frames[2:]]
+    if kind == "tap":
+        _check_tap(header, payload, limits)
+    elif kind == "taps":
+        from tapd.protocol.batch import split_batch  # (batch.py builds on this module)
+
+        return Message(header, payload, split_batch(header, payload, limits))
+    elif payload:
+        raise ProtocolError("bad_frames", f"{kind!r} message has {len(payload)} extra frames")
+    return Message(header, payload)
+
+
+def check_fields(
+    kind: str, header: dict[str, Any], schema: Mapping[str, type | tuple[type, ...]] | None = None
+) -> None:
+    """Every field of `kind`'s schema (or the `schema` given) is there, with its type."""
+    for name, expected in (schema or _SCHEMAS[kind]).items():
         value = header.get(name, _MISSING)
         if value is _MISSING:
             raise ProtocolError("bad_field", f"{kind!r} message lacks {name!r}")
         if not isinstance(value, expected) or (isinstance(value, bool) and _wants_int(expected)):
             raise ProtocolError("bad_field", f"{kind!r} field {name!r} has bad type: {value!r:.60}")
-    payload = [_buffer(f) for f in frames[2:]]
-    if kind == "tap":
-        _check_tap(header, payload, limits)
-    elif payload:
-        raise ProtocolError("bad_frames", f"{kind!r} message has {len(payload)} extra frames")
-    return Message(header, payload)
 
 
 _MISSING = object()
@@ -186,16 +206,31 @@ def _unpack_header(raw: memoryview, limits: Limits) -> dict[str, Any]:
 
 
 def _check_tap(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> None:
+    sizes = leaf_sizes(header, limits)
+    if len(sizes) != len(payload):
+        raise ProtocolError("bad_frames", f"{len(sizes)} leaves but {len(payload)} array frames")
+    for index, (nbytes, frame) in enumerate(zip(sizes, payload, strict=True)):
+        if len(frame) != nbytes:
+            raise ProtocolError("bad_frames", f"leaf {index} needs {nbytes} bytes, "
+                                f"its frame has {len(frame)}")  # fmt: skip
+    if header["seq"] < 0:
+        raise ProtocolError("bad_field", f"negative seq {header['seq']}")
+    shard = header.get("shard")
+    if shard is not None:
+        check_shard(shard, header["leaves"], limits)
+
+
+def leaf_sizes(header: dict[str, Any], limits: Limits) -> list[int]:
+    """Check a tap header's `tree` and `leaves`; the byte size of each leaf."""
     leaves = header["leaves"]
     if len(leaves) > limits.max_leaves:
         raise ProtocolError("too_large", f"{len(leaves)} leaves > {limits.max_leaves}")
-    if len(leaves) != len(payload):
-        raise ProtocolError("bad_frames", f"{len(leaves)} leaves but {len(payload)} array frames")
     expected_leaves = count_leaves(header["tree"], limits.max_tree_depth)
     if expected_leaves != len(leaves):
         raise ProtocolError("bad_tree", f"tree has {expected_leaves} leaves, header {len(leaves)}")
     total = 0
-    for index, (leaf, frame) in enumerate(zip(leaves, payload, strict=True)):
+    sizes = []
+    for index, leaf in enumerate(leaves):
         if not (isinstance(leaf, list) and len(leaf) == 3):
             raise ProtocolError("bad_field", f"leaf {index} is not [dtype, shape, nbytes]")
         name, shape, nbytes = leaf
@@ -209,27 +244,21 @@ def _check_tap(header: dict[str, Any], payload: list[memoryview], limits: Limits
         expected = math.prod(shape) * dtype.itemsize
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
             raise ProtocolError("bad_field", f"leaf {index} nbytes {nbytes!r:.20} is not an int")
-        if nbytes != expected or len(frame) != expected:
-            raise ProtocolError(
-                "bad_frames",
-                f"leaf {index} ({name}{shape}) needs {expected} bytes; "
-                f"header says {nbytes!r:.20}, frame has {len(frame)}",
-            )
+        if nbytes != expected:
+            raise ProtocolError("bad_frames", f"leaf {index} ({name}{shape}) needs {expected} "
+                                f"bytes; header says {nbytes!r:.20}")  # fmt: skip
         total += expected
         if total > limits.max_message_bytes:
             raise ProtocolError("too_large", f"arrays exceed {limits.max_message_bytes} bytes")
-    if header["seq"] < 0:
-        raise ProtocolError("bad_field", f"negative seq {header['seq']}")
-    shard = header.get("shard")
-    if shard is not None:
-        _check_shard(shard, leaves, limits)
+        sizes.append(expected)
+    return sizes
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_shard(shard: Any, leaves: list[Any], limits: Limits) -> None:
+def check_shard(shard: Any, leaves: list[Any], limits: Limits) -> None:
     """A tap's optional `shard` field (docs/PROTOCOL.md): mesh axes, this device's
     coordinates on them, and each leaf's global shape and splitting axes."""
 
@@ -246,7 +275,7 @@ def _check_shard(shard: Any, leaves: list[Any], limits: Limits) -> None:
     if not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
         raise bad(f"axes {axes!r:.60} are not distinct names")
     for name, size, coord in zip(axes, sizes, coords, strict=True):
-        if not (_is_int(size) and _is_int(coord) and 0 <= coord < size):
+        if not (is_int(size) and is_int(coord) and 0 <= coord < size):
             raise bad(f"axis {name!r}: coordinate {coord!r:.20} not within size {size!r:.20}")
     if not isinstance(layout, list) or len(layout) != len(leaves):
         raise bad(f"layout must have one entry per leaf ({len(leaves)})")
@@ -263,7 +292,7 @@ def _check_shard(shard: Any, leaves: list[Any], limits: Limits) -> None:
             if not (isinstance(split, list) and all(a in axes for a in split)):
                 raise bad(f"layout {index}: dims {split!r:.40} name unknown axes")
             parts = math.prod(sizes[axes.index(a)] for a in split)
-            if not _is_int(extent) or extent < 0 or extent % parts:
+            if not is_int(extent) or extent < 0 or extent % parts:
                 raise bad(f"layout {index}: extent {extent!r:.20} not divisible by {parts}")
             block.append(extent // parts)
         if math.prod(block) != math.prod(leaf[1]):

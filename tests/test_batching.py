@@ -1,0 +1,114 @@
+"""Small taps reach subscribers in `taps` batches, large ones and old subscribers' alone.
+
+A raw ZeroMQ subscriber (no tapd_client) talks to a real daemon fed by a real JAX
+emitter, so the messages on the wire are what is checked.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from conftest import Daemon, run_emitter
+from tapd.protocol import decode, encode
+
+TAPS = 200
+
+
+@pytest.fixture
+def dealer() -> Iterator[Callable[[str], zmq.Socket[bytes]]]:
+    context = zmq.Context()
+    sockets: list[zmq.Socket[bytes]] = []
+
+    def connect(endpoint: str) -> zmq.Socket[bytes]:
+        sock = context.socket(zmq.DEALER)
+        sock.connect(endpoint)
+        sockets.append(sock)
+        return sock
+
+    yield connect
+    for sock in sockets:
+        sock.close(linger=1000)
+    context.term()
+
+
+def receive_while(sock: zmq.Socket[bytes], emitter: threading.Thread) -> list[Any]:
+    """Every message until the emitter is done and the socket has gone quiet; acks taps
+    as a subscriber must (the emitter's barrier waits for them)."""
+    messages = []
+    while emitter.is_alive() or sock.poll(500):
+        if not sock.poll(100):
+            continue
+        message = decode(sock.recv_multipart())
+        messages.append(message)
+        taps = message.batch if message.kind == "taps" else [message]
+        if taps and message.kind in ("tap", "taps"):
+            upto = max(t.header["tid"] for t in taps)
+            sock.send_multipart(encode("ack", {"upto": upto, "errors": []}))
+    return messages
+
+
+class Emitter(threading.Thread):
+    """A real JAX emitter scenario run from a thread; `result` once it is done."""
+
+    def __init__(self, endpoint: str, *scenario: str) -> None:
+        super().__init__(daemon=True)
+        self.args = (endpoint, *scenario)
+        self.result: dict[str, Any] | BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = run_emitter(*self.args)
+        except BaseException as exc:  # re-raised by the test, not lost in the thread
+            self.result = exc
+
+    def outcome(self) -> dict[str, Any]:
+        self.join(timeout=60)
+        if not isinstance(self.result, dict):
+            raise AssertionError(f"the emitter failed: {self.result!r}")
+        return self.result
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batching", "old-subscriber"])
+def test_small_taps_are_batched_only_for_subscribers_that_said_so(
+    start_daemon: Callable[..., Daemon], dealer: Callable[[str], zmq.Socket[bytes]], batch: bool
+) -> None:
+    daemon = start_daemon()
+    sock = dealer(daemon.endpoint)
+    hello = {"role": "subscriber", "consumers": ["loss"], "window": 64, "name": "raw"}
+    sock.send_multipart(encode("hello", {**hello, "batch": True} if batch else hello))
+    assert decode(sock.recv_multipart()).kind == "welcome"
+
+    emitter = Emitter(daemon.endpoint, "steps", str(TAPS))
+    messages = receive_while(sock, emitter)
+    assert emitter.outcome()["stats"]["delivered"] == TAPS
+    taps = [t for m in messages for t in (m.batch if m.kind == "taps" else [m])]
+    assert [(t.header["seq"], float(t.value())) for t in taps] == [
+        (i, float(i)) for i in range(TAPS)
+    ]
+    kinds = {m.kind for m in messages}
+    if batch:
+        assert kinds == {"taps"} and len(messages) < TAPS
+        assert max(len(m.batch) for m in messages) <= 32  # half the window
+    else:
+        assert kinds == {"tap"} and len(messages) == TAPS
+
+
+def test_large_taps_travel_alone_even_to_a_batching_subscriber(
+    start_daemon: Callable[..., Daemon], dealer: Callable[[str], zmq.Socket[bytes]]
+) -> None:
+    daemon = start_daemon()
+    sock = dealer(daemon.endpoint)
+    sock.send_multipart(encode("hello", {"role": "subscriber", "consumers": ["big"],
+                                         "window": 8, "name": "raw", "batch": True}))  # fmt: skip
+    assert decode(sock.recv_multipart()).kind == "welcome"
+    emitter = Emitter(daemon.endpoint, "many_bytes", "5", "128")
+    messages = receive_while(sock, emitter)
+    emitter.outcome()
+    assert [m.kind for m in messages] == ["tap"] * 5
+    assert [m.arrays()[0].nbytes for m in messages] == [128 * 1024] * 5
