@@ -10,11 +10,14 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import zmq
 
 from conftest import Daemon, run_emitter
+from tapd.daemon.router import Router
 from tapd.protocol import decode, encode
+from tapd.protocol.wire import DEFAULT_LIMITS
 
 TAPS = 200
 
@@ -112,3 +115,27 @@ def test_large_taps_travel_alone_even_to_a_batching_subscriber(
     emitter.outcome()
     assert [m.kind for m in messages] == ["tap"] * 5
     assert [m.arrays()[0].nbytes for m in messages] == [128 * 1024] * 5
+
+
+def test_a_batch_never_exceeds_what_a_subscriber_accepts_whatever_its_window() -> None:
+    """In-process Router: a subscriber with a huge window still gets batches that
+    decode (at most `max_batch` taps each), and a non-forwarding emitter cannot pass
+    itself off as another through the tap's `emitter` field."""
+    sent: list[list[Any]] = []
+    router = Router(lambda key, frames: sent.append(frames) or True, policy="block",
+                    queue_bytes=1 << 30, window_bytes=1 << 30, daemon_id="d")  # fmt: skip
+    router.subscriber_hello("sub", {"consumers": ["x"], "window": 3 * DEFAULT_LIMITS.max_batch,
+                                    "name": "s", "batch": True}, now=0.0)  # fmt: skip
+    router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
+    fields = {"consumer": "x", "step": None, "device": None, "process": 0, "host": "h",
+              "pid": 1, "time": 0, "transforms": [], "meta": {}, "tree": ["*"],
+              "emitter": "somebody-else:9"}  # fmt: skip
+    count = 2 * DEFAULT_LIMITS.max_batch + 5
+    for seq in range(count):
+        router.tap("em", decode(encode("tap", {**fields, "seq": seq}, [np.zeros(1, np.int8)])))
+    router.pump()
+    batches = [decode(frames) for frames in sent if decode(frames).kind == "taps"]
+    assert [len(b.batch) for b in batches] == [DEFAULT_LIMITS.max_batch] * 2 + [5]
+    taps = [t for b in batches for t in b.batch]
+    assert [t.header["seq"] for t in taps] == list(range(count))
+    assert {t.header["emitter"] for t in taps} == {"h:1"}

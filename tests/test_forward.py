@@ -322,3 +322,34 @@ def test_forward_settings_are_checked_and_layered(tmp_path: Path) -> None:
 
     help_text = tapd_cmd("start", "--help").stdout
     assert "--forward ENDPOINT" in help_text and "--forward-server-key" in help_text
+
+
+def test_a_tap_the_upstream_never_finished_is_reported_lost_not_confirmed(
+    start_daemon: StartDaemon,
+) -> None:
+    """The upstream refuses the tap (too large for it): its barrier still answers, but
+    its totals show one tap short, which the emitter hears about as an error."""
+    upstream = start_daemon("--max-message-bytes", "16", name="a.sock")
+    forwarder = start_daemon("--forward", upstream.endpoint, name="b.sock")
+    context = zmq.Context()
+    emitter = context.socket(zmq.DEALER)
+    try:
+        emitter.connect(forwarder.endpoint)
+        emitter.send_multipart(encode("hello", {"role": "emitter", "host": "h", "pid": 1,
+                                                "process": 0}))  # fmt: skip
+        fields = {"consumer": "x", "seq": 0, "step": None, "device": None, "process": 0,
+                  "host": "h", "pid": 1, "time": 0, "transforms": [], "meta": {},
+                  "tree": ["*"]}  # fmt: skip
+        emitter.send_multipart(encode("tap", fields, [np.arange(3.0)]))  # 24 bytes > 16
+        emitter.send_multipart(encode("barrier", {"id": 0}))
+        kinds = {}
+        while "barrier_done" not in kinds:
+            assert emitter.poll(10_000), f"no barrier_done within 10 s; got {list(kinds)}"
+            message = decode(emitter.recv_multipart())
+            kinds[message.kind] = message.header
+        assert "lost on the way to the upstream daemon" in kinds["error"]["error"]
+        assert forwarder.counters()["forward_lost"] == 1
+        assert upstream.counters()["rejected_too_large"] == 1
+    finally:
+        emitter.close(linger=0)
+        context.term()

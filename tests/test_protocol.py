@@ -943,6 +943,7 @@ BAD_SHARDS: dict[str, Any] = {
     "extent not divisible": shard_field(layout=[[[5, 6], [["a"], ["b"]]]]),
     "block does not hold the leaf": shard_field(layout=[[[4, 4], [["a"], ["b"]]]]),
     "missing layout": {"axes": ["a"], "sizes": [2], "coords": [0]},
+    "axis splits two dims": shard_field(layout=[[[4, 6], [["a"], ["a"]]]]),
 }
 
 

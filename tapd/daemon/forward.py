@@ -38,7 +38,7 @@ from tapd.config import Config
 from tapd.daemon.router import Router
 from tapd.errors import ConfigError, ProtocolError
 from tapd.protocol import MAGIC, Limits, Message, decode, encode
-from tapd.protocol.wire import encode_header
+from tapd.protocol.wire import encode_header, is_int
 from tapd.security import ClientKeys
 
 logger = logging.getLogger("tapd.daemon")
@@ -104,6 +104,8 @@ class Forwarder:
         self.in_flight = 0  # bytes sent that the upstream has not credited back
         self._sent_since_hello = 0
         self._totals = (0, 0, 0)  # upstream's (delivered, dropped, unrouted) for us so far
+        self._confirmed_taps = 0  # taps its barriers confirmed, since it welcomed us
+        self._lost_taps = 0  # of those, taps its totals show it never received
         self._last_heard = self._last_hello = self._last_warning = time.monotonic()
         self._rehello_after = _REHELLO_AFTER
         router.add_local_subscriber(self.key, self.name, ["*"], self._take, time.monotonic())
@@ -222,14 +224,20 @@ class Forwarder:
             )  # fmt: skip
             self.upstream = daemon
             self._totals = (0, 0, 0)
+            self._confirmed_taps = self._lost_taps = 0
             self.window = 0
             self._hello()
             return
         if self.upstream is None:
             logger.info("upstream daemon %s at %s welcomed us", daemon, self.endpoint)
+        held = header.get("held_bytes", 0)
+        if not is_int(held) or held < 0:
+            self.router.reject("bad_field", f"welcome from the upstream at {self.endpoint} "
+                               f"has held_bytes {held!r:.20}")  # fmt: skip
+            return
         self.upstream = daemon
         self.window = header["window_bytes"]
-        self.in_flight = int(header.get("held_bytes", 0)) + self._sent_since_hello
+        self.in_flight = held + self._sent_since_hello
 
     def _confirmed(self, header: dict[str, Any], now: float) -> None:
         done: list[_Forwarded] = []
@@ -238,9 +246,27 @@ class Forwarder:
         self._count_upstream(header)
         if not done or self.key not in self.router.subscribers:
             return
+        self._check_received(done)
         errors = [{"tid": item.tid, "error": item.error} for item in done if item.error]
         self.router.counters["forward_confirmed"] += len(done)
         self.router.ack(self.key, {"upto": done[-1].tid, "errors": errors}, now)
+
+    def _check_received(self, done: list[_Forwarded]) -> None:
+        """A barrier confirms every tap sent before it, but a connection that dropped
+        and came back to the same upstream may have lost some on the way. The
+        upstream's totals for us say how many it finished; any shortfall is reported
+        as an error on the latest taps confirmed (which ones were lost is unknown)."""
+        self._confirmed_taps += len(done)
+        missing = self._confirmed_taps - sum(self._totals) - self._lost_taps
+        if missing <= 0:
+            return
+        self._lost_taps += missing
+        self.router.counters["forward_lost"] += missing
+        text = (f"lost on the way to the upstream daemon at {self.endpoint}: it finished "
+                f"{missing} fewer of these {len(done)} forwarded taps than were sent")  # fmt: skip
+        logger.error("%s", text)
+        for item in done[-missing:]:
+            item.error = item.error or text
 
     def _count_upstream(self, header: dict[str, Any]) -> None:
         """The upstream's totals for us, as counters here; drops and taps nobody

@@ -18,7 +18,7 @@ from typing import Any
 
 from tapd.protocol import MAGIC, Message, encode
 from tapd.protocol.batch import BatchTap, encode_batch
-from tapd.protocol.wire import encode_header
+from tapd.protocol.wire import DEFAULT_LIMITS, encode_header
 
 logger = logging.getLogger("tapd.daemon")
 
@@ -30,6 +30,7 @@ Deliver = Callable[[int, Message, str, int], None]
 _UNLIMITED = 2**62  # the message-count window of in-process subscribers
 # Taps smaller than this go to subscribers in batches; pyzmq would copy them anyway.
 _BATCH_BYTES = 64 * 1024
+_BATCH_HEADER_BYTES = DEFAULT_LIMITS.max_header_bytes // 4  # well within what decoders take
 
 
 @dataclasses.dataclass
@@ -57,6 +58,7 @@ class Emitter:
     dropped: int = 0
     unrouted: int = 0
     gone: bool = False
+    forwarder: bool = False  # a forwarding daemon: its taps name their own emitters
 
     @property
     def held_bytes(self) -> int:
@@ -115,10 +117,12 @@ class Router:
 
     def emitter_hello(self, key: PeerKey, header: dict[str, Any]) -> None:
         name = f"{header['host']}:{header['pid']}"
-        if isinstance(header.get("forwarder"), str):  # a daemon forwarding its emitters' taps
+        forwarder = isinstance(header.get("forwarder"), str)
+        if forwarder:  # a daemon forwarding its emitters' taps
             name = f"forwarding daemon {header['forwarder']}"
         emitter = self.emitters.get(key) or self.adopt(key, name)
         emitter.name = name  # met first through a tap, it was named after the tap's emitter
+        emitter.forwarder = forwarder
         emitter.gone = False
         self._welcome(emitter)
 
@@ -361,17 +365,24 @@ class Router:
             # Up to half a window per message, so that the subscriber's ack of one batch
             # overlaps its work on the next.
             room = subscriber.window - len(subscriber.in_flight)
-            limit = min(room, max(1, subscriber.window // 2))
-            taps: list[BatchTap] = []
+            limit = min(room, max(1, subscriber.window // 2), DEFAULT_LIMITS.max_batch)
+            deliveries: list[_Delivery] = []
             size = 0
-            while queue and len(taps) < limit and size + queue[0].nbytes <= _BATCH_BYTES:
-                delivery = self._start_delivery(subscriber)
-                tap = delivery.tap
-                taps.append(BatchTap(tap.header, tap.frames, delivery.tid,
-                                     _emitter_name(delivery), tap.site))  # fmt: skip
-                size += delivery.nbytes
-            return self._send(subscriber.key, encode_batch(taps))
-        delivery = self._start_delivery(subscriber)
+            while queue and len(deliveries) < limit and size + queue[0].nbytes <= _BATCH_BYTES:
+                deliveries.append(self._start_delivery(subscriber))
+                size += deliveries[-1].nbytes
+            frames = encode_batch([
+                BatchTap(d.tap.header, d.tap.frames, d.tid, _emitter_name(d), d.tap.site)
+                for d in deliveries
+            ])  # fmt: skip
+            if len(frames[1]) <= _BATCH_HEADER_BYTES or len(deliveries) == 1:
+                return self._send(subscriber.key, frames)
+            # Many distinct, large headers (rare): a batch could exceed what a subscriber
+            # accepts, so these go one by one.
+            return all(self._send_one(subscriber, d) for d in deliveries)
+        return self._send_one(subscriber, self._start_delivery(subscriber))
+
+    def _send_one(self, subscriber: Subscriber, delivery: _Delivery) -> bool:
         header = encode_header(_subscriber_header(delivery))
         return self._send(subscriber.key, [MAGIC, header, *delivery.tap.frames])
 
@@ -435,8 +446,9 @@ def _subscriber_header(delivery: _Delivery) -> dict[str, Any]:
 
 def _emitter_name(delivery: _Delivery) -> str:
     """The emitter a subscriber is told about: the one named in a forwarded tap (a
-    forwarding daemon passes on its emitter's name), else the one that sent it here."""
-    name = delivery.tap.header.get("emitter")
+    forwarding daemon passes on its emitter's name), else the one that sent it here:
+    no other emitter may speak for another."""
+    name = delivery.tap.header.get("emitter") if delivery.emitter.forwarder else None
     return name if isinstance(name, str) else delivery.emitter.name
 
 

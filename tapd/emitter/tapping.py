@@ -170,8 +170,8 @@ def tap(
 
     `step` may be a traced integer. Inside `shard_map`/`pmap`, `spec` says how this
     device's block tiles the global value, as shard_map's `out_specs` would (default:
-    blocks stacked along new leading axes, as pmap stacks them); see
-    `tapd.emitter.sharding`. Other keywords are static metadata (str, int, float,
+    blocks stacked along new leading axes, as pmap stacks them); one spec serves every
+    leaf of `arg`; see `tapd.emitter.sharding`. Other keywords are static metadata (str, int, float,
     bool, None) handed to the handler in `meta.meta`.
     """
     _check_consumer(name)
@@ -368,6 +368,8 @@ def _tap_fn(
         axis_size: int, in_batched: Sequence[Any], leaves: tuple[Any, ...], step: Any, coords: Any
     ) -> tuple[tuple[Any, ...], Any]:
         leaves_batched = tuple(in_batched[0])
+        if in_batched[2]:  # coordinates come from lax.axis_index, which vmap never batches
+            raise TapDefinitionError(f"tap {consumer!r}: batched shard coordinates")
         entry = ("batch", {"batch_dims": [0 if b else None for b in leaves_batched]})
         fields = site_fields
         if "shard" in fields:  # a batched leaf's block and global value gain the batch dim

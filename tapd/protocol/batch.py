@@ -62,10 +62,10 @@ def encode_batch(taps: Sequence[BatchTap]) -> list[Frame]:
         header = tap.header
         key: Hashable = (tap.site, tap.emitter)
         index = index_of.get(key) if tap.site is not None else None
+        shard = header.get("shard")
         if index is None:
             static = {k: v for k, v in header.items() if k not in _NOT_STATIC}
             static["emitter"] = tap.emitter
-            shard = header.get("shard")
             if shard is not None:
                 static["shard"] = {k: v for k, v in shard.items() if k != "coords"}
             if tap.site is None:
@@ -74,7 +74,6 @@ def encode_batch(taps: Sequence[BatchTap]) -> list[Frame]:
             if index is None:
                 index = index_of[key] = len(statics)
                 statics.append(static)
-        shard = header.get("shard")
         rows.append([index, tap.tid, header["seq"], header["step"], header["device"],
                      header["time"], None if shard is None else shard["coords"]])  # fmt: skip
         for frame in tap.frames:
@@ -137,10 +136,11 @@ def split_batch(header: dict[str, Any], payload: list[memoryview], limits: Limit
     body; raises ProtocolError on any inconsistency."""
     if len(payload) != 1:
         raise ProtocolError("bad_frames", f"'taps' needs one body frame, got {len(payload)}")
-    rows = header["taps"]
-    if len(rows) > limits.max_batch or len(header["statics"]) > limits.max_batch:
-        raise ProtocolError("too_large", f"{len(rows)} taps in a batch > {limits.max_batch}")
-    statics = [_Static(i, static, limits) for i, static in enumerate(header["statics"])]
+    rows, statics_given = header["taps"], header["statics"]
+    if max(len(rows), len(statics_given)) > limits.max_batch:
+        raise ProtocolError("too_large", f"{len(rows)} taps, {len(statics_given)} statics in "
+                            f"a batch: more than {limits.max_batch}")  # fmt: skip
+    statics = [_Static(i, static, limits) for i, static in enumerate(statics_given)]
     body = payload[0]
     offset = 0
     taps = []

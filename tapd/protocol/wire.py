@@ -172,7 +172,7 @@ def check_fields(
     kind: str, header: dict[str, Any], schema: Mapping[str, type | tuple[type, ...]] | None = None
 ) -> None:
     """Every field of `kind`'s schema (or the `schema` given) is there, with its type."""
-    for name, expected in (schema or _SCHEMAS[kind]).items():
+    for name, expected in (_SCHEMAS[kind] if schema is None else schema).items():
         value = header.get(name, _MISSING)
         if value is _MISSING:
             raise ProtocolError("bad_field", f"{kind!r} message lacks {name!r}")
@@ -287,6 +287,9 @@ def check_shard(shard: Any, leaves: list[Any], limits: Limits) -> None:
             raise bad(f"layout {index} is not [global_shape, dims]")
         if len(global_shape) != len(dims) or len(dims) > limits.max_ndim:
             raise bad(f"layout {index}: {len(global_shape)} dimensions but {len(dims)} dims")
+        named = [a for split in dims if isinstance(split, list) for a in split]
+        if len(set(map(str, named))) != len(named):  # as in a PartitionSpec: once at most
+            raise bad(f"layout {index}: dims {dims!r:.60} name an axis twice")
         block = []
         for extent, split in zip(global_shape, dims, strict=True):
             if not (isinstance(split, list) and all(a in axes for a in split)):
