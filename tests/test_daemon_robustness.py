@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 
 import msgpack
@@ -9,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import Daemon, SubscriberProcess, run_emitter, wait_until
+from conftest import APPS, Daemon, SubscriberProcess, run_emitter, wait_until
 from tapd.protocol import MAGIC, encode
 
 TAP_FIELDS = {
@@ -77,3 +81,24 @@ def test_malformed_frames_are_rejected_counted_and_the_daemon_serves_on(
     result = run_emitter(daemon.endpoint, "steps", "5")
     assert result["stats"]["delivered"] == 5
     assert [r["value"] for r in subscriber.records()] == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_portable_emitter_killed_without_a_bye_is_forgotten(
+    start_daemon: Callable[..., Daemon], start_subscriber: Callable[..., SubscriberProcess]
+) -> None:
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "loss")
+    env = {**os.environ, "TAPD_ENDPOINT": daemon.endpoint, "TAPD_BACKEND": "portable"}
+    emitter = subprocess.Popen([sys.executable, str(APPS / "emitter_app.py"), "taps_then_hang",
+                                "5"], env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert emitter.stdout is not None
+        assert emitter.stdout.readline().strip() == "TAPPED"
+        wait_until(lambda: len(subscriber.records()) == 5, "the 5 taps to be handled")
+        assert [e["name"] for e in daemon.stats()["emitters"]] == [
+            f"{socket.gethostname()}:{emitter.pid}"
+        ]
+    finally:
+        emitter.kill()
+        emitter.communicate(timeout=30)  # reaps it and closes its stdout
+    wait_until(lambda: daemon.stats()["emitters"] == [], "the daemon to forget the dead emitter")

@@ -60,3 +60,13 @@ def test_kubernetes_sidecar_probes_and_grace_fit_the_daemon() -> None:
     grace = int(manifest.split("terminationGracePeriodSeconds: ")[1].split()[0])
     assert grace > 10 + 10  # the daemon's drain plus the emitter's exit drain
     assert "secretName: tapd-curve" in manifest
+
+
+def test_kubernetes_pod_shares_its_process_namespace() -> None:
+    """The daemon drains and removes the ring of an emitter whose pid is gone; in a pod
+    whose containers cannot see each other's pids, every live trainer would look dead."""
+    import yaml  # comes with kubernetes-validate (the dev extra)
+
+    documents = yaml.safe_load_all((ROOT / "deploy/k8s/tapd-job.yaml").read_text())
+    [job] = [d for d in documents if d["kind"] == "Job"]
+    assert job["spec"]["template"]["spec"]["shareProcessNamespace"] is True

@@ -12,8 +12,9 @@ import collections
 import dataclasses
 import itertools
 import logging
+import socket
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 from typing import Any
 
 from tapd.protocol import MAGIC, Message, encode
@@ -27,6 +28,7 @@ Send = Callable[[PeerKey, list[Any]], bool]  # False when the peer is gone
 # An in-process subscriber (the forwarder) takes each delivery as (tid, tap, emitter
 # name, nbytes) instead of frames on a socket, and acknowledges it through `ack`.
 Deliver = Callable[[int, Message, str, int], None]
+_HOSTNAME = socket.gethostname()  # emitters that say this host are local: pids checkable
 _UNLIMITED = 2**62  # the message-count window of in-process subscribers
 # Taps smaller than this go to subscribers in batches; pyzmq would copy them anyway.
 _BATCH_BYTES = 64 * 1024
@@ -59,6 +61,7 @@ class Emitter:
     unrouted: int = 0
     gone: bool = False
     forwarder: bool = False  # a forwarding daemon: its taps name their own emitters
+    local_pid: int | None = None  # an emitter process on this host (from its hello)
 
     @property
     def held_bytes(self) -> int:
@@ -123,6 +126,9 @@ class Router:
         emitter = self.emitters.get(key) or self.adopt(key, name)
         emitter.name = name  # met first through a tap, it was named after the tap's emitter
         emitter.forwarder = forwarder
+        pid = header.get("pid")
+        if header.get("host") == _HOSTNAME and isinstance(pid, int) and not forwarder:
+            emitter.local_pid = pid
         emitter.gone = False
         self._welcome(emitter)
 
@@ -257,6 +263,16 @@ class Router:
             emitter.gone = True
             logger.info("emitter %s disconnected", emitter.name)
             self._advance(emitter)
+
+    def forget_dead_emitters(self, alive: Callable[[int], bool], skip: Container[Any]) -> None:
+        """Emitters on this host that died without saying bye (kill -9) leave their
+        state here: finish it as if they had (`skip`: emitters whose rings still
+        hold taps; the rings' own check handles those)."""
+        for key, emitter in list(self.emitters.items()):
+            pid = emitter.local_pid
+            if pid is not None and not emitter.gone and key not in skip and not alive(pid):
+                logger.info("emitter %s (pid %d) is gone without a bye", emitter.name, pid)
+                self.emitter_bye(key)
 
     def flush_credit(self) -> None:
         for emitter in list(self.emitters.values()):

@@ -23,7 +23,7 @@ import zmq
 from tapd import security
 from tapd.config import Config
 from tapd.daemon.forward import Forwarder
-from tapd.daemon.rings import RingSet
+from tapd.daemon.rings import RingSet, pid_alive
 from tapd.daemon.router import Router
 from tapd.errors import ProtocolError
 from tapd.protocol import Limits, decode, encode
@@ -168,6 +168,7 @@ class Daemon:
                 if now - last_check > _EXPIRE_EVERY:
                     self.router.expire(now, self.config.subscriber_timeout)
                     self.rings.check_writers(self.router)
+                    self.router.forget_dead_emitters(pid_alive, self.rings.sources)
                     last_check = now
                 self.router.unpark()
                 moved = self.rings.poll(self.router) if now >= rings_from else 0
