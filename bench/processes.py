@@ -101,7 +101,7 @@ class Processes:
         sleep_ms: float = 0.0,
         latency: bool = False,
         tally: bool = False,
-        window: int = 64,
+        window: int | None = None,
         endpoints: Sequence[str] = (),
     ) -> Sink:
         """Start a subscriber for `consumer` following this daemon, or every daemon in
@@ -112,7 +112,7 @@ class Processes:
             sys.executable, str(BENCH_DIR / "subscriber_sink.py"),
             *(arg for endpoint in follow for arg in ("--endpoint", endpoint)),
             "--consumer", consumer, "--result", str(result),
-            "--sleep-ms", str(sleep_ms), "--window", str(window),
+            "--sleep-ms", str(sleep_ms), *(["--window", str(window)] if window else []),
             *(["--latency"] if latency else []), *(["--tally"] if tally else []),
         ]  # fmt: skip
         process = subprocess.Popen(argv)

@@ -31,13 +31,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sleep-ms", type=float, default=0.0)
     parser.add_argument("--latency", action="store_true")
     parser.add_argument("--tally", action="store_true")
-    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--window", type=int, help="taps in flight (default: the library's)")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    subscriber = Subscriber(args.endpoint, name=f"sink:{args.consumer}", window=args.window)
+    window = {"window": args.window} if args.window else {}
+    subscriber = Subscriber(args.endpoint, name=f"sink:{args.consumer}", **window)
     latencies: list[float] = []
     tally: dict[tuple[str, int], list[int]] = {}
     sleep_s = args.sleep_ms / 1000

@@ -29,7 +29,7 @@ from tapd.protocol import (
     flatten,
     unflatten,
 )
-from tapd.protocol.batch import BatchTap, encode_batch
+from tapd.protocol.batch import BatchRun, BatchTap, encode_batch
 from tapd.protocol.dtypes import SUPPORTED_DTYPES
 from tapd.protocol.wire import _SCHEMAS, KINDS
 
@@ -1018,11 +1018,32 @@ def test_bad_shard_coordinates_in_a_batch_are_refused() -> None:
     expect_error(with_header(frames, lambda h: h["taps"][0].__setitem__(6, [0, 2])), "bad_shard")
 
 
-def test_a_batch_body_must_match_its_taps_exactly() -> None:
-    frames = batch_of(sample("float32", (2,)))
-    expect_error([*frames[:2], frames[2] + bytes(8)], "bad_frames")  # extra bytes
-    expect_error([*frames[:2], frames[2][:4]], "bad_frames")  # overrun
-    expect_error([*frames, b""], "bad_frames")  # two body frames
+def test_a_batch_body_must_hold_its_taps_without_overlap() -> None:
+    frames = batch_of(sample("float32", (2,)), sample("float32", (2,)))
+    decode([*frames[:2], frames[2] + bytes(8)])  # bytes past (or between) taps: ignored
+    expect_error([*frames[:2], frames[2][:12]], "bad_frames")  # the second tap overruns
+    expect_error(with_header(frames, lambda h: h["taps"][1].__setitem__(8, 0)), "bad_frames")
+    expect_error(with_header(frames, lambda h: h["taps"][1].__setitem__(7, 1)), "bad_frames")
+    expect_error(frames[:2], "bad_frames")  # no body at all
+
+
+def test_a_run_travels_as_its_own_body_frame_gaps_and_all() -> None:
+    """Ring records as they are: a 48-byte record header before each tap's leaves."""
+    header = header_of(wire(encode("tap", tap_fields(), [np.zeros(2, np.float32)])))
+    values = [np.array([i, -i], np.float32) for i in range(3)]
+    body = b"".join(bytes(48) + v.tobytes() for v in values)
+    run = BatchRun(header, body, offsets=[48, 104, 160], first_tid=7, emitter="h:1",
+                   site="site", seqs=[0, 1, 2], steps=[5, 6, None], devices=[0, 0, 0],
+                   times=[1, 2, 3])  # fmt: skip
+    one = np.ones(1, np.int8)
+    single_header = header_of(wire(encode("tap", tap_fields(), [one])))
+    single = BatchTap(single_header, [one.tobytes()], tid=10, emitter="h:1")
+    message = decode(wire(encode_batch([run, single])))
+    assert len(message.frames) == 2  # the copied singles' body, then the run's
+    got = [(t.header["tid"], t.header["seq"], t.header["step"], t.value().tolist())
+           for t in message.batch]  # fmt: skip
+    assert got == [(7, 0, 5, [0.0, 0.0]), (8, 1, 6, [1.0, -1.0]), (9, 2, None, [2.0, -2.0]),
+                   (10, 0, None, [1])]  # fmt: skip
 
 
 def test_batch_size_is_bounded() -> None:

@@ -26,7 +26,7 @@ from tapd.errors import ProtocolError, TapdError
 from tapd.protocol import Message, decode, encode
 from tapd.runtime import default_endpoint
 from tapd.security import ClientKeys, secure_client
-from tapd_client.meta import TapMeta
+from tapd_client.meta import MetaTemplate, TapMeta
 
 logger = logging.getLogger("tapd.subscriber")
 
@@ -96,7 +96,7 @@ class Subscriber:
         endpoint: str | Sequence[str] | None = None,
         *,
         name: str | None = None,
-        window: int = 64,
+        window: int = 256,
         heartbeat: float = 1.0,
         curve: ClientKeys | None = None,
     ) -> None:
@@ -242,15 +242,21 @@ class Subscriber:
         if kind == "tap":
             self._run_handler(link, message)
         elif kind == "taps":  # small taps, several per message
+            templates: dict[int, MetaTemplate] = {}  # by static entry, for this batch
             for tap in message.batch:
-                self._run_handler(link, tap)
+                template = templates.get(id(tap.site))
+                if template is None:
+                    template = templates[id(tap.site)] = MetaTemplate(tap.header)
+                self._run_handler(link, tap, template)
         elif kind == "welcome":
             link.welcomed = True
         elif kind == "rehello":  # the daemon restarted and does not know us
             logger.warning("daemon at %s asked us to subscribe again", link.endpoint)
             link.hello(self._hello_fields())
 
-    def _run_handler(self, link: _DaemonLink, message: Message) -> None:
+    def _run_handler(
+        self, link: _DaemonLink, message: Message, template: MetaTemplate | None = None
+    ) -> None:
         header = message.header
         tid = header.get("tid")
         if not isinstance(tid, int):
@@ -263,7 +269,8 @@ class Subscriber:
         try:
             if handler is None:
                 raise TapdError(f"no handler here for consumer {consumer!r}")
-            handler(message.value(), TapMeta.from_header(header))
+            meta = TapMeta.from_header(header) if template is None else template.meta(header)
+            handler(message.value(), meta)
             self.processed += 1
         except Exception as exc:
             self.failed += 1

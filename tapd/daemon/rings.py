@@ -16,16 +16,16 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from tapd.daemon.router import Router
+from tapd.daemon.runs import Site, TapRun
 from tapd.emitter.native_backend import read_sites
-from tapd.native.ring import Record, Ring, RingError
+from tapd.native.ring import Ring, RingError
 from tapd.protocol import Message
 
 logger = logging.getLogger("tapd.daemon")
 
 _RECORDS_PER_POLL = 4096
+_RUN_BYTES = 64 * 1024  # the most tap bytes in one run (a run goes out in one message)
 
 
 def pid_alive(pid: int) -> bool:
@@ -38,20 +38,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-class _Site:
-    """One tap site of the sites file, as the daemon needs it for each record."""
-
-    def __init__(self, entry: dict[str, Any]) -> None:
-        self.entry = entry
-        self.shard: dict[str, Any] | None = entry.get("shard")
-        leaves = entry["leaves"][:-1] if self.shard is not None else entry["leaves"]
-        self.nbytes = sum(leaf[2] for leaf in leaves)
-        self.static = {
-            "kind": "tap", "consumer": entry["consumer"], "transforms": entry["transforms"],
-            "meta": entry["meta"], "tree": entry["tree"], "leaves": leaves,
-        }  # fmt: skip
-
-
 class RingSource:
     """One emitter's ring, its sites, and what of it the router still has to finish."""
 
@@ -62,10 +48,15 @@ class RingSource:
         self.ring.set_reader(os.getpid())
         self.sites_path = sites_path
         self.identity = identity
-        self._sites: dict[int, _Site] = {}
+        self._sites: dict[int, Site] = {}
         self._sites_offset = 0
         counters = self.ring.counters()
         self.writer_pid = counters.writer_pid
+        self._identity_fields = {
+            "process": identity.get("process", 0),
+            "host": identity.get("host", "?"),
+            "pid": self.writer_pid,
+        }
         self.read_position = counters.tail  # a restarted daemon starts where delivery stopped
         self._in_router: collections.deque[tuple[int, int]] = collections.deque()  # (index, end)
         self._barriers: list[tuple[int, int]] = []  # (barrier id, ring position)
@@ -75,31 +66,15 @@ class RingSource:
     def path(self) -> Path:
         return self.ring.path
 
-    def _site(self, site_id: int) -> _Site | None:
+    def _site(self, site_id: int) -> Site | None:
         if site_id not in self._sites:
             try:
                 entries, self._sites_offset = read_sites(self.sites_path, self._sites_offset)
             except OSError:
                 entries = []
             for entry in entries:
-                self._sites[int(entry["site"])] = _Site(entry)
+                self._sites[int(entry["site"])] = Site(entry, self._identity_fields)
         return self._sites.get(site_id)
-
-    def _message(self, record: Record, site: _Site) -> Message:
-        frames = []
-        offset = 0
-        for _, _, nbytes in site.entry["leaves"]:
-            frames.append(record.payload[offset : offset + nbytes])
-            offset += (nbytes + 7) & ~7
-        header = {
-            **site.static, "seq": record.seq, "step": record.step, "device": record.device,
-            "process": self.identity.get("process", 0), "host": self.identity.get("host", "?"),
-            "pid": self.writer_pid, "time": record.time_ns,
-        }  # fmt: skip
-        if site.shard is not None:  # the last operand was this device's shard coordinates
-            coords = np.frombuffer(frames.pop(), dtype="<i4")
-            header["shard"] = {**site.shard, "coords": coords.tolist()}
-        return Message(header, frames, site=site)
 
     def drain(self, router: Router) -> int:
         """Hand committed records to the router, in order, while it can take them."""
@@ -107,24 +82,44 @@ class RingSource:
         if emitter is None or emitter.parked:
             return 0  # under "block", a full subscriber queue stops us here
         try:
-            records = self.ring.read(self.read_position, _RECORDS_PER_POLL)
+            span, records = self.ring.read_span(self.read_position, _RECORDS_PER_POLL)
         except RingError as exc:
             router.reject("bad_ring", str(exc))
             return 0
+        base = self.read_position
         taken = 0
-        for record in records:
+        first = 0
+        while first < len(records):
+            record = records[first]
             site = self._site(record.site)
             if site is None:
                 if not self.writer_gone:
                     break  # its site entry is still being written: read it next time
                 router.reject("bad_ring", f"{self.path}: record for unknown site {record.site}")
                 self.read_position = record.end
+                first += 1
                 continue
-            index = router.tap(self.key, self._message(record, site), credit=False,
-                               nbytes=site.nbytes)  # fmt: skip
-            self._in_router.append((index, record.end))
-            self.read_position = record.end
-            taken += 1
+            # Consecutive small records of this site go to the router as one run.
+            limit = 1
+            if site.nbytes <= _RUN_BYTES // 2:
+                limit = router.run_limit(site.consumer, site.nbytes)
+            end = first + 1
+            while (end < len(records) and end - first < limit
+                   and records[end].site == record.site
+                   and (end + 1 - first) * site.nbytes <= _RUN_BYTES):  # fmt: skip
+                end += 1
+            last = records[end - 1]
+            unit: Message | TapRun
+            if end - first == 1:
+                unit = site.message(record)
+            else:
+                piece = span[record.start - base : last.end - base]
+                unit = TapRun(site, records[first:end], piece, self.ring.header_bytes)
+            index = router.tap(self.key, unit, credit=False, nbytes=site.nbytes * (end - first))
+            self._in_router.append((index, last.end))
+            self.read_position = last.end
+            taken += end - first
+            first = end
             if emitter.parked:
                 break
         self._release_barriers(router)

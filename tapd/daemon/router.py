@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import socket
 import time
 from collections.abc import Callable, Container, Hashable, Sequence
 from typing import Any
 
+from tapd.daemon.runs import TapRun
 from tapd.protocol import MAGIC, Message, encode
-from tapd.protocol.batch import BatchTap, encode_batch
+from tapd.protocol.batch import BatchRun, BatchTap, encode_batch
 from tapd.protocol.wire import DEFAULT_LIMITS, encode_header
 
 logger = logging.getLogger("tapd.daemon")
@@ -33,11 +33,24 @@ _UNLIMITED = 2**62  # the message-count window of in-process subscribers
 # Taps smaller than this go to subscribers in batches; pyzmq would copy them anyway.
 _BATCH_BYTES = 64 * 1024
 _BATCH_HEADER_BYTES = DEFAULT_LIMITS.max_header_bytes // 4  # well within what decoders take
+# Sent but not yet acknowledged, per subscriber: a window of large taps stays this small.
+_IN_FLIGHT_BYTES = 64 * 2**20
+
+
+# What the router routes: one tap, or a run of a ring site's taps (tapd/daemon/runs.py),
+# which is queued, delivered and acknowledged as one unit of `count` taps. Emitter
+# indices, pending entries and barriers count units; counters count taps.
+Unit = Message | TapRun
+
+
+def _count(unit: Unit) -> int:
+    return unit.count if isinstance(unit, TapRun) else 1
 
 
 @dataclasses.dataclass
 class _Pending:
-    remaining: int  # subscribers that still have to process this tap
+    remaining: int  # subscribers that still have to process this unit
+    count: int  # its taps
     lost: bool = False
 
 
@@ -48,7 +61,7 @@ class Emitter:
     next_index: int = 0
     low: int = 0  # every tap below this index is finished
     pending: dict[int, _Pending] = dataclasses.field(default_factory=dict)
-    parked: collections.deque[tuple[int, Message, int, int]] = dataclasses.field(
+    parked: collections.deque[tuple[int, Unit, int, int]] = dataclasses.field(
         default_factory=collections.deque
     )  # (index, tap, nbytes, credit bytes) waiting for queue room under "block"
     barriers: collections.deque[tuple[int, int]] = dataclasses.field(
@@ -56,6 +69,7 @@ class Emitter:
     )  # (barrier id, first index after it)
     credit_due: int = 0
     parked_bytes: int = 0
+    received: int = 0  # taps
     delivered: int = 0
     dropped: int = 0
     unrouted: int = 0
@@ -72,8 +86,9 @@ class Emitter:
 class _Delivery:
     emitter: Emitter
     index: int
-    tap: Message
+    tap: Unit
     nbytes: int
+    count: int  # taps: delivery ids tid .. tid + count - 1
     tid: int = -1
 
 
@@ -86,6 +101,8 @@ class Subscriber:
     last_seen: float
     queue: collections.deque[_Delivery] = dataclasses.field(default_factory=collections.deque)
     in_flight: collections.deque[_Delivery] = dataclasses.field(default_factory=collections.deque)
+    in_flight_taps: int = 0  # what `window` bounds
+    in_flight_bytes: int = 0  # bounded by _IN_FLIGHT_BYTES
     held_bytes: int = 0  # queued + in flight
     delivered: int = 0
     dropped: int = 0
@@ -113,7 +130,7 @@ class Router:
         self.emitters: dict[PeerKey, Emitter] = {}
         self.subscribers: dict[PeerKey, Subscriber] = {}
         self._targets_cache: dict[str, list[Subscriber]] = {}  # cleared on any change
-        self._tids = itertools.count()
+        self._next_tid = 0  # delivery ids, one per tap, for every subscriber
         self.counters: collections.Counter[str] = collections.Counter()
 
     # ---- emitters -------------------------------------------------------------------
@@ -141,26 +158,29 @@ class Router:
         self._send(emitter.key, encode("welcome", fields))
 
     def tap(
-        self, key: PeerKey, tap: Message, *, credit: bool = True, nbytes: int | None = None
+        self, key: PeerKey, tap: Unit, *, credit: bool = True, nbytes: int | None = None
     ) -> int:
-        """Take one tap from emitter `key`; return its index. `credit=False` for taps
-        read from a ring, whose space the ring itself bounds."""
+        """Take one tap, or a run of them, from emitter `key`; return its index.
+        `credit=False` for taps read from a ring, whose space the ring itself bounds."""
         emitter = self.emitters.get(key)
         if emitter is None:  # e.g. this daemon restarted: the tap says who sent it
             header = tap.header
             emitter = self.adopt(key, f"{header['host']}:{header['pid']}")
             self._welcome(emitter)
         if nbytes is None:
+            assert isinstance(tap, Message)
             nbytes = sum(len(f) for f in tap.frames)
         index = emitter.next_index
         emitter.next_index += 1
-        self.counters["taps_received"] += 1
+        count = _count(tap)
+        emitter.received += count
+        self.counters["taps_received"] += count
         self.counters["bytes_received"] += nbytes
         credit_bytes = nbytes if credit else 0
         if emitter.parked or (self.policy == "block" and not self._has_room(tap, nbytes)):
             emitter.parked.append((index, tap, nbytes, credit_bytes))
             emitter.parked_bytes += credit_bytes
-            emitter.pending[index] = _Pending(remaining=-1)  # parked: not routed yet
+            emitter.pending[index] = _Pending(remaining=-1, count=count)  # not routed yet
             return index
         self._route(emitter, index, tap, nbytes, credit_bytes)
         return index
@@ -188,31 +208,44 @@ class Router:
             self._targets_cache[consumer] = targets
         return targets
 
-    def _has_room(self, tap: Message, nbytes: int) -> bool:
+    def run_limit(self, consumer: str, tap_bytes: int) -> int:
+        """The most taps of `consumer` (`tap_bytes` each) a ring run may hold: half the
+        smallest window of the subscribers it goes to, so that batches still overlap
+        acks (1 where one does not batch: its window counts one-tap messages), and half
+        a queue, so that queue bounds and drops stay as fine-grained as for single taps."""
+        limits = [
+            _UNLIMITED if s.deliver is not None else max(1, s.window // 2) if s.batch else 1
+            for s in self._targets(consumer)
+        ]
+        by_queue = max(1, self.queue_bytes // (2 * max(1, tap_bytes)))
+        return min(*limits, by_queue, DEFAULT_LIMITS.max_batch)
+
+    def _has_room(self, tap: Unit, nbytes: int) -> bool:
         return all(
             s.held_bytes == 0 or s.held_bytes + nbytes <= self.queue_bytes
             for s in self._targets(tap.header["consumer"])
         )
 
     def _route(
-        self, emitter: Emitter, index: int, tap: Message, nbytes: int, credit_bytes: int
+        self, emitter: Emitter, index: int, tap: Unit, nbytes: int, credit_bytes: int
     ) -> None:
         emitter.credit_due += credit_bytes
         targets = self._targets(tap.header["consumer"])
+        count = _count(tap)
         if not targets:
-            emitter.unrouted += 1
-            self.counters["taps_unrouted"] += 1
+            emitter.unrouted += count
+            self.counters["taps_unrouted"] += count
             emitter.pending.pop(index, None)
             self._advance(emitter)
             return
-        pending = emitter.pending[index] = _Pending(remaining=0)
+        pending = emitter.pending[index] = _Pending(remaining=0, count=count)
         for subscriber in targets:
             if subscriber.held_bytes and subscriber.held_bytes + nbytes > self.queue_bytes:
-                subscriber.dropped += 1  # drop_newest (block never gets here while full)
-                self.counters["deliveries_dropped"] += 1
+                subscriber.dropped += count  # drop_newest (block never gets here while full)
+                self.counters["deliveries_dropped"] += count
                 pending.lost = True
                 continue
-            subscriber.queue.append(_Delivery(emitter, index, tap, nbytes))
+            subscriber.queue.append(_Delivery(emitter, index, tap, nbytes, count))
             subscriber.held_bytes += nbytes
             pending.remaining += 1
         if pending.remaining == 0:
@@ -232,14 +265,15 @@ class Router:
     def _finish(self, emitter: Emitter, index: int) -> None:
         pending = emitter.pending.pop(index)
         if pending.lost:
-            emitter.dropped += 1
+            emitter.dropped += pending.count
         else:
-            emitter.delivered += 1
+            emitter.delivered += pending.count
         self._advance(emitter)
 
     def _advance(self, emitter: Emitter) -> None:
-        while emitter.low < emitter.next_index and emitter.low not in emitter.pending:
-            emitter.low += 1
+        # `pending` is keyed by index in insertion order, which is index order: its first
+        # key is the oldest unit not yet finished.
+        emitter.low = next(iter(emitter.pending), emitter.next_index)
         while emitter.barriers and emitter.barriers[0][1] <= emitter.low:
             barrier_id, _ = emitter.barriers.popleft()
             self._send(emitter.key, encode("barrier_done", {
@@ -320,15 +354,19 @@ class Router:
         subscriber.last_seen = now
         errors = {e.get("tid"): e.get("error") for e in header["errors"] if isinstance(e, dict)}
         upto = header["upto"]
-        while subscriber.in_flight and subscriber.in_flight[0].tid <= upto:
-            delivery = subscriber.in_flight.popleft()
+        in_flight = subscriber.in_flight
+        while in_flight and in_flight[0].tid + in_flight[0].count <= upto + 1:
+            delivery = in_flight.popleft()
             subscriber.held_bytes -= delivery.nbytes
-            subscriber.delivered += 1
-            self.counters["deliveries_acked"] += 1
-            if delivery.tid in errors:
-                subscriber.errors += 1
-                self.counters["handler_errors"] += 1
-                self._report_error(subscriber, delivery, str(errors[delivery.tid]))
+            subscriber.in_flight_taps -= delivery.count
+            subscriber.in_flight_bytes -= delivery.nbytes
+            subscriber.delivered += delivery.count
+            self.counters["deliveries_acked"] += delivery.count
+            for tid in errors if errors else ():
+                if isinstance(tid, int) and delivery.tid <= tid < delivery.tid + delivery.count:
+                    subscriber.errors += 1
+                    self.counters["handler_errors"] += 1
+                    self._report_error(subscriber, delivery, tid, str(errors[tid]))
             self._delivered(delivery, lost=False)
 
     def heartbeat(self, key: PeerKey, now: float) -> None:
@@ -338,11 +376,13 @@ class Router:
         else:
             subscriber.last_seen = now
 
-    def _report_error(self, subscriber: Subscriber, delivery: _Delivery, error: str) -> None:
+    def _report_error(
+        self, subscriber: Subscriber, delivery: _Delivery, tid: int, error: str
+    ) -> None:
         emitter = delivery.emitter
         if emitter.gone:
             return
-        header = delivery.tap.header
+        header = _taps_of(delivery)[tid - delivery.tid].header
         self._send(emitter.key, encode("error", {
             "consumer": header["consumer"], "seq": header["seq"], "error": error,
             "subscriber": subscriber.name,
@@ -363,49 +403,60 @@ class Router:
     def pump(self) -> None:
         """Send each subscriber what its window allows."""
         for subscriber in list(self.subscribers.values()):
-            while subscriber.queue and len(subscriber.in_flight) < subscriber.window:
+            while (subscriber.queue and subscriber.in_flight_taps < subscriber.window
+                   and (not subscriber.in_flight_bytes or subscriber.in_flight_bytes
+                        + subscriber.queue[0].nbytes <= _IN_FLIGHT_BYTES)):  # fmt: skip
                 if not self._send_next(subscriber):
                     self.drop_subscriber(subscriber.key, "is unreachable")
                     break
 
     def _send_next(self, subscriber: Subscriber) -> bool:
-        """Send the next queued tap, or the next run of small ones as one `taps`
+        """Send the next queued unit, or the next small ones together as one `taps`
         message; False if the subscriber is unreachable."""
         if subscriber.deliver is not None:
             delivery = self._start_delivery(subscriber)
             name = _emitter_name(delivery)
-            subscriber.deliver(delivery.tid, delivery.tap, name, delivery.nbytes)
+            size = delivery.nbytes // delivery.count
+            for i, tap in enumerate(_taps_of(delivery)):
+                subscriber.deliver(delivery.tid + i, tap, name, size)
             return True
         queue = subscriber.queue
         if subscriber.batch and queue[0].nbytes < _BATCH_BYTES:
             # Up to half a window per message, so that the subscriber's ack of one batch
             # overlaps its work on the next.
-            room = subscriber.window - len(subscriber.in_flight)
+            room = subscriber.window - subscriber.in_flight_taps
             limit = min(room, max(1, subscriber.window // 2), DEFAULT_LIMITS.max_batch)
-            deliveries: list[_Delivery] = []
-            size = 0
-            while queue and len(deliveries) < limit and size + queue[0].nbytes <= _BATCH_BYTES:
+            deliveries = [self._start_delivery(subscriber)]
+            taps, size = deliveries[0].count, deliveries[0].nbytes
+            while (queue and taps + queue[0].count <= limit
+                   and size + queue[0].nbytes <= _BATCH_BYTES):  # fmt: skip
                 deliveries.append(self._start_delivery(subscriber))
+                taps += deliveries[-1].count
                 size += deliveries[-1].nbytes
-            frames = encode_batch([
-                BatchTap(d.tap.header, d.tap.frames, d.tid, _emitter_name(d), d.tap.site)
-                for d in deliveries
-            ])  # fmt: skip
-            if len(frames[1]) <= _BATCH_HEADER_BYTES or len(deliveries) == 1:
+            frames = encode_batch([_batch_piece(d) for d in deliveries])
+            if len(frames[1]) <= _BATCH_HEADER_BYTES or taps == 1:
                 return self._send(subscriber.key, frames)
             # Many distinct, large headers (rare): a batch could exceed what a subscriber
             # accepts, so these go one by one.
-            return all(self._send_one(subscriber, d) for d in deliveries)
-        return self._send_one(subscriber, self._start_delivery(subscriber))
+            return all(self._send_each(subscriber, d) for d in deliveries)
+        return self._send_each(subscriber, self._start_delivery(subscriber))
 
-    def _send_one(self, subscriber: Subscriber, delivery: _Delivery) -> bool:
-        header = encode_header(_subscriber_header(delivery))
-        return self._send(subscriber.key, [MAGIC, header, *delivery.tap.frames])
+    def _send_each(self, subscriber: Subscriber, delivery: _Delivery) -> bool:
+        """The delivery's taps as `tap` messages, one each."""
+        name = _emitter_name(delivery)
+        for i, tap in enumerate(_taps_of(delivery)):
+            header = {**tap.header, "tid": delivery.tid + i, "emitter": name}
+            if not self._send(subscriber.key, [MAGIC, encode_header(header), *tap.frames]):
+                return False
+        return True
 
     def _start_delivery(self, subscriber: Subscriber) -> _Delivery:
         delivery = subscriber.queue.popleft()
-        delivery.tid = next(self._tids)
+        delivery.tid = self._next_tid
+        self._next_tid += delivery.count
         subscriber.in_flight.append(delivery)
+        subscriber.in_flight_taps += delivery.count
+        subscriber.in_flight_bytes += delivery.nbytes
         return delivery
 
     def drop_subscriber(self, key: PeerKey, why: str) -> None:
@@ -414,16 +465,17 @@ class Router:
         if subscriber is None:
             return
         lost = list(subscriber.in_flight) + list(subscriber.queue)
+        taps = sum(delivery.count for delivery in lost)
         if lost:
             logger.warning(
                 "subscriber %s %s; %d taps it had not processed are lost",
                 subscriber.name,
                 why,
-                len(lost),
+                taps,
             )
         else:
             logger.info("subscriber %s %s", subscriber.name, why)
-        self.counters["deliveries_lost"] += len(lost)
+        self.counters["deliveries_lost"] += taps
         for delivery in lost:
             self._delivered(delivery, lost=True)
 
@@ -455,9 +507,17 @@ class Router:
         }
 
 
-def _subscriber_header(delivery: _Delivery) -> dict[str, Any]:
-    """A tap's header as its subscriber gets it: with its delivery id and emitter."""
-    return {**delivery.tap.header, "tid": delivery.tid, "emitter": _emitter_name(delivery)}
+def _taps_of(delivery: _Delivery) -> list[Message]:
+    tap = delivery.tap
+    return tap.taps() if isinstance(tap, TapRun) else [tap]
+
+
+def _batch_piece(delivery: _Delivery) -> BatchTap | BatchRun:
+    tap = delivery.tap
+    name = _emitter_name(delivery)
+    if isinstance(tap, TapRun):
+        return tap.batch_piece(delivery.tid, name)
+    return BatchTap(tap.header, tap.frames, delivery.tid, name, tap.site)
 
 
 def _emitter_name(delivery: _Delivery) -> str:
@@ -471,7 +531,7 @@ def _emitter_name(delivery: _Delivery) -> str:
 def _emitter_stats(e: Emitter) -> dict[str, Any]:
     return {
         "name": e.name,
-        "taps": e.next_index,
+        "taps": e.received,
         "delivered": e.delivered,
         "dropped": e.dropped,
         "unrouted": e.unrouted,
@@ -484,8 +544,8 @@ def _subscriber_stats(s: Subscriber) -> dict[str, Any]:
     return {
         "name": s.name,
         "consumers": list(s.patterns),
-        "queued": len(s.queue),
-        "in_flight": len(s.in_flight),
+        "queued": sum(d.count for d in s.queue),
+        "in_flight": s.in_flight_taps,
         "held_bytes": s.held_bytes,
         "delivered": s.delivered,
         "dropped": s.dropped,

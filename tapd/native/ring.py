@@ -11,6 +11,7 @@ import mmap
 import os
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,8 +39,7 @@ class Counters:
     capacity: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):  # (a NamedTuple: the daemon makes one per tap, quickly)
     start: int  # ring position of the record
     end: int  # ring position after it
     site: int
@@ -73,6 +73,7 @@ class Ring:
         self.path = path
         self._lib = _lib()
         self.header_bytes = int(self._lib.tapd_ring_record_header_bytes())
+        self._mapped: tuple[int, memoryview] | None = None  # (capacity, view of both maps)
         assert self.header_bytes == RECORD_HEADER.itemsize
 
     @classmethod
@@ -103,6 +104,7 @@ class Ring:
 
     def close(self) -> None:
         if self._handle is not None:
+            self._mapped = None
             self._lib.tapd_ring_close(self._handle)
             self._handle = None
 
@@ -137,11 +139,23 @@ class Ring:
     def read(self, position: int, max_records: int = 1024) -> list[Record]:
         """Committed records from `position` on (views into the ring: valid until the
         space is released and rewritten)."""
+        return self.read_span(position, max_records)[1]
+
+    def read_span(self, position: int, max_records: int = 1024) -> tuple[memoryview, list[Record]]:
+        """Like `read`, with a view of the ring bytes from `position` on, which holds the
+        records (the ring is mapped twice: any span of it is contiguous)."""
         pointer = ctypes.c_void_p()
         available = int(self._lib.tapd_ring_readable(self.handle, position, ctypes.byref(pointer)))
         if available == 0:
-            return []
-        view = memoryview((ctypes.c_ubyte * available).from_address(pointer.value or 0)).cast("B")
+            return memoryview(b""), []
+        if self._mapped is None:  # both mappings, viewed once (a ctypes type per read is slow)
+            capacity = self.counters().capacity
+            base = (pointer.value or 0) - position % capacity
+            array = (ctypes.c_ubyte * (2 * capacity)).from_address(base)
+            self._mapped = (capacity, memoryview(array).cast("B"))
+        capacity, mapped = self._mapped
+        start = position % capacity
+        view = mapped[start : start + available]
         records: list[Record] = []
         offset = 0
         while offset < available and len(records) < max_records:
@@ -158,7 +172,7 @@ class Ring:
                 payload=view[offset + self.header_bytes : offset + length],
             ))  # fmt: skip
             offset += length
-        return records
+        return view, records
 
     def release(self, position: int) -> None:
         """Everything before `position` was delivered: writers may reuse it."""

@@ -3,9 +3,10 @@
 A tap's header is mostly the same from one tap of a site to the next: consumer,
 emitter, tree, leaves, transforms, metadata. A batch sends those *static* fields once
 (`statics`) and each tap as a short row of what changes: its static's index, delivery
-id, sequence number, step, device, time and shard coordinates. The arrays of all taps
-share one body frame, each leaf padded to 8 bytes (docs/PROTOCOL.md, "taps"). For 64 B
-taps this turns a message, a header and its checks per tap into a few integers per tap.
+id, sequence number, step, device, time and shard coordinates, and where its leaves
+start: a body frame and an offset in it, each leaf then padded to 8 bytes
+(docs/PROTOCOL.md, "taps"). Bytes between taps are ignored, so a daemon can send a span
+of ring records as a body as it is, record headers and all, copying nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from tapd.protocol.wire import (
 
 # A tap's fields that change from tap to tap; the rest is static per site and emitter.
 PER_TAP = ("tid", "seq", "step", "device", "time")
-ROW_LENGTH = 1 + len(PER_TAP) + 1  # static index, PER_TAP..., shard coordinates or nil
+# A row: static index, PER_TAP..., shard coordinates or nil, body frame, offset.
+ROW_LENGTH = 1 + len(PER_TAP) + 3
 STATIC_SCHEMA: Schema = {
     **{k: v for k, v in _SCHEMAS["tap"].items() if k not in PER_TAP},
     "emitter": str,
@@ -52,35 +54,79 @@ class BatchTap(NamedTuple):
     site: Hashable | None = None
 
 
-def encode_batch(taps: Sequence[BatchTap]) -> list[Frame]:
-    """The frames of one `taps` message carrying `taps`, in order."""
+class BatchRun(NamedTuple):
+    """Taps of one site whose leaves already lie in one buffer (ring records): `body`
+    goes out as a frame of its own, uncopied; tap i's leaves start at `offsets[i]`.
+    `header` holds the site's static fields; the columns hold the rest."""
+
+    header: Mapping[str, Any]
+    body: Frame
+    offsets: Sequence[int]
+    first_tid: int
+    emitter: str
+    site: Hashable
+    seqs: Sequence[int]
+    steps: Sequence[int | None]
+    devices: Sequence[int | None]
+    times: Sequence[int]
+    coords: Sequence[list[int]] | None = None
+
+
+def _static_of(header: Mapping[str, Any], emitter: str) -> dict[str, Any]:
+    static = {k: v for k, v in header.items() if k not in _NOT_STATIC}
+    static["emitter"] = emitter
+    shard = header.get("shard")
+    if shard is not None:
+        static["shard"] = {k: v for k, v in shard.items() if k != "coords"}
+    return static
+
+
+def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame]:
+    """The frames of one `taps` message carrying `pieces`' taps, in order: single taps'
+    arrays copied into the first body frame, each run's body as a frame of its own."""
     statics: list[dict[str, Any]] = []
     index_of: dict[Hashable, int] = {}
-    rows = []
-    body = bytearray()
-    for tap in taps:
-        header = tap.header
-        key: Hashable = (tap.site, tap.emitter)
-        index = index_of.get(key) if tap.site is not None else None
-        shard = header.get("shard")
+
+    def static_index(site: Hashable | None, header: Mapping[str, Any], emitter: str) -> int:
+        key: Hashable = (site, emitter)
+        index = index_of.get(key) if site is not None else None
         if index is None:
-            static = {k: v for k, v in header.items() if k not in _NOT_STATIC}
-            static["emitter"] = tap.emitter
-            if shard is not None:
-                static["shard"] = {k: v for k, v in shard.items() if k != "coords"}
-            if tap.site is None:
+            static = _static_of(header, emitter)
+            if site is None:
                 key = msgpack.packb(static, use_bin_type=True)
                 index = index_of.get(key)
             if index is None:
                 index = index_of[key] = len(statics)
                 statics.append(static)
-        rows.append([index, tap.tid, header["seq"], header["step"], header["device"],
-                     header["time"], None if shard is None else shard["coords"]])  # fmt: skip
-        for frame in tap.frames:
-            body += frame
-            body += bytes(-len(frame) % 8)
+        return index
+
+    rows: list[list[Any]] = []
+    shared = bytearray()
+    bodies: list[Frame] = [b""]  # frame 0: single taps' arrays, copied
+    for piece in pieces:
+        if isinstance(piece, BatchRun):
+            index = static_index(piece.site, piece.header, piece.emitter)
+            frame = len(bodies)
+            bodies.append(piece.body)
+            coords: Sequence[list[int] | None] = piece.coords or [None] * len(piece.offsets)
+            rows.extend(
+                [index, piece.first_tid + i, seq, step, device, time, where, frame, offset]
+                for i, (seq, step, device, time, where, offset) in enumerate(zip(
+                    piece.seqs, piece.steps, piece.devices, piece.times, coords,
+                    piece.offsets, strict=True))
+            )  # fmt: skip
+            continue
+        header = piece.header
+        shard = header.get("shard")
+        rows.append([static_index(piece.site, header, piece.emitter), piece.tid,
+                     header["seq"], header["step"], header["device"], header["time"],
+                     None if shard is None else shard["coords"], 0, len(shared)])  # fmt: skip
+        for array in piece.frames:
+            shared += array
+            shared += bytes(-len(array) % 8)
+    bodies[0] = bytes(shared)
     header_bytes = encode_header({"kind": "taps", "statics": statics, "taps": rows})
-    return [MAGIC, header_bytes, bytes(body)]
+    return [MAGIC, header_bytes, *bodies]
 
 
 class _Static:
@@ -92,7 +138,12 @@ class _Static:
         check_fields("tap", static, STATIC_SCHEMA)
         self.fields = static
         self.sizes = leaf_sizes(static, limits)
-        self.padded = [n + (-n % 8) for n in self.sizes]
+        # Each leaf's (start, size) from the tap's offset, padded to 8; and the whole.
+        self.layout = []
+        self.extent = 0
+        for nbytes in self.sizes:
+            self.layout.append((self.extent, nbytes))
+            self.extent += nbytes + (-nbytes % 8)
         shard = static.get("shard")
         self.shard_sizes: list[int] | None = None
         if shard is not None:
@@ -102,63 +153,69 @@ class _Static:
                         static["leaves"], limits)  # fmt: skip
             self.shard_sizes = list(shard["sizes"])
 
-    def tap_header(self, row: list[Any], where: str) -> dict[str, Any]:
-        _, tid, seq, step, device, time, coords = row
+    def tap_header(self, row: list[Any], number: int) -> dict[str, Any]:
+        """Tap `number`'s header: this static's fields and the row's (checked)."""
+        _, tid, seq, step, device, time, coords, _, _ = row
+        # (`type(x) is int`: quicker than isinstance, and refuses bools as the wire must)
         if not (
-            is_int(tid)
-            and is_int(seq)
+            type(tid) is int
+            and type(seq) is int
             and seq >= 0
-            and is_int(time)
-            and (step is None or is_int(step))
-            and (device is None or is_int(device))
+            and type(time) is int
+            and (step is None or type(step) is int)
+            and (device is None or type(device) is int)
         ):
-            raise ProtocolError("bad_field", f"{where}: bad tid/seq/step/device/time "
-                                f"{row[1:6]!r:.80}")  # fmt: skip
+            raise ProtocolError("bad_field", f"batch tap {number}: bad tid/seq/step/device/"
+                                f"time {row[1:6]!r:.80}")  # fmt: skip
         header = {**self.fields, "kind": "tap", "tid": tid, "seq": seq, "step": step,
                   "device": device, "time": time}  # fmt: skip
         if self.shard_sizes is None:
             if coords is not None:
-                raise ProtocolError("bad_shard", f"{where}: coordinates for an unsharded tap")
+                raise ProtocolError("bad_shard", f"batch tap {number}: coordinates for an "
+                                    "unsharded tap")  # fmt: skip
             return header
         if not (
             isinstance(coords, list)
             and len(coords) == len(self.shard_sizes)
             and all(is_int(c) and 0 <= c < n for c, n in zip(coords, self.shard_sizes, strict=True))
         ):
-            raise ProtocolError("bad_shard", f"{where}: coordinates {coords!r:.40} do not fit "
-                                f"axes of sizes {self.shard_sizes}")  # fmt: skip
+            raise ProtocolError("bad_shard", f"batch tap {number}: coordinates {coords!r:.40} "
+                                f"do not fit axes of sizes {self.shard_sizes}")  # fmt: skip
         header["shard"] = {**self.fields["shard"], "coords": coords}
         return header
 
 
 def split_batch(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> list[Message]:
-    """The taps of a decoded `taps` message, each a `tap` Message whose frames view the
-    body; raises ProtocolError on any inconsistency."""
-    if len(payload) != 1:
-        raise ProtocolError("bad_frames", f"'taps' needs one body frame, got {len(payload)}")
+    """The taps of a decoded `taps` message, each a `tap` Message whose frames view a
+    body frame; raises ProtocolError on any inconsistency."""
+    if not payload:
+        raise ProtocolError("bad_frames", "'taps' needs at least one body frame")
     rows, statics_given = header["taps"], header["statics"]
-    if max(len(rows), len(statics_given)) > limits.max_batch:
-        raise ProtocolError("too_large", f"{len(rows)} taps, {len(statics_given)} statics in "
-                            f"a batch: more than {limits.max_batch}")  # fmt: skip
+    if max(len(rows), len(statics_given), len(payload)) > limits.max_batch:
+        raise ProtocolError("too_large", f"{len(rows)} taps, {len(statics_given)} statics, "
+                            f"{len(payload)} bodies: more than {limits.max_batch}")  # fmt: skip
     statics = [_Static(i, static, limits) for i, static in enumerate(statics_given)]
-    body = payload[0]
-    offset = 0
+    used = [0] * len(payload)  # per body frame: where the last tap's leaves ended
+    bodies = len(payload)
     taps = []
     for number, row in enumerate(rows):
-        where = f"batch tap {number}"
-        if not (isinstance(row, list) and len(row) == ROW_LENGTH and is_int(row[0])
+        if not (type(row) is list and len(row) == ROW_LENGTH and type(row[0]) is int
                 and 0 <= row[0] < len(statics)):  # fmt: skip
-            raise ProtocolError("bad_field", f"{where}: {row!r:.60} is not a tap row")
+            raise ProtocolError("bad_field", f"batch tap {number}: {row!r:.60} is not a row")
         static = statics[row[0]]
-        tap_header = static.tap_header(row, where)
-        frames = []
-        for nbytes, padded in zip(static.sizes, static.padded, strict=True):
-            if offset + nbytes > len(body):
-                raise ProtocolError("bad_frames", f"{where}: leaves overrun the "
-                                    f"{len(body)}-byte body")  # fmt: skip
-            frames.append(body[offset : offset + nbytes])
-            offset += padded
-        taps.append(Message(tap_header, frames))
-    if offset != len(body):
-        raise ProtocolError("bad_frames", f"batch body has {len(body)} bytes, taps need {offset}")
+        tap_header = static.tap_header(row, number)
+        frame, offset = row[7], row[8]
+        if not (type(frame) is int and 0 <= frame < bodies and type(offset) is int):
+            raise ProtocolError("bad_frames", f"batch tap {number}: body {frame!r:.20}, "
+                                f"offset {offset!r:.20} name no body frame")  # fmt: skip
+        if offset < used[frame]:
+            raise ProtocolError("bad_frames", f"batch tap {number}: offset {offset} overlaps "
+                                f"the tap before it in body {frame}")  # fmt: skip
+        body = payload[frame]
+        if offset + static.extent > len(body):
+            raise ProtocolError("bad_frames", f"batch tap {number}: leaves overrun the "
+                                f"{len(body)}-byte body {frame}")  # fmt: skip
+        frames = [body[offset + start : offset + start + n] for start, n in static.layout]
+        used[frame] = offset + static.extent
+        taps.append(Message(tap_header, frames, site=static))
     return taps

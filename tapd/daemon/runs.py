@@ -1,0 +1,89 @@
+"""Ring records as taps: one record as a `tap` Message, or a run of them as one unit.
+
+A native emitter in a loop writes record after record of the same tap site. Routing,
+queueing and acknowledging each of those in Python is what limited small-tap
+throughput, so the daemon takes consecutive small records of one site as a `TapRun`:
+one unit for the router (one queue entry, one pending entry, one barrier step), sent to
+a batching subscriber as a run in a `taps` message whose body is the ring span itself,
+uncopied (docs/PROTOCOL.md, "taps"). Subscribers that do not batch, and the forwarder,
+get its taps one by one (`TapRun.taps`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from tapd.native.ring import Record
+from tapd.protocol import Message
+from tapd.protocol.batch import BatchRun
+
+
+class Site:
+    """One tap site of an emitter's sites file, as the daemon needs it for each record:
+    the static header fields (with the emitter's identity), leaf sizes, shard layout."""
+
+    def __init__(self, entry: dict[str, Any], identity: dict[str, Any]) -> None:
+        self.shard: dict[str, Any] | None = entry.get("shard")
+        # A sharded site's records carry one more leaf, last: the mesh coordinates.
+        self.all_leaves = entry["leaves"]
+        leaves = self.all_leaves[:-1] if self.shard is not None else self.all_leaves
+        self.nbytes = sum(leaf[2] for leaf in leaves)
+        self.coords_offset = sum((leaf[2] + 7) & ~7 for leaf in leaves)
+        self.coords_count = self.all_leaves[-1][2] // 4 if self.shard is not None else 0
+        self.consumer: str = entry["consumer"]
+        self.static = {
+            "kind": "tap", "consumer": self.consumer, "transforms": entry["transforms"],
+            "meta": entry["meta"], "tree": entry["tree"], "leaves": leaves, **identity,
+        }  # fmt: skip
+
+        # The static fields of a batch (protocol's statics): the layout without coords.
+        self.batch_static = self.static if self.shard is None else {
+            **self.static, "shard": self.shard}  # fmt: skip
+
+    def coords(self, payload: memoryview) -> list[int]:
+        array = np.frombuffer(payload, "<i4", self.coords_count, self.coords_offset)
+        return [int(c) for c in array]
+
+    def message(self, record: Record) -> Message:
+        """One record as an ordinary tap message, its frames viewing the ring."""
+        frames = []
+        offset = 0
+        for _, _, nbytes in self.static["leaves"]:
+            frames.append(record.payload[offset : offset + nbytes])
+            offset += (nbytes + 7) & ~7
+        header = {**self.static, "seq": record.seq, "step": record.step,
+                  "device": record.device, "time": record.time_ns}  # fmt: skip
+        if self.shard is not None:
+            header["shard"] = {**self.shard, "coords": self.coords(record.payload)}
+        return Message(header, frames, site=self)
+
+
+class TapRun:
+    """Consecutive records of one site, all in `span` (the ring bytes from the first
+    record's start to the last one's end): routed as one unit of `count` taps."""
+
+    def __init__(self, site: Site, records: list[Record], span: memoryview,
+                 header_bytes: int) -> None:  # fmt: skip
+        self.site = site
+        self.records = records
+        self.span = span
+        self.count = len(records)
+        self.consumer = site.consumer
+        self.header = site.static  # what the router reads of a unit's header: its consumer
+        start = records[0].start
+        self.offsets = [r.start - start + header_bytes for r in records]
+
+    def taps(self) -> list[Message]:
+        return [self.site.message(record) for record in self.records]
+
+    def batch_piece(self, first_tid: int, emitter: str) -> BatchRun:
+        records = self.records
+        site = self.site
+        return BatchRun(
+            site.batch_static, self.span, self.offsets, first_tid, emitter, site,
+            seqs=[r.seq for r in records], steps=[r.step for r in records],
+            devices=[r.device for r in records], times=[r.time_ns for r in records],
+            coords=None if site.shard is None else [site.coords(r.payload) for r in records],
+        )  # fmt: skip
