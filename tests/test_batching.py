@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import Daemon, run_emitter
+from conftest import Daemon, native_unavailable, run_emitter
 from tapd.daemon.router import Router
+from tapd.daemon.runs import Site, TapRun
+from tapd.native.ring import Record
 from tapd.protocol import decode, encode
 from tapd.protocol.wire import DEFAULT_LIMITS
 
@@ -98,6 +100,8 @@ def test_small_taps_are_batched_only_for_subscribers_that_said_so(
     if batch:
         assert kinds == {"taps"} and len(messages) < TAPS
         assert max(len(m.batch) for m in messages) <= 32  # half the window
+        if native_unavailable() is None:  # the native ring's records come as runs
+            assert any(len(m.frames) > 1 for m in messages)
     else:
         assert kinds == {"tap"} and len(messages) == TAPS
 
@@ -139,3 +143,62 @@ def test_a_batch_never_exceeds_what_a_subscriber_accepts_whatever_its_window() -
     taps = [t for b in batches for t in b.batch]
     assert [t.header["seq"] for t in taps] == list(range(count))
     assert {t.header["emitter"] for t in taps} == {"h:1"}
+
+
+def ring_run(count: int) -> tuple[TapRun, list[np.ndarray]]:
+    """A run of `count` ring records of one site (int32[2] each), as the daemon reads
+    them: a 48-byte record header before each tap's leaf."""
+    entry = {"consumer": "x", "transforms": [], "meta": {}, "tree": ["*"],
+             "leaves": [["int32", [2], 8]]}  # fmt: skip
+    site = Site(entry, {"process": 0, "host": "h", "pid": 1})
+    values = [np.array([i, 10 * i], np.int32) for i in range(count)]
+    span = memoryview(b"".join(bytes(48) + v.tobytes() for v in values))
+    records = [Record(56 * i, 56 * (i + 1), 0, 100 + i, i, 7, 0, span[56 * i + 48 : 56 * (i + 1)])
+               for i in range(count)]  # fmt: skip
+    return TapRun(site, records, span, header_bytes=48), values
+
+
+def test_a_run_is_one_unit_for_the_router_and_count_taps_for_everyone_else() -> None:
+    sent: list[tuple[Any, list[Any]]] = []
+    router = Router(lambda key, frames: sent.append((key, frames)) or True, policy="block",
+                    queue_bytes=1 << 20, window_bytes=1 << 20, daemon_id="d")  # fmt: skip
+    router.subscriber_hello("sub", {"consumers": ["x"], "window": 64, "name": "s",
+                                    "batch": True}, now=0.0)  # fmt: skip
+    router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
+    run, values = ring_run(5)
+    router.tap("em", run, credit=False, nbytes=5 * 8)
+    router.barrier("em", 1)
+    router.pump()
+    [batch] = [decode(f) for key, f in sent if key == "sub" and decode(f).kind == "taps"]
+    assert len(batch.frames) == 2  # body 0 (no single taps) and the run's span, uncopied
+    assert [t.header["seq"] for t in batch.batch] == [100, 101, 102, 103, 104]
+    assert [t.value().tolist() for t in batch.batch] == [v.tolist() for v in values]
+    tids = [t.header["tid"] for t in batch.batch]
+
+    def to_emitter() -> list[Any]:
+        return [decode(f) for key, f in sent if key == "em"]
+
+    # A partial ack finishes nothing: the barrier waits for the whole run.
+    router.ack("sub", {"upto": tids[2], "errors": []}, now=1.0)
+    assert [m.kind for m in to_emitter()] == ["welcome"]
+    # The rest, with a handler error on the fourth tap: reported with that tap's seq.
+    router.ack("sub", {"upto": tids[4], "errors": [{"tid": tids[3], "error": "boom"}]}, 2.0)
+    error, done = to_emitter()[1:]
+    assert (error.kind, error.header["seq"], error.header["error"]) == ("error", 103, "boom")
+    assert (done.kind, done.header["delivered"]) == ("barrier_done", 5)
+    assert router.counters["deliveries_acked"] == 5 and router.counters["handler_errors"] == 1
+
+
+def test_a_run_goes_tap_by_tap_to_a_subscriber_that_does_not_batch() -> None:
+    sent: list[list[Any]] = []
+    router = Router(lambda key, frames: sent.append(frames) or True, policy="block",
+                    queue_bytes=1 << 20, window_bytes=1 << 20, daemon_id="d")  # fmt: skip
+    router.subscriber_hello("sub", {"consumers": ["x"], "window": 64, "name": "s"}, now=0.0)
+    router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
+    assert router.run_limit("x", 8) == 1  # so the drain makes no runs for it...
+    run, values = ring_run(3)
+    router.tap("em", run, credit=False, nbytes=3 * 8)  # ...but one that comes is split
+    router.pump()
+    taps = [decode(f) for f in sent if decode(f).kind == "tap"]
+    assert [t.arrays()[0].tolist() for t in taps] == [v.tolist() for v in values]
+    assert [t.header["tid"] for t in taps] == [0, 1, 2]
