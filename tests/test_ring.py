@@ -595,6 +595,33 @@ def test_concurrent_producers_under_drop_newest_account_for_every_record(
     assert counters.head == counters.committed == counters.tail
 
 
+def test_threads_tapping_one_consumer_on_one_device_land_in_sequence_order(
+    rings: Rings, consumer: int
+) -> None:
+    """Sequence number and ring position are taken together: whichever thread wins,
+    the ring holds seq 0, 1, 2, ... in order for a (consumer, device)."""
+    ring = rings.create("block")
+    start = threading.Barrier(THREADS)
+
+    def produce(tid: int) -> list[bool]:
+        start.wait(timeout=JOIN_TIMEOUT)
+        return [ring.write(7, producer_payload(tid, i), consumer=consumer, device=0)
+                for i in range(PER_THREAD // 4)]  # fmt: skip
+
+    writers = [Worker(functools.partial(produce, tid)) for tid in range(THREADS)]
+    reader = Drainer(ring, expected=THREADS * (PER_THREAD // 4))
+    reader.start()
+    try:
+        for writer in writers:
+            writer.start()
+        join_writers(ring, writers)
+    except BaseException:
+        reader.abandon()
+        raise
+    records = reader.finish()
+    assert [r.seq for r in records] == list(range(THREADS * (PER_THREAD // 4)))
+
+
 # ---- 7. reader restart -----------------------------------------------------------------
 
 

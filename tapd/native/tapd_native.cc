@@ -115,8 +115,7 @@ std::atomic<Ring*> g_ring{nullptr};
 std::mutex g_seq_mutex;
 std::unordered_map<uint64_t, uint64_t> g_seq;  // (consumer << 32 | device) -> next seq
 
-uint64_t NextSeq(uint32_t consumer, int32_t device) {
-  std::lock_guard<std::mutex> lock(g_seq_mutex);
+uint64_t NextSeqLocked(uint32_t consumer, int32_t device) {
   return g_seq[(uint64_t{consumer} << 32) | uint32_t(device)]++;
 }
 
@@ -198,6 +197,25 @@ uint64_t Reserve(Ring* ring, uint64_t length) {
   }
 }
 
+// A sequence number for (consumer, device) and, unless the tap is dropped, its place in
+// the ring, taken together under one lock: two threads tapping the same consumer on the
+// same device then land in the ring in sequence order. (Apart, a thread could take seq
+// 5, be preempted, and reserve after the thread that took seq 6.) A tap larger than the
+// whole ring, or refused under drop_newest, still uses up its number: the gap shows.
+// Returns the position, or UINT64_MAX if dropped.
+uint64_t ReserveWithSeq(Ring* ring, uint64_t length, uint32_t consumer, int32_t device,
+                        uint64_t* seq) {
+  std::lock_guard<std::mutex> lock(g_seq_mutex);
+  *seq = NextSeqLocked(consumer, device);
+  if (length > ring->capacity || length > UINT32_MAX) {
+    ring->control->dropped.fetch_add(1, std::memory_order_relaxed);
+    std::fprintf(stderr, "tapd: a %llu-byte tap is larger than the whole ring; dropped\n",
+                 static_cast<unsigned long long>(length));
+    return UINT64_MAX;
+  }
+  return Reserve(ring, length);
+}
+
 void Commit(Ring* ring, uint64_t position, uint64_t length) {
   RingControl* c = ring->control;
   // Commits happen in reservation order; wait for the writer before us to finish.
@@ -230,14 +248,8 @@ ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, int64_t site, int64_
     if (buffer.has_error()) return buffer.error();
     length += Align8(buffer->size_bytes());
   }
-  uint64_t seq = NextSeq(uint32_t(consumer), device);
-  if (length > ring->capacity || length > UINT32_MAX) {
-    ring->control->dropped.fetch_add(1, std::memory_order_relaxed);
-    std::fprintf(stderr, "tapd: a %llu-byte tap is larger than the whole ring; dropped\n",
-                 static_cast<unsigned long long>(length));
-    return ffi::Error::Success();
-  }
-  uint64_t position = Reserve(ring, length);
+  uint64_t seq = 0;
+  uint64_t position = ReserveWithSeq(ring, length, uint32_t(consumer), device, &seq);
   if (position == UINT64_MAX) return ffi::Error::Success();  // counted as dropped
   uint8_t* out = ring->data + (position % ring->capacity);
   RecordHeader header{};
@@ -392,12 +404,8 @@ int tapd_ring_write(void* handle, uint64_t site, uint32_t consumer, int32_t devi
                     int64_t step, const uint8_t* payload, uint64_t size) {
   auto* ring = static_cast<Ring*>(handle);
   uint64_t length = sizeof(RecordHeader) + Align8(size);
-  uint64_t seq = NextSeq(consumer, device);
-  if (length > ring->capacity || length > UINT32_MAX) {
-    ring->control->dropped.fetch_add(1, std::memory_order_relaxed);
-    return 1;
-  }
-  uint64_t position = Reserve(ring, length);
+  uint64_t seq = 0;
+  uint64_t position = ReserveWithSeq(ring, length, consumer, device, &seq);
   if (position == UINT64_MAX) return 1;
   uint8_t* out = ring->data + (position % ring->capacity);
   RecordHeader header{uint32_t(length), 1, site, seq, step, NowNs(CLOCK_REALTIME), device, 0};
