@@ -19,7 +19,13 @@ from tapd.daemon.router import Router
 from tapd.daemon.runs import Site, TapRun
 from tapd.native.ring import Record
 from tapd.protocol import decode, encode
+from tapd.protocol.batch import BatchTap, encode_batch
 from tapd.protocol.wire import DEFAULT_LIMITS
+from tapd_client import Subscriber
+from tapd_client.subscriber import _DaemonLink
+
+TAP_FIELDS = {"consumer": "loss", "seq": 0, "step": None, "device": None, "process": 0,
+              "host": "h", "pid": 1, "time": 0, "meta": {}, "tree": ["*"]}  # fmt: skip
 
 TAPS = 200
 
@@ -202,3 +208,32 @@ def test_a_run_goes_tap_by_tap_to_a_subscriber_that_does_not_batch() -> None:
     taps = [decode(f) for f in sent if decode(f).kind == "tap"]
     assert [t.arrays()[0].tolist() for t in taps] == [v.tolist() for v in values]
     assert [t.header["tid"] for t in taps] == [0, 1, 2]
+
+
+def test_an_error_acked_inside_a_run_reaches_the_emitter_before_the_run_completes() -> None:
+    sent: list[tuple[Any, list[Any]]] = []
+    router = Router(lambda key, frames: sent.append((key, frames)) or True, policy="block",
+                    queue_bytes=1 << 20, window_bytes=1 << 20, daemon_id="d")  # fmt: skip
+    router.subscriber_hello("sub", {"consumers": ["x"], "window": 64, "name": "s",
+                                    "batch": True}, now=0.0)  # fmt: skip
+    router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
+    run, _ = ring_run(5)
+    router.tap("em", run, credit=False, nbytes=5 * 8)
+    router.pump()
+    router.ack("sub", {"upto": 2, "errors": [{"tid": 1, "error": "boom"}]}, now=1.0)
+    errors = [decode(f) for key, f in sent if key == "em" and decode(f).kind == "error"]
+    assert [(e.header["seq"], e.header["error"]) for e in errors] == [(101, "boom")]
+    assert router.counters["handler_errors"] == 1
+
+
+def test_a_batch_static_the_metadata_parser_chokes_on_is_a_handler_error_not_a_crash() -> None:
+    subscriber = Subscriber("ipc:///nonexistent/never-connected.sock")
+    handled: list[Any] = []
+    subscriber.add_handler("loss", lambda arg, meta: handled.append(arg))
+    header = decode(encode("tap", {**TAP_FIELDS, "transforms": [1]}, [np.zeros(2, np.float32)]))
+    batch = decode(encode_batch([BatchTap(header.header, header.frames, 0, "h:1")]))
+    link = _DaemonLink("ipc:///nonexistent/never-connected.sock", None)  # type: ignore[arg-type]
+    subscriber._handle(link, batch)
+    assert (handled, subscriber.failed, link.last_tid) == ([], 1, 0)
+    [error] = link.errors
+    assert error["tid"] == 0 and "raised TypeError" in error["error"]

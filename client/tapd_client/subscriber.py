@@ -246,7 +246,10 @@ class Subscriber:
             for tap in message.batch:
                 template = templates.get(id(tap.site))
                 if template is None:
-                    template = templates[id(tap.site)] = MetaTemplate(tap.header)
+                    try:
+                        template = templates[id(tap.site)] = MetaTemplate(tap.header)
+                    except Exception:  # odd metadata: from_header reports it per tap
+                        template = None
                 self._run_handler(link, tap, template)
         elif kind == "welcome":
             link.welcomed = True

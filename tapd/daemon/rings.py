@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import time
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from tapd.protocol import Message
 logger = logging.getLogger("tapd.daemon")
 
 _RECORDS_PER_POLL = 4096
+_UNMAP_AFTER = 60.0  # seconds a finished ring stays mapped (see check_writers)
 _RUN_BYTES = 64 * 1024  # the most tap bytes in one run (a run goes out in one message)
 
 
@@ -154,19 +156,24 @@ class RingSource:
         counters = self.ring.counters()
         return self.read_position >= counters.committed and not self._in_router
 
-    def close(self, *, remove: bool) -> None:
+    def remove_files(self) -> None:
+        """The writer is gone and its taps delivered: remove the ring and sites files
+        (the mapping stays until `close`)."""
         counters = self.ring.counters()
+        uncommitted = counters.head - counters.committed
+        if uncommitted:
+            logger.error(
+                "emitter pid %d died while writing %d bytes of taps to %s; they are lost",
+                self.writer_pid,
+                uncommitted,
+                self.path,
+            )
+        self.path.unlink(missing_ok=True)
+        self.sites_path.unlink(missing_ok=True)
+
+    def close(self, *, remove: bool) -> None:
         if remove:
-            uncommitted = counters.head - counters.committed
-            if uncommitted:
-                logger.error(
-                    "emitter pid %d died while writing %d bytes of taps to %s; they are lost",
-                    self.writer_pid,
-                    uncommitted,
-                    self.path,
-                )
-            self.path.unlink(missing_ok=True)
-            self.sites_path.unlink(missing_ok=True)
+            self.remove_files()
         else:
             self.ring.set_reader(0)
         self.ring.close()
@@ -178,6 +185,7 @@ class RingSet:
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
         self.sources: dict[Hashable, RingSource] = {}
+        self._retired: list[tuple[float, RingSource]] = []  # removed, still mapped
 
     def attach(self, key: Hashable, identity: dict[str, Any], router: Router) -> None:
         ring_path = Path(str(identity["ring"]))
@@ -245,9 +253,15 @@ class RingSet:
                 source.writer_gone = True
                 logger.info("emitter pid %d is gone; draining what it committed", source.writer_pid)
             if source.finished():
-                source.close(remove=True)
+                # Large taps went to ZeroMQ as views of the ring: keep it mapped a while,
+                # so that a message still queued for a slow peer never reads unmapped
+                # memory.
+                source.remove_files()
+                self._retired.append((time.monotonic(), source))
                 del self.sources[key]
                 router.emitter_bye(key)
+        while self._retired and time.monotonic() - self._retired[0][0] > _UNMAP_AFTER:
+            self._retired.pop(0)[1].ring.close()
 
     def barrier(self, key: Hashable, barrier_id: int, position: int, router: Router) -> bool:
         source = self.sources.get(key)
@@ -284,6 +298,9 @@ class RingSet:
         for source in self.sources.values():
             source.close(remove=False)
         self.sources.clear()
+        for _, source in self._retired:
+            source.ring.close()
+        self._retired.clear()
         if self.directory is not None:
             try:
                 self.directory.rmdir()  # only if empty: rings waiting for a daemon stay

@@ -253,7 +253,7 @@ class Router:
 
     def unpark(self) -> None:
         """Route parked taps, in order, as far as queue room allows."""
-        for emitter in self.emitters.values():
+        for emitter in list(self.emitters.values()):  # (routing may finish and remove one)
             while emitter.parked:
                 index, tap, nbytes, credit_bytes = emitter.parked[0]
                 if self.policy == "block" and not self._has_room(tap, nbytes):
@@ -352,9 +352,19 @@ class Router:
             self._send(key, encode("rehello", {}))
             return
         subscriber.last_seen = now
-        errors = {e.get("tid"): e.get("error") for e in header["errors"] if isinstance(e, dict)}
-        upto = header["upto"]
         in_flight = subscriber.in_flight
+        # Errors go to their emitters at once: an ack may end inside a run, whose
+        # delivery then stays in flight until a later ack covers the rest of it.
+        for entry in header["errors"]:
+            tid = entry.get("tid") if isinstance(entry, dict) else None
+            delivery = next((d for d in in_flight if type(tid) is int
+                             and d.tid <= tid < d.tid + d.count), None)  # fmt: skip
+            if delivery is not None:
+                assert isinstance(tid, int)
+                subscriber.errors += 1
+                self.counters["handler_errors"] += 1
+                self._report_error(subscriber, delivery, tid, str(entry.get("error")))
+        upto = header["upto"]
         while in_flight and in_flight[0].tid + in_flight[0].count <= upto + 1:
             delivery = in_flight.popleft()
             subscriber.held_bytes -= delivery.nbytes
@@ -362,11 +372,6 @@ class Router:
             subscriber.in_flight_bytes -= delivery.nbytes
             subscriber.delivered += delivery.count
             self.counters["deliveries_acked"] += delivery.count
-            for tid in errors if errors else ():
-                if isinstance(tid, int) and delivery.tid <= tid < delivery.tid + delivery.count:
-                    subscriber.errors += 1
-                    self.counters["handler_errors"] += 1
-                    self._report_error(subscriber, delivery, tid, str(errors[tid]))
             self._delivered(delivery, lost=False)
 
     def heartbeat(self, key: PeerKey, now: float) -> None:
@@ -382,7 +387,8 @@ class Router:
         emitter = delivery.emitter
         if emitter.gone:
             return
-        header = _taps_of(delivery)[tid - delivery.tid].header
+        tap = delivery.tap
+        header = (tap.tap(tid - delivery.tid) if isinstance(tap, TapRun) else tap).header
         self._send(emitter.key, encode("error", {
             "consumer": header["consumer"], "seq": header["seq"], "error": error,
             "subscriber": subscriber.name,
@@ -421,7 +427,7 @@ class Router:
                 subscriber.deliver(delivery.tid + i, tap, name, size)
             return True
         queue = subscriber.queue
-        if subscriber.batch and queue[0].nbytes < _BATCH_BYTES:
+        if subscriber.batch and queue[0].nbytes <= _BATCH_BYTES:
             # Up to half a window per message, so that the subscriber's ack of one batch
             # overlaps its work on the next.
             room = subscriber.window - subscriber.in_flight_taps

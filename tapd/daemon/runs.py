@@ -78,11 +78,16 @@ class TapRun:
     def taps(self) -> list[Message]:
         return [self.site.message(record) for record in self.records]
 
+    def tap(self, i: int) -> Message:
+        return self.site.message(self.records[i])
+
     def batch_piece(self, first_tid: int, emitter: str) -> BatchRun:
         records = self.records
         site = self.site
+        # A copy (tens of KB): the frame may sit in a ZeroMQ queue after its taps were
+        # counted lost and their ring space reused, or the ring unmapped.
         return BatchRun(
-            site.batch_static, self.span, self.offsets, first_tid, emitter, site,
+            site.batch_static, bytes(self.span), self.offsets, first_tid, emitter, site,
             seqs=[r.seq for r in records], steps=[r.step for r in records],
             devices=[r.device for r in records], times=[r.time_ns for r in records],
             coords=None if site.shard is None else [site.coords(r.payload) for r in records],

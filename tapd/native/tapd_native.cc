@@ -81,6 +81,10 @@ struct Ring {
   uint8_t* data;  // capacity bytes, mapped twice
   uint64_t capacity;
   size_t mapped;  // bytes of address space reserved
+  // This process's writers: the next seq per (consumer << 32 | device), and the lock
+  // under which a writer takes its seq and its place in the ring (ReserveWithSeq).
+  std::mutex seq_mutex;
+  std::unordered_map<uint64_t, uint64_t> seq;
 };
 
 uint64_t Align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
@@ -112,12 +116,6 @@ Ring* MapRing(int fd, uint64_t capacity) {
 
 // The emitter process's ring, used by the FFI handler.
 std::atomic<Ring*> g_ring{nullptr};
-std::mutex g_seq_mutex;
-std::unordered_map<uint64_t, uint64_t> g_seq;  // (consumer << 32 | device) -> next seq
-
-uint64_t NextSeqLocked(uint32_t consumer, int32_t device) {
-  return g_seq[(uint64_t{consumer} << 32) | uint32_t(device)]++;
-}
 
 // Large leaves are copied with non-temporal (streaming) stores: the ring is read by
 // another process, later, so pulling its cache lines into this core first (what plain
@@ -205,8 +203,8 @@ uint64_t Reserve(Ring* ring, uint64_t length) {
 // Returns the position, or UINT64_MAX if dropped.
 uint64_t ReserveWithSeq(Ring* ring, uint64_t length, uint32_t consumer, int32_t device,
                         uint64_t* seq) {
-  std::lock_guard<std::mutex> lock(g_seq_mutex);
-  *seq = NextSeqLocked(consumer, device);
+  std::lock_guard<std::mutex> lock(ring->seq_mutex);
+  *seq = ring->seq[(uint64_t{consumer} << 32) | uint32_t(device)]++;
   if (length > ring->capacity || length > UINT32_MAX) {
     ring->control->dropped.fetch_add(1, std::memory_order_relaxed);
     std::fprintf(stderr, "tapd: a %llu-byte tap is larger than the whole ring; dropped\n",
