@@ -92,6 +92,12 @@ def rings_of(runtime_dir: Path) -> Path:
     return directory
 
 
+def ring_files(runtime_dir: Path) -> list[Path]:
+    """Emitters' ring and sites files there (named `<pid>-<random>.ring`/`.sites`; the
+    daemon's `wake.sock` beside them is not one)."""
+    return list(rings_of(runtime_dir).glob("*-*"))
+
+
 @pytest.fixture
 def runtime_dir() -> Iterator[Path]:
     # Short on purpose: ipc:// paths must stay under 107 bytes.

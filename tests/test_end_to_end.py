@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import APPS, Daemon, SubscriberProcess, rings_of, run_emitter, wait_until
+from conftest import APPS, Daemon, SubscriberProcess, ring_files, rings_of, run_emitter, wait_until
 
 pytestmark = pytest.mark.usefixtures("backend")
 
@@ -288,4 +288,4 @@ def test_exit_without_a_daemon_counts_and_logs_what_was_lost(
     records = wait_until(lambda: len(subscriber.records()) == 3 and subscriber.records(),
                          "the orphaned ring's taps")  # fmt: skip
     assert [r["value"] for r in records] == [0.0, 1.0, 2.0]
-    wait_until(lambda: not list(rings_of(runtime_dir).glob("*")), "the ring's removal")
+    wait_until(lambda: not ring_files(runtime_dir), "the ring's removal")

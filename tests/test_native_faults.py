@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import APPS, Daemon, SubscriberProcess, native_unavailable, rings_of, wait_until
+from conftest import (
+    APPS,
+    Daemon,
+    SubscriberProcess,
+    native_unavailable,
+    ring_files,
+    wait_until,
+)
 
 pytestmark = pytest.mark.skipif(bool(native_unavailable()), reason=str(native_unavailable()))
 
@@ -56,7 +63,7 @@ def test_daemon_killed_and_restarted_reattaches_and_loses_nothing(
     assert set(steps) == set(range(150)), sorted(set(range(150)) - set(steps))
     # Duplicates, if any, are re-deliveries of taps the killed daemon had sent.
     assert len(steps) - len(set(steps)) < 64
-    wait_until(lambda: not list(rings_of(runtime_dir).glob("*")), "the ring's removal")
+    wait_until(lambda: not ring_files(runtime_dir), "the ring's removal")
 
 
 def test_emitter_killed_its_committed_taps_are_delivered_and_the_ring_removed(
@@ -74,4 +81,4 @@ def test_emitter_killed_its_committed_taps_are_delivered_and_the_ring_removed(
     records = wait_until(lambda: len(subscriber.records()) >= 100 and subscriber.records(),
                          "every committed tap", timeout=30)  # fmt: skip
     assert [r["step"] for r in records] == list(range(100))
-    wait_until(lambda: not list(rings_of(runtime_dir).glob("*")), "the ring's removal")
+    wait_until(lambda: not ring_files(runtime_dir), "the ring's removal")

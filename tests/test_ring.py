@@ -11,6 +11,7 @@ import functools
 import itertools
 import mmap
 import random
+import socket
 import struct
 import threading
 import time
@@ -622,6 +623,27 @@ def test_threads_tapping_one_consumer_on_one_device_land_in_sequence_order(
     assert [r.seq for r in records] == list(range(THREADS * (PER_THREAD // 4)))
 
 
+def test_an_idle_reader_is_woken_by_the_next_commit_not_before(rings: Rings) -> None:
+    """The reader asks to be woken (`sleep`); the next writer to commit sends one
+    datagram to `wake.sock` beside the ring, and only then."""
+    writer = rings.create("block")
+    reader = rings.open()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as wake:
+        wake.bind(str(rings.path("wake.sock")))
+        wake.settimeout(10)
+        assert writer.write(1, b"first")  # nobody asked: no datagram
+        assert reader.sleep(0) is False  # records are readable: no need to sleep
+        end = reader.read(0)[-1].end
+        assert reader.sleep(end) is True  # read to the end: asleep, wake me
+        assert writer.write(1, b"second")
+        assert wake.recv(16) == b"\x01"
+        assert writer.write(1, b"third")  # the flag was taken: no second datagram
+        wake.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            wake.recv(16)
+    assert [r.payload[:6].tobytes() for r in reader.read(end)] == [b"second", b"third\0"]
+
+
 # ---- 7. reader restart -----------------------------------------------------------------
 
 
@@ -689,7 +711,7 @@ CORRUPTIONS: dict[str, tuple[Callable[[bytes], bytes | None], str]] = {
     "truncated by a page": (lambda good: good[:-PAGE], NOT_A_RING),
     "extended by a page": (lambda good: good + bytes(PAGE), NOT_A_RING),
     "extended by a byte": (lambda good: good + b"\0", NOT_A_RING),
-    "other version": (lambda good: good[:8] + struct.pack("<I", 2) + good[12:], NOT_A_RING),
+    "other version": (lambda good: good[:8] + struct.pack("<I", 1) + good[12:], NOT_A_RING),
     "capacity field disagrees with size": (
         lambda good: good[:16] + struct.pack("<Q", 4 * CAPACITY) + good[24:],
         NOT_A_RING,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import socket
 import time
 from collections.abc import Hashable
 from pathlib import Path
@@ -26,6 +27,7 @@ from tapd.protocol import Message
 logger = logging.getLogger("tapd.daemon")
 
 _RECORDS_PER_POLL = 4096
+WAKE_SOCKET = "wake.sock"  # the native library sends to it from the ring's directory
 _UNMAP_AFTER = 60.0  # seconds a finished ring stays mapped (see check_writers)
 _RUN_BYTES = 64 * 1024  # the most tap bytes in one run (a run goes out in one message)
 
@@ -186,6 +188,7 @@ class RingSet:
         self.directory = directory
         self.sources: dict[Hashable, RingSource] = {}
         self._retired: list[tuple[float, RingSource]] = []  # removed, still mapped
+        self._wake: socket.socket | None = None
 
     def attach(self, key: Hashable, identity: dict[str, Any], router: Router) -> None:
         ring_path = Path(str(identity["ring"]))
@@ -239,6 +242,30 @@ class RingSet:
                 source.writer_pid,
                 source.ring.counters().committed - source.read_position,
             )
+
+    def open_wake_socket(self) -> socket.socket | None:
+        """The datagram socket writers wake this daemon through (`wake.sock` in the
+        ring directory), so that an idle daemon can sleep instead of polling rings."""
+        if self.directory is None:
+            return None
+        path = self.directory / WAKE_SOCKET
+        path.unlink(missing_ok=True)  # a dead daemon's
+        self._wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._wake.bind(str(path))
+        self._wake.setblocking(False)
+        return self._wake
+
+    def drain_wake_socket(self) -> None:
+        assert self._wake is not None
+        try:
+            while self._wake.recv(64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def sleep(self) -> bool:
+        """Every ring is read to its end and asked to wake us on its next commit."""
+        return all(source.ring.sleep(source.read_position) for source in self.sources.values())
 
     def poll(self, router: Router) -> int:
         moved = 0
@@ -301,6 +328,10 @@ class RingSet:
         for _, source in self._retired:
             source.ring.close()
         self._retired.clear()
+        if self._wake is not None:
+            self._wake.close()
+            assert self.directory is not None
+            (self.directory / WAKE_SOCKET).unlink(missing_ok=True)
         if self.directory is not None:
             try:
                 self.directory.rmdir()  # only if empty: rings waiting for a daemon stay

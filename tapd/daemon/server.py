@@ -33,6 +33,7 @@ logger = logging.getLogger("tapd.daemon")
 
 _BATCH = 256  # messages read from one socket before looking at the others
 _EXPIRE_EVERY = 0.5
+_IDLE_POLL_MS = 500  # an idle daemon with rings attached: writers wake it sooner
 
 
 class Daemon:
@@ -144,8 +145,11 @@ class Daemon:
         forwarder = self.forwarder
         if forwarder is not None:
             poller.register(forwarder.socket, zmq.POLLIN)
+        wake = None
         if self.rings.directory is not None:
             ensure_private_dir(self.rings.directory)
+            wake = self.rings.open_wake_socket()
+            poller.register(wake, zmq.POLLIN)
             self.rings.adopt_orphans(self.router)
         last_check = time.monotonic()
         rings_from = last_check + self.config.startup_grace
@@ -159,6 +163,8 @@ class Daemon:
                         self._read(index, sock)
                 if self._wake_read in events:
                     _drain_pipe(self._wake_read)
+                if wake is not None and wake in events:
+                    self.rings.drain_wake_socket()
                 if self.zap is not None and self.zap.socket in events:
                     self.zap.handle()
                     self.router.counters["auth_refused"] = self.zap.refused
@@ -188,14 +194,17 @@ class Daemon:
             self.close()
 
     def _poll_timeout(self, quiet_rounds: int) -> int:
-        """Milliseconds to wait for a socket. Rings have no file descriptor to wait on,
-        so while any is attached the loop polls them: at once after activity, then
-        every millisecond, then every 10 ms once quiet for a while."""
+        """Milliseconds to wait for a socket. Rings have no file descriptor to wait on:
+        after activity the loop looks at them again at once, then every millisecond for
+        a while; once quiet, it asks their writers to wake it (`wake.sock`) and sleeps
+        (bounded, for the periodic checks)."""
         if not self.rings.sources:
             return 100
         if quiet_rounds == 0:
             return 0
-        return 1 if quiet_rounds < 500 else 10
+        if quiet_rounds < 50:
+            return 1
+        return _IDLE_POLL_MS if self.rings.sleep() else 0
 
     def _report_undelivered(self) -> None:
         for key in list(self.router.subscribers):

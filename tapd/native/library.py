@@ -120,6 +120,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_install": ([c.c_void_p], None),
         "tapd_ring_readable": ([c.c_void_p, c.c_uint64, c.POINTER(c.c_void_p)], c.c_uint64),
         "tapd_ring_release": ([c.c_void_p, c.c_uint64], None),
+        "tapd_ring_sleep": ([c.c_void_p, c.c_uint64], c.c_int),
         "tapd_ring_counters": ([c.c_void_p, c.POINTER(c.c_uint64)], None),
         "tapd_ring_set_reader": ([c.c_void_p, c.c_int64], None),
         "tapd_ring_write": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32, c.c_int64,

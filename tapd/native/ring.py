@@ -174,6 +174,12 @@ class Ring:
             offset += length
         return view, records
 
+    def sleep(self, position: int) -> bool:
+        """The reader is going idle: ask the next writer to commit for a datagram to
+        `wake.sock` beside the ring. False (and nothing asked) if records from
+        `position` on are readable already."""
+        return not self._lib.tapd_ring_sleep(self.handle, position)
+
     def release(self, position: int) -> None:
         """Everything before `position` was delivered: writers may reuse it."""
         self._lib.tapd_ring_release(self.handle, position)

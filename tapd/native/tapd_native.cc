@@ -15,6 +15,8 @@
 
 #include <fcntl.h>
 #include <sched.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -22,6 +24,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -39,7 +42,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr uint64_t kMagic = 0x31474e4952504154ULL;  // "TAPRING1"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the reader_sleeping flag and the wake socket
 // The control page: 4096 bytes, or one page where pages are larger (the record area
 // must start on a page boundary to be mapped twice).
 const size_t kControlBytes =
@@ -61,6 +64,9 @@ struct RingControl {
   std::atomic<uint64_t> dropped;                // refused for lack of space
   std::atomic<uint64_t> blocked_ns;             // total time writers waited for space
   std::atomic<int64_t> reader_pid;              // the daemon draining it, 0 if none
+  // Set by an idle daemon before it sleeps; a writer that commits and finds it set
+  // clears it and sends a datagram to `wake.sock` beside the ring (see Wake).
+  alignas(64) std::atomic<uint32_t> reader_sleeping;
 };
 static_assert(sizeof(RingControl) <= 4096, "control block must fit its page");
 
@@ -85,6 +91,10 @@ struct Ring {
   // under which a writer takes its seq and its place in the ring (ReserveWithSeq).
   std::mutex seq_mutex;
   std::unordered_map<uint64_t, uint64_t> seq;
+  // The daemon's wake socket, beside the ring (writers only), and a socket to send on.
+  sockaddr_un wake_address{};
+  socklen_t wake_length = 0;
+  std::atomic<int> wake_fd{-1};
 };
 
 uint64_t Align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
@@ -232,6 +242,34 @@ void Commit(Ring* ring, uint64_t position, uint64_t length) {
   c->committed.store(position + length, std::memory_order_release);
 }
 
+// After a commit: if the daemon went to sleep (its rings had nothing to read), wake it
+// with one datagram. It costs a fence per tap, and a syscall only on the first tap after
+// the daemon went idle. No daemon, or a full socket buffer: nothing to do (it polls
+// its rings now and then anyway).
+void Wake(Ring* ring) {
+  RingControl* c = ring->control;
+  // Pairs with the fence in tapd_ring_sleep: either the daemon sees our commit before
+  // it sleeps, or we see its flag here.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (ring->wake_length == 0 || !c->reader_sleeping.load(std::memory_order_relaxed) ||
+      !c->reader_sleeping.exchange(0, std::memory_order_acq_rel)) {
+    return;
+  }
+  int fd = ring->wake_fd.load(std::memory_order_acquire);
+  if (fd < 0) {
+    int fresh = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fresh < 0) return;
+    if (!ring->wake_fd.compare_exchange_strong(fd, fresh)) {
+      close(fresh);  // another thread made one first: `fd` is now that one
+    } else {
+      fd = fresh;
+    }
+  }
+  char byte = 1;
+  sendto(fd, &byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL,
+         reinterpret_cast<const sockaddr*>(&ring->wake_address), ring->wake_length);
+}
+
 ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, int64_t site, int64_t consumer,
                    int64_t has_step) {
   Ring* ring = g_ring.load(std::memory_order_acquire);
@@ -274,6 +312,7 @@ ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, int64_t site, int64_
     offset += Align8(size);
   }
   Commit(ring, position, length);
+  Wake(ring);
   return ffi::Error::Success();
 }
 
@@ -321,6 +360,16 @@ void* tapd_ring_create(const char* path, uint64_t capacity, uint32_t policy) {
   c->writer_pid = getpid();
   std::atomic_thread_fence(std::memory_order_release);
   c->magic = kMagic;
+  // The daemon's wake socket lives beside the ring: <ring directory>/wake.sock.
+  const char* slash = std::strrchr(path, '/');
+  size_t dir = slash == nullptr ? 0 : size_t(slash - path) + 1;
+  static const char kWake[] = "wake.sock";
+  if (dir + sizeof(kWake) <= sizeof(ring->wake_address.sun_path)) {
+    ring->wake_address.sun_family = AF_UNIX;
+    std::memcpy(ring->wake_address.sun_path, path, dir);
+    std::memcpy(ring->wake_address.sun_path + dir, kWake, sizeof(kWake));
+    ring->wake_length = socklen_t(offsetof(sockaddr_un, sun_path) + dir + sizeof(kWake));
+  }
   return ring;
 }
 
@@ -351,6 +400,8 @@ void tapd_ring_close(void* handle) {
   if (ring == nullptr) return;
   Ring* expected = ring;
   g_ring.compare_exchange_strong(expected, nullptr);
+  int fd = ring->wake_fd.exchange(-1);
+  if (fd >= 0) close(fd);
   munmap(ring->control, ring->mapped);
   delete ring;
 }
@@ -367,6 +418,19 @@ uint64_t tapd_ring_readable(void* handle, uint64_t from, const uint8_t** data) {
   if (from >= committed) return 0;
   uint64_t available = committed - from;
   return available > ring->capacity ? ring->capacity : available;
+}
+
+// Reader, about to sleep: ask writers for a wake-up datagram. Returns 1, and asks
+// nothing, if records from `from` on are already readable (then there is work now).
+int tapd_ring_sleep(void* handle, uint64_t from) {
+  RingControl* c = static_cast<Ring*>(handle)->control;
+  c->reader_sleeping.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the one in Wake
+  if (c->committed.load(std::memory_order_relaxed) > from) {
+    c->reader_sleeping.store(0, std::memory_order_relaxed);
+    return 1;
+  }
+  return 0;
 }
 
 // Reader: every record below `position` has been delivered; writers may reuse it.
@@ -410,6 +474,7 @@ int tapd_ring_write(void* handle, uint64_t site, uint32_t consumer, int32_t devi
   std::memcpy(out, &header, sizeof(header));
   if (size) std::memcpy(out + sizeof(header), payload, size);
   Commit(ring, position, length);
+  Wake(ring);
   return 0;
 }
 
