@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,3 +83,33 @@ def test_emitter_killed_its_committed_taps_are_delivered_and_the_ring_removed(
                          "every committed tap", timeout=30)  # fmt: skip
     assert [r["step"] for r in records] == list(range(100))
     wait_until(lambda: not ring_files(runtime_dir), "the ring's removal")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
+def test_an_idle_daemon_sleeps_rather_than_spins_and_wakes_for_the_next_tap(
+    start_daemon: Callable[..., Daemon], start_subscriber: Callable[..., SubscriberProcess]
+) -> None:
+    """Not a speed measurement: a daemon spinning on an attached, quiet ring burns a
+    whole core (it did once: 100% in bench/RESULTS.md); sleeping, a few percent."""
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "loss")
+    # Taps 3 s apart: the second comes after the daemon went to sleep, and wakes it.
+    emitter = start_emitter(daemon, "paced", "3", "3000")
+    try:
+        wait_until(lambda: len(subscriber.records()) == 2, "the tap that wakes the daemon")
+        time.sleep(0.5)  # the daemon settles into its idle state again
+        before = cpu_seconds(daemon.process.pid)
+        time.sleep(1.5)
+        used = cpu_seconds(daemon.process.pid) - before
+        assert used < 0.5, f"the idle daemon used {used:.2f} s of CPU in 1.5 s"
+        wait_until(lambda: len(subscriber.records()) == 3, "the next tap after a pause")
+        assert emitter.wait(timeout=60) == 0
+    finally:
+        if emitter.poll() is None:
+            emitter.kill()
+        emitter.communicate(timeout=30)

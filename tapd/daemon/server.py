@@ -149,7 +149,8 @@ class Daemon:
         if self.rings.directory is not None:
             ensure_private_dir(self.rings.directory)
             wake = self.rings.open_wake_socket()
-            poller.register(wake, zmq.POLLIN)
+            if wake is not None:  # (by fd: zmq.Poller reports plain sockets by fd)
+                poller.register(wake.fileno(), zmq.POLLIN)
             self.rings.adopt_orphans(self.router)
         last_check = time.monotonic()
         rings_from = last_check + self.config.startup_grace
@@ -163,7 +164,7 @@ class Daemon:
                         self._read(index, sock)
                 if self._wake_read in events:
                     _drain_pipe(self._wake_read)
-                if wake is not None and wake in events:
+                if wake is not None and wake.fileno() in events:
                     self.rings.drain_wake_socket()
                 if self.zap is not None and self.zap.socket in events:
                     self.zap.handle()
@@ -204,7 +205,9 @@ class Daemon:
             return 0
         if quiet_rounds < 50:
             return 1
-        return _IDLE_POLL_MS if self.rings.sleep() else 0
+        # Records readable but not taken (queues full under "block", a site entry not
+        # yet written): look again in a millisecond, never spin.
+        return _IDLE_POLL_MS if self.rings.sleep() else 1
 
     def _report_undelivered(self) -> None:
         for key in list(self.router.subscribers):
