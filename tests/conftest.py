@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from tapd.daemon import control
 from tapd.runtime import ring_dir_for
@@ -259,3 +260,23 @@ def run_emitter(
     output: dict[str, Any] = json.loads(lines[-1])
     output["stderr"] = result.stderr
     return output
+
+
+@pytest.fixture
+def raw_peer() -> Iterator[Callable[[str], zmq.Socket[bytes]]]:
+    """Plain ZeroMQ DEALER sockets, connected to an endpoint: a peer speaking the wire
+    protocol by hand. Closed (bounded linger) after the test."""
+    context = zmq.Context()
+    sockets: list[zmq.Socket[bytes]] = []
+
+    def connect(endpoint: str) -> zmq.Socket[bytes]:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(endpoint)
+        sockets.append(sock)
+        return sock
+
+    yield connect
+    for sock in sockets:
+        sock.close(linger=1000)
+    context.term()

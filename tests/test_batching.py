@@ -7,7 +7,7 @@ emitter, so the messages on the wire are what is checked.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,23 +28,6 @@ TAP_FIELDS = {"consumer": "loss", "seq": 0, "step": None, "device": None, "proce
               "host": "h", "pid": 1, "time": 0, "meta": {}, "tree": ["*"]}  # fmt: skip
 
 TAPS = 200
-
-
-@pytest.fixture
-def dealer() -> Iterator[Callable[[str], zmq.Socket[bytes]]]:
-    context = zmq.Context()
-    sockets: list[zmq.Socket[bytes]] = []
-
-    def connect(endpoint: str) -> zmq.Socket[bytes]:
-        sock = context.socket(zmq.DEALER)
-        sock.connect(endpoint)
-        sockets.append(sock)
-        return sock
-
-    yield connect
-    for sock in sockets:
-        sock.close(linger=1000)
-    context.term()
 
 
 def receive_while(sock: zmq.Socket[bytes], emitter: threading.Thread) -> list[Any]:
@@ -87,10 +70,10 @@ class Emitter(threading.Thread):
 
 @pytest.mark.parametrize("batch", [True, False], ids=["batching", "old-subscriber"])
 def test_small_taps_are_batched_only_for_subscribers_that_said_so(
-    start_daemon: Callable[..., Daemon], dealer: Callable[[str], zmq.Socket[bytes]], batch: bool
+    start_daemon: Callable[..., Daemon], raw_peer: Callable[[str], zmq.Socket[bytes]], batch: bool
 ) -> None:
     daemon = start_daemon()
-    sock = dealer(daemon.endpoint)
+    sock = raw_peer(daemon.endpoint)
     hello = {"role": "subscriber", "consumers": ["loss"], "window": 64, "name": "raw"}
     sock.send_multipart(encode("hello", {**hello, "batch": True} if batch else hello))
     assert decode(sock.recv_multipart()).kind == "welcome"
@@ -113,10 +96,10 @@ def test_small_taps_are_batched_only_for_subscribers_that_said_so(
 
 
 def test_large_taps_travel_alone_even_to_a_batching_subscriber(
-    start_daemon: Callable[..., Daemon], dealer: Callable[[str], zmq.Socket[bytes]]
+    start_daemon: Callable[..., Daemon], raw_peer: Callable[[str], zmq.Socket[bytes]]
 ) -> None:
     daemon = start_daemon()
-    sock = dealer(daemon.endpoint)
+    sock = raw_peer(daemon.endpoint)
     sock.send_multipart(encode("hello", {"role": "subscriber", "consumers": ["big"],
                                          "window": 8, "name": "raw", "batch": True}))  # fmt: skip
     assert decode(sock.recv_multipart()).kind == "welcome"
@@ -127,16 +110,31 @@ def test_large_taps_travel_alone_even_to_a_batching_subscriber(
     assert [m.arrays()[0].nbytes for m in messages] == [128 * 1024] * 5
 
 
+class InProcessRouter:
+    """A Router with one emitter ("em") and one subscriber ("sub") of consumer "x",
+    recording what it sends to each."""
+
+    def __init__(self, *, window: int = 64, batch: bool = True) -> None:
+        self.sent: list[tuple[Any, list[Any]]] = []
+        self.router = Router(lambda key, frames: self.sent.append((key, frames)) or True,
+                             policy="block", queue_bytes=1 << 20, window_bytes=1 << 20,
+                             daemon_id="d")  # fmt: skip
+        hello = {"consumers": ["x"], "window": window, "name": "s", "batch": batch}
+        self.router.subscriber_hello("sub", hello, now=0.0)
+        self.router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
+
+    def to(self, peer: str, kind: str | None = None) -> list[Any]:
+        """Decoded messages sent to `peer` (of `kind`, if given), in order."""
+        messages = [decode(frames) for key, frames in self.sent if key == peer]
+        return [m for m in messages if kind is None or m.kind == kind]
+
+
 def test_a_batch_never_exceeds_what_a_subscriber_accepts_whatever_its_window() -> None:
     """In-process Router: a subscriber with a huge window still gets batches that
     decode (at most `max_batch` taps each), and a non-forwarding emitter cannot pass
     itself off as another through the tap's `emitter` field."""
-    sent: list[list[Any]] = []
-    router = Router(lambda key, frames: sent.append(frames) or True, policy="block",
-                    queue_bytes=1 << 30, window_bytes=1 << 30, daemon_id="d")  # fmt: skip
-    router.subscriber_hello("sub", {"consumers": ["x"], "window": 3 * DEFAULT_LIMITS.max_batch,
-                                    "name": "s", "batch": True}, now=0.0)  # fmt: skip
-    router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
+    peers = InProcessRouter(window=3 * DEFAULT_LIMITS.max_batch)
+    router = peers.router
     fields = {"consumer": "x", "step": None, "device": None, "process": 0, "host": "h",
               "pid": 1, "time": 0, "transforms": [], "meta": {}, "tree": ["*"],
               "emitter": "somebody-else:9"}  # fmt: skip
@@ -144,7 +142,7 @@ def test_a_batch_never_exceeds_what_a_subscriber_accepts_whatever_its_window() -
     for seq in range(count):
         router.tap("em", decode(encode("tap", {**fields, "seq": seq}, [np.zeros(1, np.int8)])))
     router.pump()
-    batches = [decode(frames) for frames in sent if decode(frames).kind == "taps"]
+    batches = peers.to("sub", "taps")
     assert [len(b.batch) for b in batches] == [DEFAULT_LIMITS.max_batch] * 2 + [5]
     taps = [t for b in batches for t in b.batch]
     assert [t.header["seq"] for t in taps] == list(range(count))
@@ -165,63 +163,49 @@ def ring_run(count: int) -> tuple[TapRun, list[np.ndarray]]:
 
 
 def test_a_run_is_one_unit_for_the_router_and_count_taps_for_everyone_else() -> None:
-    sent: list[tuple[Any, list[Any]]] = []
-    router = Router(lambda key, frames: sent.append((key, frames)) or True, policy="block",
-                    queue_bytes=1 << 20, window_bytes=1 << 20, daemon_id="d")  # fmt: skip
-    router.subscriber_hello("sub", {"consumers": ["x"], "window": 64, "name": "s",
-                                    "batch": True}, now=0.0)  # fmt: skip
-    router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
+    peers = InProcessRouter()
+    router = peers.router
     run, values = ring_run(5)
     router.tap("em", run, credit=False, nbytes=5 * 8)
     router.barrier("em", 1)
     router.pump()
-    [batch] = [decode(f) for key, f in sent if key == "sub" and decode(f).kind == "taps"]
-    assert len(batch.frames) == 2  # body 0 (no single taps) and the run's span, uncopied
+    [batch] = peers.to("sub", "taps")
+    assert len(batch.frames) == 2  # body 0 (no single taps) and the run's span
     assert [t.header["seq"] for t in batch.batch] == [100, 101, 102, 103, 104]
     assert [t.value().tolist() for t in batch.batch] == [v.tolist() for v in values]
     tids = [t.header["tid"] for t in batch.batch]
 
-    def to_emitter() -> list[Any]:
-        return [decode(f) for key, f in sent if key == "em"]
-
     # A partial ack finishes nothing: the barrier waits for the whole run.
     router.ack("sub", {"upto": tids[2], "errors": []}, now=1.0)
-    assert [m.kind for m in to_emitter()] == ["welcome"]
+    assert [m.kind for m in peers.to("em")] == ["welcome"]
     # The rest, with a handler error on the fourth tap: reported with that tap's seq.
     router.ack("sub", {"upto": tids[4], "errors": [{"tid": tids[3], "error": "boom"}]}, 2.0)
-    error, done = to_emitter()[1:]
+    error, done = peers.to("em")[1:]
     assert (error.kind, error.header["seq"], error.header["error"]) == ("error", 103, "boom")
     assert (done.kind, done.header["delivered"]) == ("barrier_done", 5)
     assert router.counters["deliveries_acked"] == 5 and router.counters["handler_errors"] == 1
 
 
 def test_a_run_goes_tap_by_tap_to_a_subscriber_that_does_not_batch() -> None:
-    sent: list[list[Any]] = []
-    router = Router(lambda key, frames: sent.append(frames) or True, policy="block",
-                    queue_bytes=1 << 20, window_bytes=1 << 20, daemon_id="d")  # fmt: skip
-    router.subscriber_hello("sub", {"consumers": ["x"], "window": 64, "name": "s"}, now=0.0)
-    router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
+    peers = InProcessRouter(batch=False)
+    router = peers.router
     assert router.run_limit("x", 8) == 1  # so the drain makes no runs for it...
     run, values = ring_run(3)
     router.tap("em", run, credit=False, nbytes=3 * 8)  # ...but one that comes is split
     router.pump()
-    taps = [decode(f) for f in sent if decode(f).kind == "tap"]
+    taps = peers.to("sub", "tap")
     assert [t.arrays()[0].tolist() for t in taps] == [v.tolist() for v in values]
     assert [t.header["tid"] for t in taps] == [0, 1, 2]
 
 
 def test_an_error_acked_inside_a_run_reaches_the_emitter_before_the_run_completes() -> None:
-    sent: list[tuple[Any, list[Any]]] = []
-    router = Router(lambda key, frames: sent.append((key, frames)) or True, policy="block",
-                    queue_bytes=1 << 20, window_bytes=1 << 20, daemon_id="d")  # fmt: skip
-    router.subscriber_hello("sub", {"consumers": ["x"], "window": 64, "name": "s",
-                                    "batch": True}, now=0.0)  # fmt: skip
-    router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
+    peers = InProcessRouter()
+    router = peers.router
     run, _ = ring_run(5)
     router.tap("em", run, credit=False, nbytes=5 * 8)
     router.pump()
     router.ack("sub", {"upto": 2, "errors": [{"tid": 1, "error": "boom"}]}, now=1.0)
-    errors = [decode(f) for key, f in sent if key == "em" and decode(f).kind == "error"]
+    errors = peers.to("em", "error")
     assert [(e.header["seq"], e.header["error"]) for e in errors] == [(101, "boom")]
     assert router.counters["handler_errors"] == 1
 

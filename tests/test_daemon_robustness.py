@@ -6,11 +6,10 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import msgpack
 import numpy as np
-import pytest
 import zmq
 
 from conftest import APPS, Daemon, SubscriberProcess, run_emitter, wait_until
@@ -20,24 +19,6 @@ TAP_FIELDS = {
     "consumer": "loss", "seq": 0, "step": None, "device": None, "process": 0, "host": "h",
     "pid": 1, "time": 0, "transforms": [], "meta": {}, "tree": ["*"],
 }  # fmt: skip
-
-
-@pytest.fixture
-def raw_peer() -> Iterator[Callable[[str], zmq.Socket[bytes]]]:
-    context = zmq.Context()
-    sockets: list[zmq.Socket[bytes]] = []
-
-    def connect(endpoint: str) -> zmq.Socket[bytes]:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(endpoint)
-        sockets.append(sock)
-        return sock
-
-    yield connect
-    for sock in sockets:
-        sock.close(linger=1000)
-    context.term()
 
 
 def test_malformed_frames_are_rejected_counted_and_the_daemon_serves_on(

@@ -514,18 +514,23 @@ def producer_payload(tid: int, i: int) -> bytes:
     return (struct.pack("<II", tid, i) * words)[: 8 * words - (i + tid) % 8]
 
 
-def run_producers(ring: Ring, consumer: int) -> tuple[list[Copied], list[list[bool]]]:
+def run_producers(
+    ring: Ring, consumer: int, *, per_thread: int = PER_THREAD, one_device: bool = False
+) -> tuple[list[Copied], list[list[bool]]]:
+    """THREADS writers at once, each on its own device (or all on device 0)."""
     start = threading.Barrier(THREADS)
 
     def produce(tid: int) -> list[bool]:
         start.wait(timeout=JOIN_TIMEOUT)
+        device = 0 if one_device else tid
         return [
-            ring.write(1000 + tid, producer_payload(tid, i), consumer=consumer, device=tid, step=i)
-            for i in range(PER_THREAD)
-        ]
+            ring.write(1000 + tid, producer_payload(tid, i), consumer=consumer, device=device,
+                       step=i)
+            for i in range(per_thread)
+        ]  # fmt: skip
 
     writers = [Worker(functools.partial(produce, tid)) for tid in range(THREADS)]
-    reader = Drainer(ring, expected=THREADS * PER_THREAD)
+    reader = Drainer(ring, expected=THREADS * per_thread)
     reader.start()
     try:
         for writer in writers:
@@ -602,24 +607,7 @@ def test_threads_tapping_one_consumer_on_one_device_land_in_sequence_order(
     """Sequence number and ring position are taken together: whichever thread wins,
     the ring holds seq 0, 1, 2, ... in order for a (consumer, device)."""
     ring = rings.create("block")
-    start = threading.Barrier(THREADS)
-
-    def produce(tid: int) -> list[bool]:
-        start.wait(timeout=JOIN_TIMEOUT)
-        return [ring.write(7, producer_payload(tid, i), consumer=consumer, device=0)
-                for i in range(PER_THREAD // 4)]  # fmt: skip
-
-    writers = [Worker(functools.partial(produce, tid)) for tid in range(THREADS)]
-    reader = Drainer(ring, expected=THREADS * (PER_THREAD // 4))
-    reader.start()
-    try:
-        for writer in writers:
-            writer.start()
-        join_writers(ring, writers)
-    except BaseException:
-        reader.abandon()
-        raise
-    records = reader.finish()
+    records, _ = run_producers(ring, consumer, per_thread=PER_THREAD // 4, one_device=True)
     assert [r.seq for r in records] == list(range(THREADS * (PER_THREAD // 4)))
 
 
