@@ -596,9 +596,9 @@ def configure_emitter(endpoint: str, backend: str | None) -> None:
 
 def emitter_backend() -> str:
     """The backend this process's taps used (tapd versions without a choice: portable)."""
-    from tapd.emitter import tapping
+    from tapd.emitter import lifecycle
 
-    probe = getattr(tapping, "backend", None)
+    probe = getattr(lifecycle, "backend", None)
     if probe is None:
         return "portable (jax.debug.callback); this tapd has no other"
     return str(probe())

@@ -55,42 +55,42 @@ def tap(arg: Any, name: str, *, step: Any = None, **static_meta: Any) -> Any:
 
 def id_tap(tap_func: Any, arg: Any, *, result: Any = None, tap_with_device: bool = False) -> Any:
     """host_callback.id_tap: `tap_func(arg, transforms)` runs in a subscriber process."""
-    from tapd.emitter import tapping
+    from tapd.emitter import host_callback
 
-    return tapping.id_tap(tap_func, arg, result=result, tap_with_device=tap_with_device)
+    return host_callback.id_tap(tap_func, arg, result=result, tap_with_device=tap_with_device)
 
 
 def id_print(arg: Any, *, result: Any = None, what: str | None = None, **kwargs: Any) -> Any:
     """host_callback.id_print: printed by `tapd subscribe tapd.printing` or `tapd tail`."""
-    from tapd.emitter import tapping
+    from tapd.emitter import host_callback
 
-    return tapping.id_print(arg, result=result, what=what, **kwargs)
+    return host_callback.id_print(arg, result=result, what=what, **kwargs)
 
 
 def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.0) -> None:
     """Wait until every tap so far was processed by every subscribed handler."""
-    from tapd.emitter import tapping
+    from tapd.emitter import lifecycle
 
-    tapping.barrier_wait(logging_name, timeout=timeout)
+    lifecycle.barrier_wait(logging_name, timeout=timeout)
 
 
 def configure(**settings: Any) -> Any:
     """Emitter settings (endpoint, policy, buffer_bytes, exit_timeout) before the first tap."""
-    from tapd.emitter import tapping
+    from tapd.emitter import lifecycle
 
-    return tapping.configure(**settings)
+    return lifecycle.configure(**settings)
 
 
 def backend() -> str:
     """The backend this process's taps use: "native" (XLA FFI + shared-memory ring) or
     "portable" (jax.debug.callback). Decided once, from settings and availability."""
-    from tapd.emitter import tapping
+    from tapd.emitter import lifecycle
 
-    return tapping.backend()
+    return lifecycle.backend()
 
 
 def stats() -> dict[str, int]:
     """This process's tap counters: submitted, sent, delivered, dropped, unrouted, errors."""
-    from tapd.emitter import tapping
+    from tapd.emitter import lifecycle
 
-    return tapping.stats()
+    return lifecycle.stats()

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tapd.emitter.settings import POLICIES
 from tapd.errors import ConfigError
+from tapd.policies import POLICIES
 from tapd.runtime import check_ipc_endpoint, default_endpoint, default_pidfile
 
 

@@ -16,9 +16,9 @@ import tapd_client
 @pytest.fixture(autouse=True, scope="module")
 def in_process_emitter(tmp_path_factory: pytest.TempPathFactory) -> None:
     """These tests only trace taps; keep this process's emitter away from any daemon."""
-    from tapd.emitter import tapping
+    from tapd.emitter import lifecycle
 
-    if tapping._sender is None and tapping._settings is None:
+    if lifecycle._sender is None and lifecycle._settings is None:
         tapd.configure(endpoint=f"ipc://{tmp_path_factory.mktemp('t')}/none.sock",
                        backend="portable", exit_timeout=0)  # fmt: skip
 
@@ -58,7 +58,7 @@ def module_level_tap(arg: object, transforms: object) -> None:
 
 
 def test_id_tap_names_importable_functions() -> None:
-    from tapd.emitter.tapping import consumer_name
+    from tapd.emitter.host_callback import consumer_name
 
     assert consumer_name(module_level_tap) == f"{__name__}:module_level_tap"
 

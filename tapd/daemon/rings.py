@@ -20,8 +20,8 @@ from typing import Any
 
 from tapd.daemon.router import Router
 from tapd.daemon.runs import Site, TapRun
-from tapd.emitter.native_backend import read_sites
 from tapd.native.ring import Ring, RingError
+from tapd.native.sites import read_sites
 from tapd.protocol import Message
 
 logger = logging.getLogger("tapd.daemon")

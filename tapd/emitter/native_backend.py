@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import struct
 import threading
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,12 @@ import msgpack
 from tapd.errors import TapDefinitionError
 from tapd.native import library
 from tapd.native.ring import Ring, round_capacity
+from tapd.native.sites import encode_entry
 from tapd.runtime import ensure_private_dir
 
 logger = logging.getLogger("tapd.emitter")
 
 FFI_TARGET = "tapd_tap"
-_LENGTH = struct.Struct("<I")
 
 
 class NativeEmitter:
@@ -55,10 +54,9 @@ class NativeEmitter:
             if site is None:
                 site = self._sites[key] = len(self._sites)
                 consumer_id = self._consumers.setdefault(consumer, len(self._consumers))
-                record = msgpack.packb(
-                    {**entry, "site": site, "consumer_id": consumer_id}, use_bin_type=True
+                self._sites_file.write(
+                    encode_entry({**entry, "site": site, "consumer_id": consumer_id})
                 )
-                self._sites_file.write(_LENGTH.pack(len(record)) + record)
             return site
 
     def consumer_id(self, consumer: str) -> int:
@@ -84,24 +82,6 @@ class NativeEmitter:
         counters = self.ring.counters()
         return {"sent": counters.taps, "dropped": counters.dropped,
                 "blocked_ns": counters.blocked_ns}  # fmt: skip
-
-
-def read_sites(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
-    """Site entries appended to `path` after `offset`, and the new offset (whole entries
-    only: a half-written one is read next time)."""
-    with open(path, "rb") as sites:
-        sites.seek(offset)
-        data = sites.read()
-    entries = []
-    position = 0
-    while position + _LENGTH.size <= len(data):
-        (length,) = _LENGTH.unpack_from(data, position)
-        if position + _LENGTH.size + length > len(data):
-            break
-        start = position + _LENGTH.size
-        entries.append(msgpack.unpackb(data[start : start + length], raw=False))
-        position = start + length
-    return entries, offset + position
 
 
 def _allow_under_remat() -> None:

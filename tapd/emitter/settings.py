@@ -7,10 +7,9 @@ import os
 from typing import Any, Literal
 
 from tapd.errors import ConfigError
+from tapd.policies import POLICIES, Policy
 from tapd.runtime import default_endpoint
 
-Policy = Literal["block", "drop_newest"]
-POLICIES: tuple[Policy, ...] = ("block", "drop_newest")
 Backend = Literal["auto", "native", "portable"]
 BACKENDS: tuple[Backend, ...] = ("auto", "native", "portable")
 

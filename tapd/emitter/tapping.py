@@ -1,4 +1,4 @@
-"""Taps inside JAX programs, on the portable backend (`jax.debug.callback`).
+"""Taps inside JAX programs: what `tap` builds at trace time.
 
 A tap is the identity on its argument. At trace time it flattens the argument into a
 tree spec and leaves, checks every dtype can travel, and records what is static (the
@@ -13,9 +13,7 @@ primal value only, so gradients pass through unchanged.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,139 +23,17 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from tapd.emitter import sharding
-from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter, register_ffi_target
-from tapd.emitter.sender import Sender, TapSite
-from tapd.emitter.settings import EmitterSettings, from_environment
-from tapd.errors import ConfigError, TapDefinitionError
-from tapd.native import library
-from tapd.native.ring import RingError
+from tapd.emitter import lifecycle, sharding
+from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter
+from tapd.emitter.sender import TapSite
+from tapd.errors import TapDefinitionError
 from tapd.protocol import flatten
 from tapd.protocol.dtypes import dtype_name
-from tapd.runtime import ring_dir_for
 
 logger = logging.getLogger("tapd.emitter")
 
-PRINT_CONSUMER = "tapd.printing:print_tap"
 _META_TYPES = (str, int, float, bool, type(None))
 _MAX_CONSUMER_LENGTH = 256
-
-_state_lock = threading.Lock()
-_settings: EmitterSettings | None = None
-_sender: Sender | None = None
-
-
-# ---- configuration and the process-wide sender ---------------------------------------
-
-
-def configure(**settings: Any) -> EmitterSettings:
-    """Set the emitter's settings (endpoint, policy, buffer_bytes, exit_timeout) before
-    the first tap runs. Unset ones come from `TAPD_*` variables, then defaults."""
-    global _settings
-    with _state_lock:
-        if _sender is not None:
-            raise RuntimeError("tapd.configure() must be called before the first tap runs")
-        _settings = from_environment(**settings)
-        return _settings
-
-
-def _get_sender() -> Sender:
-    global _sender, _settings
-    if _sender is None:
-        with _state_lock:
-            if _sender is None:
-                if _settings is None:
-                    _settings = from_environment()
-                _sender = Sender(
-                    _settings,
-                    process_index=jax.process_index(),
-                    native=_native_emitter(_settings),
-                )
-                _register_exit_drain()
-    return _sender
-
-
-def _native_emitter(settings: EmitterSettings) -> NativeEmitter | None:
-    """The native backend if settings allow and this process can use it, else None
-    (saying why, once)."""
-    if settings.backend == "portable":
-        return None
-    directory = ring_dir_for(settings.endpoint)
-    reason = None
-    if directory is None:
-        reason = f"the daemon endpoint {settings.endpoint} is not a local ipc:// socket"
-    elif jax.default_backend() != "cpu":
-        reason = f"the native handler is CPU-only so far (JAX backend {jax.default_backend()})"
-    elif not register_ffi_target():
-        reason = library.unavailable_reason()
-    if reason is None and directory is not None:
-        try:
-            return NativeEmitter(directory, settings.buffer_bytes, settings.policy)
-        except (RingError, OSError) as exc:
-            reason = str(exc)
-    if settings.backend == "native":
-        raise ConfigError(f"backend 'native' was asked for but cannot be used: {reason}")
-    logger.warning(
-        "tapd: using the portable backend (jax.debug.callback, ~100+ us per tap); "
-        "the native one is unavailable: %s",
-        reason,
-    )
-    return None
-
-
-def backend() -> str:
-    """The backend this process's taps use ("native" or "portable")."""
-    return "native" if _get_sender().native is not None else "portable"
-
-
-def stats() -> dict[str, int]:
-    """This process's tap counters (zeros before the first tap)."""
-    return _sender.stats() if _sender is not None else {}
-
-
-def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.0) -> None:
-    """Block until every tap emitted so far has been processed by every subscribed
-    handler. Raises `TapFunctionException` if handlers raised, `BarrierTimeout` if not
-    done within `timeout` seconds."""
-    jax.effects_barrier()  # type: ignore[no-untyped-call]  # callbacks of dispatched computations have run
-    if _sender is None:
-        return
-    reply = _sender.barrier(timeout)
-    if logging_name:
-        logger.info("barrier %s passed: %s", logging_name, reply)
-
-
-def _register_exit_drain() -> None:
-    # threading's exit hooks run when the main thread ends, before `atexit` handlers:
-    # pyzmq's zero-copy machinery and JAX's backends are both still alive then.
-    # (concurrent.futures relies on the same hook.)
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        register(_drain_at_exit)
-    else:
-        atexit.register(_drain_at_exit)
-
-
-def _drain_at_exit() -> None:
-    sender = _sender
-    if sender is None or _settings is None:
-        return
-    try:
-        jax.effects_barrier()  # type: ignore[no-untyped-call]
-    except Exception:  # JAX may be half torn down at exit; drain what we have
-        pass
-    try:
-        if not sender.all_confirmed():
-            sender.barrier(_settings.exit_timeout)
-    except Exception as exc:
-        logger.error("tapd: at exit, not every tap was delivered: %s", exc)
-    counts = sender.stats()
-    sender.close(timeout=2.0)
-    if sender.native is not None and sender.all_confirmed():
-        sender.native.remove_files()  # all delivered; otherwise a daemon drains it later
-    undelivered = counts["sent"] - counts["delivered"] - counts["unrouted"]
-    if counts["dropped"] or counts["daemon_dropped"] or undelivered > 0:
-        logger.error("tapd at exit: %s", counts)
 
 
 # ---- the taps ------------------------------------------------------------------------
@@ -175,45 +51,8 @@ def tap(
     bool, None) handed to the handler in `meta.meta`.
     """
     _check_consumer(name)
-    _emit(name, arg, step, static_meta, spec)
+    emit(name, arg, step, static_meta, spec)
     return arg
-
-
-def id_tap(
-    tap_func: Callable[..., Any],
-    arg: Any,
-    *,
-    result: Any = None,
-    tap_with_device: bool = False,
-) -> Any:
-    """host_callback's `id_tap`: `tap_func(arg, transforms)` runs in a subscriber
-    (`tapd subscribe MODULE`); returns `result` if given, else `arg`."""
-    consumer = consumer_name(tap_func)
-    _emit(consumer, arg, None, {"tap_with_device": True} if tap_with_device else {})
-    return arg if result is None else result
-
-
-def id_print(arg: Any, *, result: Any = None, what: str | None = None, **kwargs: Any) -> Any:
-    """host_callback's `id_print`: printed by a subscriber of `tapd.printing`
-    (`tapd subscribe tapd.printing`, or `tapd tail`)."""
-    _emit(PRINT_CONSUMER, arg, None, {"what": what, **kwargs})
-    return arg if result is None else result
-
-
-def consumer_name(tap_func: Callable[..., Any]) -> str:
-    """`module:qualname` of an importable function; TapDefinitionError otherwise."""
-    module = getattr(tap_func, "__module__", None)
-    qualname = getattr(tap_func, "__qualname__", None)
-    if not module or not qualname or "<lambda>" in qualname or "<locals>" in qualname:
-        shown = qualname or repr(tap_func)
-        raise TapDefinitionError(
-            f"id_tap({shown}): tapd runs tap functions in a subscriber process, which finds "
-            "them by their import path 'module:qualname'; a lambda, closure or callable "
-            "object has none. Define the function at the top level of a module "
-            "(`def log_loss(arg, transforms): ...`, then `tapd subscribe mymodule`), or use "
-            "`tapd.tap(x, 'name')` with a `@subscriber.on('name')` handler."
-        )
-    return f"{module}:{qualname}"
 
 
 def _check_consumer(name: object) -> None:
@@ -232,7 +71,7 @@ def _describe_custom_node(node: Any) -> tuple[str, list[str], list[Any]] | None:
     return type(node).__name__, paths, [leaf for _, leaf in leaves_with_paths]
 
 
-def _emit(
+def emit(
     consumer: str,
     arg: Any,
     step: Any,
@@ -267,7 +106,7 @@ def _emit(
             "inside shard_map or pmap only"
         )
     placed = sharding.trace_mesh(arrays)
-    native = _get_sender().native is not None
+    native = lifecycle.get_sender().native is not None
     if placed is None or not (native or any(map(sharding.splits, placed[1]))):
         _tap_fn(consumer, fields, ())(tuple(arrays), step_operand, None)  # the whole value
         return
@@ -352,11 +191,13 @@ def _tap_fn(
         copies = [np.array(leaf, copy=True) for leaf in leaves]
         step_value = None if step is None else int(np.ravel(np.asarray(step))[0])
         shard_coords = None if coords is None else [int(c) for c in np.asarray(coords)]
-        _get_sender().submit(site, copies, step=step_value, device=None, coords=shard_coords)
+        lifecycle.get_sender().submit(
+            site, copies, step=step_value, device=None, coords=shard_coords
+        )
 
     @jax.custom_batching.custom_vmap
     def batched(leaves: tuple[Any, ...], step: Any, coords: Any) -> tuple[Any, ...]:
-        native = _get_sender().native
+        native = lifecycle.get_sender().native
         if native is None:
             jax.debug.callback(callback, leaves, step, coords)
         else:

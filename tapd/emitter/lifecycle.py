@@ -1,0 +1,139 @@
+"""The process-wide emitter: its settings, created at the first tap, drained at exit.
+
+One `Sender` per process owns the connection to the daemon (hello, barriers, handler
+errors) and, where the native library loads, the shared-memory ring the taps write to;
+`tapd.emitter.tapping` builds the taps that feed it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from typing import Any
+
+import jax
+
+from tapd.emitter.native_backend import NativeEmitter, register_ffi_target
+from tapd.emitter.sender import Sender
+from tapd.emitter.settings import EmitterSettings, from_environment
+from tapd.errors import ConfigError
+from tapd.native import library
+from tapd.native.ring import RingError
+from tapd.runtime import ring_dir_for
+
+logger = logging.getLogger("tapd.emitter")
+
+_state_lock = threading.Lock()
+_settings: EmitterSettings | None = None
+_sender: Sender | None = None
+
+
+def configure(**settings: Any) -> EmitterSettings:
+    """Set the emitter's settings (endpoint, policy, buffer_bytes, exit_timeout) before
+    the first tap runs. Unset ones come from `TAPD_*` variables, then defaults."""
+    global _settings
+    with _state_lock:
+        if _sender is not None:
+            raise RuntimeError("tapd.configure() must be called before the first tap runs")
+        _settings = from_environment(**settings)
+        return _settings
+
+
+def get_sender() -> Sender:
+    global _sender, _settings
+    if _sender is None:
+        with _state_lock:
+            if _sender is None:
+                if _settings is None:
+                    _settings = from_environment()
+                _sender = Sender(
+                    _settings,
+                    process_index=jax.process_index(),
+                    native=_native_emitter(_settings),
+                )
+                _register_exit_drain()
+    return _sender
+
+
+def _native_emitter(settings: EmitterSettings) -> NativeEmitter | None:
+    """The native backend if settings allow and this process can use it, else None
+    (saying why, once)."""
+    if settings.backend == "portable":
+        return None
+    directory = ring_dir_for(settings.endpoint)
+    reason = None
+    if directory is None:
+        reason = f"the daemon endpoint {settings.endpoint} is not a local ipc:// socket"
+    elif jax.default_backend() != "cpu":
+        reason = f"the native handler is CPU-only so far (JAX backend {jax.default_backend()})"
+    elif not register_ffi_target():
+        reason = library.unavailable_reason()
+    if reason is None and directory is not None:
+        try:
+            return NativeEmitter(directory, settings.buffer_bytes, settings.policy)
+        except (RingError, OSError) as exc:
+            reason = str(exc)
+    if settings.backend == "native":
+        raise ConfigError(f"backend 'native' was asked for but cannot be used: {reason}")
+    logger.warning(
+        "tapd: using the portable backend (jax.debug.callback, ~100+ us per tap); "
+        "the native one is unavailable: %s",
+        reason,
+    )
+    return None
+
+
+def backend() -> str:
+    """The backend this process's taps use ("native" or "portable")."""
+    return "native" if get_sender().native is not None else "portable"
+
+
+def stats() -> dict[str, int]:
+    """This process's tap counters (zeros before the first tap)."""
+    return _sender.stats() if _sender is not None else {}
+
+
+def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.0) -> None:
+    """Block until every tap emitted so far has been processed by every subscribed
+    handler. Raises `TapFunctionException` if handlers raised, `BarrierTimeout` if not
+    done within `timeout` seconds."""
+    jax.effects_barrier()  # type: ignore[no-untyped-call]  # callbacks of dispatched computations have run
+    if _sender is None:
+        return
+    reply = _sender.barrier(timeout)
+    if logging_name:
+        logger.info("barrier %s passed: %s", logging_name, reply)
+
+
+def _register_exit_drain() -> None:
+    # threading's exit hooks run when the main thread ends, before `atexit` handlers:
+    # pyzmq's zero-copy machinery and JAX's backends are both still alive then.
+    # (concurrent.futures relies on the same hook.)
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_drain_at_exit)
+    else:
+        atexit.register(_drain_at_exit)
+
+
+def _drain_at_exit() -> None:
+    sender = _sender
+    if sender is None or _settings is None:
+        return
+    try:
+        jax.effects_barrier()  # type: ignore[no-untyped-call]
+    except Exception:  # JAX may be half torn down at exit; drain what we have
+        pass
+    try:
+        if not sender.all_confirmed():
+            sender.barrier(_settings.exit_timeout)
+    except Exception as exc:
+        logger.error("tapd: at exit, not every tap was delivered: %s", exc)
+    counts = sender.stats()
+    sender.close(timeout=2.0)
+    if sender.native is not None and sender.all_confirmed():
+        sender.native.remove_files()  # all delivered; otherwise a daemon drains it later
+    undelivered = counts["sent"] - counts["delivered"] - counts["unrouted"]
+    if counts["dropped"] or counts["daemon_dropped"] or undelivered > 0:
+        logger.error("tapd at exit: %s", counts)

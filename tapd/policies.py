@@ -1,0 +1,8 @@
+"""What a full queue does, shared by the emitter (its ring or buffer) and the daemon."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Policy = Literal["block", "drop_newest"]
+POLICIES: tuple[Policy, ...] = ("block", "drop_newest")
