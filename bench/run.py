@@ -551,12 +551,13 @@ def measure_backends(procs: Processes, plan: Plan) -> str:
     rows, isolation_rows = [], []
     for result in results:
         if "error" in result:
-            rows.append([result["backend"], "unavailable: " + result["error"]] + [""] * 6)
+            rows.append([result["backend"], "unavailable: " + result["error"]] + [""] * 7)
             continue
         for row in result["per_tap"]:
             rows.append([
                 result["backend"], size_name(row["bytes"]), f"{row['untapped_us']:.2f}",
-                f"{row['tap_added_us']:.2f}", f"{row['callback_added_us']:.2f}",
+                f"{row['tap_added_us']:.2f}", f"{row['unordered_tap_added_us']:.2f}",
+                f"{row['callback_added_us']:.2f}",
                 f"{row['tap_added_us'] / row['callback_added_us']:.3f}",
                 f"{row['memcpy_hot_us']:.2f} / {row['memcpy_rotating_us']:.2f}",
                 f"{row['tap_added_us'] / row['memcpy_rotating_us']:.2f}",
@@ -564,16 +565,19 @@ def measure_backends(procs: Processes, plan: Plan) -> str:
         iso = result["isolation"]
         isolation_rows.append([
             result["backend"], str(iso["steps"]), f"{iso['untapped_us']:.1f}",
-            f"{iso['tapped_us']:.1f}", f"x{iso['ratio']:.3f}", f"{iso['barrier_s']:.2f}",
+            f"{iso['tapped_us']:.1f}", f"{iso['callback_us']:.1f}", f"x{iso['ratio']:.3f}",
+            f"x{iso['vs_callback']:.3f}", f"{iso['barrier_s']:.2f}",
         ])  # fmt: skip
     per_tap = table(
-        ["backend", "payload", "untapped µs/step", "tap adds µs", "no-op debug.callback adds µs",
+        ["backend", "payload", "untapped µs/step", "tap adds µs", "unordered tap adds µs",
+         "no-op debug.callback adds µs",
          "tap ÷ callback", "numpy copy µs: hot / rotating 256 MB", "tap ÷ rotating copy"],
         rows,
     )  # fmt: skip
     isolation = table(
         ["backend", "steps", "untapped µs/step", "tapped µs/step (handler sleeps 10 ms)",
-         "tapped ÷ untapped", "barrier_wait s"],
+         "no-op debug.callback in its place µs/step", "tapped ÷ untapped",
+         "tapped ÷ callback in its place", "barrier_wait s"],
         isolation_rows,
     )  # fmt: skip
     return (

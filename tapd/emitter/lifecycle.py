@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from tapd.emitter.native_backend import NativeEmitter, register_ffi_target
+from tapd.emitter.native_backend import NativeEmitter, registered_platforms
 from tapd.emitter.sender import Sender
 from tapd.emitter.settings import EmitterSettings, from_environment
 from tapd.errors import ConfigError
@@ -57,19 +57,15 @@ def get_sender() -> Sender:
 
 
 def _native_emitter(settings: EmitterSettings) -> NativeEmitter | None:
-    """The native backend if settings allow and this process can use it, else None
-    (saying why, once)."""
-    if settings.backend == "portable":
-        return None
+    """This process's shared-memory ring, which both backends write to, or None (saying
+    why, once): then taps go to the daemon through the sender thread."""
     directory = ring_dir_for(settings.endpoint)
     reason = None
     if directory is None:
         reason = f"the daemon endpoint {settings.endpoint} is not a local ipc:// socket"
-    elif jax.default_backend() != "cpu":
-        reason = f"the native handler is CPU-only so far (JAX backend {jax.default_backend()})"
-    elif not register_ffi_target():
-        reason = library.unavailable_reason()
-    if reason is None and directory is not None:
+    elif library.load() is None:
+        reason = library.unavailable_reason() or "the native library did not load"
+    else:
         try:
             return NativeEmitter(directory, settings.buffer_bytes, settings.policy)
         except (RingError, OSError) as exc:
@@ -77,16 +73,33 @@ def _native_emitter(settings: EmitterSettings) -> NativeEmitter | None:
     if settings.backend == "native":
         raise ConfigError(f"backend 'native' was asked for but cannot be used: {reason}")
     logger.warning(
-        "tapd: using the portable backend (jax.debug.callback, ~100+ us per tap); "
-        "the native one is unavailable: %s",
+        "tapd: taps go to the daemon through a sender thread (msgpack over ZeroMQ, the "
+        "slowest path); no shared-memory ring here: %s",
         reason,
     )
     return None
 
 
+def handler_platforms() -> frozenset[str]:
+    """The JAX platforms ("cpu", "cuda") whose taps run tapd's FFI handler here; taps on
+    other platforms, or with TAPD_BACKEND=portable, go through a host callback."""
+    sender = get_sender()
+    assert _settings is not None
+    if sender.native is None or _settings.backend == "portable":
+        return frozenset()
+    platforms = registered_platforms()
+    if _settings.backend == "native" and jax.default_backend() not in platforms:
+        raise ConfigError(
+            f"backend 'native' was asked for, but JAX's {jax.default_backend()} backend has "
+            f"no tapd handler here ({library.unavailable_reason() or 'not built for it'})"
+        )
+    return platforms
+
+
 def backend() -> str:
-    """The backend this process's taps use ("native" or "portable")."""
-    return "native" if get_sender().native is not None else "portable"
+    """The backend this process's taps use on JAX's default platform: "native" (tapd's
+    FFI handler writes the ring) or "portable" (a host callback)."""
+    return "native" if jax.default_backend() in handler_platforms() else "portable"
 
 
 def stats() -> dict[str, int]:

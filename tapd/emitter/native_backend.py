@@ -176,3 +176,8 @@ def register_ffi_target() -> bool:
         _lower_taps_per_device()
         _ffi_registered = True
         return True
+
+
+def registered_platforms() -> frozenset[str]:
+    """The JAX platforms tapd's FFI handler is registered for in this process."""
+    return frozenset({"cpu"}) if register_ffi_target() else frozenset()

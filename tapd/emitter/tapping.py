@@ -1,18 +1,16 @@
 """Taps inside JAX programs: what `tap` builds at trace time.
 
 A tap is the identity on its argument. At trace time it flattens the argument into a
-tree spec and leaves, checks every dtype can travel, and records what is static (the
-`TapSite`). At run time the callback copies the leaves and hands them to the `Sender`,
-which returns at once while there is buffer space.
-
-Batching: the tap is a `custom_vmap`, so `vmap` makes one tap per batched call carrying
-`("batch", {"batch_dims": ...})` in its transforms, as host_callback reported; nested
-vmaps stack entries. Differentiation: the tap is a `custom_jvp` whose rule taps the
-primal value only, so gradients pass through unchanged.
+tree spec and leaves, checks every dtype can travel, records what is static (the site's
+tree and metadata) and binds `tapd.emitter.primitive.tap_p` on the leaves; how that
+primitive batches, differentiates, keeps order and lowers is said there and in
+`tapd.emitter.lowering`. Inside `pmap`/`shard_map` (or a `jit` over an Explicit mesh,
+which gets a `shard_map` here) every device taps its own block with its coordinates.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,12 +18,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import PartitionSpec
 
-from tapd.emitter import lifecycle, sharding
-from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter
-from tapd.emitter.sender import TapSite
+from tapd.emitter import lowering, primitive, sharding  # noqa: F401  (lowering: registers the rule)
 from tapd.errors import TapDefinitionError
 from tapd.protocol import flatten
 from tapd.protocol.dtypes import dtype_name
@@ -34,9 +29,9 @@ logger = logging.getLogger("tapd.emitter")
 
 _META_TYPES = (str, int, float, bool, type(None))
 _MAX_CONSUMER_LENGTH = 256
-
-
-# ---- the taps ------------------------------------------------------------------------
+# Taps keep program order (an ordered effect); bench/overhead_probe.py turns this off
+# for one variant, to measure what the order costs. Read when a tap is traced.
+ordered_taps = True
 
 
 def tap(
@@ -51,8 +46,7 @@ def tap(
     bool, None) handed to the handler in `meta.meta`.
     """
     _check_consumer(name)
-    emit(name, arg, step, static_meta, spec)
-    return arg
+    return emit(name, arg, step, static_meta, spec)
 
 
 def _check_consumer(name: object) -> None:
@@ -77,7 +71,9 @@ def emit(
     step: Any,
     static_meta: dict[str, Any],
     spec: PartitionSpec | None = None,
-) -> None:
+) -> Any:
+    """Tap `arg` for `consumer`; returns `arg` as the tap's output (same tree), so that
+    later uses of it come after the tap."""
     for key, value in static_meta.items():
         if not isinstance(value, _META_TYPES):
             raise TapDefinitionError(
@@ -85,67 +81,48 @@ def emit(
                 "None (it is static; pass arrays as part of the tapped value)"
             )
     tree, leaves = flatten(arg, custom=_describe_custom_node)
-    arrays = []
-    for index, leaf in enumerate(leaves):
-        try:
-            array = jnp.asarray(leaf)
-            dtype_name(np.dtype(array.dtype))
-        except (TypeError, ValueError) as exc:  # PRNG keys, strings, object arrays...
-            raise TapDefinitionError(
-                f"tap {consumer!r}, leaf {index} ({type(leaf).__name__}): cannot be tapped: {exc}"
-            ) from exc
-        arrays.append(array)
+    arrays, rewrap = _tappable_leaves(consumer, leaves, static_meta)
     step_operand = None if step is None else jnp.asarray(step).astype(int)
     fields = {"tree": tree, "meta": static_meta}
     if sharding.manual_axes():
-        _emit_per_device(consumer, fields, arrays, step_operand, [spec] * len(arrays))
-        return
-    if spec is not None:
+        tapped = _bind_per_device(consumer, fields, arrays, step_operand, [spec] * len(arrays))
+    elif spec is not None:
         raise TapDefinitionError(
             f"tap {consumer!r}: spec= describes a block of a sharded value, so it applies "
             "inside shard_map or pmap only"
         )
+    else:
+        tapped = _bind_placed(consumer, fields, arrays, step_operand)
+    return _rebuild(arg, leaves, [wrap(out) for wrap, out in zip(rewrap, tapped, strict=True)])
+
+
+def _bind_placed(consumer: str, fields: dict[str, Any], arrays: list[Any], step: Any) -> list[Any]:
+    """A tap outside shard_map/pmap. Over an Explicit mesh each shard is tapped where it
+    lives; otherwise the whole value is tapped once (where the compiler partitions the
+    jit, on the gathered value, as `jax.debug.callback` does)."""
     placed = sharding.trace_mesh(arrays)
-    native = lifecycle.get_sender().native is not None
-    if placed is None or not (native or any(map(sharding.splits, placed[1]))):
-        _tap_fn(consumer, fields, ())(tuple(arrays), step_operand, None)  # the whole value
-        return
+    if placed is None or not any(map(sharding.splits, placed[1])):
+        site = _site(consumer, fields, step is not None, has_coords=False)
+        return primitive.bind(arrays, step, None, site)
     mesh, specs = placed
-    operands = (tuple(arrays),) if step_operand is None else (tuple(arrays), step_operand)
-    in_specs = (tuple(specs),) if step_operand is None else (tuple(specs), sharding.REPLICATED)
-    if any(map(sharding.splits, specs)):  # jit over an Explicit mesh: tap each shard
+    operands = (tuple(arrays),) if step is None else (tuple(arrays), step)
+    in_specs = (tuple(specs),) if step is None else (tuple(specs), sharding.REPLICATED)
 
-        def per_shard(leaves: tuple[Any, ...], *step_local: Any) -> tuple[()]:
-            step_value = step_local[0] if step_local else None
-            _emit_per_device(consumer, fields, list(leaves), step_value, specs)
-            return ()
-
-        jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=())(*operands)
-        return
-
-    # The compiler shards it (Auto axes): XLA cannot place a native tap there itself, so
-    # gather the value onto every device and tap it on the first, as debug.callback does.
-    def on_first_device(leaves: tuple[Any, ...], *step_local: Any) -> tuple[()]:
-        first = jnp.all(sharding.coordinates(sharding.manual_axes()) == 0)
+    def per_shard(leaves: tuple[Any, ...], *step_local: Any) -> tuple[Any, ...]:
         step_value = step_local[0] if step_local else None
-        tap_once = _tap_fn(consumer, fields, ())
+        return tuple(_bind_per_device(consumer, fields, list(leaves), step_value, specs))
 
-        def tap_here() -> None:
-            tap_once(leaves, step_value, None)
-
-        lax.cond(first, tap_here, lambda: None)
-        return ()
-
-    jax.shard_map(on_first_device, mesh=mesh, in_specs=in_specs, out_specs=())(*operands)
+    out = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=tuple(specs))(*operands)
+    return list(out)
 
 
-def _emit_per_device(
+def _bind_per_device(
     consumer: str,
     fields: dict[str, Any],
     arrays: list[Any],
     step: Any,
     specs: Sequence[PartitionSpec | None],
-) -> None:
+) -> list[Any]:
     """A tap inside pmap/shard_map: each device taps its block with its coordinates."""
     axes = sharding.manual_axes()
     layouts = [
@@ -154,82 +131,57 @@ def _emit_per_device(
     ]
     shard = {"axes": [name for name, _ in axes], "sizes": [size for _, size in axes],
              "layout": layouts}  # fmt: skip
-    coords = sharding.coordinates(axes)
-    _tap_fn(consumer, {**fields, "shard": shard}, ())(tuple(arrays), step, coords)
+    site = _site(consumer, {**fields, "shard": shard}, step is not None, has_coords=True)
+    return primitive.bind(arrays, step, sharding.coordinates(axes), site)
 
 
-def _native_tap(
-    native: NativeEmitter, site: TapSite, leaves: Sequence[Any], step: Any, coords: Any
-) -> None:
-    """Emit the FFI call; XLA runs the C++ handler, which writes to the ring. Shard
-    coordinates travel as one more leaf, which the daemon takes off (site "shard")."""
-    tapped = [*leaves] if coords is None else [*leaves, coords]
-    described = [
-        [dtype_name(np.dtype(leaf.dtype)), list(leaf.shape),
-         int(np.prod(leaf.shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize]
-        for leaf in tapped
-    ]  # fmt: skip
-    site_id = native.register_site(site.consumer, dict(site.fields), described)
-    operands = tapped if step is None else [*tapped, step]
-    jax.ffi.ffi_call(FFI_TARGET, (), has_side_effect=True)(
-        *operands,
-        site=np.int64(site_id),
-        consumer=np.int64(native.consumer_id(site.consumer)),
-        has_step=np.int64(step is not None),
+def _site(
+    consumer: str, fields: dict[str, Any], has_step: bool, *, has_coords: bool
+) -> primitive.TapSiteParams:
+    return primitive.TapSiteParams(
+        consumer=consumer,
+        fields=primitive.pack_fields(fields),
+        has_step=has_step,
+        has_coords=has_coords,
+        ordered=ordered_taps,
     )
 
 
-def _tap_fn(
-    consumer: str, site_fields: dict[str, Any], transforms: tuple[Any, ...]
-) -> Callable[..., Any]:
-    """The identity on (leaves, step, coords) with the tap as its side effect; batches
-    and differentiates as the module docstring says."""
-    site = TapSite(consumer, {**site_fields, "transforms": [list(t) for t in transforms]})
+def _tappable_leaves(
+    consumer: str, leaves: Sequence[Any], static_meta: dict[str, Any]
+) -> tuple[list[Any], list[Callable[[Any], Any]]]:
+    """The leaves as arrays that can travel, and for each a function that turns the
+    tap's output back into the leaf's type. A typed PRNG key travels as its key data
+    (host_callback did the same, JAX #13949), its implementation in `meta["key_impl"]`."""
+    arrays: list[Any] = []
+    rewrap: list[Callable[[Any], Any]] = []
+    for index, leaf in enumerate(leaves):
+        try:
+            array = jnp.asarray(leaf)
+            if jnp.issubdtype(array.dtype, jax.dtypes.prng_key):
+                impl = jax.random.key_impl(array)
+                static_meta.setdefault("key_impl", str(impl))
+                array = jax.random.key_data(array)
+                rewrap.append(functools.partial(jax.random.wrap_key_data, impl=impl))
+            else:
+                rewrap.append(_unchanged)
+            dtype_name(np.dtype(array.dtype))
+        except (TypeError, ValueError) as exc:  # strings, object arrays, ...
+            raise TapDefinitionError(
+                f"tap {consumer!r}, leaf {index} ({type(leaf).__name__}): cannot be tapped: {exc}"
+            ) from exc
+        arrays.append(array)
+    return arrays, rewrap
 
-    def callback(leaves: Sequence[Any], step: Any, coords: Any) -> None:
-        # Runs on an XLA thread: copy now (XLA may reuse the buffers), no JAX calls.
-        copies = [np.array(leaf, copy=True) for leaf in leaves]
-        step_value = None if step is None else int(np.ravel(np.asarray(step))[0])
-        shard_coords = None if coords is None else [int(c) for c in np.asarray(coords)]
-        lifecycle.get_sender().submit(
-            site, copies, step=step_value, device=None, coords=shard_coords
-        )
 
-    @jax.custom_batching.custom_vmap
-    def batched(leaves: tuple[Any, ...], step: Any, coords: Any) -> tuple[Any, ...]:
-        native = lifecycle.get_sender().native
-        if native is None:
-            jax.debug.callback(callback, leaves, step, coords)
-        else:
-            _native_tap(native, site, leaves, step, coords)
-        return leaves
+def _unchanged(value: Any) -> Any:
+    return value
 
-    @batched.def_vmap
-    def _batch_rule(
-        axis_size: int, in_batched: Sequence[Any], leaves: tuple[Any, ...], step: Any, coords: Any
-    ) -> tuple[tuple[Any, ...], Any]:
-        leaves_batched = tuple(in_batched[0])
-        if in_batched[2]:  # coordinates come from lax.axis_index, which vmap never batches
-            raise TapDefinitionError(f"tap {consumer!r}: batched shard coordinates")
-        entry = ("batch", {"batch_dims": [0 if b else None for b in leaves_batched]})
-        fields = site_fields
-        if "shard" in fields:  # a batched leaf's block and global value gain the batch dim
-            shard = fields["shard"]
-            layouts = [
-                [[axis_size, *shape], [[], *dims]] if b else [shape, dims]
-                for (shape, dims), b in zip(shard["layout"], leaves_batched, strict=True)
-            ]
-            fields = {**fields, "shard": {**shard, "layout": layouts}}
-        inner = _tap_fn(consumer, fields, (*transforms, entry))
-        return inner(leaves, step, coords), leaves_batched
 
-    @jax.custom_jvp
-    def differentiable(leaves: tuple[Any, ...], step: Any, coords: Any) -> tuple[Any, ...]:
-        return batched(leaves, step, coords)  # type: ignore[no-any-return]
-
-    @differentiable.defjvp
-    def _jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[Any, Any]:
-        leaves, step, coords = primals
-        return differentiable(leaves, step, coords), tangents[0]
-
-    return differentiable
+def _rebuild(arg: Any, leaves: Sequence[Any], tapped: Sequence[Any]) -> Any:
+    """`arg` with each tapped leaf replaced by the tap's output for it."""
+    position = {id(leaf): index for index, leaf in enumerate(leaves)}
+    flat, treedef = jax.tree_util.tree_flatten(arg)
+    if not all(id(leaf) in position for leaf in flat):  # a tree the protocol reads otherwise
+        return arg
+    return jax.tree_util.tree_unflatten(treedef, [tapped[position[id(leaf)]] for leaf in flat])

@@ -1,0 +1,220 @@
+"""How a tap becomes XLA: the native FFI handler, or a Python callback into the ring.
+
+Chosen per tap when JAX lowers it, by what this process has:
+- **native**: the platform has tapd's FFI handler (CPU; CUDA where built): XLA calls the
+  C++ handler, which copies the operands into the shared-memory ring. No Python runs.
+- **portable, ring**: a host callback (what `jax.debug.callback` uses) whose Python
+  function makes one call into the native library, which writes the same ring record
+  the handler would. TPU, or a platform without tapd's handler.
+- **portable, sender**: no ring here (the daemon is not on this host, or the native
+  library cannot load): the callback copies the leaves and hands them to the `Sender`.
+
+Whichever runs, the record is the same: site id (the site is registered in the
+`.sites` file at lowering time), seq, step, device and shard coordinates. The device is
+an operand of the callback (the partition or replica id, mapped to the local device
+ordinal the FFI handler would report), so both backends give the same `meta.device`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from jax._src import callback as jax_callback
+from jax._src import core, ffi, sharding_impls
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
+from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
+
+from tapd.emitter import lifecycle, primitive
+from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter
+from tapd.emitter.primitive import ORDERED, TapSiteParams
+from tapd.emitter.sender import TapSite
+from tapd.native import library
+from tapd.native.ring import NO_STEP
+
+logger = logging.getLogger("tapd.emitter")
+
+
+def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams) -> list[Any]:
+    leaf_count = site.leaf_count(len(operands))
+    leaves = list(operands[:leaf_count])
+    leaf_avals = list(ctx.avals_in[:leaf_count])
+    rest = list(operands[leaf_count:])
+    rest_avals = list(ctx.avals_in[leaf_count:])
+    step, step_aval = (rest[0], rest_avals[0]) if site.has_step else (None, None)
+    coords, coords_aval = (rest[-1], rest_avals[-1]) if site.has_coords else (None, None)
+    # The ring record's leaves: the tapped leaves, then the shard coordinates, which the
+    # daemon takes off again (site field "shard").
+    tapped = [*leaves, *([coords] if site.has_coords else [])]
+    tapped_avals = [*leaf_avals, *([coords_aval] if site.has_coords else [])]
+
+    sender = lifecycle.get_sender()
+    native = sender.native
+    module = ctx.module_context
+    platform = module.platforms[0] if len(module.platforms) == 1 else None
+    token = ctx.tokens_in.get(ORDERED) if site.ordered else None
+    axis_context = module.axis_context
+    # A jit the compiler partitions whose mesh the trace could not see (tapping.emit
+    # wraps the others in shard_map): only JAX's own callback targets keep the one-device
+    # placement XLA needs there, so the tap goes through a callback, on the gathered value.
+    partitioned = (
+        isinstance(axis_context, sharding_impls.ShardingContext) and axis_context.num_devices > 1
+    )
+    if native is not None and platform in lifecycle.handler_platforms() and not partitioned:
+        site_id = native.register_site(
+            site.consumer, site.site_fields(), primitive.leaf_descriptions(tapped_avals)
+        )
+        operand_values = [*tapped, *([step] if site.has_step else [])]
+        operand_avals = [*tapped_avals, *([step_aval] if site.has_step else [])]
+        new_token = _emit_ffi_call(
+            ctx, token, operand_values, operand_avals,
+            site=site_id, consumer=native.consumer_id(site.consumer), has_step=site.has_step,
+        )  # fmt: skip
+    else:
+        device, device_aval = _device_index(ctx)
+        callback = _ring_callback if native is not None else _sender_callback
+        host_function = callback(native, site, tapped_avals, _local_ordinals(ctx))
+        operand_values = [*tapped, *([step] if site.has_step else []), device]
+        callback_avals: list[Any] = [
+            *tapped_avals,
+            *([step_aval] if site.has_step else []),
+            device_aval,
+        ]
+        _, new_token, _ = jax_callback.emit_python_callback(
+            ctx, host_function, token, operand_values, callback_avals, [],
+            has_side_effect=True, returns_token=True,
+            sharding=jax_callback._callback_op_sharding(axis_context, None, []),
+        )  # fmt: skip
+    if token is not None:
+        ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: new_token})))
+    return leaves
+
+
+def _emit_ffi_call(
+    ctx: mlir.LoweringRuleContext,
+    token: Any,
+    operands: Sequence[Any],
+    avals: Sequence[Any],
+    **attributes: Any,
+) -> Any:
+    """The custom call of tapd's handler, taking and returning the ordering token when
+    there is one (the handler skips token arguments)."""
+    with_token = token is not None
+    call_ctx = dataclasses.replace(
+        ctx,
+        avals_in=[*([core.abstract_token] if with_token else []), *avals],
+        avals_out=[core.abstract_token] if with_token else [],
+    )
+    op = ffi.build_ffi_lowering_function(FFI_TARGET, has_side_effect=True)(
+        call_ctx,
+        *([token] if with_token else []),
+        *operands,
+        **{name: np.int64(value) for name, value in attributes.items()},
+    )
+    sharding = jax_callback._callback_op_sharding(ctx.module_context.axis_context, None, [])
+    if sharding is not None:
+        mlir.set_sharding(ctx.module_context, op, sharding)
+    return op.results[0] if with_token else None
+
+
+def _device_index(ctx: mlir.LoweringRuleContext) -> tuple[Any, core.ShapedArray]:
+    """This device's index in the computation's device assignment, as a u32 scalar."""
+    context = ctx.module_context.axis_context
+    if isinstance(context, (sharding_impls.ShardingContext, sharding_impls.SPMDAxisContext)):
+        value = hlo.partition_id()
+    elif isinstance(context, sharding_impls.ReplicaAxisContext):
+        value = hlo.replica_id()
+    else:
+        value = mlir.ir_constant(np.uint32(0))
+    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_unsigned(32))
+    if value.type != scalar:
+        value = hlo.reshape(scalar, value)
+    return value, core.ShapedArray((), np.dtype(np.uint32))
+
+
+def _local_ordinals(ctx: mlir.LoweringRuleContext) -> list[int]:
+    """The local device ordinal (what XLA's FFI calls DeviceOrdinal) of each device of
+    the computation's device assignment, which `_device_index` indexes; -1 for another
+    process's device."""
+    context = ctx.module_context.axis_context
+    devices: Sequence[Any] = ()
+    if isinstance(context, sharding_impls.ShardingContext):
+        devices = context.device_assignment or ()
+    elif isinstance(context, sharding_impls.SPMDAxisContext):
+        devices = tuple(context.mesh.devices.flat)
+    ordinals = []
+    for device in devices:
+        ordinal = getattr(device, "local_hardware_id", None)
+        ordinals.append(-1 if ordinal is None else int(ordinal))
+    return ordinals
+
+
+def _ring_callback(
+    native: NativeEmitter | None,
+    site: TapSiteParams,
+    tapped_avals: Sequence[Any],
+    ordinals: Sequence[int],
+) -> Callable[..., tuple[()]]:
+    """The host function of a portable tap: one call into the library writes the record."""
+    assert native is not None
+    site_id = native.register_site(
+        site.consumer, site.site_fields(), primitive.leaf_descriptions(tapped_avals)
+    )
+    consumer_id = native.consumer_id(site.consumer)
+    count = len(tapped_avals)
+    has_step = site.has_step
+    lib = library.load()
+    assert lib is not None  # the ring exists, so the library loaded
+    write = lib.tapd_ring_write_leaves
+    pointer_array = ctypes.c_void_p * count
+    size_array = ctypes.c_uint64 * count
+    table = tuple(ordinals)
+
+    def write_record(*args: Any) -> tuple[()]:
+        # Runs on an XLA thread; the arrays view XLA's buffers: copy them into the ring
+        # now, in this one call, and keep nothing.
+        arrays = [np.ascontiguousarray(a) for a in args[:count]]
+        step = int(args[count]) if has_step else NO_STEP
+        index = int(args[-1])
+        device = table[index] if index < len(table) else index
+        write(
+            None, site_id, consumer_id, device, step, count,
+            pointer_array(*[a.ctypes.data for a in arrays]),
+            size_array(*[a.nbytes for a in arrays]),
+        )  # fmt: skip
+        return ()
+
+    return write_record
+
+
+def _sender_callback(
+    native: NativeEmitter | None,
+    site: TapSiteParams,
+    tapped_avals: Sequence[Any],
+    ordinals: Sequence[int],
+) -> Callable[..., tuple[()]]:
+    """The host function of a portable tap without a ring: copy, hand to the sender."""
+    tap_site = TapSite(site.consumer, site.site_fields())
+    leaf_count = len(tapped_avals) - site.has_coords
+    has_step = site.has_step
+    has_coords = site.has_coords
+    table = tuple(ordinals)
+
+    def submit(*args: Any) -> tuple[()]:
+        copies = [np.array(a, copy=True) for a in args[:leaf_count]]
+        coords = [int(c) for c in np.asarray(args[leaf_count])] if has_coords else None
+        step = int(np.asarray(args[leaf_count + has_coords])) if has_step else None
+        index = int(args[-1])
+        device = table[index] if index < len(table) else index
+        lifecycle.get_sender().submit(tap_site, copies, step=step, device=device, coords=coords)
+        return ()
+
+    return submit
+
+
+primitive.register_lowering(lower_tap)

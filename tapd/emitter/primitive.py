@@ -1,0 +1,214 @@
+"""The tap as a JAX primitive: the identity on its leaves, with the tap as an ordered effect.
+
+`tap_p` takes the tapped leaves (then the step and the shard coordinates, when the site
+has them) and returns the leaves unchanged, so a later use of a tapped value is a use of
+the tap's output. Its effect is *ordered*: JAX threads one token through every ordered
+effect of a computation, through `scan`, `cond` and `while` bodies too, so XLA runs the
+taps of one process in program order, as host_callback's outfeed token did. (Inside
+`pmap` and `shard_map` bodies each device threads its own token.)
+
+Transformations follow host_callback's rules:
+- `vmap` taps once per batched call and appends `("batch", {"batch_dims": ...})`;
+- `jvp`/`grad` tap the primal values only; tangents pass through unchanged;
+- a tap applied to a linear value (a tangent inside a `custom_jvp` rule) is transposed
+  into a tap of the cotangent, with `"transpose"` appended to its transforms;
+- `jax.checkpoint` does not tap a second time when it recomputes the forward pass.
+
+Lowering happens per platform and backend (`tapd.emitter.lowering`): the native FFI
+handler where it is registered, else a Python callback that writes the same ring record
+with one call into the native library (or, with no ring, hands the tap to the sender).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+from jax._src import core, dispatch, effects
+from jax._src.interpreters import ad, batching, mlir
+
+from tapd.errors import TapDefinitionError
+
+# One transform entry: ("batch", (dims...)) or ("transpose", None).
+Transform = tuple[str, tuple[int | None, ...] | None]
+
+
+class TapEffect(effects.Effect):
+    """A tap whose order among other taps is not kept (where JAX refuses ordered ones)."""
+
+    __str__ = lambda _: "tapd.tap"  # noqa: E731
+
+
+class OrderedTapEffect(effects.Effect):
+    """A tap that keeps program order: XLA threads a token through it."""
+
+    __str__ = lambda _: "tapd.tap(ordered)"  # noqa: E731
+
+
+UNORDERED = TapEffect()
+ORDERED = OrderedTapEffect()
+
+for _effect_type in (TapEffect, OrderedTapEffect):
+    effects.lowerable_effects.add_type(_effect_type)
+    effects.control_flow_allowed_effects.add_type(_effect_type)
+    effects.custom_derivatives_allowed_effects.add_type(_effect_type)
+    effects.remat_allowed_effects.add_type(_effect_type)
+    # Kept on the known side of partial evaluation: `grad` of a `scan` must not drop a
+    # tap whose operand does not depend on the carry (JAX #16637).
+    effects.partial_eval_kept_effects.add_type(_effect_type)
+effects.ordered_effects.add_type(OrderedTapEffect)
+effects.shardable_ordered_effects.add_type(OrderedTapEffect)
+
+
+@dataclasses.dataclass(frozen=True)
+class TapSiteParams:
+    """What is static about one tap site; hashable, so it can be a primitive parameter.
+
+    `fields` is the msgpack of the site's tree, static metadata and shard layout (the
+    protocol's form); `transforms` grow as JAX transforms the tap."""
+
+    consumer: str
+    fields: bytes
+    transforms: tuple[Transform, ...] = ()
+    has_step: bool = False
+    has_coords: bool = False
+    ordered: bool = True
+
+    @property
+    def effect(self) -> effects.Effect:
+        return ORDERED if self.ordered else UNORDERED
+
+    def decoded_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = msgpack.unpackb(self.fields, raw=False)
+        return fields
+
+    def wire_transforms(self) -> list[list[Any]]:
+        """Transforms as the protocol carries them: `[name, params]` pairs."""
+        return [
+            [name, {} if dims is None else {"batch_dims": list(dims)}]
+            for name, dims in self.transforms
+        ]
+
+    def site_fields(self) -> dict[str, Any]:
+        """The protocol's site fields: tree, meta, shard (if any) and transforms."""
+        return {**self.decoded_fields(), "transforms": self.wire_transforms()}
+
+    def leaf_count(self, operand_count: int) -> int:
+        return operand_count - self.has_step - self.has_coords
+
+
+def pack_fields(fields: dict[str, Any]) -> bytes:
+    packed: bytes = msgpack.packb(fields, use_bin_type=True)
+    return packed
+
+
+tap_p = core.Primitive("tapd_tap")
+tap_p.multiple_results = True
+dispatch.prim_requires_devices_during_lowering.add(tap_p)
+tap_p.def_impl(lambda *operands, site: dispatch.apply_primitive(tap_p, *operands, site=site))
+
+
+def bind(leaves: Sequence[Any], step: Any, coords: Any, site: TapSiteParams) -> list[Any]:
+    """Tap `leaves` (with the step and shard coordinates, if any); returns the leaves."""
+    operands = [*leaves]
+    if site.has_step:
+        operands.append(step)
+    if site.has_coords:
+        operands.append(coords)
+    return tap_p.bind(*operands, site=site)  # type: ignore[no-any-return]
+
+
+def _split(operands: Sequence[Any], site: TapSiteParams) -> tuple[list[Any], list[Any]]:
+    count = site.leaf_count(len(operands))
+    return list(operands[:count]), list(operands[count:])
+
+
+@tap_p.def_effectful_abstract_eval
+def _abstract_eval(
+    *avals: core.AbstractValue, site: TapSiteParams
+) -> tuple[list[core.AbstractValue], set[effects.Effect]]:
+    leaves, _ = _split(avals, site)
+    return leaves, {site.effect}
+
+
+def _jvp(
+    primals: Sequence[Any], tangents: Sequence[Any], *, site: TapSiteParams
+) -> tuple[list[Any], list[Any]]:
+    # Tap the primal values only (host_callback did the same); tangents pass through.
+    leaf_tangents, _ = _split(tangents, site)
+    return tap_p.bind(*primals, site=site), leaf_tangents
+
+
+ad.primitive_jvps[tap_p] = _jvp
+
+
+def _transpose(cotangents: Sequence[Any], *operands: Any, site: TapSiteParams) -> list[Any]:
+    """A tap of a linear value (a tangent) becomes a tap of its cotangent."""
+    _, rest = _split(operands, site)
+    if any(ad.is_undefined_primal(value) for value in rest):
+        raise TapDefinitionError(f"tap {site.consumer!r}: its step must not be differentiated")
+    # Zero cotangents become real zeros: the tap shows what host_callback showed.
+    cts = [ad.instantiate_zeros(ct) for ct in cotangents]
+    transposed = dataclasses.replace(site, transforms=(*site.transforms, ("transpose", None)))
+    tapped = tap_p.bind(*cts, *rest, site=transposed)
+    return [*tapped, *([None] * len(rest))]
+
+
+ad.primitive_transposes[tap_p] = _transpose
+
+
+def _batch(
+    operands: Sequence[Any], dims: Sequence[int | None], *, site: TapSiteParams
+) -> tuple[list[Any], list[int | None]]:
+    leaves, _ = _split(operands, site)
+    leaf_dims, rest_dims = _split(dims, site)
+    if any(_mapped(dim) for dim in rest_dims):
+        raise TapDefinitionError(
+            f"tap {site.consumer!r}: its step (or shard coordinates) vary along a vmapped "
+            "axis; tap the step as part of the value instead"
+        )
+    batch_dims = tuple(int(dim) if _mapped(dim) else None for dim in leaf_dims)
+    fields = site.decoded_fields()
+    if "shard" in fields:  # a batched leaf's block and global value gain the batch dim
+        shard = fields["shard"]
+        size = next(
+            leaf.shape[dim] for leaf, dim in zip(leaves, batch_dims, strict=True) if dim is not None
+        )
+        shard["layout"] = [
+            [[*shape[:dim], size, *shape[dim:]], [*dims_[:dim], [], *dims_[dim:]]]
+            if dim is not None
+            else [shape, dims_]
+            for (shape, dims_), dim in zip(shard["layout"], batch_dims, strict=True)
+        ]
+    batched = dataclasses.replace(
+        site, fields=pack_fields(fields), transforms=(*site.transforms, ("batch", batch_dims))
+    )
+    return tap_p.bind(*operands, site=batched), list(leaf_dims)
+
+
+batching.primitive_batchers[tap_p] = _batch
+
+
+def _mapped(dim: Any) -> bool:
+    return dim is not None and not isinstance(dim, batching.NotMapped)
+
+
+def leaf_descriptions(avals: Sequence[Any]) -> list[list[Any]]:
+    """[dtype name, shape, nbytes] of each leaf, as the sites file records them."""
+    from tapd.protocol.dtypes import dtype_name
+
+    return [
+        [
+            dtype_name(np.dtype(aval.dtype)),
+            list(aval.shape),
+            int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize,
+        ]
+        for aval in avals
+    ]
+
+
+def register_lowering(rule: Any) -> None:
+    mlir.register_lowering(tap_p, rule, cacheable=False)
