@@ -38,15 +38,15 @@ from tapd.config import Config
 from tapd.daemon.router import Router
 from tapd.errors import ConfigError, ProtocolError
 from tapd.protocol import MAGIC, Limits, Message, decode, encode
-from tapd.protocol.wire import encode_header, is_int
+from tapd.protocol.link import EmitterLink, Looped, Refused, Restarted, Welcomed
+from tapd.protocol.wire import encode_header
 from tapd.security import ClientKeys
 
 logger = logging.getLogger("tapd.daemon")
 
-# Silent this long with taps outstanding: say hello again and repeat the last barrier,
-# in case the connection dropped and took the upstream's answers with it. The wait
-# doubles while the upstream stays silent (it may be down for long: hellos queue up).
-_REHELLO_AFTER = 2.0
+# Silent with taps outstanding: say hello again (the link's timer) and repeat the last
+# barrier, in case the connection dropped and took the upstream's answers with it. The
+# wait doubles while the upstream stays silent (it may be down for long: hellos queue up).
 _REHELLO_AFTER_MAX = 60.0
 # Silent this long with taps waiting: warn (again after as long once more).
 _WARN_AFTER = 10.0
@@ -92,24 +92,22 @@ class Forwarder:
         except zmq.ZMQError as exc:
             self.socket.close(linger=0)
             raise ConfigError(f"--forward {self.endpoint}: cannot connect: {exc}") from exc
-        self._identity = {"role": "emitter", "host": socket.gethostname(), "pid": os.getpid(),
-                          "forwarder": daemon_id}  # fmt: skip
+        identity = {"role": "emitter", "host": socket.gethostname(), "pid": os.getpid(),
+                    "forwarder": daemon_id}  # fmt: skip
+        now = time.monotonic()
+        # hello/welcome, the upstream's credit window, rehello: as any emitter's
+        self.link = EmitterLink(identity, now, rehello_max=_REHELLO_AFTER_MAX, self_id=daemon_id)
         self.outbox: collections.deque[_Forwarded] = collections.deque()  # not sent yet
         self.outbox_bytes = 0
         # Sent, waiting for the barrier that follows them: (barrier id, taps).
         self.unconfirmed: collections.deque[tuple[int, list[_Forwarded]]] = collections.deque()
         self._barrier_ids = itertools.count()
-        self.upstream: str | None = None  # the upstream daemon's id, once it welcomed us
-        self.window = 0  # nothing is sent before the upstream's welcome
-        self.in_flight = 0  # bytes sent that the upstream has not credited back
-        self._sent_since_hello = 0
         self._totals = (0, 0, 0)  # upstream's (delivered, dropped, unrouted) for us so far
         self._confirmed_taps = 0  # taps its barriers confirmed, since it welcomed us
         self._lost_taps = 0  # of those, taps its totals show it never received
-        self._last_heard = self._last_hello = self._last_warning = time.monotonic()
-        self._rehello_after = _REHELLO_AFTER
-        router.add_local_subscriber(self.key, self.name, ["*"], self._take, time.monotonic())
-        self._hello()
+        self._last_warning = now
+        router.add_local_subscriber(self.key, self.name, ["*"], self._take, now)
+        self._send_link()
         what = "with CurveZMQ" if keys else "unauthenticated" if config.insecure else "over ipc"
         logger.info("forwarding every tap to %s (%s)", self.endpoint, what)
 
@@ -129,39 +127,37 @@ class Forwarder:
         """Send what the upstream's credit allows, then a barrier behind it."""
         if self.key not in self.router.subscribers:
             return  # stopped: forwarding to ourselves, or shut down
+        link = self.link
         batch = []
-        while self.outbox and self._may_send(self.outbox[0].nbytes):
+        while self.outbox and link.may_send(self.outbox[0].nbytes):
             item = self.outbox.popleft()
             self.outbox_bytes -= item.nbytes
             self.socket.send_multipart(item.frames, copy=False)
-            self.in_flight += item.nbytes
-            self._sent_since_hello += item.nbytes
+            link.sent(item.nbytes)
             batch.append(item)
         if batch:
             barrier = next(self._barrier_ids)
             self.socket.send_multipart(encode("barrier", {"id": barrier}))
             self.unconfirmed.append((barrier, batch))
             self.router.counters["forward_sent"] += len(batch)
-        if not (self.unconfirmed or self.in_flight or self.outbox):
+        if not (self.unconfirmed or link.in_flight or self.outbox):
             return
-        if now - max(self._last_heard, self._last_hello) > self._rehello_after:
-            self._rehello_after = min(2 * self._rehello_after, _REHELLO_AFTER_MAX)
-            self._hello()
+        if link.tick(now, waiting=True):
+            self._send_link()
             if self.unconfirmed:
                 last = self.unconfirmed[-1][0]
                 self.socket.send_multipart(encode("barrier", {"id": last}))
-        if now - max(self._last_heard, self._last_warning) > _WARN_AFTER:
+        if now - max(link.last_heard, self._last_warning) > _WARN_AFTER:
             self._last_warning = now
             logger.warning(
                 "no answer from the upstream daemon at %s for %.0f s; %d taps (%d bytes) wait "
                 "here for it. Is it running, and does it admit this daemon's key?",
-                self.endpoint, now - self._last_heard, len(self.outbox), self.outbox_bytes,
+                self.endpoint, now - link.last_heard, len(self.outbox), self.outbox_bytes,
             )  # fmt: skip
 
-    def _may_send(self, nbytes: int) -> bool:
-        if self.window == 0:
-            return False
-        return self.in_flight == 0 or self.in_flight + nbytes <= self.window
+    def _send_link(self) -> None:
+        for frames in self.link.outgoing():
+            self.socket.send_multipart(frames)
 
     def receive(self, now: float) -> None:
         while True:
@@ -174,70 +170,55 @@ class Forwarder:
             except ProtocolError as exc:
                 self.router.reject(exc.reason, f"from the upstream at {self.endpoint}: {exc}")
                 continue
-            self._last_heard = now
-            self._rehello_after = _REHELLO_AFTER
             header = message.header
             kind = message.kind
-            if kind == "welcome":
-                self._welcomed(header)
-            elif kind == "credit":
-                self.in_flight = max(0, self.in_flight - header["bytes"])
-            elif kind == "barrier_done":
-                self._confirmed(header, now)
-            elif kind == "error":
-                self._error(header)
-            elif kind == "rehello":  # it does not know us: it restarted
-                self._hello()
-            else:
-                self.router.reject("bad_header", f"{kind!r} from the upstream at {self.endpoint}")
+            event = self.link.received(header, now)
+            self._send_link()
+            if event is None:
+                if kind == "barrier_done":
+                    self._confirmed(header, now)
+                elif kind == "error":
+                    self._error(header)
+                else:
+                    self.router.reject("bad_header", f"{kind!r} from the upstream at "
+                                       f"{self.endpoint}")  # fmt: skip
+            elif isinstance(event, Refused):
+                self.router.reject(event.reason, f"from the upstream at {self.endpoint}: "
+                                   f"{event.detail}")  # fmt: skip
+            elif isinstance(event, Welcomed) and event.first:
+                logger.info("upstream daemon %s at %s welcomed us", event.daemon, self.endpoint)
+            elif isinstance(event, Restarted):
+                self._restarted(event)
+            elif isinstance(event, Looped):
+                self._looped()
+            # Credited, RehelloAsked: the link has done all there is to do
 
     # ---- from the upstream ------------------------------------------------------------
 
-    def _hello(self) -> None:
-        self._last_hello = time.monotonic()
-        self._sent_since_hello = 0
-        self.socket.send_multipart(encode("hello", self._identity))
+    def _looped(self) -> None:
+        logger.error("--forward %s leads back to this daemon: forwarding nothing",
+                     self.endpoint)  # fmt: skip
+        self.router.drop_subscriber(self.key, "would forward to itself")
+        self.outbox.clear()
+        self.unconfirmed.clear()
+        self.outbox_bytes = 0
 
-    def _welcomed(self, header: dict[str, Any]) -> None:
-        daemon = header["daemon"]
-        if daemon == self.daemon_id:
-            logger.error("--forward %s leads back to this daemon: forwarding nothing",
-                         self.endpoint)  # fmt: skip
-            self.router.drop_subscriber(self.key, "would forward to itself")
-            self.outbox.clear()
-            self.unconfirmed.clear()
-            self.outbox_bytes = 0
-            self.window = 0
-            return
-        if self.upstream is not None and daemon != self.upstream:
-            # A new upstream daemon: what the old one had not confirmed may be lost
-            # with it. Send it all again, once the new one has answered a hello.
-            again = [item for _, batch in self.unconfirmed for item in batch]
-            self.unconfirmed.clear()
-            self.outbox.extendleft(reversed(again))
-            self.outbox_bytes += sum(item.nbytes for item in again)
-            self.router.counters["forward_resent"] += len(again)
-            logger.warning(
-                "the upstream daemon at %s restarted (now %s); sending again the %d taps "
-                "it had not confirmed (they may arrive twice, with the same seq)",
-                self.endpoint, daemon, len(again),
-            )  # fmt: skip
-            self.upstream = daemon
-            self._totals = (0, 0, 0)
-            self._confirmed_taps = self._lost_taps = 0
-            self.window = 0
-            self._hello()
-            return
-        if self.upstream is None:
-            logger.info("upstream daemon %s at %s welcomed us", daemon, self.endpoint)
-        held = header.get("held_bytes", 0)
-        if not is_int(held) or held < 0:
-            self.router.reject("bad_field", f"welcome from the upstream at {self.endpoint} "
-                               f"has held_bytes {held!r:.20}")  # fmt: skip
-            return
-        self.upstream = daemon
-        self.window = header["window_bytes"]
-        self.in_flight = held + self._sent_since_hello
+    def _restarted(self, event: Restarted) -> None:
+        """A new upstream daemon: what the old one had not confirmed may be lost with
+        it. Send it all again, once the new one has answered our hello (the link has
+        closed the window and said it)."""
+        again = [item for _, batch in self.unconfirmed for item in batch]
+        self.unconfirmed.clear()
+        self.outbox.extendleft(reversed(again))
+        self.outbox_bytes += sum(item.nbytes for item in again)
+        self.router.counters["forward_resent"] += len(again)
+        logger.warning(
+            "the upstream daemon at %s restarted (now %s); sending again the %d taps "
+            "it had not confirmed (they may arrive twice, with the same seq)",
+            self.endpoint, event.daemon, len(again),
+        )  # fmt: skip
+        self._totals = (0, 0, 0)
+        self._confirmed_taps = self._lost_taps = 0
 
     def _confirmed(self, header: dict[str, Any], now: float) -> None:
         done: list[_Forwarded] = []
@@ -309,9 +290,9 @@ class Forwarder:
     def stats(self) -> dict[str, Any]:
         return {
             "endpoint": self.endpoint,
-            "upstream": self.upstream,
-            "window_bytes": self.window,
-            "in_flight_bytes": self.in_flight,
+            "upstream": self.link.daemon,
+            "window_bytes": self.link.window,
+            "in_flight_bytes": self.link.in_flight,
             "waiting": len(self.outbox),
             "waiting_bytes": self.outbox_bytes,
             "unconfirmed": sum(len(batch) for _, batch in self.unconfirmed),
@@ -325,7 +306,7 @@ class Forwarder:
                 "(counted lost); %s",
                 unsent,
                 self.endpoint,
-                "it never answered" if self.upstream is None else f"it is {self.upstream}",
+                "it never answered" if self.link.daemon is None else f"it is {self.link.daemon}",
             )
         try:
             self.socket.send_multipart(encode("bye", {}), zmq.NOBLOCK)

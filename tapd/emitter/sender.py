@@ -30,13 +30,10 @@ from tapd.emitter.native_backend import NativeEmitter
 from tapd.emitter.settings import EmitterSettings
 from tapd.errors import BarrierTimeout, ProtocolError, TapFunctionException
 from tapd.protocol import decode, encode
+from tapd.protocol.link import EmitterLink, LinkEvent, Refused, Welcomed
 from tapd.security import secure_client
 
 logger = logging.getLogger("tapd.emitter")
-
-# Resend `hello` when bytes are in flight and the daemon has been silent this long: a
-# restarted daemon does not know us until we speak, and we may have no credit to speak.
-_REHELLO_AFTER = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +268,7 @@ class Sender:
                 if self._closing:
                     break
                 self._send_ready(connection)
-                connection.keep_alive()
+                connection.keep_alive(queued=bool(self._queue))
         except Exception:  # a bug here must not vanish with the thread
             logger.exception("tapd sender thread failed; taps are no longer delivered")
         finally:
@@ -361,68 +358,53 @@ class Sender:
 
 
 class _Connection:
-    """The sender thread's view of the daemon: hello/welcome, credit, silence."""
+    """The sender thread's socket to the daemon, driven by the emitter link
+    (tapd/protocol/link.py): hello/welcome, credit, rehello when the daemon is silent."""
 
     def __init__(self, sock: zmq.Socket[Any], identity: dict[str, Any]) -> None:
         self.sock = sock
-        self.identity = identity
-        self.window = 0  # no taps until the daemon has welcomed us
-        self.in_flight = 0
-        self.sent_since_hello = 0
-        self.daemon_id: str | None = None
-        self.lost_bytes = 0
-        self.last_heard = time.monotonic()
-        self._hello()
+        # With a ring, taps do not travel over this socket, so hello is also how a
+        # restarted daemon learns where our ring is: say it again whenever it is silent.
+        self.ring = "ring" in identity
+        self.link = EmitterLink(identity, time.monotonic())
+        self._flush()
+
+    @property
+    def lost_bytes(self) -> int:
+        return self.link.lost_bytes
 
     def may_send(self, nbytes: int) -> bool:
-        if self.window == 0:
-            return False
-        return self.in_flight == 0 or self.in_flight + nbytes <= self.window
+        return self.link.may_send(nbytes)
 
     def send(self, frames: list[Any], nbytes: int) -> None:
         self.sock.send_multipart(frames, copy=False)
-        self.in_flight += nbytes
-        self.sent_since_hello += nbytes
+        self.link.sent(nbytes)
 
-    def heard_from_daemon(self, header: dict[str, Any]) -> None:
-        self.last_heard = time.monotonic()
-        kind = header["kind"]
-        if kind == "welcome":
-            if self.daemon_id is not None and header["daemon"] != self.daemon_id:
-                # A restarted daemon (it met one of our taps first): resynchronise with
-                # a hello, whose answer comes after it has read everything before it.
-                self.daemon_id = header["daemon"]
-                self._hello()
-                return
-            self.daemon_id = header["daemon"]
-            self.window = header["window_bytes"]
-            expected = int(header.get("held_bytes", 0)) + self.sent_since_hello
-            if self.in_flight > expected:
-                lost = self.in_flight - expected
-                self.lost_bytes += lost
-                logger.warning(
-                    "%d bytes of taps sent to the tapd daemon never reached it "
-                    "(it restarted?) and are lost",
-                    lost,
-                )
-            self.in_flight = expected
-        elif kind == "rehello":
-            self._hello()
-        elif kind == "credit":
-            self.in_flight = max(0, self.in_flight - header["bytes"])
+    def heard_from_daemon(self, header: dict[str, Any]) -> LinkEvent | None:
+        event = self.link.received(header, time.monotonic())
+        if isinstance(event, Welcomed) and event.lost_bytes:
+            logger.warning(
+                "%d bytes of taps sent to the tapd daemon never reached it "
+                "(it restarted?) and are lost",
+                event.lost_bytes,
+            )
+        elif isinstance(event, Refused):
+            logger.error("ignoring a malformed message from the daemon: %s", event.detail)
+        self._flush()
+        return event
 
-    def keep_alive(self) -> None:
-        # With a ring, taps do not travel over this socket, so hello is also how a
-        # restarted daemon learns where our ring is.
-        waiting = self.in_flight or "ring" in self.identity
-        now = time.monotonic()
-        if waiting and now - max(self.last_heard, self.last_hello) > _REHELLO_AFTER:
-            self._hello()
+    def keep_alive(self, queued: bool) -> None:
+        """Say hello again if the daemon is silent while we wait for it: bytes in flight,
+        a ring it must know of, or taps `queued` here behind the window that a restarted
+        daemon closed (no credit will come to wake us)."""
+        link = self.link
+        closed = queued and link.window == 0 and link.daemon is not None
+        link.tick(time.monotonic(), closed or self.ring)
+        self._flush()
 
-    def _hello(self) -> None:
-        self.last_hello = time.monotonic()
-        self.sent_since_hello = 0
-        self.sock.send_multipart(encode("hello", self.identity))
+    def _flush(self) -> None:
+        for frames in self.link.outgoing():
+            self.sock.send_multipart(frames)
 
     def say_bye(self) -> None:
         try:

@@ -1,0 +1,193 @@
+"""The emitter's end of a connection to a daemon, sans I/O (docs/PROTOCOL.md, "Flow
+control" and "Forwarding").
+
+Two parts of tapd speak to a daemon as an emitter: an emitter process's sender thread
+(`tapd/emitter/sender.py`) and a forwarding daemon facing its upstream
+(`tapd/daemon/forward.py`). What they share lives here, once:
+- `hello` and the daemon's `welcome`: the credit window it grants, and `held_bytes`,
+  the bytes of ours it holds and has not credited yet, from which the link knows how
+  many bytes it has in flight, and how many were lost on the way (a restart, a dropped
+  connection);
+- the credit window: `may_send` before a tap, `sent` after it, `credit` returning room;
+- a `welcome` from a different daemon (it restarted): the window closes until that one
+  has answered a fresh `hello`;
+- the rehello timer: silent for a while with something outstanding, say hello again, in
+  case the daemon restarted or the connection dropped and took its answers along.
+
+The link has no socket and reads no clock: the owner passes `now` in, feeds it every
+decoded message from the daemon (`received`), and sends what `outgoing()` returns, in
+order, after each call. `received` returns an event for the messages the link handles
+itself (welcome, rehello, credit) and None for the rest (barrier_done, error, ...), which
+are the owner's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from tapd.protocol.wire import encode, is_int
+
+# Say hello again after this long without a word from the daemon while something is
+# outstanding; an owner may let the wait grow (doubling, up to `rehello_max`) while the
+# daemon stays silent, so that a long outage does not fill its queue with hellos.
+REHELLO_AFTER = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Welcomed:
+    """The daemon welcomed us: the window is open. `lost_bytes`: bytes we had in flight
+    that it says it never got (it restarted, or a connection dropped them)."""
+
+    daemon: str
+    lost_bytes: int
+    first: bool  # the first welcome this link has had
+
+
+@dataclasses.dataclass(frozen=True)
+class Restarted:
+    """A welcome from a daemon other than the one that welcomed us before: it restarted
+    (or the endpoint now leads elsewhere). The window is closed and a hello is on its way;
+    the new daemon's answer to it comes as `Welcomed`."""
+
+    previous: str
+    daemon: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Looped:
+    """The daemon that welcomed us is the owner itself (`self_id`): a forwarding daemon
+    forwarding to itself. The window stays closed."""
+
+    daemon: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RehelloAsked:
+    """The daemon does not know us (it restarted and met a message of ours first); a hello
+    is on its way."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Credited:
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """A link message the link cannot use (a malformed welcome): ignored; `reason` is a
+    ProtocolError reason code, `detail` says what was wrong."""
+
+    reason: str
+    detail: str
+
+
+LinkEvent = Welcomed | Restarted | Looped | RehelloAsked | Credited | Refused
+
+
+class EmitterLink:
+    """One emitter's connection state towards one daemon endpoint."""
+
+    def __init__(
+        self,
+        identity: Mapping[str, Any],
+        now: float,
+        *,
+        rehello_after: float = REHELLO_AFTER,
+        rehello_max: float | None = None,
+        self_id: str | None = None,
+    ) -> None:
+        self.identity = dict(identity)  # the hello's fields
+        self.self_id = self_id
+        self.daemon: str | None = None  # the id of the daemon that welcomed us
+        self.window = 0  # nothing is sent before a welcome
+        self.in_flight = 0  # bytes sent that the daemon has not credited back
+        self.lost_bytes = 0  # in all, as welcomes reported them
+        self.last_heard = now
+        self.last_hello = now
+        self._rehello_base = rehello_after
+        self._rehello_max = rehello_after if rehello_max is None else rehello_max
+        self._rehello_after = rehello_after
+        self._sent_since_hello = 0
+        self._outgoing: list[list[Any]] = []
+        self.hello(now)
+
+    # ---- what the owner sends ---------------------------------------------------------
+
+    def outgoing(self) -> list[list[Any]]:
+        """Messages the link wants sent, in order; the owner sends them before its own."""
+        messages, self._outgoing = self._outgoing, []
+        return messages
+
+    def hello(self, now: float) -> None:
+        self.last_hello = now
+        self._sent_since_hello = 0
+        self._outgoing.append(encode("hello", self.identity))
+
+    def may_send(self, nbytes: int) -> bool:
+        """Whether a tap of `nbytes` fits the daemon's credit window now (one tap always
+        fits when nothing is in flight, however large)."""
+        if self.window == 0:
+            return False
+        return self.in_flight == 0 or self.in_flight + nbytes <= self.window
+
+    def sent(self, nbytes: int) -> None:
+        """The owner sent a tap of `nbytes` payload bytes."""
+        self.in_flight += nbytes
+        self._sent_since_hello += nbytes
+
+    # ---- what the daemon says ---------------------------------------------------------
+
+    def received(self, header: Mapping[str, Any], now: float) -> LinkEvent | None:
+        """Take one decoded message from the daemon; None if it is not the link's."""
+        self.last_heard = now
+        self._rehello_after = self._rehello_base
+        kind = header["kind"]
+        if kind == "welcome":
+            return self._welcomed(header, now)
+        if kind == "rehello":
+            self.hello(now)
+            return RehelloAsked()
+        if kind == "credit":
+            nbytes = header["bytes"]
+            self.in_flight = max(0, self.in_flight - nbytes)
+            return Credited(nbytes)
+        return None
+
+    def _welcomed(self, header: Mapping[str, Any], now: float) -> LinkEvent:
+        daemon = header["daemon"]
+        held = header.get("held_bytes", 0)
+        if not is_int(held) or held < 0:
+            return Refused("bad_field", f"welcome has held_bytes {held!r:.20}")
+        if self.self_id is not None and daemon == self.self_id:
+            self.window = 0
+            return Looped(daemon)
+        if self.daemon is not None and daemon != self.daemon:
+            # A restarted daemon (it may have met one of our messages first): resync with
+            # a hello, whose answer comes after it has read everything we sent before it.
+            previous, self.daemon = self.daemon, daemon
+            self.window = 0
+            self.hello(now)
+            return Restarted(previous, daemon)
+        first = self.daemon is None
+        self.daemon = daemon
+        self.window = header["window_bytes"]
+        expected = held + self._sent_since_hello
+        lost = max(0, self.in_flight - expected)
+        self.lost_bytes += lost
+        self.in_flight = expected
+        return Welcomed(daemon, lost, first)
+
+    # ---- the timer --------------------------------------------------------------------
+
+    def tick(self, now: float, waiting: bool) -> bool:
+        """Say hello again if the daemon has been silent too long while the owner is
+        `waiting` for it (or bytes are in flight); True if it did."""
+        if not (waiting or self.in_flight):
+            return False
+        if now - max(self.last_heard, self.last_hello) <= self._rehello_after:
+            return False
+        self._rehello_after = min(2 * self._rehello_after, self._rehello_max)
+        self.hello(now)
+        return True
