@@ -7,6 +7,8 @@ owner may enter it, which is what keeps other users off the unauthenticated ipc 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import os
 import stat
@@ -29,9 +31,18 @@ def runtime_dir() -> Path:
 
 
 def ensure_private_dir(path: Path) -> Path:
-    """Create `path` mode 0700, or check an existing one is ours and private."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create `path` mode 0700, or check an existing one is ours and private: owned by
+    this user, no access for others, and not a symbolic link."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except FileExistsError:  # a link to nowhere, or a file
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot create runtime directory {path}: {exc.strerror}") from exc
     info = path.lstat()
+    if stat.S_ISLNK(info.st_mode):
+        raise ConfigError(f"runtime directory {path} is a symbolic link; tapd uses only a "
+                          "real directory of its own. Remove the link.")  # fmt: skip
     if not stat.S_ISDIR(info.st_mode):
         raise ConfigError(f"runtime directory {path} is not a directory")
     if info.st_uid != os.getuid():
@@ -42,6 +53,15 @@ def ensure_private_dir(path: Path) -> Path:
             "others could reach the socket. Run `chmod 700` on it or remove it."
         )
     return path
+
+
+def check_endpoint_dir(endpoint: str) -> None:
+    """Before any client (emitter, subscriber, CLI) connects to an `ipc://` endpoint:
+    the socket's directory must be ours, private, and not a link (it is created 0700 if
+    missing). A daemon checks the same before it binds. Else ConfigError: another user
+    could run a fake daemon there, to be sent taps or to feed subscribers."""
+    if endpoint.startswith("ipc://"):
+        ensure_private_dir(Path(endpoint.removeprefix("ipc://")).parent)
 
 
 def default_endpoint() -> str:
@@ -71,8 +91,33 @@ def ring_dir_for(endpoint: str) -> Path | None:
     if not endpoint.startswith("ipc://"):
         return None
     socket_dir = Path(endpoint.removeprefix("ipc://")).parent.resolve()
-    shm = Path("/dev/shm")
+    shm = SHM_DIR
     if shm.is_dir() and os.access(shm, os.W_OK):
-        digest = hashlib.sha256(str(socket_dir).encode()).hexdigest()[:12]
-        return shm / f"tapd-{os.getuid()}-{digest}"
+        # The socket's directory, spelled in the name, so that `tapd clean` can tell
+        # rings whose runtime directory is gone (a killed job's) from live ones.
+        encoded = base64.urlsafe_b64encode(str(socket_dir).encode()).decode().rstrip("=")
+        name = f"{ring_dir_prefix()}{encoded}"
+        if len(name) > 255:  # (a file name's limit)
+            name = f"{ring_dir_prefix()}{hashlib.sha256(str(socket_dir).encode()).hexdigest()[:12]}"
+        return shm / name
     return socket_dir / "rings"
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def ring_dir_prefix() -> str:
+    return f"tapd-{os.getuid()}-"
+
+
+def runtime_dir_of_rings(directory: Path) -> Path | None:
+    """The socket directory a ring directory in /dev/shm was made for (see
+    `ring_dir_for`); None where the name does not say."""
+    encoded = directory.name.removeprefix(ring_dir_prefix())
+    if encoded == directory.name:
+        return None
+    try:
+        decoded = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except (binascii.Error, ValueError):
+        return None
+    return Path(decoded) if decoded.startswith("/") else None

@@ -11,6 +11,7 @@ daemon's public key.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -20,8 +21,10 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from tapd.errors import ConfigError
+from tapd.runtime import check_endpoint_dir
 
 logger = logging.getLogger("tapd.security")
 
@@ -98,9 +101,12 @@ class ClientKeys:
 
 
 def secure_client(sock: zmq.Socket[Any], endpoint: str, keys: ClientKeys | None = None) -> None:
-    """Before connecting `sock` to `endpoint`: on tcp, use `keys`, else the key files
-    named by TAPD_CURVE_SERVER_KEY / TAPD_CURVE_SECRET if set (else plain, which a
-    daemon admits only with --insecure)."""
+    """Before connecting `sock` to `endpoint`: on ipc, check that the socket's directory
+    is ours, private and not a link (creating it 0700 if missing, so that nobody else
+    can), else raise ConfigError: a squatter's directory would hand our taps to its
+    daemon. On tcp, use `keys`, else the key files named by TAPD_CURVE_SERVER_KEY /
+    TAPD_CURVE_SECRET if set (else plain, which a daemon admits only with --insecure)."""
+    check_endpoint_dir(endpoint)
     if endpoint.startswith("tcp://"):
         keys = keys or ClientKeys.from_environment()
         if keys is not None:
@@ -146,10 +152,52 @@ class ZapHandler:
             return [version, request_id, b"200", b"OK", b"", b""]
         self.refused += 1
         log = logger.warning if self.refused <= 20 else logger.debug
-        log("refused a %s peer from %s with public key %s: not in the allowed keys "
+        log("refused a %s peer from %r with public key %r: not in the allowed keys "
             "(%d refused so far)", mechanism.decode(errors="replace"),
             address.decode(errors="replace"), key.decode() or "none", self.refused)  # fmt: skip
         return [version, request_id, b"400", b"key not allowed", b"", b""]
 
     def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+# Handshake failures that never reach ZAP, by libzmq's protocol error code.
+_HANDSHAKE_REASONS: dict[int, str] = {
+    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "no_key",  # a plain (NULL) client
+    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "wrong_server_key",  # or a corrupted handshake
+}
+
+
+class HandshakeMonitor:
+    """Counts the peers a CURVE socket refuses before ZAP is asked: a client with no key
+    (a plain ZeroMQ peer), one with the wrong server key, one that does not speak ZMTP.
+    libzmq reports those only as socket monitor events; ZAP sees only well-formed CURVE
+    clients, whose refusals `ZapHandler` counts. Each reason is logged once."""
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        self._watched = sock
+        events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        self.socket: zmq.Socket[Any] = sock.get_monitor_socket(events)
+        self.refused = 0
+        self.by_reason: collections.Counter[str] = collections.Counter()
+
+    def handle(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.socket, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            reason = _HANDSHAKE_REASONS.get(int(event["value"]), "bad_handshake")
+            self.refused += 1
+            self.by_reason[reason] += 1
+            log = logger.warning if self.by_reason[reason] == 1 else logger.debug
+            log("refused a peer on %r: %s (libzmq error %#x; further ones counted in "
+                "auth_refused, not logged)", event["endpoint"].decode(errors="replace"),
+                reason.replace("_", " "), event["value"])  # fmt: skip
+
+    def close(self) -> None:
+        try:
+            self._watched.disable_monitor()
+        except zmq.ZMQError:
+            pass
         self.socket.close(linger=0)

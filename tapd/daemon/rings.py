@@ -10,9 +10,14 @@ daemon killed and restarted re-reads them from the ring's tail: nothing is lost.
 from __future__ import annotations
 
 import collections
+import errno
+import fcntl
 import logging
+import mmap
 import os
 import socket
+import stat
+import struct
 import time
 from collections.abc import Hashable
 from pathlib import Path
@@ -20,9 +25,20 @@ from typing import Any
 
 from tapd.daemon.router import Router
 from tapd.daemon.runs import Site, TapRun
+from tapd.errors import ProtocolError
 from tapd.native.ring import Ring, RingError
-from tapd.native.sites import read_sites
 from tapd.protocol import Message
+from tapd.protocol.schema import (
+    DEFAULT_LIMITS,
+    PID_MAX,
+    RING_NAME,
+    check_record,
+    check_ring_control,
+    check_site_entry,
+    sites_path_of,
+    split_site_entries,
+)
+from tapd.runtime import SHM_DIR, ring_dir_prefix, runtime_dir_of_rings
 
 logger = logging.getLogger("tapd.daemon")
 
@@ -33,6 +49,10 @@ _RUN_BYTES = 64 * 1024  # the most tap bytes in one run (a run goes out in one m
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists. A number no process can have (0 and negative ones
+    name process groups to os.kill; over pid_t's range it raises) is not alive."""
+    if not (isinstance(pid, int) and 0 < pid <= PID_MAX):
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -48,12 +68,18 @@ class RingSource:
     def __init__(self, key: Hashable, ring_path: Path, sites_path: Path,
                  identity: dict[str, Any]) -> None:  # fmt: skip
         self.key = key
-        self.ring = Ring.open(ring_path)
+        self._lock_fd = lock_ring_file(ring_path)
+        try:
+            self.ring = Ring.open(ring_path)
+        except RingError:
+            os.close(self._lock_fd)
+            raise
         self.ring.set_reader(os.getpid())
         self.sites_path = sites_path
         self.identity = identity
-        self._sites: dict[int, Site] = {}
+        self._sites: dict[int, Site | ProtocolError] = {}  # a refused site: why
         self._sites_offset = 0
+        self._sites_broken: ProtocolError | None = None  # the sites file itself is bad
         counters = self.ring.counters()
         self.writer_pid = counters.writer_pid
         self._identity_fields = {
@@ -70,15 +96,61 @@ class RingSource:
     def path(self) -> Path:
         return self.ring.path
 
-    def _site(self, site_id: int) -> Site | None:
-        if site_id not in self._sites:
+    def _site(self, site_id: int) -> Site | ProtocolError | None:
+        """The site a record names; a ProtocolError if its entry (or the whole sites
+        file) was refused; None if its entry is not there yet."""
+        if site_id not in self._sites and self._sites_broken is None:
             try:
-                entries, self._sites_offset = read_sites(self.sites_path, self._sites_offset)
-            except OSError:
-                entries = []
-            for entry in entries:
-                self._sites[int(entry["site"])] = Site(entry, self._identity_fields)
-        return self._sites.get(site_id)
+                self._read_sites()
+            except ProtocolError as exc:
+                self._sites_broken = exc
+                logger.error("sites file %s of ring %s refused: %s; the taps of its unknown "
+                             "sites are refused", self.sites_path, self.path, exc)  # fmt: skip
+        found = self._sites.get(site_id)
+        return found if found is not None or self._sites_broken is None else self._sites_broken
+
+    def _read_sites(self) -> None:
+        """Read the entries appended since last time: a regular file, not a link, at most
+        `max_sites_bytes` in all; each entry checked (tapd/protocol/schema.py)."""
+        limits = DEFAULT_LIMITS
+        try:
+            fd = os.open(self.sites_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                         | os.O_CLOEXEC)  # fmt: skip
+        except FileNotFoundError:
+            return  # not written yet
+        except OSError as exc:
+            raise ProtocolError("bad_ring", f"cannot open sites file {self.sites_path}: "
+                                f"{exc.strerror}") from exc  # fmt: skip
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+                raise ProtocolError("bad_ring", f"sites file {self.sites_path} is not a "
+                                    "regular file of ours")  # fmt: skip
+            if info.st_size > limits.max_sites_bytes:
+                raise ProtocolError("bad_ring", f"sites file {self.sites_path} has "
+                                    f"{info.st_size} bytes; the limit is "
+                                    f"{limits.max_sites_bytes}")  # fmt: skip
+            data = os.pread(fd, max(0, info.st_size - self._sites_offset), self._sites_offset)
+        finally:
+            os.close(fd)
+        try:
+            entries, used = split_site_entries(data, limits)
+        except ProtocolError as exc:
+            raise ProtocolError("bad_ring", f"sites file {self.sites_path}: {exc}") from exc
+        self._sites_offset += used
+        for entry in entries:
+            site_id = entry.get("site") if isinstance(entry, dict) else None
+            try:
+                check_site_entry(entry, limits)
+                site: Site | ProtocolError = Site(entry, self._identity_fields)
+            except ProtocolError as exc:
+                if type(site_id) is not int:
+                    raise ProtocolError("bad_ring", f"sites file {self.sites_path}: an entry "
+                                        f"without a site id: {exc}") from exc  # fmt: skip
+                site = exc
+                logger.error("ring %s: tap site %d refused: %s", self.path, site_id, exc)
+            assert type(site_id) is int
+            self._sites[site_id] = site
 
     def drain(self, router: Router) -> int:
         """Hand committed records to the router, in order, while it can take them."""
@@ -96,11 +168,16 @@ class RingSource:
         while first < len(records):
             record = records[first]
             site = self._site(record.site)
-            if site is None:
-                if not self.writer_gone:
-                    break  # its site entry is still being written: read it next time
-                router.reject("bad_ring", f"{self.path}: record for unknown site {record.site}")
-                self.read_position = record.end
+            if site is None and not self.writer_gone:
+                break  # its site entry is still being written: read it next time
+            if isinstance(site, Site):
+                try:
+                    check_record(len(record.payload), site.leaf_bytes)
+                except ProtocolError as exc:
+                    site = exc
+            if not isinstance(site, Site):
+                why = site or ProtocolError("bad_ring", f"record for unknown site {record.site}")
+                self._refuse(router, record, why)
                 first += 1
                 continue
             # Consecutive small records of this site go to the router as one run.
@@ -128,6 +205,17 @@ class RingSource:
                 break
         self._release_barriers(router)
         return taken
+
+    def _refuse(self, router: Router, record: Any, why: ProtocolError) -> None:
+        """A record the daemon cannot pass on: counted by reason, reported to the
+        emitter (its barrier_wait raises), and its ring space released in turn."""
+        router.reject(why.reason, f"ring {self.path}: {why.detail}")
+        site = self._sites.get(record.site)
+        consumer = site.consumer if isinstance(site, Site) else f"site {record.site}"
+        error = f"the tapd daemon refused this tap: {why}"
+        index = router.refused(self.key, consumer, record.seq, error)
+        self._in_router.append((index, record.end))
+        self.read_position = record.end
 
     def barrier(self, router: Router, barrier_id: int, position: int) -> None:
         """A barrier covering the ring up to `position`: it joins the router's queue of
@@ -178,7 +266,13 @@ class RingSource:
             self.remove_files()
         else:
             self.ring.set_reader(0)
+        self.unmap()
+
+    def unmap(self) -> None:
         self.ring.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # another daemon may drain it now
+            self._lock_fd = -1
 
 
 class RingSet:
@@ -191,10 +285,12 @@ class RingSet:
         self._wake: socket.socket | None = None
 
     def attach(self, key: Hashable, identity: dict[str, Any], router: Router) -> None:
-        ring_path = Path(str(identity["ring"]))
-        sites_path = Path(str(identity.get("sites", ring_path.with_suffix(".sites"))))
+        # (decode checked the names: a '<pid>-<hex>.ring' file and its '.sites' beside
+        # it; tapd/protocol/schema.py, check_ring_names.) Here: the directory.
+        ring_path = Path(identity["ring"])
+        sites_path = Path(sites_path_of(identity["ring"]))
         if self.directory is None or ring_path.parent != self.directory:
-            router.reject("bad_field", f"ring {ring_path} is not in {self.directory}")
+            router.reject("bad_field", f"ring {str(ring_path)!r:.200} is not in {self.directory}")
             return
         for source in self.sources.values():
             if source.path == ring_path:
@@ -206,7 +302,7 @@ class RingSet:
                 return
         try:
             source = RingSource(key, ring_path, sites_path, identity)
-        except RingError as exc:
+        except (RingError, ProtocolError) as exc:
             router.reject("bad_ring", str(exc))
             return
         self.sources[key] = source
@@ -224,9 +320,14 @@ class RingSet:
             return
         for ring_path in sorted(self.directory.glob("*.ring")):
             key = ("ring", str(ring_path))
+            if RING_NAME.fullmatch(ring_path.name) is None:
+                continue  # not an emitter's ring
             try:
                 source = RingSource(key, ring_path, ring_path.with_suffix(".sites"), {})
-            except RingError as exc:
+            except RingBusy as exc:
+                logger.info("%s", exc)
+                continue
+            except (RingError, ProtocolError) as exc:
                 logger.warning("removing unreadable ring %s: %s", ring_path, exc)
                 ring_path.unlink(missing_ok=True)
                 ring_path.with_suffix(".sites").unlink(missing_ok=True)
@@ -288,7 +389,7 @@ class RingSet:
                 del self.sources[key]
                 router.emitter_bye(key)
         while self._retired and time.monotonic() - self._retired[0][0] > _UNMAP_AFTER:
-            self._retired.pop(0)[1].ring.close()
+            self._retired.pop(0)[1].unmap()
 
     def barrier(self, key: Hashable, barrier_id: int, position: int, router: Router) -> bool:
         source = self.sources.get(key)
@@ -326,7 +427,7 @@ class RingSet:
             source.close(remove=False)
         self.sources.clear()
         for _, source in self._retired:
-            source.ring.close()
+            source.unmap()
         self._retired.clear()
         if self._wake is not None:
             self._wake.close()
@@ -337,3 +438,109 @@ class RingSet:
                 self.directory.rmdir()  # only if empty: rings waiting for a daemon stay
             except OSError:
                 pass
+
+
+# struct flock (x86-64 and aarch64 Linux): l_type, l_whence, l_start, l_len, l_pid.
+_WRITE_LOCK = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+
+
+class RingBusy(RingError):
+    """Another daemon drains this ring (it holds the ring file's lock)."""
+
+
+def lock_ring_file(path: Path) -> int:
+    """Check a ring file before it is mapped (a regular file of ours, not a link, whose
+    control page is sound: tapd/protocol/schema.py, check_ring_control) and take its
+    lock, so that no two daemons drain one ring. Returns the locked descriptor."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RingError(f"cannot open ring {path}: {exc.strerror}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise RingError(f"ring {path} is not a regular file of ours")
+        try:
+            check_ring_control(os.pread(fd, 64, 0), info.st_size, mmap.PAGESIZE)
+        except ProtocolError as exc:
+            raise RingError(f"ring {path}: {exc.detail}") from exc
+        try:
+            # An open-file-description lock: the writer holds a flock on the file (its
+            # liveness, ring.h), which on Linux never conflicts with this one.
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _WRITE_LOCK)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise RingError(f"cannot lock ring {path}: {exc.strerror}") from exc
+            raise RingBusy(f"ring {path} is drained by another tapd daemon") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_READER_PID = struct.Struct("<q")
+_READER_PID_OFFSET = 280  # RingControl.reader_pid in tapd_native.cc
+
+
+def sweep_stale_rings(*, dry_run: bool = False) -> list[tuple[Path, int]]:
+    """Remove the ring directories in /dev/shm whose runtime directory is gone (a killed
+    job's, say) and whose rings no live process writes or reads: nobody can drain them
+    any more, and shared memory is never freed by itself. Returns each directory
+    removed (or that would be, with `dry_run`) and the bytes it held."""
+    removed: list[tuple[Path, int]] = []
+    if not SHM_DIR.is_dir():
+        return removed
+    for directory in sorted(SHM_DIR.glob(f"{ring_dir_prefix()}*")):
+        runtime = runtime_dir_of_rings(directory)
+        try:
+            info = directory.lstat()
+        except OSError:
+            continue
+        if (runtime is None or runtime.exists() or not stat.S_ISDIR(info.st_mode)
+                or info.st_uid != os.getuid()):  # fmt: skip
+            continue
+        held = _stale_bytes(directory)
+        if held is None:
+            continue
+        if not dry_run:
+            for entry in directory.iterdir():
+                entry.unlink(missing_ok=True)
+            try:
+                directory.rmdir()
+            except OSError:
+                continue
+            logger.warning("removed the rings of %s (%d bytes): its runtime directory %s is "
+                           "gone and no process uses them", directory, held, runtime)  # fmt: skip
+        removed.append((directory, held))
+    return removed
+
+
+def _stale_bytes(directory: Path) -> int | None:
+    """The bytes of the files in `directory` if no live process writes or reads any of
+    its rings, else None."""
+    held = 0
+    locks = []
+    try:
+        for entry in directory.iterdir():
+            info = entry.lstat()
+            held += info.st_size
+            if entry.suffix != ".ring" or not stat.S_ISREG(info.st_mode):
+                continue
+            try:
+                fd = lock_ring_file(entry)
+            except RingBusy:
+                return None  # a daemon drains it
+            except RingError:
+                continue  # not a ring we can read: nobody else can either
+            locks.append(fd)
+            page = os.pread(fd, _READER_PID_OFFSET + 8, 0)
+            writer = check_ring_control(page, info.st_size, mmap.PAGESIZE).writer_pid
+            (reader,) = _READER_PID.unpack_from(page, _READER_PID_OFFSET)
+            if pid_alive(writer) or (reader != os.getpid() and pid_alive(reader)):
+                return None
+    except OSError:
+        return None
+    finally:
+        for fd in locks:
+            os.close(fd)
+    return held

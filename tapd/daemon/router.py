@@ -189,7 +189,7 @@ class Router:
         """State for a new emitter: from its hello, or met without one (a restarted
         daemon seeing its taps, an orphaned ring)."""
         emitter = self.emitters[key] = Emitter(key, name)
-        logger.info("emitter %s connected", name)
+        logger.info("emitter %r connected", name)
         return emitter
 
     def rekey(self, old: PeerKey, new: PeerKey) -> None:
@@ -295,7 +295,7 @@ class Router:
         emitter = self.emitters.get(key)
         if emitter is not None:
             emitter.gone = True
-            logger.info("emitter %s disconnected", emitter.name)
+            logger.info("emitter %r disconnected", emitter.name)
             self._advance(emitter)
 
     def forget_dead_emitters(self, alive: Callable[[int], bool], skip: Container[Any]) -> None:
@@ -305,7 +305,7 @@ class Router:
         for key, emitter in list(self.emitters.items()):
             pid = emitter.local_pid
             if pid is not None and not emitter.gone and key not in skip and not alive(pid):
-                logger.info("emitter %s (pid %d) is gone without a bye", emitter.name, pid)
+                logger.info("emitter %r (pid %d) is gone without a bye", emitter.name, pid)
                 self.emitter_bye(key)
 
     def flush_credit(self) -> None:
@@ -315,6 +315,30 @@ class Router:
                 emitter.credit_due = 0
 
     # ---- subscribers ----------------------------------------------------------------
+    def refused(
+        self, key: PeerKey, consumer: str, seq: int, error: str, *, credit_bytes: int = 0
+    ) -> int:
+        """A tap of emitter `key` that this daemon refused (malformed, too large for its
+        subscribers): reported to the emitter as an `error`, so that its barrier_wait
+        raises, counted dropped, and finished at once; its bytes are credited back.
+        Returns its index (ring records are released by index)."""
+        emitter = self.emitters.get(key)
+        if emitter is None:
+            return -1
+        index = emitter.next_index
+        emitter.next_index += 1
+        emitter.received += 1
+        emitter.dropped += 1
+        emitter.credit_due += credit_bytes
+        self.counters["taps_refused"] += 1
+        if not emitter.gone:
+            self._send(key, encode("error", {
+                "consumer": consumer, "seq": seq, "error": error, "subscriber": "tapd daemon",
+                "emitter": emitter.name, "device": None,
+            }))  # fmt: skip
+        self._advance(emitter)
+        return index
+
 
     def subscriber_hello(self, key: PeerKey, header: dict[str, Any], now: float) -> None:
         consumers = header.get("consumers")
@@ -474,13 +498,13 @@ class Router:
         taps = sum(delivery.count for delivery in lost)
         if lost:
             logger.warning(
-                "subscriber %s %s; %d taps it had not processed are lost",
+                "subscriber %r %s; %d taps it had not processed are lost",
                 subscriber.name,
                 why,
                 taps,
             )
         else:
-            logger.info("subscriber %s %s", subscriber.name, why)
+            logger.info("subscriber %r %s", subscriber.name, why)
         self.counters["deliveries_lost"] += taps
         for delivery in lost:
             self._delivered(delivery, lost=True)

@@ -30,6 +30,7 @@ class Site:
         self.all_leaves = entry["leaves"]
         leaves = self.all_leaves[:-1] if self.shard is not None else self.all_leaves
         self.nbytes = sum(leaf[2] for leaf in leaves)
+        self.leaf_bytes = [leaf[2] for leaf in self.all_leaves]  # a record's leaves
         self.coords_offset = sum((leaf[2] + 7) & ~7 for leaf in leaves)
         self.coords_count = self.all_leaves[-1][2] // 4 if self.shard is not None else 0
         self.consumer: str = entry["consumer"]

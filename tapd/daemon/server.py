@@ -8,6 +8,7 @@ linger.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import socket
@@ -18,12 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import zmq
 
 from tapd import security
 from tapd.config import Config
 from tapd.daemon.forward import Forwarder
-from tapd.daemon.rings import RingSet, pid_alive
+from tapd.daemon.rings import RingSet, pid_alive, sweep_stale_rings
 from tapd.daemon.router import Router
 from tapd.errors import ProtocolError
 from tapd.protocol import Limits, decode, encode
@@ -56,6 +58,8 @@ class Daemon:
         )
         self.endpoints: list[str] = []
         self.zap: security.ZapHandler | None = None
+        self.handshakes: list[security.HandshakeMonitor] = []
+        self._lock_fds: list[int] = []
         self.rings = RingSet(ring_dir_for(config.endpoint))
         self.forwarder: Forwarder | None = None
 
@@ -69,7 +73,12 @@ class Daemon:
             if endpoint.startswith("ipc://"):
                 path = endpoint.removeprefix("ipc://")
                 ensure_private_dir(Path(path).parent)
-                _remove_stale_socket(path)
+                try:
+                    self._lock_fds.append(_lock_endpoint(path))
+                    _remove_stale_socket(path)
+                except OSError:
+                    self.close()
+                    raise
             sock = self._context.socket(zmq.ROUTER)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
             sock.setsockopt(zmq.LINGER, 1000)
@@ -80,6 +89,7 @@ class Daemon:
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes + (1 << 20))
             if endpoint.startswith("tcp://") and not self.config.insecure:
                 self._secure(sock)
+                self.handshakes.append(security.HandshakeMonitor(sock))
             try:
                 sock.bind(endpoint)
             except zmq.ZMQError as exc:
@@ -142,12 +152,18 @@ class Daemon:
         poller.register(self._wake_read, zmq.POLLIN)
         if self.zap is not None:
             poller.register(self.zap.socket, zmq.POLLIN)
+        for monitor in self.handshakes:
+            poller.register(monitor.socket, zmq.POLLIN)
         forwarder = self.forwarder
         if forwarder is not None:
             poller.register(forwarder.socket, zmq.POLLIN)
         wake = None
         if self.rings.directory is not None:
             ensure_private_dir(self.rings.directory)
+            try:
+                sweep_stale_rings()  # rings of killed jobs, whose runtime dirs are gone
+            except OSError as exc:
+                logger.warning("could not look for stale rings: %s", exc)
             wake = self.rings.open_wake_socket()
             if wake is not None:  # (by fd: zmq.Poller reports plain sockets by fd)
                 poller.register(wake.fileno(), zmq.POLLIN)
@@ -168,7 +184,13 @@ class Daemon:
                     self.rings.drain_wake_socket()
                 if self.zap is not None and self.zap.socket in events:
                     self.zap.handle()
-                    self.router.counters["auth_refused"] = self.zap.refused
+                for monitor in self.handshakes:
+                    if monitor.socket in events:
+                        monitor.handle()
+                if self.zap is not None:
+                    refused = self.zap.refused + sum(m.refused for m in self.handshakes)
+                    if refused:
+                        self.router.counters["auth_refused"] = refused
                 now = time.monotonic()
                 if forwarder is not None and forwarder.socket in events:
                     forwarder.receive(now)
@@ -225,6 +247,9 @@ class Daemon:
             self.forwarder = None
         if self.zap is not None:
             self.zap.close()
+        for monitor in self.handshakes:
+            monitor.close()
+        self.handshakes.clear()
         for sock in self._sockets:
             sock.close(linger=1000)
         self._sockets.clear()
@@ -232,6 +257,9 @@ class Daemon:
             if endpoint.startswith("ipc://"):  # libzmq leaves the socket file behind
                 Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
         self._context.term()
+        for fd in self._lock_fds:
+            os.close(fd)  # (the lock file stays: removing it would race a new daemon)
+        self._lock_fds.clear()
         # Only now: until the sockets are gone, ZeroMQ may still be sending ring memory.
         self.rings.close()
         for fd in (self._wake_read, self._wake_write):
@@ -263,9 +291,38 @@ class Daemon:
             try:
                 message = decode(frames[1:], self.limits)
             except ProtocolError as exc:
-                self.router.reject(exc.reason, str(exc))
+                self._rejected(key, frames[1:], exc)
                 continue
-            self._dispatch(key, index, message, now)
+            try:
+                self._dispatch(key, index, message, now)
+            except Exception as exc:  # a bug must not take every other peer down with it
+                first = self.router.counters["rejected_internal_error"] == 0
+                self.router.reject("internal_error", f"{message.kind!r} message: {exc!r}")
+                if first:
+                    logger.exception("handling a %r message failed", message.kind)
+
+    def _rejected(self, key: Any, frames: list[Any], exc: ProtocolError) -> None:
+        """Count a message that broke the protocol. If its sender is an emitter we know,
+        tell it (as an `error`, which its barrier_wait raises) and credit back the
+        array bytes it spent on it, so that its window does not shrink for good."""
+        self.router.reject(exc.reason, str(exc))
+        if key not in self.router.emitters:
+            return
+        consumer, seq, is_tap = "?", -1, False
+        if len(frames) >= 2 and len(frames[1]) <= 4 * self.limits.max_header_bytes:
+            try:
+                header = msgpack.unpackb(frames[1].buffer, raw=False, strict_map_key=False)
+            except Exception:  # only a best effort at naming the tap
+                header = None
+            if isinstance(header, dict):
+                is_tap = header.get("kind") == "tap"
+                if isinstance(header.get("consumer"), str):
+                    consumer = header["consumer"][: self.limits.max_name]
+                if type(header.get("seq")) is int:
+                    seq = header["seq"]
+        error = f"the tapd daemon rejected a message from this emitter: {exc}"[:4000]
+        credit = sum(len(f) for f in frames[2:]) if is_tap else 0
+        self.router.refused(key, consumer, seq, error, credit_bytes=credit)
 
     def _dispatch(self, key: Any, index: int, message: Any, now: float) -> None:
         router = self.router
@@ -277,19 +334,13 @@ class Daemon:
             router.ack(key, header, now)
         elif kind == "heartbeat":
             router.heartbeat(key, now)
-        elif kind == "hello":
-            if (
-                header["role"] == "emitter"
-                and isinstance(header.get("host"), str)
-                and isinstance(header.get("pid"), int)
-            ):
+        elif kind == "hello":  # (decode checked the fields of its role: schema.py)
+            if header["role"] == "emitter":
                 router.emitter_hello(key, header)
-                if isinstance(header.get("ring"), str):
+                if "ring" in header:
                     self.rings.attach(key, header, router)
-            elif header["role"] == "subscriber":
-                router.subscriber_hello(key, header, now)
             else:
-                router.reject("bad_field", f"hello with unknown role {header['role']!r:.40}")
+                router.subscriber_hello(key, header, now)
         elif kind == "barrier":
             position = header.get("ring_position")
             if not (
@@ -302,7 +353,8 @@ class Daemon:
             if key not in self.rings.sources:  # a ring's lifetime is its writer's
                 router.emitter_bye(key)
         elif kind == "stats":
-            stats = {**router.stats(), "rings": self.rings.stats()}
+            stats = {**router.stats(), "rings": self.rings.stats(), "daemon": self.id,
+                     "pid": os.getpid()}  # fmt: skip
             if self.forwarder is not None:
                 stats["forward"] = self.forwarder.stats()
             self._send(key, encode("stats_reply", {"stats": stats}))
@@ -314,6 +366,24 @@ class Daemon:
                 router.reject("forbidden", "shutdown is accepted on the local ipc endpoint only")
         else:
             router.reject("bad_header", f"{kind!r} is not something peers send to a daemon")
+
+
+def _lock_endpoint(path: str) -> int:
+    """Take `<socket>.lock` beside the socket for as long as this daemon runs: of two
+    daemons started at once for one endpoint, exactly one gets it (the other would
+    otherwise bind over the first, and both would drain the same rings)."""
+    lock_path = f"{path}.lock"
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise OSError(f"cannot open the lock file {lock_path}: {exc.strerror}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OSError(f"another tapd daemon is already running for ipc://{path} "
+                      f"(it holds {lock_path})") from None  # fmt: skip
+    return fd
 
 
 def _remove_stale_socket(path: str) -> None:

@@ -17,14 +17,12 @@ from typing import Any, NamedTuple
 import msgpack
 
 from tapd.errors import ProtocolError
+from tapd.protocol.schema import TAP, Schema, check_fields, req
 from tapd.protocol.wire import (
-    _SCHEMAS,
     MAGIC,
     Frame,
     Limits,
     Message,
-    Schema,
-    check_fields,
     check_shard,
     encode_header,
     is_int,
@@ -36,8 +34,8 @@ PER_TAP = ("tid", "seq", "step", "device", "time")
 # A row: static index, PER_TAP..., shard coordinates or nil, body frame, offset.
 ROW_LENGTH = 1 + len(PER_TAP) + 3
 STATIC_SCHEMA: Schema = {
-    **{k: v for k, v in _SCHEMAS["tap"].items() if k not in PER_TAP},
-    "emitter": str,
+    **{k: v for k, v in TAP.items() if k not in PER_TAP},
+    "emitter": req(TAP["emitter"].rule),
 }
 _NOT_STATIC = frozenset((*PER_TAP, "kind", "shard"))
 
@@ -135,7 +133,7 @@ class _Static:
     def __init__(self, index: int, static: Any, limits: Limits) -> None:
         if not isinstance(static, dict):
             raise ProtocolError("bad_field", f"batch static {index} is not a map")
-        check_fields("tap", static, STATIC_SCHEMA)
+        check_fields("batch static", static, STATIC_SCHEMA, limits)
         self.fields = static
         self.sizes = leaf_sizes(static, limits)
         # Each leaf's (start, size) from the tap's offset, padded to 8; and the whole.

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tapd.errors import ProtocolError
+from tapd.errors import ProtocolError, TapDefinitionError
 
 TreeSpec = list[Any]
 # Given a non-container value: None if it is a leaf, else (type name, key paths, children).
@@ -27,7 +27,8 @@ def _is_namedtuple(value: object) -> bool:
 
 
 def flatten(value: Any, custom: CustomNode | None = None) -> tuple[TreeSpec, list[Any]]:
-    """Split `value` into a tree spec and its leaves, in spec order (dict keys sorted)."""
+    """Split `value` into a tree spec and its leaves, in spec order (dict keys sorted).
+    Raises TapDefinitionError for a value that cannot travel (a dict key not str/int)."""
     leaves: list[Any] = []
 
     def walk(node: Any) -> TreeSpec:
@@ -55,7 +56,10 @@ def flatten(value: Any, custom: CustomNode | None = None) -> tuple[TreeSpec, lis
 def _sorted_keys(mapping: dict[Any, Any]) -> list[Any]:
     for key in mapping:
         if not isinstance(key, str | int) or isinstance(key, bool):
-            raise ValueError(f"dict key {key!r} cannot travel: only str and int keys can")
+            raise TapDefinitionError(
+                f"dict key {key!r:.80} ({type(key).__name__}) cannot be tapped: only str and "
+                f"int keys travel (the dict's keys: {list(mapping)!r:.120})"
+            )
     try:
         return sorted(mapping)
     except TypeError:  # mixed str and int keys
@@ -128,16 +132,17 @@ def _split(node: Any) -> tuple[str, list[Any]]:
         keys = node[-2]
         if not isinstance(keys, list) or len(keys) != len(children):
             raise ProtocolError("bad_tree", f"{tag!r} node has keys that do not match children")
+        # Types first: `set` below must only ever see hashable keys.
         if tag == "d" and not all(
             isinstance(k, str | int) and not isinstance(k, bool) for k in keys
         ):
             raise ProtocolError("bad_tree", "dict keys must be str or int")
-        if len(set(keys)) != len(keys):
-            raise ProtocolError("bad_tree", f"{tag!r} node has duplicate keys")
         if tag in ("nt", "k") and not (
             isinstance(node[1], str) and all(isinstance(k, str) for k in keys)
         ):
             raise ProtocolError("bad_tree", f"{tag!r} node needs a str name and str keys")
+        if len(set(keys)) != len(keys):
+            raise ProtocolError("bad_tree", f"{tag!r} node has duplicate keys")
     return tag, children
 
 

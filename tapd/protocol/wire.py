@@ -16,7 +16,9 @@ import msgpack
 import numpy as np
 
 from tapd.errors import ProtocolError
+from tapd.protocol import schema
 from tapd.protocol.dtypes import dtype_from_name, dtype_name
+from tapd.protocol.schema import KINDS_SCHEMA, check_header, required_types
 from tapd.protocol.tree import LEAF, count_leaves, unflatten
 
 VERSION = 1
@@ -25,46 +27,13 @@ MAGIC = b"TAPD" + bytes([VERSION])
 Frame = bytes | memoryview
 
 
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Bounds a decoder enforces before it trusts anything in a message."""
-
-    max_header_bytes: int = 1 << 20
-    max_leaves: int = 4096
-    max_tree_depth: int = 64
-    max_ndim: int = 32
-    max_message_bytes: int = 1 << 30
-    max_batch: int = 4096  # taps in one `taps` message
-
-
-DEFAULT_LIMITS = Limits()
-
-# Fields each kind must carry, with their types. Unknown extra fields are ignored so
-# that a minor addition does not break older peers; known ones are checked strictly.
-_OPT_INT = (int, type(None))
+Limits = schema.Limits
+DEFAULT_LIMITS = schema.DEFAULT_LIMITS
+KINDS = schema.KINDS
+# The kinds, their fields and the limits live in tapd/protocol/schema.py; the simple
+# view here (required fields and their types) is what older callers and tests use.
 Schema = dict[str, type | tuple[type, ...]]
-_SCHEMAS: dict[str, Schema] = {
-    "hello": {"role": str},
-    "welcome": {"window_bytes": int, "daemon": str},
-    "rehello": {},
-    "tap": {
-        "consumer": str, "seq": int, "step": _OPT_INT, "device": _OPT_INT, "process": int,
-        "host": str, "pid": int, "time": int, "transforms": list, "meta": dict,
-        "tree": list, "leaves": list,
-    },
-    "taps": {"statics": list, "taps": list},
-    "credit": {"bytes": int},
-    "ack": {"upto": int, "errors": list},
-    "error": {"consumer": str, "seq": int, "error": str, "subscriber": str},
-    "barrier": {"id": int},
-    "barrier_done": {"id": int, "delivered": int, "dropped": int, "unrouted": int},
-    "heartbeat": {},
-    "bye": {},
-    "stats": {},
-    "stats_reply": {"stats": dict},
-    "shutdown": {},
-}  # fmt: skip
-KINDS = frozenset(_SCHEMAS)
+_SCHEMAS: dict[str, Schema] = {kind: required_types(s) for kind, s in KINDS_SCHEMA.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +124,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     kind = header.get("kind")
     if not isinstance(kind, str) or kind not in KINDS:
         raise ProtocolError("bad_header", f"unknown message kind {kind!r:.40}")
-    check_fields(kind, header)
+    check_header(kind, header, limits)
     payload = [_buffer(f) for f in frames[2:]]
     if kind == "tap":
         _check_tap(header, payload, limits)
@@ -168,24 +137,9 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     return Message(header, payload)
 
 
-def check_fields(
-    kind: str, header: dict[str, Any], schema: Mapping[str, type | tuple[type, ...]] | None = None
-) -> None:
-    """Every field of `kind`'s schema (or the `schema` given) is there, with its type."""
-    for name, expected in (_SCHEMAS[kind] if schema is None else schema).items():
-        value = header.get(name, _MISSING)
-        if value is _MISSING:
-            raise ProtocolError("bad_field", f"{kind!r} message lacks {name!r}")
-        if not isinstance(value, expected) or (isinstance(value, bool) and _wants_int(expected)):
-            raise ProtocolError("bad_field", f"{kind!r} field {name!r} has bad type: {value!r:.60}")
-
-
-_MISSING = object()
-
-
-def _wants_int(expected: type | tuple[type, ...]) -> bool:
-    # bool is an int subclass in Python, never one on the wire
-    return expected is int or (isinstance(expected, tuple) and int in expected)
+def check_fields(kind: str, header: dict[str, Any], limits: Limits = DEFAULT_LIMITS) -> None:
+    """Every field of `kind`'s schema (tapd/protocol/schema.py) is there and valid."""
+    check_header(kind, header, limits)
 
 
 def _unpack_header(raw: memoryview, limits: Limits) -> dict[str, Any]:
