@@ -1,32 +1,41 @@
-"""Builds tapd's optional native library (the XLA FFI tap and the shared-memory ring).
+"""Builds tapd's native libraries, each optional (everything else is in pyproject.toml).
 
-Everything else is in pyproject.toml. The library needs the XLA FFI headers that jaxlib
-ships; they are looked for in $TAPD_XLA_FFI_INCLUDE, then in an importable jaxlib (use
-`pip install --no-build-isolation` after installing jax, as scripts/setup does). Without
-headers or a C++ compiler the install still succeeds: tapd then compiles the library
-on first use if it can, or falls back to the portable backend (`tapd doctor` says which).
+- `tapd.native._tapd_native`: the shared-memory ring (a C++17 compiler is all it
+  needs), with the XLA FFI handler for CPU built in where jaxlib's FFI headers are found:
+  $TAPD_XLA_FFI_INCLUDE, else an importable jaxlib (`[build-system] requires` has one,
+  so an isolated `pip install .` finds it).
+- `tapd.native._tapd_cuda`: the XLA FFI handler for CUDA, where the CUDA runtime from
+  pip's nvidia-cuda-runtime-cu12 (and the crt/ headers of nvidia-cuda-nvcc-cu12) is
+  importable too; with build isolation it is not, and tapd compiles it on first use
+  where JAX has a GPU.
+
+A library that cannot be built is a warning, not a failed install: tapd then compiles
+it on first use if it can, or falls back to the portable backend (`tapd doctor` says
+which). The sources ship in the wheel for that.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+HERE = Path(__file__).resolve().parent
 
-def ffi_include_dir() -> str | None:
-    candidates = [os.environ.get("TAPD_XLA_FFI_INCLUDE", "")]
-    spec = importlib.util.find_spec("jaxlib")
-    if spec is not None and spec.submodule_search_locations:
-        candidates += [str(Path(p) / "include") for p in spec.submodule_search_locations]
-    for candidate in candidates:
-        if candidate and (Path(candidate) / "xla" / "ffi" / "api" / "ffi.h").exists():
-            return candidate
-    return None
+
+def _native_build() -> Any:
+    """tapd/native/build.py (standard library only), without importing tapd."""
+    path = HERE / "tapd" / "native" / "build.py"
+    spec = importlib.util.spec_from_file_location("_tapd_native_build", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
 
 
 class OptionalBuildExt(build_ext):
@@ -36,38 +45,68 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # compiler missing, headers broken, ...
-            self._skip(exc)
+            self._skip("native libraries", exc)
 
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:
-            self._skip(exc)
+            self._skip(ext.name, exc)
 
-    def _skip(self, exc: Exception) -> None:
+    def _skip(self, what: str, exc: Exception) -> None:
         print(
-            f"tapd: native library not built ({exc}); the portable backend will be used",
+            f"tapd: {what} not built ({exc}); tapd compiles it on first use if it can, "
+            "else uses the portable backend",
             file=sys.stderr,
         )
 
 
-include = ffi_include_dir()
-extensions = []
-if include is None:
-    print(
-        "tapd: XLA FFI headers not found (jaxlib not importable at build time); "
-        "the native library is not built now",
-        file=sys.stderr,
-    )
-else:
-    extensions.append(
+def extensions() -> list[Extension]:
+    native = _native_build()
+    ffi = native.ffi_include_dir()
+    cuda = native.cuda_runtime()
+    flags = ["-std=c++17", "-O3", "-fvisibility-inlines-hidden"]
+    sources = ["tapd/native/ring.cc"]
+    if ffi is None:
+        print(
+            "tapd: jaxlib's XLA FFI headers not found at build time: the ring library is "
+            "built without the CPU handler (compiled on first use if jaxlib is there then)",
+            file=sys.stderr,
+        )
+    else:
+        sources.append("tapd/native/ffi_cpu.cc")
+        flags += ["-isystem", str(ffi)]
+    built = [
         Extension(
             "tapd.native._tapd_native",
-            sources=["tapd/native/tapd_native.cc"],
-            extra_compile_args=["-std=c++17", "-O3", "-isystem", include],
+            sources=sources,
+            depends=["tapd/native/ring.h"],
+            extra_compile_args=flags,
             language="c++",
             optional=True,
         )
-    )
+    ]
+    if ffi is not None and cuda is not None:
+        cuda_flags = [*flags]
+        for include in cuda.includes:
+            cuda_flags += ["-isystem", str(include)]
+        built.append(
+            Extension(
+                "tapd.native._tapd_cuda",
+                sources=["tapd/native/ffi_cuda.cc"],
+                depends=["tapd/native/ring.h"],
+                extra_compile_args=cuda_flags,
+                extra_link_args=native.cuda_link_args(cuda),
+                language="c++",
+                optional=True,
+            )
+        )
+    return built
 
-setup(ext_modules=extensions, cmdclass={"build_ext": OptionalBuildExt})
+
+setup(
+    ext_modules=extensions(),
+    cmdclass={"build_ext": OptionalBuildExt},
+    # The sources, so that tapd can compile what the install could not.
+    package_data={"tapd.native": ["*.cc", "*.h"]},
+)

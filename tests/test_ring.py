@@ -1,24 +1,32 @@
-"""The native shared-memory ring (tapd/native/tapd_native.cc) through its ctypes wrapper
+"""The native shared-memory ring (tapd/native/ring.cc) through its ctypes wrapper
 (tapd/native/ring.py): wrap-around, records as large as the ring (double mapping), the
-drop_newest and block policies, concurrent producers, a reader that restarts, and files
-that are not rings. Every ring lives in the test's own tmp_path and is closed by the
-`rings` fixture; no assertion depends on timing."""
+drop_newest and block policies, concurrent producers, a reader that restarts, files
+that are not rings, the portable backend's one-call write (the FFI handler's record),
+commits out of reservation order, and writers that die between reserving and
+committing. Every ring lives in the test's own tmp_path and is closed by the `rings`
+fixture; no assertion depends on timing."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import itertools
+import json
 import mmap
+import os
+import queue
 import random
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tapd.native import library
@@ -27,8 +35,8 @@ from tapd.native.ring import RECORD_HEADER, Record, Ring, RingError
 if library.load() is None:
     pytest.skip(
         "tapd's native library is unavailable "
-        f"({library.unavailable_reason()}); it needs a C++17 compiler and jaxlib's XLA FFI "
-        "headers (pip install . builds it, or tapd.native.library.build())",
+        f"({library.unavailable_reason()}); it needs a C++17 compiler "
+        "(`python -m tapd.native.build` says what is found)",
         allow_module_level=True,
     )
 
@@ -399,7 +407,8 @@ def test_drop_newest_drops_exactly_what_does_not_fit(rings: Rings, consumer: int
     size = 1000
     length = HEADER + align8(size)
     fit = CAPACITY // length
-    assert fit * length + HEADER + 800 <= CAPACITY < (fit + 1) * length
+    small = CAPACITY - fit * length - HEADER - 8  # fits what is left, leaving 8 bytes
+    assert 0 < small < size
 
     def write(seq_expected: int, nbytes: int) -> bool:
         return ring.write(seq_expected, bytes([seq_expected]) * nbytes, consumer=consumer)
@@ -418,7 +427,7 @@ def test_drop_newest_drops_exactly_what_does_not_fit(rings: Rings, consumer: int
     )
 
     # A smaller record still fits what is left; after it, not even an empty one does.
-    assert write(fit + 3, 800)
+    assert write(fit + 3, small)
     assert CAPACITY - ring.counters().head < HEADER
     assert not write(fit + 4, 0)
     assert ring.counters().dropped == 4
@@ -434,7 +443,7 @@ def test_drop_newest_drops_exactly_what_does_not_fit(rings: Rings, consumer: int
     assert [r.seq for r in records] == accepted  # gaps where records were dropped
     for record in records:
         assert record.site == record.seq  # the site encodes the seq it was written with
-        check_payload(record, bytes([record.seq]) * (800 if record.seq == fit + 3 else size))
+        check_payload(record, bytes([record.seq]) * (small if record.seq == fit + 3 else size))
     counters = ring.counters()
     assert (counters.taps, counters.dropped) == (fit + 2, 5)
     assert counters.head - counters.tail <= CAPACITY
@@ -750,3 +759,362 @@ def test_create_error_says_why(rings: Rings) -> None:
     with pytest.raises(RingError) as raised:
         rings.create(name="plain")
     assert "File exists" in str(raised.value)
+
+
+# ---- 9. the portable backend's one-call write ----------------------------------------
+
+
+def test_write_leaves_writes_one_record_of_padded_leaves(rings: Rings, consumer: int) -> None:
+    ring = rings.create("drop_newest")
+    leaves = [
+        np.arange(5, dtype=np.float32),  # 20 bytes: padded to 24
+        np.array(7, dtype=np.int64),
+        np.zeros((0, 3), dtype=np.float64),  # an empty leaf takes no room
+        np.arange(6, dtype=np.uint8).reshape(2, 3)[:, ::2],  # not contiguous: copied so
+    ]
+    assert ring.write_leaves(11, leaves, consumer=consumer, device=3, step=-4)
+    assert ring.write(12, b"one leaf", consumer=consumer, device=3)  # the same seq counter
+    first, second = ring.read(0)
+    assert (first.site, first.seq, first.step, first.device) == (11, 0, -4, 3)
+    assert (second.site, second.seq, second.step) == (12, 1, None)
+    assert first.end - first.start == HEADER + 24 + 8 + 0 + 8
+    payload = bytes(first.payload)
+    assert payload[:20] == leaves[0].tobytes()
+    assert payload[24:32] == leaves[1].tobytes()
+    assert payload[32:36] == np.ascontiguousarray(leaves[3]).tobytes()
+    header = np.frombuffer(rings.path().read_bytes(), RECORD_HEADER, 1, CONTROL_BYTES)[0]
+    assert (header["nleaves"], header["length"], header["flags"]) == (4, first.end, 0)
+
+
+_NO_RING_SCRIPT = """
+import ctypes, json, sys
+from pathlib import Path
+import numpy as np
+from tapd.native import library
+from tapd.native.ring import NO_STEP, Ring
+
+lib = library.load()
+data = np.arange(3, dtype=np.int32)
+pointers = (ctypes.c_void_p * 1)(data.ctypes.data)
+sizes = (ctypes.c_uint64 * 1)(data.nbytes)
+before = lib.tapd_ring_write_leaves(None, 1, 2, 0, NO_STEP, 1, pointers, sizes)
+ring = Ring.create(Path(sys.argv[1]), 8192)
+ring.install()
+installed = lib.tapd_ring_write_leaves(None, 1, 2, 0, 9, 1, pointers, sizes)
+[record] = ring.read(0)
+step, payload = record.step, bytes(record.payload[:12]).hex()
+ring.close()  # (no longer installed)
+after = lib.tapd_ring_write_leaves(None, 1, 2, 0, NO_STEP, 1, pointers, sizes)
+print(json.dumps([before, installed, after, step, payload]))
+"""
+
+
+def test_write_leaves_to_the_installed_ring_or_none(tmp_path: Path) -> None:
+    """NULL means the process's installed ring; with none installed, 2 (in a fresh
+    process: this one may have an emitter's ring installed)."""
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_RING_SCRIPT, str(tmp_path / "ring")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    before, installed, after, step, payload = json.loads(result.stdout)
+    assert (before, installed, after, step) == (2, 0, 2, 9)
+    assert payload == np.arange(3, dtype=np.int32).tobytes().hex()
+
+
+_FFI_SCRIPT = """
+import json, sys
+from pathlib import Path
+import jax, jax.numpy as jnp, numpy as np
+from tapd.native import library
+from tapd.native.ring import Ring
+
+ring = Ring.create(Path(sys.argv[1]), 65536)
+ring.install()
+jax.ffi.register_ffi_target(
+    "tapd_ring_test_tap", jax.ffi.pycapsule(library.handler("cpu")), platform="cpu")
+leaves = (jnp.arange(5, dtype=jnp.float32), jnp.array([[1, 2], [3, 4]], jnp.int16))
+
+@jax.jit
+def tap(a, b, step):
+    jax.ffi.ffi_call("tapd_ring_test_tap", (), has_side_effect=True)(
+        a, b, step, site=np.int64(5), consumer=np.int64(77), has_step=np.int64(1))
+    return a
+
+tap(*leaves, jnp.int32(-3)).block_until_ready()
+ring.write_leaves(5, [np.asarray(x) for x in leaves], consumer=77, device=0, step=-3)
+records = ring.read(0)
+print(json.dumps([[r.start, r.end, r.site, r.seq, r.step, r.device, bytes(r.payload).hex()]
+                  for r in records]))
+"""
+
+
+def test_write_leaves_writes_what_the_ffi_handler_writes(tmp_path: Path) -> None:
+    """The same tap through the CPU FFI handler (under jit) and through
+    tapd_ring_write_leaves: the same record, but for its time and seq."""
+    if not library.has_handler("cpu"):
+        pytest.skip(f"no CPU FFI handler here: {library.handler_reason('cpu')}")
+    result = subprocess.run(
+        [sys.executable, "-c", _FFI_SCRIPT, str(tmp_path / "ring")],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    by_ffi, by_call = json.loads(result.stdout)
+    assert by_ffi[3:] == [0, -3, 0, by_call[6]]  # seq 0, step, device, the same bytes
+    assert by_call[3] == 1  # the next seq of (consumer 77, device 0)
+    assert by_ffi[1] - by_ffi[0] == by_call[1] - by_call[0] == HEADER + 24 + 8
+    assert by_ffi[1] == by_call[0]
+
+
+# ---- 10. commits out of reservation order ----------------------------------------------
+
+
+def test_a_record_is_readable_once_it_and_all_before_it_are_committed(
+    rings: Rings, consumer: int
+) -> None:
+    ring = rings.create("drop_newest")
+    reader = rings.open()
+    positions = []
+    for i in range(4):
+        position = ring.reserve_for_test(i, bytes([i]) * 10, consumer=consumer, step=i)
+        assert position is not None
+        positions.append(position)
+    ends = [*positions[1:], ring.counters().head]
+
+    def readable() -> list[int]:
+        return [r.site for r in reader.read(0)]
+
+    ring.commit_for_test(positions[2])
+    ring.commit_for_test(positions[3])
+    assert readable() == []
+    assert reader.counters().committed == 0
+    ring.commit_for_test(positions[0])  # the first: it alone is readable
+    assert readable() == [0]
+    assert ring.counters().committed == ends[0]
+    ring.commit_for_test(positions[1])  # fills the gap: 2 and 3 were waiting on it
+    assert readable() == [0, 1, 2, 3]
+    counters = reader.counters()
+    assert (counters.committed, counters.taps, counters.abandoned) == (ends[3], 4, 0)
+    assert [r.seq for r in reader.read(0)] == [0, 1, 2, 3]  # seq is the reservation's
+
+
+def test_an_abandoned_record_is_skipped_counted_and_its_space_reused(
+    rings: Rings, consumer: int
+) -> None:
+    """Writers that give up records (a failed device copy): readers step over them,
+    `abandoned` counts them, and their space comes back as the ring wraps. Never does
+    `committed` stop on an abandoned record: a reader that has read to `committed`
+    has just read a record."""
+    ring = rings.create("drop_newest")
+    rng = random.Random(8)
+    position = 0
+    kept: list[int] = []
+    received: list[int] = []
+    abandoned = 0
+    sizes: dict[int, int] = {}
+    for n in range(600):
+        size = sizes[n] = rng.randrange(0, 600)
+        while ring.counters().head + HEADER + align8(size) - ring.counters().tail > CAPACITY:
+            records = ring.read(position)
+            assert records, f"nothing readable in a full ring: {ring.counters()}"
+            received += [r.site for r in records]
+            for record in records:
+                check_payload(record, bytes([record.site % 251]) * sizes[record.site])
+            position = records[-1].end
+            assert position == ring.counters().committed
+            ring.release(position)
+        at = ring.reserve_for_test(n, bytes([n % 251]) * size, consumer=consumer)
+        assert at is not None
+        if rng.random() < 0.3:
+            ring.abandon_for_test(at)
+            abandoned += 1
+        else:
+            ring.commit_for_test(at)
+            kept.append(n)
+    ring.write(10**6, b"last", consumer=consumer)  # so that no abandoned record trails
+    kept.append(10**6)
+    while True:
+        records = ring.read(position)
+        if not records:
+            break
+        received += [r.site for r in records]
+        position = records[-1].end
+        ring.release(position)
+    assert received == kept
+    counters = ring.counters()
+    assert (counters.abandoned, counters.taps, counters.dropped) == (abandoned, len(kept), 0)
+    assert counters.head == counters.committed == counters.tail == position
+    assert counters.head > 10 * CAPACITY
+
+
+STREAMS = 4
+PER_STREAM = 1500
+
+
+def test_streams_committing_out_of_order_deliver_each_record_once_in_ring_order(
+    rings: Rings, consumer: int
+) -> None:
+    """As several CUDA streams would: for each stream, one thread reserves records (the
+    host thread that runs the handler) and another commits them, in that stream's
+    order but whenever it gets there (the driver's host-function thread), so records
+    commit out of ring order across streams. The reader sees every record exactly once,
+    in ring order, whole. (Under `block`, a full ring holds back the reserving threads
+    only: the committing ones go on, as a stream does.)"""
+    ring = rings.create("block", capacity=8 * PAGE)
+    start = threading.Barrier(2 * STREAMS + 1)
+    done = object()
+
+    def payload(tid: int, i: int) -> bytes:
+        return producer_payload(tid, i)[: 8 + (i * 13) % 300]
+
+    def reserve(tid: int, commits: queue.SimpleQueue[Any]) -> None:
+        start.wait(timeout=JOIN_TIMEOUT)
+        for i in range(PER_STREAM):
+            at = ring.reserve_for_test(1000 + tid, payload(tid, i), consumer=consumer,
+                                       device=tid, step=i)  # fmt: skip
+            assert at is not None
+            commits.put(at)
+        commits.put(done)
+
+    def commit(tid: int, commits: queue.SimpleQueue[Any]) -> int:
+        rng = random.Random(tid)
+        start.wait(timeout=JOIN_TIMEOUT)
+        count = 0
+        while (at := commits.get(timeout=JOIN_TIMEOUT)) is not done:
+            if rng.random() < 0.05:
+                time.sleep(0.0005)  # pacing only: lets other streams' commits overtake
+            ring.commit_for_test(at)
+            count += 1
+        return count
+
+    threads = []
+    for tid in range(STREAMS):
+        commits: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threads.append(Worker(functools.partial(reserve, tid, commits)))
+        threads.append(Worker(functools.partial(commit, tid, commits)))
+    reader = Drainer(ring, expected=STREAMS * PER_STREAM)
+    reader.start()
+    try:
+        for thread in threads:
+            thread.start()
+        start.wait(timeout=JOIN_TIMEOUT)
+        join_writers(ring, threads)
+    except BaseException:
+        reader.abandon()
+        raise
+    records = reader.finish()  # asserts contiguity: each record starts where one ended
+
+    assert [t.result for t in threads[1::2]] == [PER_STREAM] * STREAMS
+    per_stream: dict[int, list[int]] = {tid: [] for tid in range(STREAMS)}
+    for record in records:
+        tid, i = struct.unpack_from("<II", record.payload)
+        check_payload(record, payload(tid, i))
+        assert (record.device, record.site, record.step, record.seq) == (tid, 1000 + tid, i, i)
+        per_stream[tid].append(i)
+    assert per_stream == {tid: list(range(PER_STREAM)) for tid in range(STREAMS)}
+    counters = ring.counters()
+    assert (counters.taps, counters.dropped, counters.abandoned) == (len(records), 0, 0)
+    assert counters.head == counters.committed == counters.tail == records[-1].end
+    assert counters.head > 20 * 8 * PAGE
+
+
+def test_a_sleeping_reader_is_woken_when_an_out_of_order_commit_completes(
+    rings: Rings,
+) -> None:
+    """The reader sleeps on a ring whose first record is reserved, the second
+    committed; the commit of the first makes both readable and must wake it."""
+    writer = rings.create("block")
+    reader = rings.open()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as wake:
+        wake.bind(str(rings.path("wake.sock")))
+        first = writer.reserve_for_test(1, b"first")
+        second = writer.reserve_for_test(2, b"second")
+        assert first is not None and second is not None
+        writer.commit_for_test(second)
+        assert reader.read(0) == []
+        assert reader.sleep(0) is True  # nothing readable: asleep
+        writer.commit_for_test(first)
+        wake.settimeout(10)
+        assert wake.recv(16) == b"\x01"
+        assert [r.site for r in reader.read(0)] == [1, 2]
+
+
+# ---- 11. a writer that dies between reserving and committing --------------------------
+
+_DYING_WRITER = """
+import json, sys
+from pathlib import Path
+from tapd.native.ring import Ring
+
+ring = Ring.create(Path(sys.argv[1]), 4 * 4096, "drop_newest")
+def payload(i):
+    return bytes([i]) * (10 + 8 * i)
+out = {"committed": [], "reserved": []}
+for i in range(int(sys.argv[2])):
+    kind = sys.argv[3][i]
+    if kind == "c":  # committed
+        assert ring.write(i, payload(i), step=i)
+        out["committed"].append(i)
+    elif kind == "r":  # reserved, filled, never committed
+        assert ring.reserve_for_test(i, payload(i), step=i) is not None
+        out["reserved"].append(i)
+    elif kind == "b":  # reserved, not even a header written
+        assert ring.reserve_bare_for_test(200) is not None
+        out["reserved"].append(i)
+print(json.dumps(out), flush=True)
+sys.stdin.readline()  # until the test says: die, with no cleanup at all
+import os
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        pytest.param("crcrcc", id="reserved-between-committed"),
+        pytest.param("ccbcrc", id="no-header-between-committed"),
+        pytest.param("cccrr", id="reserved-at-the-end"),
+        pytest.param("rbc", id="nothing-committed-before"),
+    ],
+)
+def test_records_of_a_dead_writer_are_skipped_counted_and_the_rest_delivered(
+    rings: Rings, pattern: str
+) -> None:
+    """A record reserved but never committed holds back every record after it while its
+    writer lives (it may be copying still), and is skipped, counted in `abandoned`,
+    once the writer is gone (nobody holds the ring's writer lock any more)."""
+    path = rings.path()
+    with subprocess.Popen(
+        [sys.executable, "-c", _DYING_WRITER, str(path), str(len(pattern)), pattern],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    ) as process:  # fmt: skip
+        try:
+            assert process.stdout is not None and process.stdin is not None
+            written = json.loads(process.stdout.readline())
+            reader = rings.open()
+            first_unfinished = min(pattern.find(k) for k in "rb" if k in pattern)
+            alive = [r.site for r in reader.read(0)]
+            assert alive == list(range(first_unfinished))  # held back while the writer lives
+            assert reader.counters().abandoned == 0
+            process.stdin.write("die\n")
+            process.stdin.flush()
+            assert process.wait(timeout=JOIN_TIMEOUT) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+    records = reader.read(0)
+    assert [r.site for r in records] == written["committed"]
+    for record in records:
+        assert record.step == record.site
+        check_payload(record, bytes([record.site]) * (10 + 8 * record.site))
+    counters = reader.counters()
+    assert counters.abandoned == len(written["reserved"])
+    assert counters.taps == len(written["committed"])
+    end = records[-1].end if records else 0
+    assert counters.committed == end  # never onto a trailing abandoned record
+    reader.release(end)
+    trailing = len(pattern) - 1 - pattern.rindex("c")  # unfinished records after the last
+    assert (counters.head > end) == (trailing > 0)

@@ -415,6 +415,7 @@ class RingSet:
                     "released": counters.tail,
                     "taps": counters.taps,
                     "dropped": counters.dropped,
+                    "abandoned": counters.abandoned,
                     "blocked_ns": counters.blocked_ns,
                     "capacity": counters.capacity,
                     "writer_gone": source.writer_gone,

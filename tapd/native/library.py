@@ -1,109 +1,71 @@
-"""Find, or build, and load tapd's native library; bind its C functions with ctypes.
+"""Find, or build, and load tapd's native libraries; bind their C functions with ctypes.
 
-Looked for, in order: the library `pip install` built next to this file, then the
-per-user cache (`~/.cache/tapd/`), where `build()` compiles it on first use when a C++
-compiler and jaxlib's XLA FFI headers are present. `load()` returns None with the reason
-in `unavailable_reason()` when none of that works; callers fall back to the portable
-backend and say so once.
+The ring library (the shared-memory ring, with the XLA FFI handler for CPU built in
+where jaxlib's FFI headers were found) and the CUDA handler library (`ffi_cuda.cc`,
+where the CUDA runtime is found) are looked for, in order: next to this file, where
+`pip install` built them, then in the per-user cache (`~/.cache/tapd/`), where they
+are compiled on first use (`tapd.native.build` says with what). The ring needs only a
+C++ compiler; each handler is optional.
+
+Nothing here raises for a library that cannot be found, built or loaded: `load()`
+returns None and `unavailable_reason()` says why; `has_handler(platform)` is False and
+`handler_reason(platform)` says why. Callers fall back and say so once.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.machinery
-import importlib.util
 import logging
 import os
-import shutil
-import subprocess
 import threading
 from pathlib import Path
+from typing import Any
+
+from tapd.native import build
 
 logger = logging.getLogger("tapd.native")
 
-SOURCE = Path(__file__).with_name("tapd_native.cc")
+API_VERSION = 1  # tapd::kApiVersion in ring.h: the table the CUDA library writes through
+PLATFORMS = ("cpu", "cuda")
+_HANDLER_SYMBOLS = {"cpu": "TapdTap", "cuda": "TapdTapCuda"}
+
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _reason: str | None = None
 _loaded = False
+_handlers: dict[str, Any] = {}  # platform -> the handler's ctypes function
+_handler_reasons: dict[str, str] = {}
 
 
-def _packaged() -> Path | None:
+class _Unavailable(Exception):
+    pass
+
+
+def _packaged(stem: str = "_tapd_native") -> Path | None:
+    """The library `pip install` built next to this file, if any."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = Path(__file__).with_name(f"_tapd_native{suffix}")
+        path = Path(__file__).with_name(f"{stem}{suffix}")
         if path.exists():
             return path
     return None
 
 
-def _ffi_include_dir() -> Path | None:
-    spec = importlib.util.find_spec("jaxlib")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        include = Path(location) / "include"
-        if (include / "xla" / "ffi" / "api" / "ffi.h").exists():
-            return include
-    return None
-
-
-def _cache_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    include = _ffi_include_dir()
-    if include is not None:
-        digest.update((include / "xla" / "ffi" / "api" / "c_api.h").read_bytes())
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tapd"
-    return root / f"libtapd_native-{digest.hexdigest()[:16]}.so"
-
-
-def build(destination: Path) -> Path:
-    """Compile the library to `destination`; raises RuntimeError saying what is missing."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler found (set CXX or install g++)")
-    include = _ffi_include_dir()
-    if include is None:
-        raise RuntimeError("jaxlib's XLA FFI headers were not found (is jaxlib installed?)")
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    partial = destination.with_suffix(f".{os.getpid()}.tmp")
-    command = [compiler, "-std=c++17", "-O3", "-fPIC", "-shared", "-isystem", str(include),
-               str(SOURCE), "-o", str(partial)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"compiling {SOURCE.name} failed:\n{result.stderr[-2000:]}")
-    partial.replace(destination)  # atomic: concurrent builders do not see half a file
-    return destination
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tapd"
 
 
 def load(*, allow_build: bool = True) -> ctypes.CDLL | None:
-    """The bound library, or None (see `unavailable_reason()`)."""
+    """The bound ring library, or None (see `unavailable_reason()`)."""
     global _library, _reason, _loaded
     with _lock:
-        if _loaded:
-            return _library
-        _loaded = True
-        path = _packaged()
-        if path is None:
-            cached = _cache_path()
-            if cached.exists():
-                path = cached
-            elif allow_build:
-                try:
-                    path = build(cached)
-                    logger.info("built tapd's native library at %s", path)
-                except (RuntimeError, OSError) as exc:
-                    _reason = str(exc)
-                    return None
-            else:
-                _reason = "the native library was not built at install time"
-                return None
-        try:
-            _library = _bind(ctypes.CDLL(str(path), use_errno=True))  # errno for messages
-        except OSError as exc:
-            _reason = f"cannot load {path}: {exc}"
-            return None
+        if not _loaded:
+            _loaded = True
+            try:
+                _library = _load_ring(allow_build)
+            except Exception as exc:  # whatever happens, the caller falls back
+                _reason = str(exc) if isinstance(exc, _Unavailable) else _describe(exc)
+                _library = None
         return _library
 
 
@@ -111,9 +73,203 @@ def unavailable_reason() -> str | None:
     return _reason
 
 
+def has_handler(platform: str) -> bool:
+    """Whether tapd's XLA FFI handler for `platform` ("cpu" or "cuda") is built and
+    loaded (loading or building it now if need be)."""
+    return handler(platform) is not None
+
+
+def handler(platform: str) -> Any:
+    """The handler's C function (for `jax.ffi.pycapsule`), or None (see
+    `handler_reason`)."""
+    platform = platform.lower()
+    if load() is None:
+        return None
+    with _lock:
+        if platform not in _handlers and platform not in _handler_reasons:
+            try:
+                if platform == "cuda":
+                    _handlers[platform] = _load_cuda()
+                elif platform == "cpu":
+                    raise _Unavailable(_handler_reasons.get("cpu", "not built"))
+                else:
+                    raise _Unavailable(f"tapd has no FFI handler for platform {platform!r}")
+            except Exception as exc:
+                _handler_reasons[platform] = (
+                    str(exc) if isinstance(exc, _Unavailable) else _describe(exc)
+                )
+        return _handlers.get(platform)
+
+
+def handler_reason(platform: str) -> str | None:
+    """Why there is no handler for `platform`, or None if there is one."""
+    if has_handler(platform):
+        return None
+    if load() is None:
+        return f"the ring library is unavailable: {_reason}"
+    return _handler_reasons.get(platform.lower(), "unknown")
+
+
+def status() -> dict[str, str]:
+    """One line each on the ring library and the handlers (for `tapd doctor`)."""
+    lib = load()
+    lines = {"ring library": str(lib._name) if lib is not None else f"unavailable: {_reason}"}
+    for platform in PLATFORMS:
+        function = handler(platform)
+        lines[f"{platform.upper()} handler"] = (
+            "built" if function is not None else f"unavailable: {handler_reason(platform)}"
+        )
+    return lines
+
+
+# ---- finding, building, loading --------------------------------------------------------
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _cached(key: str, allow_build: bool, compile_to: Any) -> Path:
+    path = cache_dir() / f"libtapd_{key}.so"
+    if path.exists():
+        return path
+    if not allow_build:
+        raise _Unavailable("the native library was not built at install time")
+    compile_to(path)
+    logger.info("built tapd's native library %s", path)
+    return path
+
+
+def _load_ring(allow_build: bool) -> ctypes.CDLL:
+    """The ring library: the packaged one if it has the CPU handler or none can be had
+    here, else one built (with the handler if the FFI headers are here) in the cache."""
+    include = build.ffi_include_dir()
+    packaged = _packaged()
+    fallback: ctypes.CDLL | None = None
+    if packaged is not None:
+        try:
+            lib = _bind(ctypes.CDLL(str(packaged), use_errno=True))  # errno for messages
+        except (OSError, AttributeError) as exc:  # another version's library
+            logger.info("not using %s: %s", packaged, exc)
+        else:
+            incompatible = _incompatible(lib, "cpu", include)
+            if hasattr(lib, "TapdTap") and incompatible is None:
+                return _with_cpu_handler(lib)
+            if incompatible is not None:
+                _handler_reasons["cpu"] = incompatible
+            if include is None or not allow_build:
+                _handler_reasons.setdefault(
+                    "cpu",
+                    "tapd was built without jaxlib's XLA FFI headers, and they are not "
+                    "here now (install jaxlib, or pip install with jaxlib present)",
+                )
+                return lib
+            fallback = lib  # the ring works; try for the handler below
+    try:
+        try:
+            path = _cached(build.ring_key(include), allow_build,
+                           lambda out: build.compile_ring(out, include))  # fmt: skip
+        except build.BuildError as exc:
+            if include is None or fallback is not None:
+                raise
+            # The handler did not compile (headers of an unexpected jaxlib?): the ring alone.
+            _handler_reasons["cpu"] = f"the CPU handler did not compile: {exc}"
+            path = _cached(build.ring_key(None), allow_build,
+                           lambda out: build.compile_ring(out, None))  # fmt: skip
+        lib = _bind(ctypes.CDLL(str(path), use_errno=True))
+    except (build.BuildError, OSError, AttributeError, _Unavailable) as exc:
+        if fallback is not None:
+            _handler_reasons.setdefault("cpu", f"the CPU handler could not be built: {exc}")
+            return fallback
+        if isinstance(exc, _Unavailable):
+            raise
+        raise _Unavailable(
+            str(exc) if isinstance(exc, build.BuildError) else _describe(exc)
+        ) from exc
+    if hasattr(lib, "TapdTap"):
+        return _with_cpu_handler(lib)
+    _handler_reasons.setdefault(
+        "cpu", "jaxlib's XLA FFI headers were not found (is jaxlib installed?)"
+    )
+    return lib
+
+
+def _incompatible(lib: ctypes.CDLL, platform: str, include: Path | None) -> str | None:
+    """Why the handler in `lib` cannot run on this jaxlib, or None if it can (or if
+    `lib` has no handler)."""
+    function = getattr(lib, f"tapd_ffi_api_version_{platform}", None)
+    if function is None:
+        return None
+    function.restype = ctypes.c_uint32
+    built = int(function())
+    runtime = build.ffi_api_version(include)
+    if build.ffi_compatible(built, runtime):
+        return None
+    assert runtime is not None
+    return (
+        f"the {platform.upper()} handler was built for XLA FFI API "
+        f"{build.version_name(built)}, this jaxlib has {build.version_name(runtime)}"
+    )
+
+
+def _with_cpu_handler(lib: ctypes.CDLL) -> ctypes.CDLL:
+    _handlers["cpu"] = lib.TapdTap
+    _handler_reasons.pop("cpu", None)
+    return lib
+
+
+def _load_cuda() -> Any:
+    """The CUDA handler library, attached to the ring library; raises _Unavailable."""
+    ring = _library
+    assert ring is not None
+    cuda = build.cuda_runtime()
+    include = build.ffi_include_dir()
+    if cuda is not None:  # so that its libcudart.so.12 is the one the library gets
+        try:
+            ctypes.CDLL(str(cuda.library), mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            pass  # then the library's own rpath, or the system's
+    path = _packaged("_tapd_cuda")
+    if path is not None:
+        try:
+            incompatible = _incompatible(ctypes.CDLL(str(path)), "cuda", include)
+        except OSError:
+            incompatible = None  # (said below, when loading it for real)
+        if incompatible is not None:
+            if include is None or cuda is None:
+                raise _Unavailable(incompatible)
+            path = None  # build one for this jaxlib
+    if path is None:
+        if include is None:
+            raise _Unavailable("jaxlib's XLA FFI headers were not found (is jaxlib installed?)")
+        if cuda is None:
+            raise _Unavailable(build.cuda_missing())
+        found = cuda
+        try:
+            path = _cached(build.cuda_key(include, cuda), True,
+                           lambda out: build.compile_cuda(out, include, found))  # fmt: skip
+        except build.BuildError as exc:
+            raise _Unavailable(str(exc)) from exc
+    try:
+        lib = ctypes.CDLL(str(path))
+        function = lib.TapdTapCuda
+        lib.tapd_cuda_attach.argtypes = [ctypes.c_void_p]
+        lib.tapd_cuda_attach.restype = ctypes.c_int
+        lib.tapd_cuda_runtime_version.restype = ctypes.c_int
+        incompatible = _incompatible(lib, "cuda", include)
+    except (OSError, AttributeError) as exc:
+        raise _Unavailable(f"cannot load {path}: {exc}") from exc
+    if incompatible is not None:
+        raise _Unavailable(incompatible)
+    if lib.tapd_cuda_attach(ring.tapd_ring_internal_api(API_VERSION)) != 0:
+        raise _Unavailable(f"{path} was built from other sources than the ring library")
+    return function
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     c = ctypes
-    signatures = {
+    u64p = c.POINTER(c.c_uint64)
+    signatures: dict[str, tuple[list[Any], Any]] = {
         "tapd_ring_create": ([c.c_char_p, c.c_uint64, c.c_uint32], c.c_void_p),
         "tapd_ring_open": ([c.c_char_p], c.c_void_p),
         "tapd_ring_close": ([c.c_void_p], None),
@@ -121,11 +277,23 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_readable": ([c.c_void_p, c.c_uint64, c.POINTER(c.c_void_p)], c.c_uint64),
         "tapd_ring_release": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_sleep": ([c.c_void_p, c.c_uint64], c.c_int),
-        "tapd_ring_counters": ([c.c_void_p, c.POINTER(c.c_uint64)], None),
+        "tapd_ring_counters": ([c.c_void_p, u64p], None),
+        "tapd_ring_nonce": ([c.c_void_p], c.c_uint64),
         "tapd_ring_set_reader": ([c.c_void_p, c.c_int64], None),
         "tapd_ring_write": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32, c.c_int64,
                              c.c_char_p, c.c_uint64], c.c_int),
+        # (ring or None, site, consumer, device, step, nleaves, data, sizes): the data
+        # and sizes arrays as plain pointers, so that a caller passes ctypes arrays or
+        # addresses without conversion.
+        "tapd_ring_write_leaves": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32,
+                                    c.c_int64, c.c_uint32, c.c_void_p, c.c_void_p], c.c_int),
         "tapd_ring_record_header_bytes": ([], c.c_uint64),
+        "tapd_ring_internal_api": ([c.c_uint32], c.c_void_p),
+        "tapd_ring_reserve_for_test": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32,
+                                        c.c_int64, c.c_char_p, c.c_uint64, u64p], c.c_int),
+        "tapd_ring_commit_for_test": ([c.c_void_p, c.c_uint64], None),
+        "tapd_ring_abandon_for_test": ([c.c_void_p, c.c_uint64], None),
+        "tapd_ring_reserve_bare_for_test": ([c.c_void_p, c.c_uint64], c.c_uint64),
     }  # fmt: skip
     for name, (argtypes, restype) in signatures.items():
         function = getattr(lib, name)

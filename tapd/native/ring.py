@@ -1,6 +1,7 @@
-"""A shared-memory ring of tap records (layout in tapd/native/tapd_native.cc and
-docs/PROTOCOL.md). Writers are the FFI handler (or `write`, for tests); the reader is
-the daemon, which releases space only once the taps it read were delivered."""
+"""A shared-memory ring of tap records (layout in tapd/native/ring.h and
+docs/PROTOCOL.md). Writers are the FFI handlers, the portable backend's callbacks
+(`tapd_ring_write_leaves`), or `write`/`write_leaves` here; the reader is the daemon,
+which releases space only once the taps it read were delivered."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import errno
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,9 +24,11 @@ POLICIES = {"block": 0, "drop_newest": 1}
 NO_STEP = -(2**63)
 RECORD_HEADER = np.dtype([
     ("length", "<u4"), ("nleaves", "<u4"), ("site", "<u8"), ("seq", "<u8"),
-    ("step", "<i8"), ("time_ns", "<i8"), ("device", "<i4"), ("reserved", "<u4"),
+    ("step", "<i8"), ("time_ns", "<i8"), ("device", "<i4"), ("flags", "<u4"),
+    ("commit", "<u8"),
 ])  # fmt: skip
-_HEADER = struct.Struct("<IIQQqqi4x")  # the same fields, unpacked without numpy (hot path)
+_HEADER = struct.Struct("<IIQQqqi4xQ")  # the same fields, unpacked without numpy (hot path)
+_COMMITTED, _ABANDONED = 2, 3  # commit tag states (ring.h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,7 @@ class Counters:
     blocked_ns: int  # time writers spent waiting for space (block)
     writer_pid: int
     capacity: int
+    abandoned: int  # records reserved but never to be committed (ring.h): skipped
 
 
 class Record(NamedTuple):  # (a NamedTuple: the daemon makes one per tap, quickly)
@@ -74,6 +79,7 @@ class Ring:
         self._lib = _lib()
         self.header_bytes = int(self._lib.tapd_ring_record_header_bytes())
         self._mapped: tuple[int, memoryview] | None = None  # (capacity, view of both maps)
+        self._nonce = int(self._lib.tapd_ring_nonce(handle)) & ~7  # in every commit tag
         assert self.header_bytes == RECORD_HEADER.itemsize
 
     @classmethod
@@ -113,7 +119,7 @@ class Ring:
         self._lib.tapd_ring_install(self.handle)
 
     def counters(self) -> Counters:
-        out = (ctypes.c_uint64 * 8)()
+        out = (ctypes.c_uint64 * 9)()
         self._lib.tapd_ring_counters(self.handle, out)
         return Counters(*[int(v) for v in out])
 
@@ -136,9 +142,59 @@ class Ring:
         )
         return status == 0
 
+    def write_leaves(
+        self,
+        site: int,
+        arrays: Sequence[Any],
+        *,
+        consumer: int = 0,
+        device: int = 0,
+        step: int | None = None,
+    ) -> bool:
+        """Append one record of several leaves, exactly as the FFI handler writes it
+        (through `tapd_ring_write_leaves`, which the portable backend calls directly).
+        False if dropped."""
+        leaves = [np.ascontiguousarray(a) for a in arrays]
+        data = (ctypes.c_void_p * len(leaves))(*[a.ctypes.data for a in leaves])
+        sizes = (ctypes.c_uint64 * len(leaves))(*[a.nbytes for a in leaves])
+        status: int = self._lib.tapd_ring_write_leaves(
+            self.handle, site, consumer, device, NO_STEP if step is None else step,
+            len(leaves), data, sizes,
+        )  # fmt: skip
+        return status == 0
+
+    # -- the commit protocol, a step at a time (tests only) --
+
+    def reserve_for_test(
+        self, site: int, payload: bytes, *, consumer: int = 0, device: int = 0,
+        step: int | None = None,
+    ) -> int | None:  # fmt: skip
+        """Reserve and fill a record without committing it; its position, or None if
+        dropped. Commit it (or abandon it) later, from any thread."""
+        position = ctypes.c_uint64()
+        status = self._lib.tapd_ring_reserve_for_test(
+            self.handle, site, consumer, device, NO_STEP if step is None else step,
+            payload, len(payload), ctypes.byref(position),
+        )  # fmt: skip
+        return None if status else int(position.value)
+
+    def commit_for_test(self, position: int) -> None:
+        self._lib.tapd_ring_commit_for_test(self.handle, position)
+
+    def abandon_for_test(self, position: int) -> None:
+        self._lib.tapd_ring_abandon_for_test(self.handle, position)
+
+    def reserve_bare_for_test(self, length: int) -> int | None:
+        """Reserve `length` bytes and write nothing, not even a header (a writer that
+        dies right after reserving). The position, or None if dropped."""
+        position = int(self._lib.tapd_ring_reserve_bare_for_test(self.handle, length))
+        return None if position == 2**64 - 1 else position
+
     def read(self, position: int, max_records: int = 1024) -> list[Record]:
         """Committed records from `position` on (views into the ring: valid until the
-        space is released and rewritten)."""
+        space is released and rewritten). Abandoned records are skipped: the first
+        record may start after `position`, and one may start after the previous one's
+        end."""
         return self.read_span(position, max_records)[1]
 
     def read_span(self, position: int, max_records: int = 1024) -> tuple[memoryview, list[Record]]:
@@ -158,14 +214,23 @@ class Ring:
         view = mapped[start : start + available]
         records: list[Record] = []
         offset = 0
+        nonce = self._nonce
         while offset < available and len(records) < max_records:
             if available - offset < self.header_bytes:
                 raise RingError(f"ring {self.path}: truncated record header at {position + offset}")
-            length, _, site, seq, step, time_ns, device = _HEADER.unpack_from(view, offset)
+            length, _, site, seq, step, time_ns, device, tag = _HEADER.unpack_from(view, offset)
             if length < self.header_bytes or length % 8 or offset + length > available:
                 raise RingError(
                     f"ring {self.path}: bad record length {length} at {position + offset}"
                 )
+            base_tag = ((position + offset) ^ nonce) & ~7
+            if tag != base_tag | _COMMITTED:
+                if tag != base_tag | _ABANDONED:
+                    raise RingError(
+                        f"ring {self.path}: record at {position + offset} is not committed"
+                    )
+                offset += length  # never to be committed: skipped (counted in `abandoned`)
+                continue
             records.append(Record(
                 start=position + offset, end=position + offset + length, site=site, seq=seq,
                 step=None if step == NO_STEP else step, time_ns=time_ns, device=device,

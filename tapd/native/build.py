@@ -1,0 +1,222 @@
+"""Where tapd's native sources and the headers they need are, and how to compile them.
+
+Two libraries:
+
+- the ring library (`ring.cc`; needs a C++17 compiler, nothing else), with the XLA FFI
+  handler for CPU (`ffi_cpu.cc`) built in where jaxlib's FFI headers are found;
+- the CUDA handler library (`ffi_cuda.cc`), where the FFI headers and the CUDA runtime
+  (headers and libcudart from pip's `nvidia-cuda-runtime-cu12`, plus the `crt/` headers
+  that `nvidia-cuda-nvcc-cu12` ships) are found. It is a library of its own so that a
+  machine without CUDA never needs libcudart to load the ring.
+
+Standard library only: setup.py loads this file by path at build time, where tapd's
+dependencies may not be installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).resolve().parent
+RING_SOURCES = ("ring.cc",)
+CPU_SOURCES = ("ffi_cpu.cc",)
+CUDA_SOURCES = ("ffi_cuda.cc",)
+HEADERS = ("ring.h",)
+FLAGS = ("-std=c++17", "-O3", "-fPIC", "-fvisibility-inlines-hidden")
+CUDART = "libcudart.so.12"
+
+
+class BuildError(RuntimeError):
+    """A library could not be compiled; the message says what is missing or failed."""
+
+
+def compiler() -> str:
+    found = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not found:
+        raise BuildError("no C++ compiler found (set CXX or install g++)")
+    return found
+
+
+def _package_dirs(name: str) -> list[Path]:
+    """The directories of an importable package, without importing it (a namespace
+    package such as `nvidia` may have several)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return [Path(p) for p in spec.submodule_search_locations]
+
+
+def ffi_include_dir() -> Path | None:
+    """jaxlib's XLA FFI headers: $TAPD_XLA_FFI_INCLUDE, else an importable jaxlib's."""
+    candidates = [Path(p) for p in [os.environ.get("TAPD_XLA_FFI_INCLUDE")] if p]
+    candidates += [p / "include" for p in _package_dirs("jaxlib")]
+    for candidate in candidates:
+        if (candidate / "xla" / "ffi" / "api" / "ffi.h").is_file():
+            return candidate
+    return None
+
+
+def ffi_api_version(include: Path | None) -> int | None:
+    """XLA_FFI_API_MAJOR << 16 | XLA_FFI_API_MINOR of the headers in `include`."""
+    if include is None:
+        return None
+    try:
+        text = (include / "xla" / "ffi" / "api" / "c_api.h").read_text(errors="replace")
+    except OSError:
+        return None
+    major = re.search(r"#define\s+XLA_FFI_API_MAJOR\s+(\d+)", text)
+    minor = re.search(r"#define\s+XLA_FFI_API_MINOR\s+(\d+)", text)
+    if major is None or minor is None:
+        return None
+    return int(major.group(1)) << 16 | int(minor.group(1))
+
+
+def ffi_compatible(built: int, runtime: int | None) -> bool:
+    """Whether a handler built against FFI API `built` runs on a jaxlib whose headers
+    say `runtime` (None: no jaxlib headers to tell; assume so). The same major version,
+    and a minor at least the handler's."""
+    if runtime is None:
+        return True
+    return built >> 16 == runtime >> 16 and built & 0xFFFF <= runtime & 0xFFFF
+
+
+def version_name(version: int) -> str:
+    return f"{version >> 16}.{version & 0xFFFF}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaRuntime:
+    includes: tuple[Path, ...]  # cuda_runtime_api.h, and the crt/ headers it includes
+    lib_dir: Path  # holds libcudart.so.12
+
+    @property
+    def library(self) -> Path:
+        return self.lib_dir / CUDART
+
+    def version(self) -> str:
+        """CUDART_VERSION from the headers (e.g. "12090"), or "?"."""
+        text = (self.includes[0] / "cuda_runtime_api.h").read_text(errors="replace")
+        found = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", text)
+        return found.group(1) if found else "?"
+
+
+def cuda_runtime() -> CudaRuntime | None:
+    """The CUDA runtime from pip's nvidia wheels ($TAPD_CUDA_RUNTIME_DIR first: a
+    directory with include/ and lib/ laid out like nvidia/cuda_runtime), or None."""
+    nvidia = _package_dirs("nvidia")
+    runtimes = [Path(p) for p in [os.environ.get("TAPD_CUDA_RUNTIME_DIR")] if p]
+    runtimes += [p / "cuda_runtime" for p in nvidia]
+    crt_dirs = [r / "include" for r in runtimes] + [p / "cuda_nvcc" / "include" for p in nvidia]
+    crt = next((d for d in crt_dirs if (d / "crt" / "host_defines.h").is_file()), None)
+    for runtime in runtimes:
+        include, lib = runtime / "include", runtime / "lib"
+        if (include / "cuda_runtime_api.h").is_file() and (lib / CUDART).is_file():
+            if crt is None:
+                return None  # the runtime's headers include crt/host_defines.h
+            return CudaRuntime((include,) if crt == include else (include, crt), lib)
+    return None
+
+
+def cuda_missing() -> str:
+    """Why cuda_runtime() found nothing."""
+    return (
+        "the CUDA runtime was not found (pip install nvidia-cuda-runtime-cu12 "
+        "nvidia-cuda-nvcc-cu12; jax[cuda12] installs both)"
+    )
+
+
+def _digest(names: tuple[str, ...], *extra: bytes) -> str:
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
+    for item in extra:
+        digest.update(item)
+    return digest.hexdigest()[:16]
+
+
+def ring_key(ffi_include: Path | None) -> str:
+    """Names a ring library build: sources, and the FFI ABI if the CPU handler is in."""
+    if ffi_include is None:
+        return "ring-" + _digest(HEADERS + RING_SOURCES)
+    abi = (ffi_include / "xla" / "ffi" / "api" / "c_api.h").read_bytes()
+    return "ring+cpu-" + _digest(HEADERS + RING_SOURCES + CPU_SOURCES, abi)
+
+
+def cuda_key(ffi_include: Path, cuda: CudaRuntime) -> str:
+    abi = (ffi_include / "xla" / "ffi" / "api" / "c_api.h").read_bytes()
+    return "cuda-" + _digest(HEADERS + CUDA_SOURCES, abi, cuda.version().encode(),
+                             str(cuda.lib_dir).encode())  # fmt: skip
+
+
+def ring_command(output: Path, ffi_include: Path | None) -> list[str]:
+    sources = RING_SOURCES + (CPU_SOURCES if ffi_include is not None else ())
+    includes = ["-isystem", str(ffi_include)] if ffi_include is not None else []
+    return [compiler(), *FLAGS, "-shared", *includes,
+            *[str(SOURCE_DIR / s) for s in sources], "-o", str(output)]  # fmt: skip
+
+
+def cuda_link_args(cuda: CudaRuntime) -> list[str]:
+    # The wheel has no unversioned libcudart.so to link by -lcudart. The rpaths: where
+    # it was found, and the same place relative to an installed tapd/native/.
+    return ["-L", str(cuda.lib_dir), f"-l:{CUDART}", f"-Wl,-rpath,{cuda.lib_dir}",
+            "-Wl,-rpath,$ORIGIN/../../nvidia/cuda_runtime/lib"]  # fmt: skip
+
+
+def cuda_command(output: Path, ffi_include: Path, cuda: CudaRuntime) -> list[str]:
+    includes = ["-isystem", str(ffi_include)]
+    for path in cuda.includes:
+        includes += ["-isystem", str(path)]
+    return [compiler(), *FLAGS, "-shared", *includes,
+            *[str(SOURCE_DIR / s) for s in CUDA_SOURCES], "-o", str(output),
+            *cuda_link_args(cuda)]  # fmt: skip
+
+
+def compile_ring(output: Path, ffi_include: Path | None) -> Path:
+    return _compile(lambda partial: ring_command(partial, ffi_include), output)
+
+
+def compile_cuda(output: Path, ffi_include: Path, cuda: CudaRuntime) -> Path:
+    return _compile(lambda partial: cuda_command(partial, ffi_include, cuda), output)
+
+
+def _compile(command_for: Callable[[Path], list[str]], output: Path) -> Path:
+    """Compile to `output` atomically (concurrent builders never see half a file)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    partial = output.with_name(f"{output.name}.{os.getpid()}.tmp")
+    try:
+        command = command_for(partial)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.SubprocessError) as exc:
+        partial.unlink(missing_ok=True)
+        raise BuildError(f"could not run the compiler: {exc}") from exc
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise BuildError(f"compiling {output.name} failed:\n{result.stderr[-2000:]}")
+    partial.replace(output)
+    return output
+
+
+def main() -> int:
+    """`python -m tapd.native.build`: what would be built here, and with what."""
+    include = ffi_include_dir()
+    cuda = cuda_runtime()
+    print(f"compiler: {os.environ.get('CXX') or shutil.which('c++') or 'none'}")
+    print(f"XLA FFI headers: {include or 'not found (the ring builds without the CPU handler)'}")
+    print(f"CUDA runtime: {cuda or cuda_missing()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

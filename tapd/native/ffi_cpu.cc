@@ -1,0 +1,79 @@
+// tapd's XLA FFI handler for the CPU platform: XLA calls it with the tap's operands
+// (and the step, last, if the tap has one); it writes them into the installed ring as
+// one record, exactly as the portable backend's tapd_ring_write_leaves does. No Python
+// runs on the tap path. Built into the ring's library where jaxlib's FFI headers are
+// found (jax.ffi.include_dir()).
+
+#include <cstdint>
+#include <vector>
+
+#include "ring.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, int64_t site, int64_t consumer,
+                   int64_t has_step) {
+  tapd::Ring* ring = tapd::InstalledRing();
+  if (ring == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "tapd: native tap ran before the emitter attached its ring");
+  }
+  // The operands: the leaves, then the step if there is one. An ordered tap's token
+  // comes as an argument too (a TOKEN buffer): it is no leaf.
+  constexpr size_t kInline = 16;  // most taps: no allocation
+  const void* inline_data[kInline];
+  uint64_t inline_sizes[kInline];
+  std::vector<const void*> more_data;
+  std::vector<uint64_t> more_sizes;
+  const void** data = inline_data;
+  uint64_t* sizes = inline_sizes;
+  if (args.size() > kInline) {
+    more_data.resize(args.size());
+    more_sizes.resize(args.size());
+    data = more_data.data();
+    sizes = more_sizes.data();
+  }
+  size_t count = 0;
+  ffi::DataType step_type = ffi::DataType::INVALID;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buffer = args.get<ffi::AnyBuffer>(i);
+    if (buffer.has_error()) return buffer.error();
+    if (buffer->element_type() == ffi::DataType::TOKEN) continue;
+    data[count] = buffer->untyped_data();
+    sizes[count] = buffer->size_bytes();
+    step_type = buffer->element_type();
+    ++count;
+  }
+  int64_t step = tapd::kNoStep;
+  if (has_step) {
+    if (count == 0) {
+      return ffi::Error(ffi::ErrorCode::kInvalidArgument, "tapd: a tap's step is missing");
+    }
+    --count;  // the last operand
+    step = step_type == ffi::DataType::S64 || step_type == ffi::DataType::U64
+               ? *static_cast<const int64_t*>(data[count])
+               : *static_cast<const int32_t*>(data[count]);
+  }
+  tapd::WriteLeaves(ring, tapd::RecordFields{uint64_t(site), uint32_t(consumer), device, step},
+                    uint32_t(count), data, sizes);  // a drop is counted in the ring
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTap, TapImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .Attr<int64_t>("site")
+                                  .Attr<int64_t>("consumer")
+                                  .Attr<int64_t>("has_step"));
+
+// The XLA FFI API version this handler was compiled against (major << 16 | minor): a
+// jaxlib of the same major version and at least this minor runs it.
+extern "C" uint32_t tapd_ffi_api_version_cpu() {
+  return (uint32_t{XLA_FFI_API_MAJOR} << 16) | uint32_t{XLA_FFI_API_MINOR};
+}

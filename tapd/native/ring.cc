@@ -1,0 +1,669 @@
+// tapd's shared-memory ring (layout and protocol in ring.h and docs/PROTOCOL.md) and
+// the C functions, loaded with ctypes (tapd/native/ring.py), that create, attach to,
+// write and drain it. Builds with a C++17 compiler alone.
+
+#include "ring.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <random>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+namespace tapd {
+namespace {
+
+// The control page: 4096 bytes, or one page where pages are larger (the record area
+// must start on a page boundary to be mapped twice).
+const size_t kControlBytes =
+    sysconf(_SC_PAGESIZE) > 4096 ? size_t(sysconf(_SC_PAGESIZE)) : size_t{4096};
+
+int64_t NowNs(clockid_t clock) {
+  timespec ts;
+  clock_gettime(clock, &ts);
+  return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+}
+
+uint64_t LoadTag(const RecordHeader* h) {
+  return __atomic_load_n(&h->commit, __ATOMIC_ACQUIRE);
+}
+
+void StoreTag(RecordHeader* h, uint64_t tag) {
+  __atomic_store_n(&h->commit, tag, __ATOMIC_RELEASE);
+}
+
+Ring* MapRing(int fd, uint64_t capacity) {
+  size_t total = kControlBytes + 2 * capacity;
+  void* base = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) return nullptr;
+  auto* bytes = static_cast<uint8_t*>(base);
+  int prot = PROT_READ | PROT_WRITE;
+  // MAP_POPULATE: fault the pages in now, not one by one on the tap path.
+  int flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE;
+  if (mmap(bytes, kControlBytes + capacity, prot, flags, fd, 0) == MAP_FAILED ||
+      mmap(bytes + kControlBytes + capacity, capacity, prot, flags, fd, kControlBytes) ==
+          MAP_FAILED) {
+    munmap(base, total);
+    return nullptr;
+  }
+  auto* ring = new Ring();
+  ring->control = reinterpret_cast<RingControl*>(bytes);
+  ring->data = bytes + kControlBytes;
+  ring->capacity = capacity;
+  ring->mapped = total;
+  return ring;
+}
+
+// The emitter process's ring, used by the FFI handlers and the portable backend.
+std::atomic<Ring*> g_ring{nullptr};
+
+// Large leaves are copied with non-temporal (streaming) stores: the ring is read by
+// another process, later, so pulling its cache lines into this core first (what plain
+// stores do) only doubles the memory traffic. Measured on the benchmark machine: a
+// 1 MiB copy into a rotating 256 MB /dev/shm buffer takes ~40 us this way, ~68 us with
+// memcpy. Small leaves stay with memcpy: the daemon reads them soon, from the cache.
+constexpr size_t kStreamingCopyBytes = 32 * 1024;
+
+void CopyToRing(uint8_t* dst, const void* source, size_t size) {
+  const uint8_t* src = static_cast<const uint8_t*>(source);
+#if defined(__SSE2__)
+  if (size >= kStreamingCopyBytes) {
+    size_t head = (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63;
+    std::memcpy(dst, src, head);  // up to the first 64-byte boundary of the ring
+    dst += head;
+    src += head;
+    size -= head;
+    for (; size >= 64; size -= 64, dst += 64, src += 64) {
+      __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+      __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+      __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+      __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+    }
+    _mm_sfence();  // streaming stores are weakly ordered: finish them before the commit
+  }
+#endif
+  if (size) std::memcpy(dst, src, size);  // all of a small leaf; the tail of a large one
+}
+
+// Reserve `length` bytes; returns the position or UINT64_MAX if dropped.
+uint64_t Reserve(Ring* ring, uint64_t length) {
+  RingControl* c = ring->control;
+  uint64_t head = c->head.load(std::memory_order_relaxed);
+  int64_t waiting_since = 0;
+  bool warned = false;
+  for (int spins = 0;; ++spins) {
+    uint64_t tail = c->tail.load(std::memory_order_acquire);
+    if (tail > head) {  // our `head` went stale while the reader moved on: reload it
+      head = c->head.load(std::memory_order_relaxed);
+      continue;
+    }
+    if (head + length - tail <= ring->capacity) {
+      if (c->head.compare_exchange_weak(head, head + length, std::memory_order_acq_rel,
+                                        std::memory_order_relaxed)) {
+        if (waiting_since) {
+          c->blocked_ns.fetch_add(NowNs(CLOCK_MONOTONIC) - waiting_since,
+                                  std::memory_order_relaxed);
+        }
+        return head;
+      }
+      continue;  // lost the race: `head` was reloaded by the CAS
+    }
+    if (c->policy == kPolicyDropNewest) {
+      c->dropped.fetch_add(1, std::memory_order_relaxed);
+      return UINT64_MAX;
+    }
+    // Policy block: the device pauses until the daemon frees space, as host_callback's
+    // outfeed did. Spin briefly, then sleep in short steps.
+    if (!waiting_since) waiting_since = NowNs(CLOCK_MONOTONIC);
+    if (spins < 64) {
+      sched_yield();
+    } else {
+      timespec pause{0, 50000};
+      nanosleep(&pause, nullptr);
+    }
+    if (!warned && NowNs(CLOCK_MONOTONIC) - waiting_since > 5000000000LL) {
+      warned = true;
+      std::fprintf(stderr,
+                   "tapd: a tap has waited 5 s for ring space (policy block); is the tapd "
+                   "daemon running and draining? (`tapd status`)\n");
+    }
+    head = c->head.load(std::memory_order_relaxed);
+  }
+}
+
+// Whether the process that created the ring is gone: nobody holds its writer lock any
+// more. (A pid could be reused, or be another pid namespace's; the lock cannot.) Never
+// true for the writer's own handle, nor for a handle that cannot tell.
+bool WriterGone(Ring* ring) {
+  if (ring->writer || ring->fd < 0) return false;
+  if (flock(ring->fd, LOCK_SH | LOCK_NB) != 0) return false;
+  flock(ring->fd, LOCK_UN);
+  return true;
+}
+
+bool Sane(uint64_t length, uint64_t position, uint64_t head) {
+  return length >= sizeof(RecordHeader) && length % 8 == 0 && length <= head - position;
+}
+
+// The writer is gone: every record in [position, head) that is neither committed nor
+// abandoned will never be committed. Mark each abandoned and count it. A record whose
+// header was never written (the writer died between reserving it and writing its
+// length) is found by its successor's tag: a filler record, abandoned, takes its place.
+void AbandonDeadRecords(Ring* ring, uint64_t position, uint64_t head) {
+  RingControl* c = ring->control;
+  while (position < head) {
+    RecordHeader* h = HeaderAt(ring, position);
+    uint64_t tag = LoadTag(h);
+    uint64_t length = __atomic_load_n(&h->length, __ATOMIC_RELAXED);
+    bool sane = Sane(length, position, head);
+    if (sane && (tag == Tag(c, position, kTagCommitted) ||
+                 tag == Tag(c, position, kTagAbandoned))) {
+      position += length;
+      continue;
+    }
+    if (sane && tag == Tag(c, position, kTagReserved)) {
+      if (__atomic_compare_exchange_n(&h->commit, &tag, Tag(c, position, kTagAbandoned),
+                                      false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        c->abandoned.fetch_add(1, std::memory_order_relaxed);
+      }
+      position += length;
+      continue;
+    }
+    // No header: look for the next record's, 8 bytes at a time.
+    uint64_t next = position + sizeof(RecordHeader);
+    for (; next + sizeof(RecordHeader) <= head; next += 8) {
+      const RecordHeader* candidate = HeaderAt(ring, next);
+      uint64_t t = LoadTag(candidate);
+      uint64_t state = t & 7;
+      if (state >= kTagReserved && state <= kTagAbandoned &&
+          t == Tag(c, next, state) &&
+          Sane(__atomic_load_n(&candidate->length, __ATOMIC_RELAXED), next, head)) {
+        break;
+      }
+    }
+    if (next + sizeof(RecordHeader) > head) next = head;
+    // Fillers of at most 1 GiB each (a record length is 32 bits), none shorter than a
+    // header.
+    bool first = true;
+    while (position < next) {
+      uint64_t gap = next - position;
+      uint64_t piece = gap <= (uint64_t{1} << 30) ? gap : (uint64_t{1} << 30);
+      if (gap - piece != 0 && gap - piece < sizeof(RecordHeader)) piece -= 64;
+      RecordHeader* filler = HeaderAt(ring, position);
+      uint64_t stale = LoadTag(filler);
+      __atomic_store_n(&filler->length, uint32_t(piece), __ATOMIC_RELAXED);
+      filler->nleaves = 0;
+      filler->flags = 0;
+      if (__atomic_compare_exchange_n(&filler->commit, &stale,
+                                      Tag(c, position, kTagAbandoned), false,
+                                      __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE) &&
+          first) {
+        c->abandoned.fetch_add(1, std::memory_order_relaxed);
+      }
+      first = false;
+      position += piece;
+    }
+  }
+}
+
+// Move `committed` over every consecutive committed record (and the abandoned ones
+// between them; never onto a trailing abandoned one, so that a reader that has read
+// to `committed` has always just read a record). A reader (`check_writer`) stuck on a
+// record that is only reserved abandons it, and every other unfinished one, if the
+// writer is gone. Returns `committed`.
+uint64_t Advance(Ring* ring, bool check_writer) {
+  RingControl* c = ring->control;
+  uint64_t position = c->committed.load(std::memory_order_acquire);
+  bool checked = false;
+  for (;;) {
+    uint64_t head = c->head.load(std::memory_order_acquire);
+    uint64_t p = position;
+    uint64_t end = position;
+    while (p < head) {
+      const RecordHeader* h = HeaderAt(ring, p);
+      uint64_t tag = LoadTag(h);
+      uint64_t length = __atomic_load_n(&h->length, __ATOMIC_RELAXED);
+      if (Sane(length, p, head)) {
+        if (tag == Tag(c, p, kTagCommitted)) {
+          p += length;
+          end = p;
+          continue;
+        }
+        if (tag == Tag(c, p, kTagAbandoned)) {
+          p += length;
+          continue;
+        }
+      }
+      if (!check_writer || checked) break;
+      checked = true;  // one lock test per call
+      if (!WriterGone(ring)) break;
+      AbandonDeadRecords(ring, p, head);  // then look at `p` again
+    }
+    if (end == position) return position;
+    // (seq_cst: pairs with the fence after a commit tag's store; see CommitRecord.)
+    if (c->committed.compare_exchange_strong(position, end, std::memory_order_seq_cst)) {
+      position = end;
+    }  // else `position` is the newer `committed`: go on from there
+  }
+}
+
+// After a commit: if the daemon went to sleep (its rings had nothing to read), wake it
+// with one datagram. It costs a fence per tap, and a syscall only on the first tap after
+// the daemon went idle. No daemon, or a full socket buffer: nothing to do (it polls
+// its rings now and then anyway).
+void Wake(Ring* ring) {
+  RingControl* c = ring->control;
+  // Pairs with the fence in tapd_ring_sleep: either the daemon sees our commit before
+  // it sleeps, or we see its flag here.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (ring->wake_length == 0 || !c->reader_sleeping.load(std::memory_order_relaxed) ||
+      !c->reader_sleeping.exchange(0, std::memory_order_acq_rel)) {
+    return;
+  }
+  int fd = ring->wake_fd.load(std::memory_order_acquire);
+  if (fd < 0) {
+    int fresh = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fresh < 0) return;
+    if (!ring->wake_fd.compare_exchange_strong(fd, fresh)) {
+      close(fresh);  // another thread made one first: `fd` is now that one
+    } else {
+      fd = fresh;
+    }
+  }
+  char byte = 1;
+  sendto(fd, &byte, 1, MSG_DONTWAIT | MSG_NOSIGNAL,
+         reinterpret_cast<const sockaddr*>(&ring->wake_address), ring->wake_length);
+}
+
+// After a record's tag was stored: make it (and any it completes) readable, then wake a
+// sleeping reader. The fence orders the tag store before `committed` is read: of two
+// writers committing neighbours at once, at least one sees the other's tag, so the last
+// commit always moves `committed` over both (and a reader that sleeps has either seen
+// the tag or left its flag for Wake to see).
+void Published(Ring* ring) {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  Advance(ring, false);
+  Wake(ring);
+}
+
+}  // namespace
+
+Ring* InstalledRing() { return g_ring.load(std::memory_order_acquire); }
+
+// A sequence number for (consumer, device) and, unless the tap is dropped, its place in
+// the ring, taken together under one lock: two threads tapping the same consumer on the
+// same device then land in the ring in sequence order. (Apart, a thread could take seq
+// 5, be preempted, and reserve after the thread that took seq 6.) A tap larger than the
+// whole ring, or refused under drop_newest, still uses up its number: the gap shows.
+uint8_t* BeginRecord(Ring* ring, uint64_t length, const RecordFields& fields,
+                     uint32_t nleaves, uint32_t flags, uint64_t* position) {
+  RingControl* c = ring->control;
+  uint64_t seq;
+  uint64_t at;
+  RecordHeader* h;
+  {
+    std::lock_guard<std::mutex> lock(ring->seq_mutex);
+    seq = ring->seq[(uint64_t{fields.consumer} << 32) | uint32_t(fields.device)]++;
+    if (length > ring->capacity || length > UINT32_MAX) {
+      c->dropped.fetch_add(1, std::memory_order_relaxed);
+      std::fprintf(stderr, "tapd: a %llu-byte tap is larger than the whole ring; dropped\n",
+                   static_cast<unsigned long long>(length));
+      return nullptr;
+    }
+    at = Reserve(ring, length);
+    if (at == UINT64_MAX) return nullptr;  // counted as dropped
+    // At once, so that a reader can step over the record should this process die
+    // before committing it.
+    h = HeaderAt(ring, at);
+    __atomic_store_n(&h->length, uint32_t(length), __ATOMIC_RELAXED);
+    StoreTag(h, Tag(c, at, kTagReserved));
+  }
+  h->nleaves = nleaves;
+  h->site = fields.site;
+  h->seq = seq;
+  h->step = fields.step;
+  h->time_ns = NowNs(CLOCK_REALTIME);
+  h->device = fields.device;
+  h->flags = flags;
+  *position = at;
+  return reinterpret_cast<uint8_t*>(h);
+}
+
+void CommitRecord(Ring* ring, uint64_t position, int64_t time_ns) {
+  RingControl* c = ring->control;
+  RecordHeader* h = HeaderAt(ring, position);
+  if (h->flags & kFlagStep32) {  // an int32 step was copied into the low 4 bytes
+    h->step = int32_t(uint32_t(uint64_t(h->step)));
+  }
+  h->flags = 0;
+  if (time_ns) h->time_ns = time_ns;
+  c->taps.fetch_add(1, std::memory_order_relaxed);
+  StoreTag(h, Tag(c, position, kTagCommitted));
+  Published(ring);
+}
+
+void AbandonRecord(Ring* ring, uint64_t position) {
+  RingControl* c = ring->control;
+  RecordHeader* h = HeaderAt(ring, position);
+  h->flags = 0;
+  c->abandoned.fetch_add(1, std::memory_order_relaxed);
+  StoreTag(h, Tag(c, position, kTagAbandoned));
+  Published(ring);  // records after it may be readable now
+}
+
+int WriteLeaves(Ring* ring, const RecordFields& fields, uint32_t nleaves,
+                const void* const* data, const uint64_t* sizes) {
+  uint64_t length = sizeof(RecordHeader);
+  for (uint32_t i = 0; i < nleaves; ++i) length += Align8(sizes[i]);
+  uint64_t position;
+  uint8_t* out = BeginRecord(ring, length, fields, nleaves, 0, &position);
+  if (out == nullptr) return 1;
+  uint64_t offset = sizeof(RecordHeader);
+  for (uint32_t i = 0; i < nleaves; ++i) {
+    if (sizes[i]) CopyToRing(out + offset, data[i], sizes[i]);
+    offset += Align8(sizes[i]);
+  }
+  CommitRecord(ring, position, 0);
+  return 0;
+}
+
+namespace {
+
+// ---- The table a handler library built apart (ffi_cuda.cc) writes through ----------
+
+void* ApiInstalled() { return InstalledRing(); }
+
+uint8_t* ApiBegin(void* ring, uint64_t length, uint64_t site, uint32_t consumer,
+                  int32_t device, uint32_t nleaves, int64_t step, uint32_t flags,
+                  uint64_t* position) {
+  return BeginRecord(static_cast<Ring*>(ring), length,
+                     RecordFields{site, consumer, device, step}, nleaves, flags, position);
+}
+
+void ApiCommit(void* ring, uint64_t position, int64_t time_ns) {
+  CommitRecord(static_cast<Ring*>(ring), position, time_ns);
+}
+
+void ApiAbandon(void* ring, uint64_t position) {
+  AbandonRecord(static_cast<Ring*>(ring), position);
+}
+
+void ApiHold(void* ring) {
+  static_cast<Ring*>(ring)->async_pending.fetch_add(1, std::memory_order_acq_rel);
+}
+
+void ApiUnhold(void* ring) {
+  static_cast<Ring*>(ring)->async_pending.fetch_sub(1, std::memory_order_acq_rel);
+}
+
+uint8_t* ApiRecords(void* handle, uint64_t* capacity) {
+  auto* ring = static_cast<Ring*>(handle);
+  *capacity = ring->capacity;
+  return ring->data;
+}
+
+void ApiSetCloseHook(void* handle, void (*hook)(void*)) {
+  auto* ring = static_cast<Ring*>(handle);
+  std::lock_guard<std::mutex> lock(ring->hook_mutex);
+  ring->close_hook = hook;
+}
+
+const RingApi kApi = {
+    kApiVersion, sizeof(RingApi), ApiInstalled, ApiBegin,   ApiCommit,
+    ApiAbandon,  ApiHold,         ApiUnhold,    ApiRecords, ApiSetCloseHook,
+};
+
+}  // namespace
+}  // namespace tapd
+
+using tapd::Ring;
+using tapd::RingControl;
+
+// ---- C API for ctypes (tapd/native/ring.py, tapd/native/library.py) -------------------
+
+extern "C" {
+
+const tapd::RingApi* tapd_ring_internal_api(uint32_t version) {
+  return version == tapd::kApiVersion ? &tapd::kApi : nullptr;
+}
+
+// Create a ring file (mode 0600, must not exist); capacity: a multiple of the page size.
+// The calling process is its writer: it holds the file's writer lock until close.
+void* tapd_ring_create(const char* path, uint64_t capacity, uint32_t policy) {
+  if (capacity == 0 || capacity % uint64_t(sysconf(_SC_PAGESIZE)) != 0) {
+    errno = EINVAL;
+    return nullptr;
+  }
+  int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return nullptr;
+  // (Blocking: a reader's lock test holds the lock only for a moment.)
+  if (flock(fd, LOCK_EX) != 0 ||
+      ftruncate(fd, off_t(tapd::kControlBytes + capacity)) != 0) {
+    int saved = errno;
+    close(fd);
+    unlink(path);
+    errno = saved;
+    return nullptr;
+  }
+  Ring* ring = tapd::MapRing(fd, capacity);
+  if (ring == nullptr) {
+    int saved = errno;
+    close(fd);
+    unlink(path);
+    errno = saved;
+    return nullptr;
+  }
+  ring->fd = fd;
+  ring->writer = true;
+  RingControl* c = new (ring->control) RingControl();
+  c->version = tapd::kVersion;
+  c->policy = policy == tapd::kPolicyDropNewest ? tapd::kPolicyDropNewest : tapd::kPolicyBlock;
+  c->capacity = capacity;
+  c->writer_pid = getpid();
+  std::random_device entropy;
+  c->nonce = (uint64_t{entropy()} << 32) ^ entropy() ^ uint64_t(tapd::NowNs(CLOCK_MONOTONIC));
+  std::atomic_thread_fence(std::memory_order_release);
+  c->magic = tapd::kMagic;
+  // The daemon's wake socket lives beside the ring: <ring directory>/wake.sock.
+  const char* slash = std::strrchr(path, '/');
+  size_t dir = slash == nullptr ? 0 : size_t(slash - path) + 1;
+  static const char kWake[] = "wake.sock";
+  if (dir + sizeof(kWake) <= sizeof(ring->wake_address.sun_path)) {
+    ring->wake_address.sun_family = AF_UNIX;
+    std::memcpy(ring->wake_address.sun_path, path, dir);
+    std::memcpy(ring->wake_address.sun_path + dir, kWake, sizeof(kWake));
+    ring->wake_length = socklen_t(offsetof(sockaddr_un, sun_path) + dir + sizeof(kWake));
+  }
+  return ring;
+}
+
+// Map an existing ring (the daemon's side). Returns null with errno set, EPROTO if the
+// file is not a ring of this version.
+void* tapd_ring_open(const char* path) {
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) return nullptr;
+  uint64_t probe[3];  // magic; version and policy; capacity
+  uint32_t version;
+  struct stat info;
+  if (fstat(fd, &info) != 0 || info.st_size < off_t(tapd::kControlBytes) ||
+      pread(fd, probe, sizeof(probe), 0) != sizeof(probe) || probe[0] != tapd::kMagic ||
+      (std::memcpy(&version, &probe[1], sizeof(version)), version != tapd::kVersion) ||
+      info.st_size != off_t(tapd::kControlBytes + probe[2])) {
+    close(fd);
+    errno = EPROTO;
+    return nullptr;
+  }
+  Ring* ring = tapd::MapRing(fd, probe[2]);
+  if (ring == nullptr) {
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return nullptr;
+  }
+  ring->fd = fd;  // kept: its lock test tells whether the writer still lives
+  return ring;
+}
+
+void tapd_ring_close(void* handle) {
+  auto* ring = static_cast<Ring*>(handle);
+  if (ring == nullptr) return;
+  Ring* expected = ring;
+  tapd::g_ring.compare_exchange_strong(expected, nullptr);
+  // Device copies still on their way land in this memory, and their commits read it:
+  // wait for them (a stream runs them in order), or leave it mapped.
+  for (int waited_ms = 0; ring->async_pending.load(std::memory_order_acquire) > 0;
+       ++waited_ms) {
+    if (waited_ms == 10000) {
+      std::fprintf(stderr,
+                   "tapd: closing a ring with %lld device copies still pending after 10 s; "
+                   "leaving it mapped\n",
+                   static_cast<long long>(ring->async_pending.load()));
+      return;
+    }
+    timespec pause{0, 1000000};
+    nanosleep(&pause, nullptr);
+  }
+  void (*hook)(void*) = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(ring->hook_mutex);
+    hook = ring->close_hook;
+    ring->close_hook = nullptr;
+  }
+  if (hook != nullptr) hook(ring);
+  int fd = ring->wake_fd.exchange(-1);
+  if (fd >= 0) close(fd);
+  if (ring->fd >= 0) close(ring->fd);  // the writer's lock goes with it
+  munmap(ring->control, ring->mapped);
+  delete ring;
+}
+
+// Make `handle` the ring this process's taps write to.
+void tapd_ring_install(void* handle) { tapd::g_ring.store(static_cast<Ring*>(handle)); }
+
+// Reader: the committed bytes not yet consumed start at *data; returns their length.
+// The region is contiguous (double mapping); it holds whole records, some of which may
+// be abandoned (their commit tag says so: skip them), and ends with a committed one.
+uint64_t tapd_ring_readable(void* handle, uint64_t from, const uint8_t** data) {
+  auto* ring = static_cast<Ring*>(handle);
+  uint64_t committed = tapd::Advance(ring, !ring->writer);
+  *data = ring->data + (from % ring->capacity);
+  if (from >= committed) return 0;
+  uint64_t available = committed - from;
+  return available > ring->capacity ? ring->capacity : available;
+}
+
+// Reader, about to sleep: ask writers for a wake-up datagram. Returns 1, and asks
+// nothing, if records from `from` on are already readable (then there is work now).
+int tapd_ring_sleep(void* handle, uint64_t from) {
+  auto* ring = static_cast<Ring*>(handle);
+  RingControl* c = ring->control;
+  c->reader_sleeping.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the one in Wake
+  if (tapd::Advance(ring, !ring->writer) > from) {
+    c->reader_sleeping.store(0, std::memory_order_relaxed);
+    return 1;
+  }
+  return 0;
+}
+
+// Reader: every record below `position` has been delivered; writers may reuse it.
+void tapd_ring_release(void* handle, uint64_t position) {
+  RingControl* c = static_cast<Ring*>(handle)->control;
+  uint64_t committed = c->committed.load(std::memory_order_acquire);
+  if (position > committed) position = committed;  // never hand out unwritten space
+  if (position > c->tail.load(std::memory_order_relaxed)) {
+    c->tail.store(position, std::memory_order_release);
+  }
+}
+
+// Counters and positions, for the daemon and for `barrier_wait`.
+void tapd_ring_counters(void* handle, uint64_t* out /* [9] */) {
+  auto* ring = static_cast<Ring*>(handle);
+  RingControl* c = ring->control;
+  uint64_t committed = tapd::Advance(ring, !ring->writer);
+  out[0] = c->head.load(std::memory_order_acquire);
+  out[1] = committed;
+  out[2] = c->tail.load(std::memory_order_acquire);
+  out[3] = c->taps.load(std::memory_order_relaxed);
+  out[4] = c->dropped.load(std::memory_order_relaxed);
+  out[5] = c->blocked_ns.load(std::memory_order_relaxed);
+  out[6] = uint64_t(c->writer_pid);
+  out[7] = c->capacity;
+  out[8] = c->abandoned.load(std::memory_order_relaxed);
+}
+
+// For readers that check commit tags themselves (ring.py skips abandoned records).
+uint64_t tapd_ring_nonce(void* handle) { return static_cast<Ring*>(handle)->control->nonce; }
+
+void tapd_ring_set_reader(void* handle, int64_t pid) {
+  static_cast<Ring*>(handle)->control->reader_pid.store(pid, std::memory_order_release);
+}
+
+// The portable backend's whole tap in one call: one record of `nleaves` leaves, written
+// exactly as the FFI handler writes it. `handle` NULL: the installed ring. `step`
+// INT64_MIN: none. Returns 0 written, 1 dropped (counted), 2 no ring installed.
+int tapd_ring_write_leaves(void* handle, uint64_t site, uint32_t consumer, int32_t device,
+                           int64_t step, uint32_t nleaves, const void* const* data,
+                           const uint64_t* sizes) {
+  Ring* ring = handle != nullptr ? static_cast<Ring*>(handle) : tapd::InstalledRing();
+  if (ring == nullptr) return 2;
+  return tapd::WriteLeaves(ring, tapd::RecordFields{site, consumer, device, step}, nleaves,
+                           data, sizes);
+}
+
+// One record of one leaf (tests and benchmarks of the ring itself). Returns 0, or 1 if
+// dropped.
+int tapd_ring_write(void* handle, uint64_t site, uint32_t consumer, int32_t device,
+                    int64_t step, const uint8_t* payload, uint64_t size) {
+  const void* data[1] = {payload};
+  return tapd::WriteLeaves(static_cast<Ring*>(handle),
+                           tapd::RecordFields{site, consumer, device, step}, 1, data, &size);
+}
+
+uint64_t tapd_ring_record_header_bytes() { return sizeof(tapd::RecordHeader); }
+
+// ---- For tests of the commit protocol only: a record reserved and filled now,
+// committed or abandoned later (as a CUDA stream's host function would), or a bare
+// reservation with no header at all (a writer killed right after reserving).
+
+int tapd_ring_reserve_for_test(void* handle, uint64_t site, uint32_t consumer,
+                               int32_t device, int64_t step, const uint8_t* payload,
+                               uint64_t size, uint64_t* position) {
+  auto* ring = static_cast<Ring*>(handle);
+  uint64_t length = sizeof(tapd::RecordHeader) + tapd::Align8(size);
+  uint8_t* out = tapd::BeginRecord(ring, length,
+                                   tapd::RecordFields{site, consumer, device, step}, 1, 0,
+                                   position);
+  if (out == nullptr) return 1;
+  if (size) std::memcpy(out + sizeof(tapd::RecordHeader), payload, size);
+  return 0;
+}
+
+void tapd_ring_commit_for_test(void* handle, uint64_t position) {
+  tapd::CommitRecord(static_cast<Ring*>(handle), position, 0);
+}
+
+void tapd_ring_abandon_for_test(void* handle, uint64_t position) {
+  tapd::AbandonRecord(static_cast<Ring*>(handle), position);
+}
+
+uint64_t tapd_ring_reserve_bare_for_test(void* handle, uint64_t length) {
+  return tapd::Reserve(static_cast<Ring*>(handle), tapd::Align8(length));
+}
+
+}  // extern "C"

@@ -1,0 +1,181 @@
+// tapd's shared-memory ring: layout, record protocol, and the internal interface the
+// XLA FFI handlers (ffi_cpu.cc, ffi_cuda.cc) write through. Needs only a C++17
+// compiler and POSIX: no JAX, XLA or CUDA headers.
+//
+// Ring file layout (docs/PROTOCOL.md, "Shared-memory ring"):
+//   [ one page: RingControl ][ capacity bytes of records ]
+// The record area is mapped twice, back to back, so a record that crosses the end of
+// the ring is still contiguous in memory: any record up to `capacity` bytes fits.
+//
+// Writers (XLA threads, CUDA host functions, the portable backend's callbacks; all in
+// the one process that created the ring) reserve space with a CAS on `head`, mark the
+// record reserved, fill it, and commit it by storing its commit tag with release order.
+// Records commit in any order. Committers and readers then move `committed` over every
+// consecutive committed record (a CAS), so a record is readable once it and every
+// record before it is committed. The reader (the daemon) consumes [tail, committed) and
+// advances `tail` only once the taps were delivered, so a daemon that dies loses
+// nothing: its successor starts again from `tail`.
+
+#ifndef TAPD_NATIVE_RING_H_
+#define TAPD_NATIVE_RING_H_
+
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+
+namespace tapd {
+
+constexpr uint64_t kMagic = 0x31474e4952504154ULL;  // "TAPRING1"
+// 2: the reader_sleeping flag and the wake socket.
+// 3: per-record commit tags (out-of-order commits), the nonce, `abandoned`, the writer
+//    lock, a 56-byte record header.
+constexpr uint32_t kVersion = 3;
+constexpr int64_t kNoStep = INT64_MIN;
+constexpr uint32_t kPolicyBlock = 0;
+constexpr uint32_t kPolicyDropNewest = 1;
+
+// Record header `flags`. Set by a writer while the record is being filled, cleared by
+// the commit: a reader never sees them.
+constexpr uint32_t kFlagStep32 = 1;  // `step` holds an int32 in its low 4 bytes
+
+// Commit tag states (the low 3 bits of a record's `commit` word; see Tag()).
+constexpr uint64_t kTagReserved = 1;   // length valid; the rest is being written
+constexpr uint64_t kTagCommitted = 2;  // whole: may be read
+constexpr uint64_t kTagAbandoned = 3;  // never to be committed: skipped, counted
+
+struct RingControl {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t policy;
+  uint64_t capacity;
+  int64_t writer_pid;
+  uint64_t nonce;  // random per ring, mixed into every commit tag
+  alignas(64) std::atomic<uint64_t> head;       // next byte to reserve
+  alignas(64) std::atomic<uint64_t> committed;  // every byte below is readable
+  alignas(64) std::atomic<uint64_t> tail;       // every byte below was delivered
+  alignas(64) std::atomic<uint64_t> taps;       // committed tap records
+  std::atomic<uint64_t> dropped;                // refused for lack of space
+  std::atomic<uint64_t> blocked_ns;             // total time writers waited for space
+  std::atomic<int64_t> reader_pid;              // the daemon draining it, 0 if none
+  std::atomic<uint64_t> abandoned;              // reserved records never committed
+  // Set by an idle daemon before it sleeps; a writer that commits and finds it set
+  // clears it and sends a datagram to `wake.sock` beside the ring (see Wake).
+  alignas(64) std::atomic<uint32_t> reader_sleeping;
+};
+static_assert(sizeof(RingControl) <= 4096, "control block must fit its page");
+
+// One record; 8-byte aligned; followed by the leaves' bytes, each padded to 8.
+struct RecordHeader {
+  uint32_t length;  // whole record, header included, multiple of 8
+  uint32_t nleaves;
+  uint64_t site;    // tap site id (registered in the emitter's .sites file)
+  uint64_t seq;     // per (consumer, device), counting drops too: gaps are visible
+  int64_t step;     // kNoStep if none
+  int64_t time_ns;  // CLOCK_REALTIME
+  int32_t device;
+  uint32_t flags;   // kFlag*, writer-private: zero once committed
+  uint64_t commit;  // commit tag: Tag(ring, position, state), stored with release order
+};
+static_assert(sizeof(RecordHeader) == 56, "the record header is part of the format");
+static_assert(offsetof(RecordHeader, step) == 24, "");
+static_assert(offsetof(RecordHeader, commit) == 48, "");
+
+struct Ring {
+  RingControl* control;
+  uint8_t* data;  // capacity bytes, mapped twice
+  uint64_t capacity;
+  size_t mapped;  // bytes of address space reserved
+  // The ring file, open: the writer holds an exclusive flock on it for as long as it
+  // lives (so that readers can tell a dead writer from a slow one, whatever the pid
+  // namespace); a reader tests that lock with it.
+  int fd = -1;
+  bool writer = false;
+  // This process's writers: the next seq per (consumer << 32 | device), and the lock
+  // under which a writer takes its seq and its place in the ring (BeginRecord).
+  std::mutex seq_mutex;
+  std::unordered_map<uint64_t, uint64_t> seq;
+  // The daemon's wake socket, beside the ring (writers only), and a socket to send on.
+  sockaddr_un wake_address{};
+  socklen_t wake_length = 0;
+  std::atomic<int> wake_fd{-1};
+  // Records begun by asynchronous writers (CUDA streams) whose commit has not run yet;
+  // close waits for them. And what to do before unmapping (unregister pinned memory).
+  std::atomic<int64_t> async_pending{0};
+  std::mutex hook_mutex;
+  void (*close_hook)(void* ring) = nullptr;
+};
+
+inline uint64_t Align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
+
+// The commit word of the record at `position`, in `state`. The position makes a tag
+// left over from an earlier lap of the ring differ from this lap's; the nonce makes
+// leftover payload bytes equal to it as unlikely as guessing 61 random bits.
+inline uint64_t Tag(const RingControl* c, uint64_t position, uint64_t state) {
+  return ((position ^ c->nonce) & ~uint64_t{7}) | state;
+}
+
+inline RecordHeader* HeaderAt(Ring* ring, uint64_t position) {
+  return reinterpret_cast<RecordHeader*>(ring->data + (position % ring->capacity));
+}
+
+// What a record is made of, for WriteLeaves (the FFI CPU handler, the portable
+// backend, tests).
+struct RecordFields {
+  uint64_t site;
+  uint32_t consumer;
+  int32_t device;
+  int64_t step;  // kNoStep if none
+};
+
+// Reserve a record of `length` bytes (header included) with its seq, and write its
+// header, marked reserved, step and flags as given and time now. Returns its address,
+// or nullptr if dropped (counted; the seq is used up all the same). `*position` gets
+// its ring position. The caller fills the leaves, then calls CommitRecord (or
+// AbandonRecord) exactly once.
+uint8_t* BeginRecord(Ring* ring, uint64_t length, const RecordFields& fields,
+                     uint32_t nleaves, uint32_t flags, uint64_t* position);
+// Commit the record at `position` (time_ns: overwrite the header's time, 0 keeps it),
+// move `committed` as far as it goes, wake a sleeping reader.
+void CommitRecord(Ring* ring, uint64_t position, int64_t time_ns);
+// Give up a reserved record: readers skip it, `abandoned` counts it.
+void AbandonRecord(Ring* ring, uint64_t position);
+// The whole record, synchronously: header, then each leaf padded to 8. Returns 0, or 1
+// if dropped.
+int WriteLeaves(Ring* ring, const RecordFields& fields, uint32_t nleaves,
+                const void* const* data, const uint64_t* sizes);
+// The ring this process's taps write to (tapd_ring_install), or nullptr.
+Ring* InstalledRing();
+
+// ---- The interface a separately built handler library (ffi_cuda.cc) writes through.
+// It gets this table from tapd_ring_internal_api(), so that it uses this library's
+// installed ring and seq counters rather than copies of its own.
+constexpr uint32_t kApiVersion = 1;
+struct RingApi {
+  uint32_t version;  // kApiVersion
+  uint32_t size;     // sizeof(RingApi)
+  void* (*installed)();
+  uint8_t* (*begin)(void* ring, uint64_t length, uint64_t site, uint32_t consumer,
+                    int32_t device, uint32_t nleaves, int64_t step, uint32_t flags,
+                    uint64_t* position);
+  void (*commit)(void* ring, uint64_t position, int64_t time_ns);
+  void (*abandon)(void* ring, uint64_t position);
+  // An asynchronous commit is on its way (begin it before the record's begin call
+  // returns; end it after commit or abandon): close waits for it.
+  void (*hold)(void* ring);
+  void (*unhold)(void* ring);
+  // The record area: its first byte and `capacity` (it is mapped again right after).
+  uint8_t* (*records)(void* ring, uint64_t* capacity);
+  // Called once, before the ring is unmapped.
+  void (*set_close_hook)(void* ring, void (*hook)(void* ring));
+};
+
+}  // namespace tapd
+
+extern "C" const tapd::RingApi* tapd_ring_internal_api(uint32_t version);
+
+#endif  // TAPD_NATIVE_RING_H_
