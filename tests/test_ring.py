@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tapd.native import library
+from tapd.native import build, library
 from tapd.native.ring import RECORD_HEADER, Record, Ring, RingError
 
 if library.load() is None:
@@ -1118,3 +1118,92 @@ def test_records_of_a_dead_writer_are_skipped_counted_and_the_rest_delivered(
     reader.release(end)
     trailing = len(pattern) - 1 - pattern.rindex("c")  # unfinished records after the last
     assert (counters.head > end) == (trailing > 0)
+
+
+# ---- 12. the libraries: what builds where, and nothing raises --------------------------
+
+
+def test_the_ring_builds_and_runs_with_a_compiler_alone(tmp_path: Path) -> None:
+    """Without jaxlib's headers the ring library still builds (no FFI handler in it)
+    and works."""
+    built = build.compile_ring(tmp_path / "libring.so", None)
+    script = """
+import ctypes, sys
+from pathlib import Path
+from tapd.native import library
+lib = library._bind(ctypes.CDLL(sys.argv[1]))
+assert not hasattr(lib, "TapdTap")
+ring = lib.tapd_ring_create(sys.argv[2].encode(), 4096, 0)
+assert ring
+assert lib.tapd_ring_write(ring, 1, 2, 3, 4, b"payload", 7) == 0
+out = (ctypes.c_uint64 * 9)()
+lib.tapd_ring_counters(ring, out)
+print(out[3], out[1])
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(built), str(tmp_path / "ring")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", str(HEADER + 8)]
+
+
+_BROKEN_INSTALL = """
+import json, os, sys
+from pathlib import Path
+from tapd.native import build, library
+library._packaged = lambda stem="_tapd_native": None  # as if the install built nothing
+if sys.argv[1] == "no-sources":
+    build.SOURCE_DIR = Path(sys.argv[2])  # as if the wheel lacked them
+lib = library.load()
+print(json.dumps({
+    "loaded": lib is not None,
+    "reason": library.unavailable_reason(),
+    "cpu": library.has_handler("cpu"),
+    "cpu_reason": library.handler_reason("cpu"),
+    "cuda_reason": library.handler_reason("cuda"),
+    "status": library.status(),
+}))
+"""
+
+
+@pytest.mark.parametrize("broken", ["no-compiler", "no-sources"])
+def test_a_library_that_cannot_be_had_is_a_reason_never_an_exception(
+    tmp_path: Path, broken: str
+) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    if broken == "no-compiler":
+        env["CXX"] = "/nonexistent/c++"
+    result = subprocess.run(
+        [sys.executable, "-c", _BROKEN_INSTALL, broken, str(tmp_path / "empty")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    found = json.loads(result.stdout)
+    assert found["loaded"] is False and found["cpu"] is False
+    assert found["reason"], found
+    assert ("compiler" if broken == "no-compiler" else "sources") in found["reason"]
+    assert found["reason"] in found["cpu_reason"] and found["reason"] in found["cuda_reason"]
+    assert found["status"]["ring library"].startswith("unavailable: ")
+
+
+def test_the_cuda_handler_library_builds_and_exports_its_handler() -> None:
+    """Where the CUDA runtime wheels and jaxlib's headers are (scripts/setup installs
+    them, so CI compiles and links the handler on every commit), the CUDA handler
+    library is built, loads without a GPU, exports its handler, and attaches to the
+    ring library."""
+    missing = None
+    if build.ffi_include_dir() is None:
+        missing = "jaxlib's XLA FFI headers are not installed"
+    elif build.cuda_runtime() is None:
+        missing = build.cuda_missing()
+    if missing is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must build the CUDA handler (scripts/setup), but {missing}")
+        pytest.skip(missing)
+    assert library.has_handler("cuda"), library.handler_reason("cuda")
+    assert library.handler_reason("cuda") is None
+    function = library.handler("cuda")
+    assert function.__name__ == "TapdTapCuda"
+    assert library.status()["CUDA handler"] == "built"

@@ -160,18 +160,41 @@ _ffi_lock = threading.Lock()
 
 
 def register_ffi_target() -> bool:
-    """Register the C++ handler with XLA for the CPU platform; False if unavailable."""
+    """Register tapd's C++ handlers with XLA: for CPU where the library has it, and for
+    CUDA where JAX has a CUDA backend and tapd's CUDA handler is built (`library.
+    has_handler("cuda")`). False if none was registered (`library.handler_reason`
+    says why); a handler that fails to register is logged once, never raised."""
     global _ffi_registered
     with _ffi_lock:
         if _ffi_registered:
             return True
-        lib = library.load()
-        if lib is None:
+        if library.load() is None:
             return False
         import jax
 
-        capsule = jax.ffi.pycapsule(lib.TapdTap)  # type: ignore[no-untyped-call]
-        jax.ffi.register_ffi_target(FFI_TARGET, capsule, platform="cpu")
+        registered = False
+        for platform, xla_platform in (("cpu", "cpu"), ("cuda", "CUDA")):
+            if platform == "cuda":
+                try:
+                    if not jax.devices("cuda"):
+                        continue
+                except Exception:  # no CUDA backend in this JAX
+                    continue
+            function = library.handler(platform)
+            if function is None:
+                logger.info(
+                    "tapd: no %s tap handler: %s", platform, library.handler_reason(platform)
+                )
+                continue
+            try:
+                capsule = jax.ffi.pycapsule(function)  # type: ignore[no-untyped-call]
+                jax.ffi.register_ffi_target(FFI_TARGET, capsule, platform=xla_platform)
+            except Exception as exc:
+                logger.warning("tapd: could not register the %s tap handler: %s", platform, exc)
+                continue
+            registered = True
+        if not registered:
+            return False
         _allow_under_remat()
         _lower_taps_per_device()
         _ffi_registered = True

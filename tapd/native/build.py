@@ -140,7 +140,10 @@ def cuda_missing() -> str:
 def _digest(names: tuple[str, ...], *extra: bytes) -> str:
     digest = hashlib.sha256()
     for name in names:
-        digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
+        try:
+            digest.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
+        except OSError as exc:
+            raise BuildError(f"tapd's native sources are not installed here: {exc}") from exc
     for item in extra:
         digest.update(item)
     return digest.hexdigest()[:16]

@@ -28,7 +28,6 @@ logger = logging.getLogger("tapd.native")
 
 API_VERSION = 1  # tapd::kApiVersion in ring.h: the table the CUDA library writes through
 PLATFORMS = ("cpu", "cuda")
-_HANDLER_SYMBOLS = {"cpu": "TapdTap", "cuda": "TapdTapCuda"}
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
