@@ -8,17 +8,20 @@
         tapd.tap(loss, "loss")          # handled by a subscriber: @sub.on("loss")
         ...
 
-The host_callback API is here too: `id_tap`, `id_print`, `barrier_wait`,
-`TapFunctionException`. Importing tapd does not import JAX; the functions below do, on
-first call. Subscribers use the `tapd_client` package.
+The host_callback API is here too (`import tapd as hcb`): `id_tap`, `id_print`,
+`barrier_wait`, `CallbackException` (alias `TapFunctionException`), `CallbackFlavor`;
+docs/MIGRATING.md says what differs. Importing tapd does not import JAX; the functions
+below do, on first call. Subscribers use the `tapd_client` package.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 from tapd.errors import (
     BarrierTimeout,
+    CallbackException,
     ConfigError,
     ProtocolError,
     TapDefinitionError,
@@ -30,6 +33,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BarrierTimeout",
+    "CallbackException",
+    "CallbackFlavor",
     "ConfigError",
     "ProtocolError",
     "TapDefinitionError",
@@ -53,25 +58,73 @@ def tap(arg: Any, name: str, *, step: Any = None, **static_meta: Any) -> Any:
     return tapping.tap(arg, name, step=step, **static_meta)
 
 
-def id_tap(tap_func: Any, arg: Any, *, result: Any = None, tap_with_device: bool = False) -> Any:
-    """host_callback.id_tap: `tap_func(arg, transforms)` runs in a subscriber process."""
+class CallbackFlavor(enum.Enum):
+    """host_callback's choice of JAX callback (`callback_flavor=`). Accepted for
+    compatibility, with no effect: tapd taps are always ordered and asynchronous."""
+
+    IO_CALLBACK = 1
+    PURE = 2
+    DEBUG = 3
+
+
+def id_tap(
+    tap_func: Any,
+    arg: Any,
+    *,
+    result: Any = None,
+    tap_with_device: bool = False,
+    device_index: int = 0,
+    callback_flavor: CallbackFlavor | None = None,
+    **kwargs: Any,
+) -> Any:
+    """host_callback.id_tap: `tap_func(arg, transforms)` runs in a subscriber process that
+    takes it, else in this process, on tapd's receiver thread; returns `arg` (or
+    `result`). Lambdas, closures and bound methods always run in this process."""
     from tapd.emitter import host_callback
 
-    return host_callback.id_tap(tap_func, arg, result=result, tap_with_device=tap_with_device)
+    return host_callback.id_tap(tap_func, arg, result=result, tap_with_device=tap_with_device,
+                                device_index=device_index, callback_flavor=callback_flavor,
+                                **kwargs)  # fmt: skip
 
 
-def id_print(arg: Any, *, result: Any = None, what: str | None = None, **kwargs: Any) -> Any:
-    """host_callback.id_print: printed by `tapd subscribe tapd.printing` or `tapd tail`."""
+def id_print(
+    arg: Any,
+    *,
+    result: Any = None,
+    tap_with_device: bool = False,
+    device_index: int = 0,
+    output_stream: Any = None,
+    threshold: int | None = None,
+    callback_flavor: CallbackFlavor | None = None,
+    **kwargs: Any,
+) -> Any:
+    """host_callback.id_print: prints `kwargs` (`what: ...`) then `arg`, as host_callback
+    did: to `output_stream` or stdout in this process, or in `tapd subscribe
+    tapd.printing` / `tapd tail` where one runs."""
     from tapd.emitter import host_callback
 
-    return host_callback.id_print(arg, result=result, what=what, **kwargs)
+    return host_callback.id_print(arg, result=result, tap_with_device=tap_with_device,
+                                  device_index=device_index, output_stream=output_stream,
+                                  threshold=threshold, callback_flavor=callback_flavor,
+                                  **kwargs)  # fmt: skip
 
 
 def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.0) -> None:
-    """Wait until every tap so far was processed by every subscribed handler."""
+    """Wait until every tap so far was processed by every subscribed handler, tap
+    functions in this process included; raise `CallbackException` if any raised (chained
+    to the last exception raised in this process, if one was)."""
+    import sys
+
     from tapd.emitter import lifecycle
 
-    lifecycle.barrier_wait(logging_name, timeout=timeout)
+    try:
+        lifecycle.barrier_wait(logging_name, timeout=timeout)
+    except CallbackException as exc:
+        local = sys.modules.get("tapd.emitter.local_functions")
+        cause = local.take_exception() if local is not None else None
+        if cause is not None and exc.__cause__ is None:
+            exc.__cause__ = cause
+        raise
 
 
 def configure(**settings: Any) -> Any:
@@ -94,3 +147,20 @@ def stats() -> dict[str, int]:
     from tapd.emitter import lifecycle
 
     return lifecycle.stats()
+
+
+_NOT_HERE = {
+    "call": "host_callback.call returns the host function's result to the computation, "
+    "so the computation must wait for it: it cannot be asynchronous, and tapd does not "
+    "offer it. Use jax.experimental.io_callback(f, result_shape, x, ordered=True), which "
+    "host_callback.call itself used in its last versions, or jax.pure_callback for a pure "
+    "function; see docs/MIGRATING.md",
+    "stop_outfeed_receiver": "tapd uses no outfeed, so there is no outfeed receiver to "
+    "stop before using lax.outfeed: delete the call; see docs/MIGRATING.md",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NOT_HERE:
+        raise AttributeError(f"module 'tapd' has no attribute {name!r}: {_NOT_HERE[name]}")
+    raise AttributeError(f"module 'tapd' has no attribute {name!r}")

@@ -5,7 +5,8 @@
     ├── ConfigError                a setting was missing or malformed
     ├── TapDefinitionError         a tap site cannot be served (raised at trace time)
     ├── BarrierTimeout             also a TimeoutError: `barrier_wait` gave up
-    └── TapFunctionException       a subscriber's handler raised (surfaces at the barrier)
+    └── CallbackException          a tap function or handler raised (surfaces at the barrier);
+                                   `TapFunctionException` is the same class, as in host_callback
 
 Lower-layer errors are re-raised from these with `from exc`, and messages name the
 offending value.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 __all__ = [
     "BarrierTimeout",
+    "CallbackException",
     "ConfigError",
     "ProtocolError",
     "TapDefinitionError",
@@ -41,18 +43,24 @@ class ConfigError(TapdError):
 
 
 class TapDefinitionError(TapdError, TypeError):
-    """A tap cannot be built as written (a lambda given to id_tap, an object dtype...)."""
+    """A tap cannot be built as written (an object dtype, metadata that cannot travel, a
+    daemon that is not there to feed an in-process tap function...)."""
 
 
 class BarrierTimeout(TapdError, TimeoutError):
     """`barrier_wait` ran out of time; the message says what was outstanding."""
 
 
-class TapFunctionException(TapdError):
-    """One or more tap functions raised in a subscriber; `errors` lists them."""
+class CallbackException(TapdError):
+    """One or more tap functions (or subscriber handlers) raised; `barrier_wait` raises
+    this. `errors` lists them as "consumer#seq: what raised". host_callback's name;
+    `TapFunctionException` is an alias, as it was there."""
 
     def __init__(self, errors: list[str]) -> None:
         shown = "\n  ".join(errors[:10])
         more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
         super().__init__(f"{len(errors)} tap function call(s) raised:\n  {shown}{more}")
         self.errors = errors
+
+
+TapFunctionException = CallbackException  # host_callback's alias of the same class

@@ -25,8 +25,9 @@ def in_process_emitter(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 def test_exported_members() -> None:
     assert sorted(tapd.__all__) == sorted([
-        "BarrierTimeout", "ConfigError", "ProtocolError", "TapDefinitionError",
-        "TapFunctionException", "TapdError", "__version__", "backend", "barrier_wait",
+        "BarrierTimeout", "CallbackException", "CallbackFlavor", "ConfigError",
+        "ProtocolError", "TapDefinitionError", "TapFunctionException", "TapdError",
+        "__version__", "backend", "barrier_wait",
         "configure", "id_print", "id_tap", "stats", "tap",
     ])  # fmt: skip
     assert sorted(tapd_client.__all__) == [
@@ -44,7 +45,7 @@ def test_exported_members() -> None:
 def test_importing_tapd_and_the_subscriber_library_does_not_import_jax() -> None:
     code = (
         "import sys, tapd, tapd_client, tapd.cli.main, tapd.daemon.server, "
-        "tapd_client.tap_functions\n"
+        "tapd_client.tap_functions, tapd.printing\n"
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)\n"
         "print('clean')"
     )
@@ -63,18 +64,27 @@ def test_id_tap_names_importable_functions() -> None:
     assert consumer_name(module_level_tap) == f"{__name__}:module_level_tap"
 
 
-def test_id_tap_refuses_a_lambda_at_trace_time_saying_what_to_do() -> None:
-    with pytest.raises(tapd.TapDefinitionError, match="lambda, closure") as info:
-        jax.make_jaxpr(lambda x: tapd.id_tap(lambda a, t: None, x))(1.0)
-    assert "tapd.tap(x, 'name')" in str(info.value)
+def test_callback_exception_is_host_callbacks_name_and_tap_function_exception_its_alias() -> None:
+    assert tapd.CallbackException is tapd.TapFunctionException
+    assert issubclass(tapd.CallbackException, tapd.TapdError)
 
 
-def test_id_tap_refuses_a_closure_at_trace_time() -> None:
-    def inner(arg: object, transforms: object) -> None:
-        pass
+def test_id_tap_keywords_are_refused_pointing_to_functools_partial() -> None:
+    with pytest.raises(TypeError, match=r"functools\.partial\(tap_func, \*\*kwargs\)"):
+        tapd.id_tap(module_level_tap, 1.0, y=2)
 
-    with pytest.raises(tapd.TapDefinitionError, match="<locals>"):
-        jax.make_jaxpr(lambda x: tapd.id_tap(inner, x))(1.0)
+
+def test_host_callback_names_tapd_does_not_offer_say_what_to_use() -> None:
+    with pytest.raises(AttributeError, match="io_callback"):
+        tapd.call  # noqa: B018
+    with pytest.raises(AttributeError, match="no outfeed"):
+        tapd.stop_outfeed_receiver  # noqa: B018
+    assert not hasattr(tapd, "no_such_name")
+
+
+def test_device_index_must_name_a_local_device() -> None:
+    with pytest.raises(tapd.TapDefinitionError, match="device_index=99"):
+        jax.make_jaxpr(lambda x: tapd.id_tap(module_level_tap, x, device_index=99))(1.0)
 
 
 def test_unsupported_leaf_is_refused_at_trace_time_naming_the_tap() -> None:

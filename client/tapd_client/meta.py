@@ -72,7 +72,8 @@ class TapMeta:
     host: str
     pid: int
     emitter: str  # "host:pid"
-    transforms: tuple[tuple[str, dict[str, Any]], ...]  # e.g. (("batch", {"batch_dims": [0]}),)
+    # e.g. (("batch", {"batch_dims": (0,)}),): host_callback's form, outermost last
+    transforms: tuple[tuple[str, dict[str, Any]], ...]
     time: float  # unix seconds when the tap ran
     meta: dict[str, Any]  # static metadata given at the tap site
     shard: ShardInfo | None = None  # inside pmap/shard_map, or a per-shard jit tap
@@ -102,11 +103,23 @@ class TapMeta:
             host=header["host"],
             pid=header["pid"],
             emitter=str(header.get("emitter") or f"{header['host']}:{header['pid']}"),
-            transforms=tuple((str(t[0]), dict(t[1])) for t in header["transforms"]),
+            transforms=_transforms(header["transforms"]),
             time=header["time"] / 1e9,
             meta=dict(header["meta"]),
             shard=ShardInfo.from_header(header["shard"]) if header.get("shard") else None,
         )
+
+
+def _transforms(wire: list[Any]) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The protocol's `[name, params]` pairs as host_callback gave them: tuples, with
+    `batch_dims` a tuple too (msgpack has only lists)."""
+    out = []
+    for name, params in wire:
+        params = dict(params)
+        if isinstance(params.get("batch_dims"), list):
+            params["batch_dims"] = tuple(params["batch_dims"])
+        out.append((str(name), params))
+    return tuple(out)
 
 
 class MetaTemplate:

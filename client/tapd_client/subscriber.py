@@ -6,6 +6,11 @@ go back in batches (when the receive queue runs dry, or every half window), carr
 the text of any handler exception so that the emitter's `barrier_wait()` raises it.
 A subscriber given several endpoints (one daemon per host of a multi-host job) keeps
 one connection, with its own delivery ids and acks, per daemon.
+
+A *fallback* handler (`add_handler(..., fallback=True)`, with `fallback_for` naming an
+emitter "host:pid") gets that emitter's taps of its consumer only while no other
+subscriber takes them: how a JAX process runs its own id_tap functions when no
+subscriber process does (docs/PROTOCOL.md, "hello").
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class Subscriber:
         window: int = 256,
         heartbeat: float = 1.0,
         curve: ClientKeys | None = None,
+        fallback_for: str | None = None,
     ) -> None:
         if window <= 0:
             raise ValueError(f"window must be positive, got {window}")
@@ -115,6 +121,8 @@ class Subscriber:
         self.heartbeat = heartbeat
         self.curve = curve
         self._handlers: dict[str, Handler] = {}
+        self.fallback_for = fallback_for  # the emitter whose unwanted taps fallbacks take
+        self._fallback: set[str] = set()  # consumers whose handlers are fallbacks
         self._stop = threading.Event()
         self._context: zmq.Context[Any] = zmq.Context.instance()
         self._links: list[_DaemonLink] = []
@@ -133,12 +141,36 @@ class Subscriber:
 
         return register
 
-    def add_handler(self, consumer: str, handler: Handler) -> None:
+    def add_handler(self, consumer: str, handler: Handler, *, fallback: bool = False) -> None:
+        """Run `handler` for taps named `consumer`. With `fallback`, only for taps of the
+        emitter `fallback_for` that no other subscriber takes."""
         if self._links:
-            raise RuntimeError("add handlers before connecting")
+            raise RuntimeError("add handlers before connecting (or use subscribe())")
+        self._add(consumer, handler, fallback)
+
+    def _add(self, consumer: str, handler: Handler, fallback: bool) -> None:
         if consumer in self._handlers:
             raise ValueError(f"consumer {consumer!r} already has a handler")
+        if fallback and self.fallback_for is None:
+            raise ValueError("a fallback handler needs Subscriber(fallback_for=...)")
         self._handlers[consumer] = handler
+        if fallback:
+            self._fallback.add(consumer)
+
+    def subscribe(
+        self, consumer: str, handler: Handler, *, fallback: bool = False, timeout: float = 10.0
+    ) -> None:
+        """Add a handler to a connected subscriber: every daemon is told the new set of
+        consumers (taps in flight stay in flight) and confirms before this returns.
+        Call it from the thread that runs the subscriber, between `run()` calls."""
+        if not self._links:
+            self.add_handler(consumer, handler, fallback=fallback)
+            return
+        self._add(consumer, handler, fallback)
+        for link in self._links:
+            link.welcomed = False
+            link.send(encode("hello", {**self._hello_fields(), "update": True}))
+        self._wait_welcomed(timeout)
 
     @property
     def consumers(self) -> list[str]:
@@ -161,6 +193,9 @@ class Subscriber:
         for link in self._links:
             link.welcomed = False
             link.hello(self._hello_fields())
+        self._wait_welcomed(timeout)
+
+    def _wait_welcomed(self, timeout: float) -> None:
         poller = self._poller()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -224,8 +259,11 @@ class Subscriber:
     # ---- internals --------------------------------------------------------------
 
     def _hello_fields(self) -> dict[str, Any]:
-        return {"role": "subscriber", "consumers": list(self._handlers),
-                "window": self.window, "name": self.name, "batch": True}  # fmt: skip
+        fields = {"role": "subscriber", "consumers": list(self._handlers),
+                  "window": self.window, "name": self.name, "batch": True}  # fmt: skip
+        if self._fallback:  # which of `consumers` are fallbacks, and for whom
+            fields.update(fallback=sorted(self._fallback), fallback_for=self.fallback_for)
+        return fields
 
     def _poller(self) -> zmq.Poller:
         poller = zmq.Poller()

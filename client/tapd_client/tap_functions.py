@@ -3,7 +3,12 @@
 A tap site written `id_tap(mymodule.log_loss, x)` is consumer `"mymodule:log_loss"`.
 `serve_module("mymodule")` subscribes to `"mymodule:*"`, finds each function by its
 qualified name and calls it as host_callback did: `f(arg, transforms)`, plus
-`device=` when the site asked for `tap_with_device=True`, plus the site's static keywords.
+`device=` when the site asked for `tap_with_device=True`, plus the keywords the site
+bound (`id_tap(functools.partial(mymodule.f, what="loss"), x)` calls
+`f(arg, transforms, what="loss")`; `id_print`'s keywords travel the same way).
+
+The emitting process runs the same function, the same way, when no subscriber takes
+its consumer (tapd/emitter/local_functions.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ from typing import Any
 from tapd.errors import TapdError
 from tapd_client.meta import TapMeta
 from tapd_client.subscriber import Subscriber
+
+# Metadata that tapd itself adds to a tap site, never a keyword of the tap function:
+# `tap_with_device` (id_tap asked for `device=`), `device_index` (id_tap's), `key_impl`
+# (a tapped PRNG key's implementation). Bound keywords of these names make a tap
+# function run in its own process only (tapd.emitter.host_callback.importable_form).
+RESERVED_META = frozenset({"tap_with_device", "device_index", "key_impl"})
 
 
 def resolve(consumer: str) -> Callable[..., Any]:
@@ -34,12 +45,18 @@ def resolve(consumer: str) -> Callable[..., Any]:
     return target  # type: ignore[no-any-return]
 
 
+def tap_function_keywords(meta: TapMeta, device: Any = None) -> dict[str, Any]:
+    """The keywords a tap function gets: the site's bound ones, and `device=` (`device`,
+    or `meta.device` if None) where the site asked for it."""
+    kwargs = {k: v for k, v in meta.meta.items() if k not in RESERVED_META}
+    if meta.meta.get("tap_with_device"):
+        kwargs["device"] = meta.device if device is None else device
+    return kwargs
+
+
 def call_tap_function(arg: Any, meta: TapMeta) -> None:
     function = _cached_resolve(meta.consumer)
-    kwargs = {k: v for k, v in meta.meta.items() if k != "tap_with_device"}
-    if meta.meta.get("tap_with_device"):
-        kwargs["device"] = meta.device
-    function(arg, meta.transforms, **kwargs)
+    function(arg, meta.transforms, **tap_function_keywords(meta))
 
 
 @functools.lru_cache(maxsize=1024)

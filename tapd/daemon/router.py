@@ -109,6 +109,10 @@ class Subscriber:
     errors: int = 0
     deliver: Deliver | None = None  # set for in-process subscribers
     batch: bool = False  # takes `taps` messages (several small taps in one)
+    # Patterns it wants only from emitter `fallback_for`, and only while no other
+    # subscriber takes them (see `Router._targets`): a JAX process's own tap functions.
+    fallback: tuple[str, ...] = ()
+    fallback_for: str | None = None
 
     def wants(self, consumer: str) -> bool:
         # exact names, or prefixes written "module:*" (the client matches the same way)
@@ -116,6 +120,11 @@ class Subscriber:
             consumer == p or (p.endswith("*") and consumer.startswith(p[:-1]))
             for p in self.patterns
         )
+
+    def takes(self, consumer: str) -> bool:
+        """Wants `consumer` by a pattern other than the bare "*" of a watcher (`tapd tail
+        '*'`, a forwarder), which takes a copy of everything and no one's place."""
+        return _matches([p for p in self.patterns if p != "*"], consumer)
 
 
 class Router:
@@ -129,7 +138,8 @@ class Router:
         self.daemon_id = daemon_id
         self.emitters: dict[PeerKey, Emitter] = {}
         self.subscribers: dict[PeerKey, Subscriber] = {}
-        self._targets_cache: dict[str, list[Subscriber]] = {}  # cleared on any change
+        # by (consumer, emitter name or None); cleared on any change
+        self._targets_cache: dict[tuple[str, str | None], list[Subscriber]] = {}
         self._next_tid = 0  # delivery ids, one per tap, for every subscriber
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -177,7 +187,7 @@ class Router:
         self.counters["taps_received"] += count
         self.counters["bytes_received"] += nbytes
         credit_bytes = nbytes if credit else 0
-        if emitter.parked or (self.policy == "block" and not self._has_room(tap, nbytes)):
+        if emitter.parked or (self.policy == "block" and not self._has_room(tap, nbytes, emitter)):
             emitter.parked.append((index, tap, nbytes, credit_bytes))
             emitter.parked_bytes += credit_bytes
             emitter.pending[index] = _Pending(remaining=-1, count=count)  # not routed yet
@@ -200,12 +210,19 @@ class Router:
             emitter.key = new
             self.emitters[new] = emitter
 
-    def _targets(self, consumer: str) -> list[Subscriber]:
-        # Looked up twice per tap: cached per consumer until the subscribers change.
-        targets = self._targets_cache.get(consumer)
+    def _targets(self, consumer: str, emitter: Emitter | None = None) -> list[Subscriber]:
+        """The subscribers that want `consumer`; for a tap of `emitter` that none of them
+        takes (`Subscriber.takes`), also that emitter's fallback subscribers for it."""
+        # Looked up twice per tap: cached until the subscribers change.
+        key = (consumer, None if emitter is None else emitter.name)
+        targets = self._targets_cache.get(key)
         if targets is None:
             targets = [s for s in self.subscribers.values() if s.wants(consumer)]
-            self._targets_cache[consumer] = targets
+            if emitter is not None and not any(s.takes(consumer) for s in targets):
+                targets += [s for s in self.subscribers.values() if s not in targets
+                            and s.fallback_for == emitter.name
+                            and _matches(s.fallback, consumer)]  # fmt: skip
+            self._targets_cache[key] = targets
         return targets
 
     def run_limit(self, consumer: str, tap_bytes: int) -> int:
@@ -220,17 +237,17 @@ class Router:
         by_queue = max(1, self.queue_bytes // (2 * max(1, tap_bytes)))
         return min(*limits, by_queue, DEFAULT_LIMITS.max_batch)
 
-    def _has_room(self, tap: Unit, nbytes: int) -> bool:
+    def _has_room(self, tap: Unit, nbytes: int, emitter: Emitter) -> bool:
         return all(
             s.held_bytes == 0 or s.held_bytes + nbytes <= self.queue_bytes
-            for s in self._targets(tap.header["consumer"])
+            for s in self._targets(tap.header["consumer"], emitter)
         )
 
     def _route(
         self, emitter: Emitter, index: int, tap: Unit, nbytes: int, credit_bytes: int
     ) -> None:
         emitter.credit_due += credit_bytes
-        targets = self._targets(tap.header["consumer"])
+        targets = self._targets(tap.header["consumer"], emitter)
         count = _count(tap)
         if not targets:
             emitter.unrouted += count
@@ -256,7 +273,7 @@ class Router:
         for emitter in list(self.emitters.values()):  # (routing may finish and remove one)
             while emitter.parked:
                 index, tap, nbytes, credit_bytes = emitter.parked[0]
-                if self.policy == "block" and not self._has_room(tap, nbytes):
+                if self.policy == "block" and not self._has_room(tap, nbytes, emitter):
                     break
                 emitter.parked.popleft()
                 emitter.parked_bytes -= credit_bytes
@@ -351,12 +368,32 @@ class Router:
         ):
             self.reject("bad_field", "subscriber hello needs consumers: [str] and window > 0")
             return
+        # Which of `consumers` are fallbacks, for which emitter (docs/PROTOCOL.md, "hello")
+        owner = header.get("fallback_for")
+        marked = header.get("fallback")
+        fallback = [c for c in consumers if isinstance(marked, list) and c in marked]
+        if not (isinstance(owner, str) and 0 < len(owner) <= DEFAULT_LIMITS.max_id):
+            owner, fallback = None, []
+        patterns = tuple(c for c in consumers if c not in fallback)
+        if header.get("update") is True:  # more consumers, same session: nothing in flight lost
+            known = self.subscribers.get(key)
+            if known is None:  # e.g. this daemon restarted: a full hello, please
+                self._send(key, encode("rehello", {}))
+                return
+            known.patterns, known.fallback, known.fallback_for = patterns, tuple(fallback), owner
+            known.last_seen = now
+            self._targets_cache.clear()
+            logger.info("subscriber %r now wants %r", known.name, consumers)
+            self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
+            return
         if key in self.subscribers:
             self.drop_subscriber(key, "said hello again")
         name = str(header.get("name", "")) or repr(key)
         self._targets_cache.clear()
-        self.subscribers[key] = Subscriber(key, name, tuple(consumers), window, now,
-                                           batch=header.get("batch") is True)  # fmt: skip
+        self.subscribers[key] = Subscriber(key, name, patterns, window, now,
+                                           batch=header.get("batch") is True,
+                                           fallback=tuple(fallback),
+                                           fallback_for=owner)  # fmt: skip
         logger.info("subscriber %s connected for %s", name, ", ".join(consumers))
         self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
 
@@ -537,6 +574,10 @@ class Router:
         }
 
 
+def _matches(patterns: Sequence[str], consumer: str) -> bool:
+    return any(consumer == p or (p.endswith("*") and consumer.startswith(p[:-1])) for p in patterns)
+
+
 def _taps_of(delivery: _Delivery) -> list[Message]:
     tap = delivery.tap
     return tap.taps() if isinstance(tap, TapRun) else [tap]
@@ -574,6 +615,7 @@ def _subscriber_stats(s: Subscriber) -> dict[str, Any]:
     return {
         "name": s.name,
         "consumers": list(s.patterns),
+        "fallback": list(s.fallback),
         "queued": sum(d.count for d in s.queue),
         "in_flight": s.in_flight_taps,
         "held_bytes": s.held_bytes,

@@ -1,14 +1,47 @@
-"""host_callback's API: `id_tap`, `id_print`, and the consumer names of tap functions."""
+"""host_callback's API: `id_tap`, `id_print`, and where their tap functions run.
+
+Where a tap function runs (docs/MIGRATING.md, "Where tap functions run"):
+
+- an **importable** function (`mymodule.f`, found again by the name
+  `mymodule:f`), or a `functools.partial` of one whose keywords are plain values (str,
+  int, float, bool, None: they travel as the site's static metadata): in a subscriber
+  process that takes its consumer (`tapd subscribe mymodule`), else in this process
+  (tapd.emitter.local_functions, "fallback");
+- **anything else** (a lambda, a closure, a bound method, a callable object, a function
+  of `__main__`, a partial binding objects or positional arguments): in this process,
+  on tapd's receiver thread, under a consumer name of its own.
+
+Either way the function is called as host_callback called it: `f(arg, transforms)`,
+with `device=` when the site said `tap_with_device=True`.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
+from tapd.emitter import local_functions
 from tapd.emitter.tapping import emit
 from tapd.errors import TapDefinitionError
+from tapd.printing import print_tap
+from tapd_client.tap_functions import RESERVED_META
 
 PRINT_CONSUMER = "tapd.printing:print_tap"
+
+_META_TYPES = (str, int, float, bool, type(None))  # what a site's static metadata may hold
+
+# host_callback's own words (jax/experimental/host_callback.py), so that code and tests
+# that look for them still find them.
+_KWARGS_REMOVED = (
+    "Support for **kwargs in ``id_tap`` has been removed. Instead, pre-apply keyword "
+    "arguments, either by using a closure or by passing "
+    "``functools.partial(tap_func, **kwargs)``."
+)
 
 
 def id_tap(
@@ -17,32 +50,114 @@ def id_tap(
     *,
     result: Any = None,
     tap_with_device: bool = False,
+    device_index: int = 0,
+    callback_flavor: Any = None,
+    **kwargs: Any,
 ) -> Any:
-    """host_callback's `id_tap`: `tap_func(arg, transforms)` runs in a subscriber
-    (`tapd subscribe MODULE`); returns `result` if given, else `arg`."""
-    consumer = consumer_name(tap_func)
-    emit(consumer, arg, None, {"tap_with_device": True} if tap_with_device else {})
-    return arg if result is None else result
+    """host_callback's `id_tap`: `tap_func(arg, transforms)` runs in a subscriber process
+    that takes it, or in this process (see the module docstring); returns `result` if
+    given, else `arg` (as the tap's output, so later uses of it come after the tap).
+
+    `device_index` picks the device whose tap runs the function where the computation
+    taps a value once for all devices; `callback_flavor` (host_callback's choice of JAX
+    callback) is accepted and has no effect: tapd taps are always ordered and
+    asynchronous."""
+    if kwargs:
+        raise TypeError(_KWARGS_REMOVED)
+    if not callable(tap_func):
+        raise TypeError(f"Expected a callable value, got {tap_func!r}")
+    meta = _site_meta(tap_with_device, device_index)
+    consumer, bound = _placement(tap_func, arg)
+    tapped = emit(consumer, arg, None, {**bound, **meta})
+    return tapped if result is None else result
 
 
-def id_print(arg: Any, *, result: Any = None, what: str | None = None, **kwargs: Any) -> Any:
-    """host_callback's `id_print`: printed by a subscriber of `tapd.printing`
-    (`tapd subscribe tapd.printing`, or `tapd tail`)."""
-    emit(PRINT_CONSUMER, arg, None, {"what": what, **kwargs})
-    return arg if result is None else result
+def id_print(
+    arg: Any,
+    *,
+    result: Any = None,
+    tap_with_device: bool = False,
+    device_index: int = 0,
+    output_stream: Any = None,
+    threshold: int | None = None,
+    callback_flavor: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """host_callback's `id_print`: prints `arg` as host_callback did, after the keywords
+    (`what: ...`). With `output_stream`, `output_stream.write(line)` is called in this
+    process; otherwise it is printed by `tapd subscribe tapd.printing` (or shown by
+    `tapd tail`) if one runs, else on this process's stdout. `threshold` goes to
+    `numpy.array2string`."""
+    if output_stream is not None:
+        kwargs["output_stream"] = output_stream
+    if threshold is not None:
+        kwargs["threshold"] = threshold
+    printer = functools.partial(print_tap, **kwargs)
+    return id_tap(printer, arg, result=result, tap_with_device=tap_with_device,
+                  device_index=device_index, callback_flavor=callback_flavor)  # fmt: skip
 
 
 def consumer_name(tap_func: Callable[..., Any]) -> str:
-    """`module:qualname` of an importable function; TapDefinitionError otherwise."""
+    """The consumer an importable tap function's taps are named by, `module:qualname`;
+    TapDefinitionError for a function that only this process can run."""
+    importable = importable_form(tap_func)
+    if importable is None:
+        raise TapDefinitionError(
+            f"{local_functions.describe(tap_func)} has no import path a subscriber process "
+            "could find it by; id_tap runs it in this process"
+        )
+    return importable[0]
+
+
+def importable_form(tap_func: Callable[..., Any]) -> tuple[str, dict[str, Any]] | None:
+    """(consumer, bound keywords) of a tap function that another process can import and
+    call the same way, or None. That is a function found again by its module and
+    qualified name (not one of `__main__`, which is another module in any other process,
+    nor a bound method), or a `functools.partial` of one that binds keywords only, each a
+    plain value that is not a name tapd reserves."""
+    bound: dict[str, Any] = {}
+    if isinstance(tap_func, functools.partial):
+        keywords = tap_func.keywords
+        if tap_func.args or not all(
+            k not in RESERVED_META and type(v) in _META_TYPES for k, v in keywords.items()
+        ):
+            return None
+        bound, tap_func = dict(keywords), tap_func.func
+    if inspect.ismethod(tap_func):
+        return None
     module = getattr(tap_func, "__module__", None)
     qualname = getattr(tap_func, "__qualname__", None)
-    if not module or not qualname or "<lambda>" in qualname or "<locals>" in qualname:
-        shown = qualname or repr(tap_func)
+    if not isinstance(module, str) or not isinstance(qualname, str) or module == "__main__":
+        return None
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if found is not tap_func:  # a lambda, a closure (<locals>), a decorated copy...
+        return None
+    return f"{module}:{qualname}", bound
+
+
+def _placement(tap_func: Callable[..., Any], arg: Any) -> tuple[str, dict[str, Any]]:
+    """The consumer of this site, and the keywords that travel with it; subscribes this
+    process's receiver first where it is to run the function."""
+    importable = importable_form(tap_func)
+    if importable is not None:
+        if local_functions.fallback_enabled():
+            local_functions.receiver().fallback(importable[0])
+        return importable
+    treedef = jax.tree_util.tree_structure(arg)
+    return local_functions.receiver().local(tap_func, treedef), {}
+
+
+def _site_meta(tap_with_device: bool, device_index: int) -> dict[str, Any]:
+    if type(device_index) is not int or not 0 <= device_index < jax.local_device_count():
         raise TapDefinitionError(
-            f"id_tap({shown}): tapd runs tap functions in a subscriber process, which finds "
-            "them by their import path 'module:qualname'; a lambda, closure or callable "
-            "object has none. Define the function at the top level of a module "
-            "(`def log_loss(arg, transforms): ...`, then `tapd subscribe mymodule`), or use "
-            "`tapd.tap(x, 'name')` with a `@subscriber.on('name')` handler."
+            f"device_index={device_index!r}: expected the index of one of this process's "
+            f"{jax.local_device_count()} devices"
         )
-    return f"{module}:{qualname}"
+    meta: dict[str, Any] = {}
+    if tap_with_device:
+        meta["tap_with_device"] = True
+    if device_index:  # the device whose tap runs the function (lowering reads it)
+        meta["device_index"] = device_index
+    return meta
