@@ -1273,7 +1273,10 @@ def summarize(exc: BaseException) -> str:
             path = frame.filename[frame.filename.rfind(marker) + 1 :]
             where = f" (at {path}:{frame.lineno} in {frame.name})"
             break
-    return (lines[0] if lines else type(exc).__name__)[:400] + where
+    head = [line.strip() for line in lines if line.strip()][:2]
+    if len(head) == 2 and not head[0].endswith(":"):
+        head = head[:1]  # a second line only where the first announces it
+    return (" ".join(head) or type(exc).__name__)[:400] + where
 
 
 def run_case(name: str) -> dict[str, Any]:
