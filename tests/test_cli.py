@@ -110,7 +110,7 @@ def test_subscribe_module_runs_host_callback_style_tap_functions(
         "RECORD arg=[0, 1, 2] transforms=[] kwargs={'device': %s}\n"
         % ("0" if backend == "native" else "None"),  # the portable backend cannot tell
     ]
-    assert "scaled:\n[10. 10.]" in printed
+    assert "what: scaled\n[10. 10.]" in printed  # host_callback's id_print format
 
 
 def test_config_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
