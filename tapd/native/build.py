@@ -187,14 +187,14 @@ def cuda_command(output: Path, ffi_include: Path, cuda: CudaRuntime) -> list[str
 
 
 def compile_ring(output: Path, ffi_include: Path | None) -> Path:
-    return _compile(lambda partial: ring_command(partial, ffi_include), output)
+    return compile_with(lambda partial: ring_command(partial, ffi_include), output)
 
 
 def compile_cuda(output: Path, ffi_include: Path, cuda: CudaRuntime) -> Path:
-    return _compile(lambda partial: cuda_command(partial, ffi_include, cuda), output)
+    return compile_with(lambda partial: cuda_command(partial, ffi_include, cuda), output)
 
 
-def _compile(command_for: Callable[[Path], list[str]], output: Path) -> Path:
+def compile_with(command_for: Callable[[Path], list[str]], output: Path) -> Path:
     """Compile to `output` atomically (concurrent builders never see half a file)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(f"{output.name}.{os.getpid()}.tmp")
