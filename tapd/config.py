@@ -66,14 +66,19 @@ class Config:
         check_ipc_endpoint(self.endpoint)
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise ConfigError(f"--tcp {self.tcp!r} must be a tcp:// endpoint")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level {self.log_level!r} is not one of "
+                              f"{', '.join(level.lower() for level in LOG_LEVELS)}")  # fmt: skip
         curve = (self.curve_secret_key, self.curve_allowed)
-        if self.tcp is not None and not self.insecure and None in curve:
-            raise ConfigError(
-                f"--tcp {self.tcp} leaves this host, so it needs CurveZMQ: give "
-                "--curve-secret-key (this daemon's NAME.key_secret, from `tapd keygen`) and "
-                "--curve-allowed (a directory of the NAME.key files of peers to admit), "
-                "or pass --insecure to accept anyone who can reach the port"
-            )
+        listened = [("--tcp", self.tcp), ("--endpoint", self.endpoint)]
+        for option, endpoint in listened:
+            if endpoint and endpoint.startswith("tcp://") and not self.insecure and None in curve:
+                raise ConfigError(
+                    f"{option} {endpoint} leaves this host, so it needs CurveZMQ: give "
+                    "--curve-secret-key (this daemon's NAME.key_secret, from `tapd keygen`) "
+                    "and --curve-allowed (a directory of the NAME.key files of peers to "
+                    "admit), or pass --insecure to accept anyone who can reach the port"
+                )
         if self.forward is not None:
             self._check_forward(self.forward)
 
@@ -106,6 +111,8 @@ class Config:
                 "or pass --insecure to forward unauthenticated and unencrypted"
             )
 
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _TCP_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[^:/\[\]\s]+):(?P<port>[0-9]+)")
 

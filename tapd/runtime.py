@@ -7,8 +7,6 @@ owner may enter it, which is what keeps other users off the unauthenticated ipc 
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import os
 import stat
@@ -93,31 +91,39 @@ def ring_dir_for(endpoint: str) -> Path | None:
     socket_dir = Path(endpoint.removeprefix("ipc://")).parent.resolve()
     shm = SHM_DIR
     if shm.is_dir() and os.access(shm, os.W_OK):
-        # The socket's directory, spelled in the name, so that `tapd clean` can tell
-        # rings whose runtime directory is gone (a killed job's) from live ones.
-        encoded = base64.urlsafe_b64encode(str(socket_dir).encode()).decode().rstrip("=")
-        name = f"{ring_dir_prefix()}{encoded}"
-        if len(name) > 255:  # (a file name's limit)
-            name = f"{ring_dir_prefix()}{hashlib.sha256(str(socket_dir).encode()).hexdigest()[:12]}"
-        return shm / name
+        digest = hashlib.sha256(str(socket_dir).encode()).hexdigest()[:12]
+        return shm / f"{ring_dir_prefix()}{digest}"
     return socket_dir / "rings"
 
 
 SHM_DIR = Path("/dev/shm")
+RUNTIME_MARKER = "runtime"  # in a ring directory: the socket directory it serves
 
 
 def ring_dir_prefix() -> str:
     return f"tapd-{os.getuid()}-"
 
 
+def mark_ring_dir(directory: Path, endpoint: str) -> None:
+    """Note in `directory` which socket directory it serves (a daemon does, at start),
+    so that `tapd clean` can tell the rings of a job whose runtime directory is gone."""
+    socket_dir = Path(endpoint.removeprefix("ipc://")).parent.resolve()
+    marker = directory / RUNTIME_MARKER
+    if runtime_dir_of_rings(directory) != socket_dir:
+        temporary = directory / f".{RUNTIME_MARKER}.{os.getpid()}"
+        temporary.write_text(str(socket_dir))
+        os.replace(temporary, marker)
+
+
 def runtime_dir_of_rings(directory: Path) -> Path | None:
-    """The socket directory a ring directory in /dev/shm was made for (see
-    `ring_dir_for`); None where the name does not say."""
-    encoded = directory.name.removeprefix(ring_dir_prefix())
-    if encoded == directory.name:
+    """The socket directory a ring directory serves, as its daemon noted it; None if
+    none did (or the note is not a plain absolute path)."""
+    try:
+        fd = os.open(directory / RUNTIME_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
         return None
     try:
-        decoded = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
-    except (binascii.Error, ValueError):
-        return None
-    return Path(decoded) if decoded.startswith("/") else None
+        text = os.read(fd, 4096).decode(errors="replace")
+    finally:
+        os.close(fd)
+    return Path(text) if text.startswith("/") and "\0" not in text else None

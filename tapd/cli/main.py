@@ -49,6 +49,9 @@ def _endpoint_arg(parser: argparse.ArgumentParser, *, several: bool = False) -> 
     )
 
 
+_SUBPARSERS: dict[str, argparse.ArgumentParser] = {}  # by command, filled by build_parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tapd", description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter
@@ -150,8 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--detach", action="store_true", help="run in the background; return once it is ready"
     )
+    _SUBPARSERS["start"] = start
 
-    stop = commands.add_parser("stop", help="stop the daemon (it drains first)")
+    stop = commands.add_parser(
+        "stop",
+        help="stop the daemon (it drains first)",
+        description="Ask the daemon at the endpoint for its pid and stop it. A pidfile "
+        "alone is never trusted: after a crash its pid may belong to another process.",
+    )
     _endpoint_arg(stop)
     stop.add_argument("--pidfile", type=Path, help=f"default {default_pidfile()}")
     stop.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for exit")
@@ -191,6 +200,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _endpoint_arg(doctor)
 
+    clean = commands.add_parser(
+        "clean",
+        help="remove shared-memory rings left by killed jobs",
+        description="Remove the rings in /dev/shm whose runtime directory is gone and "
+        "that no live process writes or reads (a job killed with its daemon leaves its "
+        "rings, 256 MB each by default). A daemon does this at start too.",
+    )
+    clean.add_argument("--dry-run", action="store_true", help="only say what would go")
+
     demo = commands.add_parser(
         "demo", help="daemon + subscriber + a small JAX training loop with taps, then a summary"
     )
@@ -206,14 +224,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    logging.getLogger("tapd").setLevel(level.upper())  # other libraries stay at WARNING
     try:
+        _set_log_level(level)
         return int(_COMMANDS[args.command](args))
     except ConfigError as exc:
         logger.error("configuration error: %s", exc)
         return ExitCode.CONFIG
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED
+
+
+def _set_log_level(level: str) -> None:
+    if level.upper() not in config_module.LOG_LEVELS:
+        raise ConfigError(f"log level {level!r} is not one of "
+                          f"{', '.join(n.lower() for n in config_module.LOG_LEVELS)}")  # fmt: skip
+    logging.getLogger("tapd").setLevel(level.upper())  # other libraries stay at WARNING
 
 
 # ---- daemon commands ------------------------------------------------------------------
@@ -232,14 +257,36 @@ def _daemon_config(args: argparse.Namespace) -> config_module.Config:
 
 def cmd_start(args: argparse.Namespace) -> int:
     config = _daemon_config(args)
+    _set_log_level(config.log_level)  # flag < env < TOML, as every other setting
     if args.detach:
-        return _start_detached(config)
+        return _start_detached(config, _start_argv(args))
     return run_daemon(config)
+
+
+def _start_argv(args: argparse.Namespace) -> list[str]:
+    """The command line of a `tapd start` that does what `args` asks, in the foreground:
+    rebuilt from the parser's own options and the values it parsed (never a slice of
+    sys.argv, which `main(argv)` does not even use)."""
+    argv = [sys.executable, "-m", "tapd"]
+    if args.log_level is not None:
+        argv += ["--log-level", args.log_level]
+    argv.append("start")
+    for action in _SUBPARSERS["start"]._actions:
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or action.dest == "detach" or value in (None, False):
+            continue
+        option = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv.append(option)
+        else:
+            argv += [option, str(value)]
+    return argv
 
 
 def run_daemon(config: config_module.Config) -> int:
     from tapd.daemon.server import Daemon
 
+    logger.debug("configuration: %s", config)
     daemon = Daemon(config)
     try:
         daemon.bind()
@@ -264,8 +311,9 @@ def run_daemon(config: config_module.Config) -> int:
     return ExitCode.OK
 
 
-def _start_detached(config: config_module.Config) -> int:
+def _start_detached(config: config_module.Config, argv: list[str]) -> int:
     from tapd.daemon import control
+    from tapd.daemon.rings import pid_alive
 
     try:
         control.stats(config.endpoint, timeout=0.5)
@@ -273,26 +321,41 @@ def _start_detached(config: config_module.Config) -> int:
         return ExitCode.ALREADY_RUNNING
     except TimeoutError:
         pass
-    argv = [sys.executable, "-m", "tapd", "start"] + [a for a in sys.argv[2:] if a != "--detach"]
     log_path = (config.pidfile or default_pidfile()).with_suffix(".log")
     log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        child = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
-        )
+        # Started by a short-lived launcher, so that the daemon is nobody's child here:
+        # a caller that goes on running (main() in-process) is left no zombie to reap.
+        launcher = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, *argv],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, check=False,
+        )  # fmt: skip
+    try:
+        pid = int(launcher.stdout)
+    except ValueError:
+        logger.error("could not start the daemon; see %s", log_path)
+        return ExitCode.FAILURE
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        if child.poll() is not None:
-            logger.error("the daemon exited with %s; see %s", child.returncode, log_path)
+        if not pid_alive(pid):
+            logger.error("the daemon (pid %d) exited; see %s", pid, log_path)
             return ExitCode.FAILURE
         try:
             control.stats(config.endpoint, timeout=0.2)
         except TimeoutError:
             continue
-        print(f"tapd daemon started (pid {child.pid}, log {log_path})")
+        print(f"tapd daemon started (pid {pid}, log {log_path})")
         return ExitCode.OK
     logger.error("the daemon did not become ready in 15 s; see %s", log_path)
     return ExitCode.FAILURE
+
+
+_LAUNCHER = """\
+import subprocess, sys
+child = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=sys.stderr,
+                         stderr=sys.stderr, start_new_session=True)
+print(child.pid)
+"""
 
 
 def _read_pid(path: Path) -> int | None:
@@ -307,35 +370,44 @@ def _endpoint(args: argparse.Namespace) -> str:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    """Stop the daemon that answers at the endpoint, by the pid it gives. The pidfile is
+    only compared with it: after a kill -9 its pid may have gone to another process."""
     from tapd.daemon import control
+    from tapd.daemon.rings import pid_alive
 
+    endpoint = _endpoint(args)
     pidfile = args.pidfile or default_pidfile()
-    pid = _read_pid(pidfile)
-    if pid is None:
-        endpoint = _endpoint(args)
-        try:
-            control.stats(endpoint, timeout=1.0)
-        except TimeoutError:
-            logger.error("no pidfile at %s and no daemon at %s", pidfile, endpoint)
-            return ExitCode.UNREACHABLE
-        control.request(endpoint, "shutdown")
-        print(f"asked the daemon at {endpoint} to stop")
-        return ExitCode.OK
+    file_pid = _read_pid(pidfile)
     try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pidfile.unlink(missing_ok=True)
-        logger.error("pidfile %s named pid %d, which is not running (removed it)", pidfile, pid)
+        stats = control.stats(endpoint, timeout=2.0)
+    except TimeoutError:
+        if file_pid is not None and pid_alive(file_pid):
+            logger.error("no tapd daemon answers at %s; pidfile %s names pid %d, which may "
+                         "be another process by now: not signalling it (if it is a hung "
+                         "tapd daemon, stop it yourself)", endpoint, pidfile, file_pid)  # fmt: skip
+        else:
+            if file_pid is not None:
+                pidfile.unlink(missing_ok=True)
+            logger.error("no tapd daemon answers at %s (and no live pid in %s)", endpoint, pidfile)
         return ExitCode.UNREACHABLE
+    pid = stats.get("pid")
+    if file_pid is not None and file_pid != pid:
+        logger.warning("pidfile %s names pid %d, but the daemon at %s is pid %s: stopping "
+                       "the daemon", pidfile, file_pid, endpoint, pid)  # fmt: skip
+    if not endpoint.startswith("ipc://"):
+        logger.error("%s is not this host's ipc endpoint: stop that daemon on its host", endpoint)
+        return ExitCode.FAILURE
+    control.request(endpoint, "shutdown")  # (the daemon takes it on its local endpoint only)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            print(f"tapd daemon (pid {pid}) stopped")
-            return ExitCode.OK
+            control.stats(endpoint, timeout=0.2)
+        except TimeoutError:
+            if not isinstance(pid, int) or not pid_alive(pid):
+                print(f"tapd daemon (pid {pid}) stopped")
+                return ExitCode.OK
         time.sleep(0.05)
-    logger.error("daemon pid %d still running after %g s", pid, args.timeout)
+    logger.error("the daemon at %s (pid %s) still runs after %g s", endpoint, pid, args.timeout)
     return ExitCode.FAILURE
 
 
@@ -419,6 +491,19 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return _run_subscriber(subscriber)
 
 
+def cmd_clean(args: argparse.Namespace) -> int:
+    from tapd.daemon.rings import sweep_stale_rings
+
+    removed = sweep_stale_rings(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for directory, held in removed:
+        print(f"{verb} {directory} ({held / 2**20:.1f} MiB)")
+    total = sum(held for _, held in removed) / 2**20
+    print(f"{verb} {len(removed)} ring directories, {total:.1f} MiB" if removed
+          else "no stale rings")  # fmt: skip
+    return ExitCode.OK
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from tapd.security import keygen
 
@@ -486,5 +571,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "start": cmd_start, "stop": cmd_stop, "status": cmd_status, "check": cmd_check,
     "subscribe": cmd_subscribe, "tail": cmd_tail, "demo": cmd_demo, "doctor": cmd_doctor,
-    "keygen": cmd_keygen,
+    "keygen": cmd_keygen, "clean": cmd_clean,
 }  # fmt: skip

@@ -38,7 +38,7 @@ from tapd.protocol.schema import (
     sites_path_of,
     split_site_entries,
 )
-from tapd.runtime import SHM_DIR, ring_dir_prefix, runtime_dir_of_rings
+from tapd.runtime import RUNTIME_MARKER, SHM_DIR, ring_dir_prefix, runtime_dir_of_rings
 
 logger = logging.getLogger("tapd.daemon")
 
@@ -59,7 +59,10 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie has exited: only its parent has not reaped it yet
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 class RingSource:
@@ -435,6 +438,8 @@ class RingSet:
             assert self.directory is not None
             (self.directory / WAKE_SOCKET).unlink(missing_ok=True)
         if self.directory is not None:
+            if not any(self.directory.glob("*.ring")):
+                (self.directory / RUNTIME_MARKER).unlink(missing_ok=True)
             try:
                 self.directory.rmdir()  # only if empty: rings waiting for a daemon stay
             except OSError:

@@ -29,7 +29,8 @@ from tapd.daemon.rings import RingSet, pid_alive, sweep_stale_rings
 from tapd.daemon.router import Router
 from tapd.errors import ProtocolError
 from tapd.protocol import Limits, decode, encode
-from tapd.runtime import ensure_private_dir, ring_dir_for
+from tapd.protocol.link import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
+from tapd.runtime import ensure_private_dir, mark_ring_dir, ring_dir_for
 
 logger = logging.getLogger("tapd.daemon")
 
@@ -81,6 +82,12 @@ class Daemon:
                     raise
             sock = self._context.socket(zmq.ROUTER)
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
+            # A connection that died unseen (one-sided TCP loss) is found by heartbeats, and
+            # a peer that reconnects under its routing id (a forwarder) takes that id over
+            # from its dead connection instead of being ignored (docs/PROTOCOL.md).
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 0)  # bounded by credit windows, not message counts
             sock.setsockopt(zmq.RCVHWM, 0)
@@ -160,6 +167,7 @@ class Daemon:
         wake = None
         if self.rings.directory is not None:
             ensure_private_dir(self.rings.directory)
+            mark_ring_dir(self.rings.directory, self.config.endpoint)
             try:
                 sweep_stale_rings()  # rings of killed jobs, whose runtime dirs are gone
             except OSError as exc:
@@ -170,6 +178,9 @@ class Daemon:
             self.rings.adopt_orphans(self.router)
         last_check = time.monotonic()
         rings_from = last_check + self.config.startup_grace
+        # Taps no subscriber wants yet wait as long: subscribers of a daemon that was
+        # down reconnect, and forwarders send what they held for it (docs/PROTOCOL.md).
+        self.router.hold_unrouted_until = rings_from
         drain_deadline: float | None = None
         quiet_rounds = 0
         try:
