@@ -117,10 +117,12 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.
 
     from tapd.emitter import lifecycle
 
+    local = sys.modules.get("tapd.emitter.local_functions")
+    if local is not None and local.on_receiver_thread():
+        raise RuntimeError("barrier_wait() called from a tap function would wait for itself")
     try:
         lifecycle.barrier_wait(logging_name, timeout=timeout)
     except CallbackException as exc:
-        local = sys.modules.get("tapd.emitter.local_functions")
         cause = local.take_exception() if local is not None else None
         if cause is not None and exc.__cause__ is None:
             exc.__cause__ = cause

@@ -303,6 +303,12 @@ def receiver() -> LocalReceiver:
         return _receiver
 
 
+def on_receiver_thread() -> bool:
+    """Whether the caller is a tap function running here (which must not wait for the
+    barrier it is part of)."""
+    return _receiver is not None and threading.current_thread() is _receiver._thread
+
+
 def take_exception() -> BaseException | None:
     """The last exception a tap function raised in this process, if any (for
     `barrier_wait` to chain to the `CallbackException` it raises)."""
