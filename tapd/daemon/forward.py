@@ -38,7 +38,15 @@ from tapd.config import Config
 from tapd.daemon.router import Router
 from tapd.errors import ConfigError, ProtocolError
 from tapd.protocol import MAGIC, Limits, Message, decode, encode
-from tapd.protocol.link import EmitterLink, Looped, Refused, Restarted, Welcomed
+from tapd.protocol.link import (
+    EmitterLink,
+    Looped,
+    Refused,
+    Restarted,
+    Welcomed,
+    heartbeats,
+    parse_outcome_ranges,
+)
 from tapd.protocol.wire import encode_header
 from tapd.security import ClientKeys
 
@@ -50,15 +58,21 @@ logger = logging.getLogger("tapd.daemon")
 _REHELLO_AFTER_MAX = 60.0
 # Silent this long with taps waiting: warn (again after as long once more).
 _WARN_AFTER = 10.0
+# A tap that the upstream has not received after this many sends, although it answered
+# the barriers behind each, is given up as lost (it refuses it, e.g. as too large).
+_MAX_SENDS = 3
+_MAX_BATCH = 4096  # taps between two barriers: bounds the outcomes in a barrier_done
 
 
 @dataclasses.dataclass
 class _Forwarded:
-    tid: int  # the router's delivery id here
+    tid: int  # the router's delivery id here; also the tap's `fid` upstream
     frames: list[Any]  # [MAGIC, header, *arrays]: ready to send, or send again
     nbytes: int
     origin: tuple[Any, ...]  # (emitter, device, consumer, seq): matches upstream errors
     error: str | None = None
+    outcome: str | None = None  # delivered, dropped, unrouted (upstream), or lost
+    sends: int = 0  # to the current upstream daemon
 
 
 class Forwarder:
@@ -83,8 +97,11 @@ class Forwarder:
         self.socket.setsockopt(zmq.SNDHWM, 0)  # bounded by the upstream's credit window
         self.socket.setsockopt(zmq.RCVHWM, 0)
         # One identity for this daemon's lifetime, so that after a reconnection the
-        # upstream still knows us (it keys its emitters by identity).
+        # upstream still knows us (it keys its emitters by identity, and lets a new
+        # connection take the identity over from a dead one); heartbeats find a
+        # connection that died unseen, and ZeroMQ then makes a new one.
         self.socket.setsockopt(zmq.ROUTING_ID, f"tapd-forward:{daemon_id}".encode())
+        heartbeats(self.socket)
         if keys is not None:
             keys.apply(self.socket)
         try:
@@ -101,10 +118,11 @@ class Forwarder:
         self.outbox_bytes = 0
         # Sent, waiting for the barrier that follows them: (barrier id, taps).
         self.unconfirmed: collections.deque[tuple[int, list[_Forwarded]]] = collections.deque()
+        self._sent: dict[int, _Forwarded] = {}  # the taps in `unconfirmed`, by fid
+        # Every tap taken from the router and not yet acknowledged to it, in tid order:
+        # acknowledgements go in that order, so a tap sent again holds back later ones.
+        self._held: dict[int, _Forwarded] = {}
         self._barrier_ids = itertools.count()
-        self._totals = (0, 0, 0)  # upstream's (delivered, dropped, unrouted) for us so far
-        self._confirmed_taps = 0  # taps its barriers confirmed, since it welcomed us
-        self._lost_taps = 0  # of those, taps its totals show it never received
         self._last_warning = now
         router.add_local_subscriber(self.key, self.name, ["*"], self._take, now)
         self._send_link()
@@ -114,12 +132,16 @@ class Forwarder:
     # ---- from the router --------------------------------------------------------------
 
     def _take(self, tid: int, tap: Message, emitter: str, nbytes: int) -> None:
-        header = {**tap.header, "emitter": emitter}
-        header.pop("tid", None)  # this hop's delivery id means nothing upstream
+        # This hop's delivery id goes upstream as the tap's `fid`, by which the upstream
+        # says what became of it.
+        header = {**tap.header, "emitter": emitter, "fid": tid}
+        header.pop("tid", None)
         origin = (emitter, header.get("device"), header["consumer"], header["seq"])
         frames = [MAGIC, encode_header(header), *tap.frames]
-        self.outbox.append(_Forwarded(tid, frames, nbytes, origin))
+        item = _Forwarded(tid, frames, nbytes, origin)
+        self.outbox.append(item)
         self.outbox_bytes += nbytes
+        self._held[tid] = item
 
     # ---- the daemon's loop ------------------------------------------------------------
 
@@ -128,18 +150,20 @@ class Forwarder:
         if self.key not in self.router.subscribers:
             return  # stopped: forwarding to ourselves, or shut down
         link = self.link
-        batch = []
+        batch: list[_Forwarded] = []
         while self.outbox and link.may_send(self.outbox[0].nbytes):
             item = self.outbox.popleft()
             self.outbox_bytes -= item.nbytes
             self.socket.send_multipart(item.frames, copy=False)
             link.sent(item.nbytes)
+            item.sends += 1
+            self._sent[item.tid] = item
             batch.append(item)
+            if len(batch) == _MAX_BATCH or not self.outbox:
+                self._barrier(batch)
+                batch = []
         if batch:
-            barrier = next(self._barrier_ids)
-            self.socket.send_multipart(encode("barrier", {"id": barrier}))
-            self.unconfirmed.append((barrier, batch))
-            self.router.counters["forward_sent"] += len(batch)
+            self._barrier(batch)
         if not (self.unconfirmed or link.in_flight or self.outbox):
             return
         if link.tick(now, waiting=True):
@@ -154,6 +178,12 @@ class Forwarder:
                 "here for it. Is it running, and does it admit this daemon's key?",
                 self.endpoint, now - link.last_heard, len(self.outbox), self.outbox_bytes,
             )  # fmt: skip
+
+    def _barrier(self, batch: list[_Forwarded]) -> None:
+        barrier = next(self._barrier_ids)
+        self.socket.send_multipart(encode("barrier", {"id": barrier}))
+        self.unconfirmed.append((barrier, batch))
+        self.router.counters["forward_sent"] += len(batch)
 
     def _send_link(self) -> None:
         for frames in self.link.outgoing():
@@ -201,88 +231,138 @@ class Forwarder:
         self.router.drop_subscriber(self.key, "would forward to itself")
         self.outbox.clear()
         self.unconfirmed.clear()
+        self._sent.clear()
+        self._held.clear()
         self.outbox_bytes = 0
 
     def _restarted(self, event: Restarted) -> None:
         """A new upstream daemon: what the old one had not confirmed may be lost with
         it. Send it all again, once the new one has answered our hello (the link has
         closed the window and said it)."""
-        again = [item for _, batch in self.unconfirmed for item in batch]
-        self.unconfirmed.clear()
-        self.outbox.extendleft(reversed(again))
-        self.outbox_bytes += sum(item.nbytes for item in again)
-        self.router.counters["forward_resent"] += len(again)
+        again = self._take_back_unconfirmed()
+        for item in again:
+            item.sends = 0
+        self._send_again(again)
+        self._acknowledge(time.monotonic())  # those whose outcome came before the restart
         logger.warning(
             "the upstream daemon at %s restarted (now %s); sending again the %d taps "
             "it had not confirmed (they may arrive twice, with the same seq)",
             self.endpoint, event.daemon, len(again),
         )  # fmt: skip
-        self._totals = (0, 0, 0)
-        self._confirmed_taps = self._lost_taps = 0
+
+    def _take_back_unconfirmed(self) -> list[_Forwarded]:
+        again = [item for _, batch in self.unconfirmed for item in batch if item.outcome is None]
+        self.unconfirmed.clear()
+        self._sent.clear()
+        return again
+
+    def _send_again(self, again: list[_Forwarded]) -> None:
+        """Back into the outbox, in tid order (the order they came in) with what waits."""
+        if not again:
+            return
+        self.outbox = collections.deque(sorted([*again, *self.outbox], key=lambda i: i.tid))
+        self.outbox_bytes += sum(item.nbytes for item in again)
+        self.router.counters["forward_resent"] += len(again)
 
     def _confirmed(self, header: dict[str, Any], now: float) -> None:
+        """The upstream finished every tap it received before barrier `id`, and says
+        what became of each (`outcomes`). A tap sent before that barrier without an
+        outcome never reached it: lost on the way (a connection dropped); it is sent
+        again, up to _MAX_SENDS times, then counted lost."""
+        try:
+            ranges = parse_outcome_ranges(header.get("outcomes", []))
+        except ValueError as exc:
+            self.router.reject("bad_field", f"barrier_done from the upstream at "
+                               f"{self.endpoint}: {exc}")  # fmt: skip
+            return
+        legacy = "outcomes" not in header  # an upstream that does not say: all delivered
+        self._apply_outcomes(ranges)
         done: list[_Forwarded] = []
         while self.unconfirmed and self.unconfirmed[0][0] <= header["id"]:
             done.extend(self.unconfirmed.popleft()[1])
-        self._count_upstream(header)
-        if not done or self.key not in self.router.subscribers:
-            return
-        self._check_received(done)
-        errors = [{"tid": item.tid, "error": item.error} for item in done if item.error]
-        self.router.counters["forward_confirmed"] += len(done)
-        self.router.ack(self.key, {"upto": done[-1].tid, "errors": errors}, now)
+        again = []
+        for item in done:
+            if self._sent.get(item.tid) is item:
+                del self._sent[item.tid]
+            if item.outcome is not None:
+                continue
+            if legacy:
+                item.outcome = "delivered"
+            elif item.sends < _MAX_SENDS:
+                again.append(item)
+            else:
+                item.outcome = "lost"
+                self._count("lost", 1)
+        if again:
+            logger.warning(
+                "%d taps sent to the upstream daemon at %s never reached it (a connection "
+                "dropped?); sending them again", len(again), self.endpoint,
+            )  # fmt: skip
+            self._send_again(again)
+        self._acknowledge(now)
 
-    def _check_received(self, done: list[_Forwarded]) -> None:
-        """A barrier confirms every tap sent before it, but a connection that dropped
-        and came back to the same upstream may have lost some on the way. The
-        upstream's totals for us say how many it finished; any shortfall is reported
-        as an error on the latest taps confirmed (which ones were lost is unknown)."""
-        self._confirmed_taps += len(done)
-        missing = self._confirmed_taps - sum(self._totals) - self._lost_taps
-        if missing <= 0:
-            return
-        self._lost_taps += missing
-        self.router.counters["forward_lost"] += missing
-        text = (f"lost on the way to the upstream daemon at {self.endpoint}: it finished "
-                f"{missing} fewer of these {len(done)} forwarded taps than were sent")  # fmt: skip
-        logger.error("%s", text)
-        for item in done[-missing:]:
-            item.error = item.error or text
+    def _apply_outcomes(self, ranges: list[tuple[int, int, str]]) -> None:
+        sent = self._sent
+        for first, last, outcome in ranges:
+            if last - first < len(sent):
+                items = [sent[fid] for fid in range(first, last + 1) if fid in sent]
+            else:
+                items = [item for fid, item in sent.items() if first <= fid <= last]
+            for item in items:
+                if item.outcome is None:
+                    item.outcome = outcome
+                    self._count(outcome, 1)
 
-    def _count_upstream(self, header: dict[str, Any]) -> None:
-        """The upstream's totals for us, as counters here; drops and taps nobody
-        wanted there are logged (the first of each) as well."""
-        totals = (header["delivered"], header["dropped"], header["unrouted"])
-        names = ("delivered", "dropped", "unrouted")
-        for name, new, old in zip(names, totals, self._totals, strict=True):
-            if new > old:
-                counter = f"forward_upstream_{name}"
-                if name != "delivered" and not self.router.counters[counter]:
-                    logger.warning(
-                        "the upstream daemon at %s %s forwarded taps (%d so far; "
-                        "further ones counted in forward_upstream_%s, not logged)",
-                        self.endpoint,
-                        "dropped" if name == "dropped" else "had no subscriber for",
-                        new - old,
-                        name,
-                    )
-                self.router.counters[counter] += new - old
-        self._totals = totals
+    def _count(self, outcome: str, taps: int) -> None:
+        """Counters for what became of forwarded taps; the first drop, loss and unrouted
+        tap are logged as well."""
+        counter = "forward_lost" if outcome == "lost" else f"forward_upstream_{outcome}"
+        if outcome != "delivered" and not self.router.counters[counter]:
+            what = {"dropped": "dropped", "unrouted": "had no subscriber for",
+                    "lost": f"never received (after {_MAX_SENDS} sends)"}[outcome]  # fmt: skip
+            logger.warning(
+                "the upstream daemon at %s %s forwarded taps; further ones are counted "
+                "in %s, not logged (the emitters' barriers count them as %s)",
+                self.endpoint, what, counter, "unrouted" if outcome == "unrouted" else "dropped",
+            )  # fmt: skip
+        self.router.counters[counter] += taps
+        if outcome != "lost":
+            self.router.counters["forward_confirmed"] += taps
+
+    def _acknowledge(self, now: float) -> None:
+        """Acknowledge to the router, in tid order, every tap whose fate is known; with
+        handler errors, and which ones the upstream dropped or had no subscriber for."""
+        if self.key not in self.router.subscribers:
+            return
+        held = self._held
+        finished = []
+        for item in held.values():
+            if item.outcome is None:
+                break
+            finished.append(item)
+        if not finished:
+            return
+        for item in finished:
+            del held[item.tid]
+        self.router.ack(self.key, {
+            "upto": finished[-1].tid,
+            "errors": [{"tid": item.tid, "error": item.error} for item in finished if item.error],
+            "dropped": {item.tid for item in finished if item.outcome in ("dropped", "lost")},
+            "unrouted": {item.tid for item in finished if item.outcome == "unrouted"},
+        }, now)  # fmt: skip
 
     def _error(self, header: dict[str, Any]) -> None:
         """A handler upstream raised: attach the error to our tap, so that the ack
         here carries it on to the emitter's barrier_wait()."""
         text = f"{header['error']} (in subscriber {header['subscriber']} at {self.endpoint})"
         wanted = (header.get("emitter"), header.get("device"), header["consumer"], header["seq"])
-        for _, batch in self.unconfirmed:
-            for item in batch:
-                # An upstream that does not name the emitter is matched by name and seq.
-                if item.error is None and (
-                    item.origin == wanted
-                    or ("emitter" not in header and item.origin[2:] == wanted[2:])
-                ):
-                    item.error = text
-                    return
+        for item in self._sent.values():
+            # An upstream that does not name the emitter is matched by name and seq.
+            if item.error is None and (
+                item.origin == wanted or ("emitter" not in header and item.origin[2:] == wanted[2:])
+            ):
+                item.error = text
+                return
         logger.error("tap function raised upstream for a tap no longer held here: %s", text)
 
     # ---- reporting and shutdown -------------------------------------------------------
@@ -295,11 +375,12 @@ class Forwarder:
             "in_flight_bytes": self.link.in_flight,
             "waiting": len(self.outbox),
             "waiting_bytes": self.outbox_bytes,
-            "unconfirmed": sum(len(batch) for _, batch in self.unconfirmed),
+            "unconfirmed": len(self._sent),
+            "held": len(self._held),
         }
 
     def close(self) -> None:
-        unsent = len(self.outbox) + sum(len(batch) for _, batch in self.unconfirmed)
+        unsent = len(self._held)
         if unsent:
             logger.error(
                 "%d taps for the upstream daemon at %s were not confirmed by it at shutdown "

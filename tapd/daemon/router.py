@@ -19,6 +19,7 @@ from typing import Any
 from tapd.daemon.runs import TapRun
 from tapd.protocol import MAGIC, Message, encode
 from tapd.protocol.batch import BatchRun, BatchTap, encode_batch
+from tapd.protocol.link import outcome_ranges
 from tapd.protocol.wire import DEFAULT_LIMITS, encode_header
 
 logger = logging.getLogger("tapd.daemon")
@@ -52,6 +53,12 @@ class _Pending:
     remaining: int  # subscribers that still have to process this unit
     count: int  # its taps
     lost: bool = False
+    # What a forwarder reports of its taps upstream (`Router.ack`): how many an upstream
+    # subscriber handled is what counts as delivered. Of the unit's taps, those the
+    # upstream dropped or lost (the most any subscriber reports) count as dropped; those
+    # it had no subscriber for, unless some subscriber here handled them, as unrouted.
+    dropped: int = 0
+    unrouted: int | None = None
 
 
 @dataclasses.dataclass
@@ -76,6 +83,10 @@ class Emitter:
     gone: bool = False
     forwarder: bool = False  # a forwarding daemon: its taps name their own emitters
     local_pid: int | None = None  # an emitter process on this host (from its hello)
+    # A forwarder's taps carry its number for them (`fid`); what became of each goes back
+    # in the barrier_done after it (docs/PROTOCOL.md, "Forwarding").
+    fids: dict[int, int] = dataclasses.field(default_factory=dict)  # index -> fid
+    outcomes: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)
 
     @property
     def held_bytes(self) -> int:
@@ -142,6 +153,10 @@ class Router:
         self._targets_cache: dict[tuple[str, str | None], list[Subscriber]] = {}
         self._next_tid = 0  # delivery ids, one per tap, for every subscriber
         self.counters: collections.Counter[str] = collections.Counter()
+        # Until then (time.monotonic()), a tap that no subscriber wants waits, in order,
+        # instead of counting as unrouted: the daemon's start-up grace, in which the
+        # subscribers of a daemon that was down reconnect (and forwarders send backlogs).
+        self.hold_unrouted_until = 0.0
 
     # ---- emitters -------------------------------------------------------------------
 
@@ -182,12 +197,20 @@ class Router:
             nbytes = sum(len(f) for f in tap.frames)
         index = emitter.next_index
         emitter.next_index += 1
+        if emitter.forwarder and isinstance(tap, Message):
+            fid = tap.header.pop("fid", None)  # the forwarder's, not for subscribers
+            if type(fid) is int:
+                emitter.fids[index] = fid
         count = _count(tap)
         emitter.received += count
         self.counters["taps_received"] += count
         self.counters["bytes_received"] += nbytes
         credit_bytes = nbytes if credit else 0
-        if emitter.parked or (self.policy == "block" and not self._has_room(tap, nbytes, emitter)):
+        if (
+            emitter.parked
+            or (self.policy == "block" and not self._has_room(tap, nbytes, emitter))
+            or self._held_unrouted(tap, emitter)
+        ):
             emitter.parked.append((index, tap, nbytes, credit_bytes))
             emitter.parked_bytes += credit_bytes
             emitter.pending[index] = _Pending(remaining=-1, count=count)  # not routed yet
@@ -243,6 +266,14 @@ class Router:
             for s in self._targets(tap.header["consumer"], emitter)
         )
 
+    def _held_unrouted(self, tap: Unit, emitter: Emitter) -> bool:
+        """Whether `tap` waits, wanted by no subscriber yet, in the start-up grace."""
+        return (
+            self.hold_unrouted_until > 0
+            and not self._targets(tap.header["consumer"], emitter)
+            and time.monotonic() < self.hold_unrouted_until
+        )
+
     def _route(
         self, emitter: Emitter, index: int, tap: Unit, nbytes: int, credit_bytes: int
     ) -> None:
@@ -253,6 +284,7 @@ class Router:
             emitter.unrouted += count
             self.counters["taps_unrouted"] += count
             emitter.pending.pop(index, None)
+            self._outcome(emitter, index, "unrouted")
             self._advance(emitter)
             return
         pending = emitter.pending[index] = _Pending(remaining=0, count=count)
@@ -273,7 +305,9 @@ class Router:
         for emitter in list(self.emitters.values()):  # (routing may finish and remove one)
             while emitter.parked:
                 index, tap, nbytes, credit_bytes = emitter.parked[0]
-                if self.policy == "block" and not self._has_room(tap, nbytes, emitter):
+                if (
+                    self.policy == "block" and not self._has_room(tap, nbytes, emitter)
+                ) or self._held_unrouted(tap, emitter):
                     break
                 emitter.parked.popleft()
                 emitter.parked_bytes -= credit_bytes
@@ -281,24 +315,45 @@ class Router:
 
     def _finish(self, emitter: Emitter, index: int) -> None:
         pending = emitter.pending.pop(index)
-        if pending.lost:
-            emitter.dropped += pending.count
-        else:
-            emitter.delivered += pending.count
+        count = pending.count
+        dropped = count if pending.lost else pending.dropped
+        unrouted = min(pending.unrouted or 0, count - dropped)
+        emitter.dropped += dropped
+        emitter.unrouted += unrouted
+        emitter.delivered += count - dropped - unrouted
+        # (a forwarder's taps are single taps: one of the three)
+        self._outcome(emitter, index, "dropped" if dropped else "unrouted" if unrouted
+                      else "delivered")  # fmt: skip
         self._advance(emitter)
+
+    def _outcome(self, emitter: Emitter, index: int, outcome: str) -> None:
+        fid = emitter.fids.pop(index, None) if emitter.fids else None
+        if fid is not None:
+            emitter.outcomes.append((index, fid, outcome))
 
     def _advance(self, emitter: Emitter) -> None:
         # `pending` is keyed by index in insertion order, which is index order: its first
         # key is the oldest unit not yet finished.
         emitter.low = next(iter(emitter.pending), emitter.next_index)
         while emitter.barriers and emitter.barriers[0][1] <= emitter.low:
-            barrier_id, _ = emitter.barriers.popleft()
-            self._send(emitter.key, encode("barrier_done", {
-                "id": barrier_id, "delivered": emitter.delivered,
-                "dropped": emitter.dropped, "unrouted": emitter.unrouted,
-            }))  # fmt: skip
+            barrier_id, bound = emitter.barriers.popleft()
+            fields: dict[str, Any] = {"id": barrier_id, "delivered": emitter.delivered,
+                                      "dropped": emitter.dropped,
+                                      "unrouted": emitter.unrouted}  # fmt: skip
+            if emitter.forwarder:  # what became of each tap it sent before the barrier
+                fields["outcomes"] = self._outcomes_before(emitter, bound)
+            self._send(emitter.key, encode("barrier_done", fields))
         if emitter.gone and not emitter.pending:
             self.emitters.pop(emitter.key, None)
+
+    def _outcomes_before(self, emitter: Emitter, bound: int) -> list[list[Any]]:
+        final = [(fid, outcome) for index, fid, outcome in emitter.outcomes if index < bound]
+        if not final:
+            return []
+        ranges, left = outcome_ranges(final)
+        later = [entry for entry in emitter.outcomes if entry[0] >= bound]
+        emitter.outcomes = [(-1, fid, outcome) for fid, outcome in left] + later
+        return ranges
 
     def barrier(self, key: PeerKey, barrier_id: int) -> None:
         emitter = self.emitters.get(key)
@@ -426,6 +481,13 @@ class Router:
                 self.counters["handler_errors"] += 1
                 self._report_error(subscriber, delivery, tid, str(entry.get("error")))
         upto = header["upto"]
+        # An in-process forwarder also says which taps its upstream dropped or had no
+        # subscriber for (sets of tids); a socket subscriber's ack cannot.
+        dropped, unrouted = (
+            (header.get("dropped", ()), header.get("unrouted", ()))
+            if subscriber.deliver is not None
+            else ((), ())
+        )
         while in_flight and in_flight[0].tid + in_flight[0].count <= upto + 1:
             delivery = in_flight.popleft()
             subscriber.held_bytes -= delivery.nbytes
@@ -433,7 +495,13 @@ class Router:
             subscriber.in_flight_bytes -= delivery.nbytes
             subscriber.delivered += delivery.count
             self.counters["deliveries_acked"] += delivery.count
-            self._delivered(delivery, lost=False)
+            tids = range(delivery.tid, delivery.tid + delivery.count)
+            self._delivered(
+                delivery,
+                lost=False,
+                dropped=sum(t in dropped for t in tids) if dropped else 0,
+                unrouted=sum(t in unrouted for t in tids) if unrouted else 0,
+            )
 
     def heartbeat(self, key: PeerKey, now: float) -> None:
         subscriber = self.subscribers.get(key)
@@ -457,12 +525,18 @@ class Router:
             "emitter": _emitter_name(delivery), "device": header.get("device"),
         }))  # fmt: skip
 
-    def _delivered(self, delivery: _Delivery, *, lost: bool) -> None:
+    def _delivered(
+        self, delivery: _Delivery, *, lost: bool, dropped: int = 0, unrouted: int = 0
+    ) -> None:
         emitter = delivery.emitter
         pending = emitter.pending.get(delivery.index)
         if pending is None:
             return
         pending.lost |= lost
+        if not lost:
+            pending.dropped = max(pending.dropped, dropped)
+            pending.unrouted = unrouted if pending.unrouted is None else min(
+                pending.unrouted, unrouted)  # fmt: skip
         pending.remaining -= 1
         if pending.remaining == 0:
             self._finish(emitter, delivery.index)

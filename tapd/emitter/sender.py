@@ -30,7 +30,7 @@ from tapd.emitter.native_backend import NativeEmitter
 from tapd.emitter.settings import EmitterSettings
 from tapd.errors import BarrierTimeout, ProtocolError, TapFunctionException
 from tapd.protocol import decode, encode
-from tapd.protocol.link import EmitterLink, LinkEvent, Refused, Welcomed
+from tapd.protocol.link import EmitterLink, LinkEvent, Refused, Welcomed, heartbeats
 from tapd.security import secure_client
 
 logger = logging.getLogger("tapd.emitter")
@@ -252,6 +252,7 @@ class Sender:
         # The credit window bounds what is in flight, in bytes; a message-count
         # high-water mark would only make this thread block on many small taps.
         sock.setsockopt(zmq.SNDHWM, 0)
+        heartbeats(sock)  # a tcp:// daemon's connection may die unseen
         secure_client(sock, self.settings.endpoint)
         sock.connect(self.settings.endpoint)
         connection = _Connection(sock, self._identity)

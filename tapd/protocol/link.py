@@ -191,3 +191,72 @@ class EmitterLink:
         self._rehello_after = min(2 * self._rehello_after, self._rehello_max)
         self.hello(now)
         return True
+
+
+# ---- what became of forwarded taps -----------------------------------------------------
+
+# A forwarding daemon numbers the taps it sends upstream (`fid`); the upstream says in
+# each `barrier_done` what became of every one it finished before that barrier, as
+# ranges [first fid, last fid, outcome] (docs/PROTOCOL.md, "Forwarding").
+OUTCOMES = ("delivered", "dropped", "unrouted")
+MAX_OUTCOME_RANGES = 16384  # per barrier_done; the rest go with the next one
+
+
+def outcome_ranges(
+    finished: list[tuple[int, str]], limit: int = MAX_OUTCOME_RANGES
+) -> tuple[list[list[Any]], list[tuple[int, str]]]:
+    """`finished` (fid, outcome) pairs as ranges of consecutive fids with one outcome,
+    at most `limit` of them; returns the ranges and the pairs left for another time."""
+    ranges: list[list[Any]] = []
+    ordered = sorted(finished)
+    for position, (fid, outcome) in enumerate(ordered):
+        if ranges and ranges[-1][1] == fid - 1 and ranges[-1][2] == outcome:
+            ranges[-1][1] = fid
+        elif ranges and ranges[-1][1] == fid and ranges[-1][2] == outcome:
+            continue  # the same tap twice (sent again): one outcome is enough
+        elif len(ranges) == limit:
+            return ranges, ordered[position:]
+        else:
+            ranges.append([fid, fid, outcome])
+    return ranges, []
+
+
+def parse_outcome_ranges(value: Any) -> list[tuple[int, int, str]]:
+    """The `outcomes` field of a `barrier_done`, checked; raises ValueError saying what
+    is wrong with it."""
+    if not isinstance(value, list) or len(value) > MAX_OUTCOME_RANGES:
+        raise ValueError(f"outcomes must be a list of at most {MAX_OUTCOME_RANGES} ranges")
+    ranges = []
+    for entry in value:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and is_int(entry[0])
+            and is_int(entry[1])
+            and 0 <= entry[0] <= entry[1]
+            and entry[2] in OUTCOMES
+        ):
+            raise ValueError(f"bad outcome range {entry!r:.60}")
+        ranges.append((entry[0], entry[1], entry[2]))
+    return ranges
+
+
+# ---- connections that die unseen -------------------------------------------------------
+
+# ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL/_TIMEOUT/_TTL) on the connections of daemons and
+# of the emitters that talk to them: a TCP connection whose other end was reset, or whose
+# link went down, carries no pongs, and is closed (and, where we connected, made again)
+# within the timeout, rather than held open, unusable, until the operating system gives
+# up on it many minutes later.
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
+HEARTBEAT_TTL_MS = 10000
+
+
+def heartbeats(sock: Any) -> None:
+    """Heartbeats on a connecting socket (a `zmq.Socket`; the one call here with I/O)."""
+    import zmq
+
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
