@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+import msgpack
 import zmq
 
 from tapd.errors import ProtocolError, TapdError
@@ -38,8 +39,20 @@ logger = logging.getLogger("tapd.subscriber")
 Handler = Callable[[Any, TapMeta], object]
 
 
+# After a hello, rehellos are not answered for this long: they are the daemon's answers
+# to messages sent before it (e.g. the acks and heartbeats of a subscriber whose daemon
+# restarted), and each answered with a hello made a storm of them.
+_REHELLO_QUIET = 1.0
+_ERROR_CHARS = 4000  # of an error's text sent back (the protocol allows 8192)
+
+
 class _DaemonLink:
-    """The connection to one daemon: its socket and its delivery ids and acks."""
+    """The connection to one daemon: its socket and its delivery ids and acks.
+
+    Nothing here ever blocks on the daemon: the socket sends only to a connected daemon
+    (ZMQ_IMMEDIATE) and never waits for room, so that a daemon that is gone, or slow,
+    cannot make the subscriber deaf to stop() and SIGTERM. What could not be sent is
+    sent later (acks and errors are kept until they go; a hello is retried)."""
 
     def __init__(self, endpoint: str, sock: zmq.Socket[Any]) -> None:
         self.endpoint = endpoint
@@ -49,15 +62,32 @@ class _DaemonLink:
         self.acked_tid = -1
         self.errors: list[dict[str, Any]] = []
         self.last_sent = 0.0
+        self.hello_sent = -_REHELLO_QUIET  # when the last hello went out
+        self.hello_due: dict[str, Any] | None = None  # a hello still to send
 
-    def send(self, frames: list[Any]) -> None:
-        self.sock.send_multipart(frames)
+    def send(self, frames: list[Any]) -> bool:
+        """Send now, or not at all (False): never wait for the daemon."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
         self.last_sent = time.monotonic()
+        return True
 
     def hello(self, fields: dict[str, Any]) -> None:
         self.last_tid = self.acked_tid = -1  # delivery ids are per daemon incarnation
         self.errors = []
-        self.send(encode("hello", fields))
+        self.hello_due = fields
+        self.send_hello()
+
+    def send_hello(self) -> None:
+        if self.hello_due is not None and self.send(encode("hello", self.hello_due)):
+            self.hello_due = None
+            self.hello_sent = time.monotonic()
+
+    def rehello_wanted(self) -> bool:
+        """A rehello deserves a hello only if none went out just before it."""
+        return time.monotonic() - self.hello_sent >= _REHELLO_QUIET
 
     def receive(self) -> Message | None:
         try:
@@ -67,17 +97,31 @@ class _DaemonLink:
         try:
             return decode(frames)
         except ProtocolError as exc:
-            logger.error("ignoring malformed message from the daemon at %s: %s",
-                         self.endpoint, exc)  # fmt: skip
+            self._refuse(frames, exc)
             return None
 
+    def _refuse(self, frames: list[Any], exc: ProtocolError) -> None:
+        """A message from the daemon that does not decode. If it carries taps (their
+        delivery ids are readable), acknowledge them with the reason as their error, so
+        that the emitter's barrier_wait raises instead of waiting for them for ever."""
+        tids = _delivery_ids(frames)
+        tids = [t for t in tids if t > self.last_tid]
+        logger.error("refused a malformed message from the daemon at %s (%d taps, "
+                     "acknowledged as failed): %s", self.endpoint, len(tids), exc)  # fmt: skip
+        for tid in tids:
+            text = f"the subscriber could not decode this tap: {exc}"
+            self.errors.append({"tid": tid, "error": text[:_ERROR_CHARS]})
+        if tids:
+            self.last_tid = max(tids)
+
     def ack(self) -> None:
-        if self.last_tid > self.acked_tid:
-            self.send(encode("ack", {"upto": self.last_tid, "errors": self.errors}))
+        fields = {"upto": self.last_tid, "errors": self.errors}
+        if self.last_tid > self.acked_tid and self.send(encode("ack", fields)):
             self.acked_tid = self.last_tid
             self.errors = []
 
     def keep_alive(self, heartbeat: float) -> None:
+        self.send_hello()
         if time.monotonic() - self.last_sent > heartbeat:
             self.send(encode("heartbeat", {}))
 
@@ -85,6 +129,28 @@ class _DaemonLink:
         self.ack()
         self.send(encode("bye", {}))
         self.sock.close(linger=1000)
+
+
+def _delivery_ids(frames: list[Any]) -> list[int]:
+    """The delivery ids a message that failed to decode names, read as leniently as
+    msgpack allows: a `tap`'s `tid`, a `taps` batch's rows' tids."""
+    if len(frames) < 2:
+        return []
+    raw = getattr(frames[1], "buffer", frames[1])
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception:  # (msgpack raises several unrelated types)
+        return []
+    if not isinstance(header, dict):
+        return []
+    if header.get("kind") == "tap":
+        tid = header.get("tid")
+        return [tid] if type(tid) is int else []
+    if header.get("kind") == "taps" and isinstance(header.get("taps"), list):
+        rows = header["taps"]
+        return sorted({r[1] for r in rows if isinstance(r, list) and len(r) > 1
+                       and type(r[1]) is int})  # fmt: skip
+    return []
 
 
 class Subscriber:
@@ -169,7 +235,8 @@ class Subscriber:
         self._add(consumer, handler, fallback)
         for link in self._links:
             link.welcomed = False
-            link.send(encode("hello", {**self._hello_fields(), "update": True}))
+            link.hello_due = {**self._hello_fields(), "update": True}  # (sent when it can be)
+            link.send_hello()
         self._wait_welcomed(timeout)
 
     @property
@@ -187,8 +254,13 @@ class Subscriber:
             for endpoint in self.endpoints:
                 sock = self._context.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 1000)
-                secure_client(sock, endpoint, self.curve)
-                sock.connect(endpoint)
+                sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a daemon not there
+                try:
+                    secure_client(sock, endpoint, self.curve)  # (checks an ipc directory)
+                    sock.connect(endpoint)
+                except BaseException:
+                    sock.close(linger=0)
+                    raise
                 self._links.append(_DaemonLink(endpoint, sock))
         for link in self._links:
             link.welcomed = False
@@ -206,6 +278,8 @@ class Subscriber:
             for link in self._ready(poller, 100):
                 while (message := link.receive()) is not None:
                     self._handle(link, message)
+            for link in self._links:
+                link.send_hello()  # (one that could not go out before the connection)
         silent = [link.endpoint for link in self._links if not link.welcomed]
         raise TimeoutError(
             f"no tapd daemon answered at {', '.join(silent)} within {timeout} s "
@@ -291,7 +365,7 @@ class Subscriber:
                 self._run_handler(link, tap, template)
         elif kind == "welcome":
             link.welcomed = True
-        elif kind == "rehello":  # the daemon restarted and does not know us
+        elif kind == "rehello" and link.rehello_wanted():  # a daemon that does not know us
             logger.warning("daemon at %s asked us to subscribe again", link.endpoint)
             link.hello(self._hello_fields())
 
@@ -318,7 +392,7 @@ class Subscriber:
             name = getattr(handler, "__qualname__", repr(handler))
             logger.error("handler %s for %r (seq %s) raised:\n%s", name, consumer,
                          header["seq"], traceback.format_exc())  # fmt: skip
-            link.errors.append({"tid": tid, "error": f"{name} raised {exc!r}"})
+            link.errors.append({"tid": tid, "error": f"{name} raised {exc!r}"[:_ERROR_CHARS]})
 
     def _handler_for(self, consumer: str) -> Handler | None:
         if consumer in self._handlers:
