@@ -58,8 +58,10 @@ pytestmark = pytest.mark.timeout(900)  # the first test of a group runs the whol
 
 REMAT_TAPS_TWICE = False  # issue 9, item 8: tapd taps a checkpointed region once
 
+# Two emitter processes per backend and mode: JAX's import and the compiles are most of
+# the cost. A case that crashes its process is reported, with the cases after it.
 GROUPS: dict[str, list[str]] = {
-    "eager_jit": [
+    "eager_jit_control": [
         "api_names", "tap_eval", "tap_with_tuple_results", "tap_with_dict_results",
         "tap_with_result", "tap_with_result_no_arg", "tap_result_unused", "tap_with_device",
         "tap_empty", "tap_jit_simple", "tap_jit_no_invars", "tap_jit_multiple_invars",
@@ -74,8 +76,10 @@ GROUPS: dict[str, list[str]] = {
         "tap_scan_cond[with_jit=True]", "tap_scan_cond[with_jit=False]", "tap_scan_order",
         "tap_while", "tap_named_call", "tap_remat_0", "tap_thousands_interleaved",
         "tap_thousands_two_functions",
+        # barrier_wait raising the tap functions' exceptions, last
+        "tap_eval_exception", "tap_jit_tap_exception",
     ],
-    "transforms": [
+    "transforms_devices": [
         "tap_jvp", "tap_grad_primal_unused", "tap_grad_simple", "tap_grad_grad",
         "tap_grad_pytree", "tap_jvp_float0", "tap_grad_float0", "tap_grad_float0_result",
         "tap_higher_order_grad_float0_result", "tap_transforms_doc_impl",
@@ -88,8 +92,7 @@ GROUPS: dict[str, list[str]] = {
           for u in (True, False) for g in ("grad", "value_and_grad") for r in ("new", "none")),
         "tap_vmap", "tap_vmap_not_batched", "tap_vmap_vmap", "tap_vmap_while",
         "tap_vmap_while_tap_cond", "tap_vmap_transforms_tuples",
-    ],
-    "devices": [
+        # devices: pmap, sharded jit, keys, dtypes
         "tap_pmap", "tap_pmap_vmap", "tap_pmap_pmap_vmap", "tap_pmap_pmap_extra",
         "tap_jvp_pmap_vmap", "tap_vmap_pmap", "tap_jit_pmap_extra",
         "tap_pjit[device_index=0]", "tap_pjit[device_index=1]", "tap_id_tap_random_key",
@@ -98,7 +101,6 @@ GROUPS: dict[str, list[str]] = {
             "bool", "int8", "int16", "int32", "uint8", "uint16", "uint32", "bfloat16",
             "float16", "float32")),
     ],
-    "errors": ["tap_eval_exception", "tap_jit_tap_exception"],
 }  # fmt: skip
 GROUP_OF = {case: group for group, cases in GROUPS.items() for case in cases}
 EMITTER_TIMEOUT = 600.0
@@ -639,8 +641,8 @@ def _higher_order(result: CaseResult) -> None:
 
 @check("tap_odeint")
 def _odeint(result: CaseResult) -> None:
-    got = values_of(result)
-    assert got["tapped"] == pytest.approx(got["plain"])
+    # x(t) = exp(-k t): d x(0.001) / dk at k = 1 is -0.001 exp(-0.001)
+    assert values_of(result)["grad"] == pytest.approx(-0.001 * np.exp(-0.001), rel=1e-4)
 
 
 # devices
