@@ -24,6 +24,7 @@ from tapd.emitter import lowering, primitive, sharding  # noqa: F401  (lowering:
 from tapd.errors import TapDefinitionError
 from tapd.protocol import flatten
 from tapd.protocol.dtypes import dtype_name
+from tapd.protocol.schema import check_static_size
 
 logger = logging.getLogger("tapd.emitter")
 
@@ -84,6 +85,7 @@ def emit(
     arrays, rewrap = _tappable_leaves(consumer, leaves, static_meta)
     step_operand = None if step is None else jnp.asarray(step).astype(int)
     fields = {"tree": tree, "meta": static_meta}
+    check_static_size(consumer, fields)  # what subscribers accept (tapd/protocol/schema.py)
     if sharding.manual_axes():
         tapped = _bind_per_device(consumer, fields, arrays, step_operand, [spec] * len(arrays))
     elif spec is not None:
