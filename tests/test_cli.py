@@ -107,8 +107,7 @@ def test_subscribe_module_runs_host_callback_style_tap_functions(
     printed = stop_and_read(printer)
     assert recorded == [
         "RECORD arg=[0, 1] transforms=[] kwargs={}\n",
-        "RECORD arg=[0, 1, 2] transforms=[] kwargs={'device': %s}\n"
-        % ("0" if backend == "native" else "None"),  # the portable backend cannot tell
+        "RECORD arg=[0, 1, 2] transforms=[] kwargs={'device': 0}\n",  # both backends know it
     ]
     assert "what: scaled\n[10. 10.]" in printed  # host_callback's id_print format
 

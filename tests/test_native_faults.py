@@ -1,4 +1,5 @@
-"""Faults on the native backend: the ring outlives a killed daemon and a killed emitter.
+"""Faults on the ring, which both backends write (the native FFI handler, or the portable
+backend's host callback): the ring outlives a killed daemon and a killed emitter.
 
 A daemon killed with SIGKILL and restarted re-attaches to the emitter's ring and
 delivers from where delivery stopped (at least once: a tap delivered but not yet released
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(bool(native_unavailable()), reason=str(native_un
 
 
 def start_emitter(daemon: Daemon, *args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "TAPD_ENDPOINT": daemon.endpoint, "TAPD_BACKEND": "native"}
+    env = {**os.environ, "TAPD_ENDPOINT": daemon.endpoint}  # TAPD_BACKEND: the fixture's
     return subprocess.Popen([sys.executable, str(APPS / "emitter_app.py"), *args], env=env,
                             stdout=subprocess.PIPE, text=True)  # fmt: skip
 
@@ -45,6 +46,7 @@ def wait_for_line(process: subprocess.Popen[str], expected: str) -> None:
 
 
 def test_daemon_killed_and_restarted_reattaches_and_loses_nothing(
+    backend: str,
     start_daemon: Callable[..., Daemon],
     start_subscriber: Callable[..., SubscriberProcess],
     runtime_dir: Path,
@@ -68,6 +70,7 @@ def test_daemon_killed_and_restarted_reattaches_and_loses_nothing(
 
 
 def test_emitter_killed_its_committed_taps_are_delivered_and_the_ring_removed(
+    backend: str,
     start_daemon: Callable[..., Daemon],
     start_subscriber: Callable[..., SubscriberProcess],
     runtime_dir: Path,

@@ -20,7 +20,7 @@ from tapd.emitter.settings import EmitterSettings, from_environment
 from tapd.errors import ConfigError
 from tapd.native import library
 from tapd.native.ring import RingError
-from tapd.runtime import ring_dir_for
+from tapd.runtime import check_endpoint_dir, ring_dir_for
 
 logger = logging.getLogger("tapd.emitter")
 
@@ -47,6 +47,7 @@ def get_sender() -> Sender:
             if _sender is None:
                 if _settings is None:
                     _settings = from_environment()
+                check_endpoint_dir(_settings.endpoint)  # no squatter's daemon gets our taps
                 _sender = Sender(
                     _settings,
                     process_index=jax.process_index(),
@@ -73,8 +74,8 @@ def _native_emitter(settings: EmitterSettings) -> NativeEmitter | None:
     if settings.backend == "native":
         raise ConfigError(f"backend 'native' was asked for but cannot be used: {reason}")
     logger.warning(
-        "tapd: taps go to the daemon through a sender thread (msgpack over ZeroMQ, the "
-        "slowest path); no shared-memory ring here: %s",
+        "tapd: using the portable backend through a sender thread (msgpack over ZeroMQ, "
+        "the slowest path): no shared-memory ring here: %s",
         reason,
     )
     return None

@@ -23,12 +23,15 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 from jax._src import callback as jax_callback
 from jax._src import core, ffi, sharding_impls
+from jax._src import mesh as mesh_lib
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
+from jax.sharding import Mesh
 
 from tapd.emitter import lifecycle, primitive
 from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter
@@ -85,8 +88,10 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             *([step_aval] if site.has_step else []),
             device_aval,
         ]
+        # The callback's custom call is laid out from its context's avals: ours.
+        callback_ctx = dataclasses.replace(ctx, avals_in=callback_avals, avals_out=[])
         _, new_token, _ = jax_callback.emit_python_callback(
-            ctx, host_function, token, operand_values, callback_avals, [],
+            callback_ctx, host_function, token, operand_values, callback_avals, [],
             has_side_effect=True, returns_token=True,
             sharding=jax_callback._callback_op_sharding(axis_context, None, []),
         )  # fmt: skip
@@ -125,10 +130,11 @@ def _emit_ffi_call(
 def _device_index(ctx: mlir.LoweringRuleContext) -> tuple[Any, core.ShapedArray]:
     """This device's index in the computation's device assignment, as a u32 scalar."""
     context = ctx.module_context.axis_context
-    if isinstance(context, (sharding_impls.ShardingContext, sharding_impls.SPMDAxisContext)):
+    # Under a jit (ShardingContext) the callback runs once, on the assignment's first
+    # device (its sharding says so); per device only inside shard_map/pmap.
+    value: Any
+    if isinstance(context, sharding_impls.SPMDAxisContext):
         value = hlo.partition_id()
-    elif isinstance(context, sharding_impls.ReplicaAxisContext):
-        value = hlo.replica_id()
     else:
         value = mlir.ir_constant(np.uint32(0))
     scalar = ir.RankedTensorType.get([], ir.IntegerType.get_unsigned(32))
@@ -146,12 +152,25 @@ def _local_ordinals(ctx: mlir.LoweringRuleContext) -> list[int]:
     if isinstance(context, sharding_impls.ShardingContext):
         devices = context.device_assignment or ()
     elif isinstance(context, sharding_impls.SPMDAxisContext):
-        devices = tuple(context.mesh.devices.flat)
+        devices = _mesh_devices(context.mesh)
     ordinals = []
     for device in devices:
         ordinal = getattr(device, "local_hardware_id", None)
         ordinals.append(-1 if ordinal is None else int(ordinal))
     return ordinals
+
+
+def _mesh_devices(mesh: Any) -> tuple[Any, ...]:
+    """The devices of a shard_map's mesh, in partition order. Its mesh may be abstract
+    here; the concrete one is then the ambient mesh (`jax.set_mesh`, or the one
+    shard_map was given). With neither, the local devices in order (the callback then
+    reports the partition index's local device, right for meshes made in that order)."""
+    if isinstance(mesh, Mesh):
+        return tuple(mesh.devices.flat)
+    concrete = mesh_lib.get_concrete_mesh()
+    if concrete is not None and not concrete.empty and concrete.shape_tuple == mesh.shape_tuple:
+        return tuple(concrete.devices.flat)
+    return tuple(jax.local_devices())
 
 
 def _ring_callback(

@@ -18,7 +18,6 @@ from typing import Any
 
 import msgpack
 
-from tapd.errors import TapDefinitionError
 from tapd.native import library
 from tapd.native.ring import Ring, round_capacity
 from tapd.native.sites import encode_entry
@@ -84,78 +83,8 @@ class NativeEmitter:
                 "blocked_ns": counters.blocked_ns}  # fmt: skip
 
 
-def _allow_under_remat() -> None:
-    """Give side-effecting FFI calls (our taps) the standing `jax.debug.callback` has
-    in JAX's effect tables: allowed under `jax.checkpoint` and in custom derivatives,
-    and kept by partial evaluation. Without the last one, `grad` of a `scan` drops a
-    native tap whose operand does not depend on the carry (the JAX #16637 family); the
-    tests check both. The tap is a custom_jvp that taps the primal only, so
-    rematerialisation does not run it twice. JAX has no public switch for this."""
-    try:
-        from jax._src import effects, ffi
-
-        for table in (
-            effects.remat_allowed_effects,
-            effects.custom_derivatives_allowed_effects,
-            effects.partial_eval_kept_effects,
-        ):
-            table.add_type(ffi.FfiEffect)
-    except (ImportError, AttributeError):
-        logger.warning(
-            "tapd: this JAX version hides the tables that keep native taps under "
-            "jax.checkpoint and grad-of-scan; if a tap is missing there, use "
-            "TAPD_BACKEND=portable"
-        )
-
-
-def _lower_taps_per_device() -> None:
-    """Lower our FFI call with the sharding JAX gives `jax.debug.callback`, and refuse
-    the one placement XLA cannot compile, with a message that says what to do.
-
-    XLA's SPMD partitioner needs a sharding on every side-effecting op, and
-    `jax.ffi.ffi_call` sets none. Inside shard_map/pmap (manual axes) we ask JAX for the
-    callbacks' MANUAL sharding: each device taps its block. In a jit that the compiler
-    partitions, a MAXIMAL sharding (one device) is what callbacks get, but XLA keeps it
-    only for its own callback targets (Shardy drops it on ours), so tapd wraps such
-    taps in a shard_map at trace time (`tapd.emitter.sharding`). A tap that still
-    reaches a partitioned lowering (the trace saw no mesh) gets a clear error here
-    instead of XLA's RET_CHECK. JAX has no public switch for any of this."""
-    try:
-        from jax._src import callback, ffi, sharding_impls
-        from jax._src.interpreters import mlir
-
-        def lower(ctx: Any, *operands: Any, target_name: str, **params: Any) -> Any:
-            if target_name != FFI_TARGET:
-                return ffi.ffi_call_lowering(ctx, *operands, target_name=target_name, **params)
-            module = ctx.module_context
-            context = module.axis_context
-            if isinstance(context, sharding_impls.ShardingContext) and context.num_devices > 1:
-                raise TapDefinitionError(
-                    f"a native tap is in a jit partitioned over {context.num_devices} "
-                    "devices whose mesh it could not see while tracing. Put the tapped "
-                    "value on a mesh (jax.device_put(x, NamedSharding(mesh, spec)) or "
-                    "jax.set_mesh(mesh)), tap inside shard_map, or use "
-                    "TAPD_BACKEND=portable."
-                )
-            attributes = ffi._unwrap_kwargs_hashable(params["attributes"])
-            op = ffi.build_ffi_lowering_function(FFI_TARGET, has_side_effect=True)(
-                ctx, *operands, **attributes
-            )
-            sharding = callback._callback_op_sharding(context, None, ctx.avals_out)
-            if sharding is not None:
-                mlir.set_sharding(module, op, sharding)
-            return op.results
-
-        mlir.register_lowering(ffi.ffi_call_p, lower, platform="cpu")
-    except (ImportError, AttributeError):
-        logger.warning(
-            "tapd: this JAX version hides how callbacks are placed on devices; a native "
-            "tap in a jit partitioned over several devices may fail to compile there "
-            "(use TAPD_BACKEND=portable for such programs)"
-        )
-
-
 _ffi_registered = False
+_registered_platforms: frozenset[str] = frozenset()
 _ffi_lock = threading.Lock()
 
 
@@ -164,7 +93,7 @@ def register_ffi_target() -> bool:
     CUDA where JAX has a CUDA backend and tapd's CUDA handler is built (`library.
     has_handler("cuda")`). False if none was registered (`library.handler_reason`
     says why); a handler that fails to register is logged once, never raised."""
-    global _ffi_registered
+    global _ffi_registered, _registered_platforms
     with _ffi_lock:
         if _ffi_registered:
             return True
@@ -172,7 +101,7 @@ def register_ffi_target() -> bool:
             return False
         import jax
 
-        registered = False
+        registered: set[str] = set()
         for platform, xla_platform in (("cpu", "cpu"), ("cuda", "CUDA")):
             if platform == "cuda":
                 try:
@@ -192,15 +121,15 @@ def register_ffi_target() -> bool:
             except Exception as exc:
                 logger.warning("tapd: could not register the %s tap handler: %s", platform, exc)
                 continue
-            registered = True
+            registered.add(platform)
         if not registered:
             return False
-        _allow_under_remat()
-        _lower_taps_per_device()
+        _registered_platforms = frozenset(registered)
         _ffi_registered = True
         return True
 
 
 def registered_platforms() -> frozenset[str]:
     """The JAX platforms tapd's FFI handler is registered for in this process."""
-    return frozenset({"cpu"}) if register_ffi_target() else frozenset()
+    register_ffi_target()
+    return _registered_platforms
