@@ -36,6 +36,7 @@ _BATCH_BYTES = 64 * 1024
 _BATCH_HEADER_BYTES = DEFAULT_LIMITS.max_header_bytes // 4  # well within what decoders take
 # Sent but not yet acknowledged, per subscriber: a window of large taps stays this small.
 _IN_FLIGHT_BYTES = 64 * 2**20
+_TOTALS_EVERY = 0.1  # seconds between totals sent without credit (ring emitters)
 
 
 # What the router routes: one tap, or a run of a ring site's taps (tapd/daemon/runs.py),
@@ -75,6 +76,8 @@ class Emitter:
         default_factory=collections.deque
     )  # (barrier id, first index after it)
     credit_due: int = 0
+    reported: tuple[int, int, int] = (0, 0, 0)  # totals last told the emitter
+    reported_at: float = 0.0
     parked_bytes: int = 0
     received: int = 0  # taps
     delivered: int = 0
@@ -370,23 +373,6 @@ class Router:
             logger.info("emitter %r disconnected", emitter.name)
             self._advance(emitter)
 
-    def forget_dead_emitters(self, alive: Callable[[int], bool], skip: Container[Any]) -> None:
-        """Emitters on this host that died without saying bye (kill -9) leave their
-        state here: finish it as if they had (`skip`: emitters whose rings still
-        hold taps; the rings' own check handles those)."""
-        for key, emitter in list(self.emitters.items()):
-            pid = emitter.local_pid
-            if pid is not None and not emitter.gone and key not in skip and not alive(pid):
-                logger.info("emitter %r (pid %d) is gone without a bye", emitter.name, pid)
-                self.emitter_bye(key)
-
-    def flush_credit(self) -> None:
-        for emitter in list(self.emitters.values()):
-            if emitter.credit_due:
-                self._send(emitter.key, encode("credit", {"bytes": emitter.credit_due}))
-                emitter.credit_due = 0
-
-    # ---- subscribers ----------------------------------------------------------------
     def refused(
         self, key: PeerKey, consumer: str, seq: int, error: str, *, credit_bytes: int = 0
     ) -> int:
@@ -411,18 +397,39 @@ class Router:
         self._advance(emitter)
         return index
 
+    def forget_dead_emitters(self, alive: Callable[[int], bool], skip: Container[Any]) -> None:
+        """Emitters on this host that died without saying bye (kill -9) leave their
+        state here: finish it as if they had (`skip`: emitters whose rings still
+        hold taps; the rings' own check handles those)."""
+        for key, emitter in list(self.emitters.items()):
+            pid = emitter.local_pid
+            if pid is not None and not emitter.gone and key not in skip and not alive(pid):
+                logger.info("emitter %r (pid %d) is gone without a bye", emitter.name, pid)
+                self.emitter_bye(key)
+
+    def flush_credit(self, *, now: float | None = None, final: bool = False) -> None:
+        """Return credit; with it (or alone, at most every `_TOTALS_EVERY` s, and at
+        shutdown: `final`), this emitter's totals here, so that an emitter whose daemon
+        restarts still knows what the old one finished (docs/PROTOCOL.md, `credit`)."""
+        now = time.monotonic() if now is None else now
+        for emitter in list(self.emitters.values()):
+            totals = (emitter.delivered, emitter.dropped, emitter.unrouted)
+            due = totals != emitter.reported and (
+                final or now - emitter.reported_at >= _TOTALS_EVERY
+            )
+            if emitter.credit_due or due:
+                fields = {"bytes": emitter.credit_due}
+                if totals != emitter.reported:
+                    fields.update(delivered=totals[0], dropped=totals[1], unrouted=totals[2])
+                    emitter.reported, emitter.reported_at = totals, now
+                self._send(emitter.key, encode("credit", fields))
+                emitter.credit_due = 0
+
+    # ---- subscribers ----------------------------------------------------------------
 
     def subscriber_hello(self, key: PeerKey, header: dict[str, Any], now: float) -> None:
-        consumers = header.get("consumers")
-        window = header.get("window")
-        if not (
-            isinstance(consumers, list)
-            and all(isinstance(c, str) for c in consumers)
-            and isinstance(window, int)
-            and window > 0
-        ):
-            self.reject("bad_field", "subscriber hello needs consumers: [str] and window > 0")
-            return
+        # (decode checked every field: tapd/protocol/schema.py, SUBSCRIBER_HELLO)
+        consumers, window = header["consumers"], header["window"]
         # Which of `consumers` are fallbacks, for which emitter (docs/PROTOCOL.md, "hello")
         owner = header.get("fallback_for")
         marked = header.get("fallback")
@@ -449,7 +456,7 @@ class Router:
                                            batch=header.get("batch") is True,
                                            fallback=tuple(fallback),
                                            fallback_for=owner)  # fmt: skip
-        logger.info("subscriber %s connected for %s", name, ", ".join(consumers))
+        logger.info("subscriber %r connected for %r", name, consumers)
         self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
 
     def add_local_subscriber(

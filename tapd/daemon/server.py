@@ -245,6 +245,10 @@ class Daemon:
     def _report_undelivered(self) -> None:
         for key in list(self.router.subscribers):
             self.router.drop_subscriber(key, "was still connected at shutdown")
+        try:  # emitters learn the final totals (they outlive this daemon, maybe)
+            self.router.flush_credit(final=True)
+        except zmq.ZMQError:
+            pass
         parked = sum(len(e.parked) for e in self.router.emitters.values())
         if parked:
             logger.error(

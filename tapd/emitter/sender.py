@@ -115,6 +115,7 @@ class Sender:
         self._next_barrier = 0
         self._confirmed = 0  # taps submitted before the last barrier that passed
         self._stats = SenderStats()
+        self._totals: dict[str | None, tuple[int, int, int]] = {}  # by daemon id
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._wake_pending = False
@@ -332,16 +333,24 @@ class Sender:
                 with self._lock:
                     self._errors.append(text)
                     self._stats.errors += 1
-            elif kind == "barrier_done":
+            if kind in ("barrier_done", "credit") and "delivered" in header:
+                self._note_totals(connection.link.daemon, header)
+            if kind == "barrier_done":
                 with self._lock:
                     barrier = self._barriers.pop(header["id"], None)
-                    self._stats.delivered = header["delivered"]
-                    self._stats.daemon_dropped = header["dropped"]
-                    self._stats.unrouted = header["unrouted"]
                 if barrier is not None:
                     barrier.lost_bytes = connection.lost_bytes
                     barrier.reply = dict(header)
                     barrier.done.set()
+
+    def _note_totals(self, daemon: str | None, header: dict[str, Any]) -> None:
+        """A daemon's totals for this emitter (in `barrier_done` and `credit`). Each
+        daemon that served us keeps its own, so that after a restart what the old one
+        finished is neither forgotten nor counted again by the new one."""
+        with self._lock:
+            self._totals[daemon] = (header["delivered"], header["dropped"], header["unrouted"])
+            sums = [sum(column) for column in zip(*self._totals.values(), strict=True)]
+            self._stats.delivered, self._stats.daemon_dropped, self._stats.unrouted = sums
 
     def _abandon_queue(self) -> None:
         with self._lock:
