@@ -84,7 +84,3 @@ def record_transforms(arg: Any, transforms: Any) -> None:
 
 def record_typed(arg: Any, transforms: Any) -> None:
     _emit(describe(arg, dtypes=True))
-
-
-def record_with_device(arg: Any, transforms: Any, *, device: Any) -> None:
-    _emit(f"device: {device} {describe(arg)}")
