@@ -13,6 +13,7 @@ its consumer (tapd/emitter/local_functions.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 from collections.abc import Callable
@@ -24,9 +25,22 @@ from tapd_client.subscriber import Subscriber
 
 # Metadata that tapd itself adds to a tap site, never a keyword of the tap function:
 # `tap_with_device` (id_tap asked for `device=`), `device_index` (id_tap's), `key_impl`
-# (a tapped PRNG key's implementation). Bound keywords of these names make a tap
-# function run in its own process only (tapd.emitter.host_callback.importable_form).
-RESERVED_META = frozenset({"tap_with_device", "device_index", "key_impl"})
+# (a tapped PRNG key's implementation), `device_platform` (the JAX platform of the
+# device, with tap_with_device). Bound keywords of these names make a tap function run
+# in its own process only (tapd.emitter.host_callback.importable_form).
+RESERVED_META = frozenset({"tap_with_device", "device_index", "key_impl", "device_platform"})
+
+
+@dataclasses.dataclass(frozen=True)
+class TapDevice:
+    """The device a tap ran on, for a tap function outside the JAX process (which has no
+    `jax.Device`): printed as JAX prints one (`cpu:0`)."""
+
+    platform: str
+    id: int
+
+    def __str__(self) -> str:
+        return f"{self.platform}:{self.id}"
 
 
 def resolve(consumer: str) -> Callable[..., Any]:
@@ -50,6 +64,8 @@ def tap_function_keywords(meta: TapMeta, device: Any = None) -> dict[str, Any]:
     or `meta.device` if None) where the site asked for it."""
     kwargs = {k: v for k, v in meta.meta.items() if k not in RESERVED_META}
     if meta.meta.get("tap_with_device"):
+        if device is None and meta.device is not None and "device_platform" in meta.meta:
+            device = TapDevice(str(meta.meta["device_platform"]), meta.device)
         kwargs["device"] = meta.device if device is None else device
     return kwargs
 

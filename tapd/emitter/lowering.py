@@ -31,7 +31,7 @@ from jax._src import mesh as mesh_lib
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from tapd.emitter import lifecycle, primitive
 from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter
@@ -70,7 +70,7 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
     )
     if native is not None and platform in lifecycle.handler_platforms() and not partitioned:
         site_id = native.register_site(
-            site.consumer, site.site_fields(), primitive.leaf_descriptions(tapped_avals)
+            site.consumer, _site_fields(site, platform), primitive.leaf_descriptions(tapped_avals)
         )
         operand_values = [*tapped, *([step] if site.has_step else [])]
         operand_avals = [*tapped_avals, *([step_aval] if site.has_step else [])]
@@ -79,9 +79,15 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             site=site_id, consumer=native.consumer_id(site.consumer), has_step=site.has_step,
         )  # fmt: skip
     else:
-        device, device_aval = _device_index(ctx)
+        # A gathered tap in a partitioned jit runs on one device: id_tap's device_index.
+        where = int(site.decoded_fields().get("meta", {}).get("device_index", 0))
+        devices = getattr(axis_context, "num_devices", 1)
+        if not partitioned or not 0 <= where < devices:
+            where = 0
+        device, device_aval = _device_index(ctx, where)
         callback = _ring_callback if native is not None else _sender_callback
-        host_function = callback(native, site, tapped_avals, _local_ordinals(ctx))
+        fields = _site_fields(site, platform)
+        host_function = callback(native, site, fields, tapped_avals, _local_ordinals(ctx))
         operand_values = [*tapped, *([step] if site.has_step else []), device]
         callback_avals: list[Any] = [
             *tapped_avals,
@@ -93,11 +99,23 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         _, new_token, _ = jax_callback.emit_python_callback(
             callback_ctx, host_function, token, operand_values, callback_avals, [],
             has_side_effect=True, returns_token=True,
-            sharding=jax_callback._callback_op_sharding(axis_context, None, []),
+            sharding=jax_callback._callback_op_sharding(
+                axis_context, _single_device(axis_context, where), []
+            ),
         )  # fmt: skip
     if token is not None:
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: new_token})))
     return leaves
+
+
+def _site_fields(site: TapSiteParams, platform: str | None) -> dict[str, Any]:
+    """The site's fields; a site that asked for its device (`tap_with_device`) also gets
+    the device's platform, so that a subscriber can name it as JAX does (`cpu:0`)."""
+    fields = site.site_fields()
+    meta = fields.get("meta", {})
+    if meta.get("tap_with_device") and platform is not None:
+        fields["meta"] = {**meta, "device_platform": platform}
+    return fields
 
 
 def _emit_ffi_call(
@@ -127,8 +145,17 @@ def _emit_ffi_call(
     return op.results[0] if with_token else None
 
 
-def _device_index(ctx: mlir.LoweringRuleContext) -> tuple[Any, core.ShapedArray]:
-    """This device's index in the computation's device assignment, as a u32 scalar."""
+def _single_device(axis_context: Any, index: int) -> Any:
+    """The sharding that places a gathered tap on device `index` of a partitioned jit."""
+    if index == 0 or not isinstance(axis_context, sharding_impls.ShardingContext):
+        return None  # JAX's default: the first device
+    assignment = axis_context.device_assignment
+    return None if not assignment else SingleDeviceSharding(assignment[index])
+
+
+def _device_index(ctx: mlir.LoweringRuleContext, where: int = 0) -> tuple[Any, core.ShapedArray]:
+    """This device's index in the computation's device assignment, as a u32 scalar
+    (`where` for a tap that runs on one device of a jit)."""
     context = ctx.module_context.axis_context
     # Under a jit (ShardingContext) the callback runs once, on the assignment's first
     # device (its sharding says so); per device only inside shard_map/pmap.
@@ -136,7 +163,7 @@ def _device_index(ctx: mlir.LoweringRuleContext) -> tuple[Any, core.ShapedArray]
     if isinstance(context, sharding_impls.SPMDAxisContext):
         value = hlo.partition_id()
     else:
-        value = mlir.ir_constant(np.uint32(0))
+        value = mlir.ir_constant(np.uint32(where))
     scalar = ir.RankedTensorType.get([], ir.IntegerType.get_unsigned(32))
     if value.type != scalar:
         value = hlo.reshape(scalar, value)
@@ -176,14 +203,13 @@ def _mesh_devices(mesh: Any) -> tuple[Any, ...]:
 def _ring_callback(
     native: NativeEmitter | None,
     site: TapSiteParams,
+    fields: dict[str, Any],
     tapped_avals: Sequence[Any],
     ordinals: Sequence[int],
 ) -> Callable[..., tuple[()]]:
     """The host function of a portable tap: one call into the library writes the record."""
     assert native is not None
-    site_id = native.register_site(
-        site.consumer, site.site_fields(), primitive.leaf_descriptions(tapped_avals)
-    )
+    site_id = native.register_site(site.consumer, fields, primitive.leaf_descriptions(tapped_avals))
     consumer_id = native.consumer_id(site.consumer)
     count = len(tapped_avals)
     has_step = site.has_step
@@ -214,11 +240,12 @@ def _ring_callback(
 def _sender_callback(
     native: NativeEmitter | None,
     site: TapSiteParams,
+    fields: dict[str, Any],
     tapped_avals: Sequence[Any],
     ordinals: Sequence[int],
 ) -> Callable[..., tuple[()]]:
     """The host function of a portable tap without a ring: copy, hand to the sender."""
-    tap_site = TapSite(site.consumer, site.site_fields())
+    tap_site = TapSite(site.consumer, fields)
     leaf_count = len(tapped_avals) - site.has_coords
     has_step = site.has_step
     has_coords = site.has_coords

@@ -212,3 +212,65 @@ def leaf_descriptions(avals: Sequence[Any]) -> list[list[Any]]:
 
 def register_lowering(rule: Any) -> None:
     mlir.register_lowering(tap_p, rule, cacheable=False)
+
+
+# ---- while loops whose condition taps, under vmap ------------------------------------
+
+
+def _has_tap(closed_jaxpr: Any) -> bool:
+    return any(isinstance(effect, (TapEffect, OrderedTapEffect)) for effect in closed_jaxpr.effects)
+
+
+def _install_while_batching() -> None:
+    """Batch a `while_loop` whose condition taps as host_callback did: the condition is
+    evaluated once per iteration, on the carry the iteration produced.
+
+    JAX batches a loop with a batched predicate by evaluating the condition twice per
+    iteration (once to decide whether to go on, once to select the lanes that go on),
+    which taps twice; and its lowering of an ordered effect in a condition runs the body
+    on every lane without selecting (wrong values). So, before batching, such a loop is
+    rewritten into the equivalent loop that carries its predicate: `p = cond(c); while p:
+    c = body(c); p = cond(c)`. Its condition only reads `p`; the taps are in the body."""
+    from jax import lax
+    from jax._src.lax.control_flow import loops
+
+    original = batching.fancy_primitive_batchers[loops.while_p]
+
+    def batch_while(
+        axis_data: Any, args: Sequence[Any], dims: Sequence[Any], **params: Any
+    ) -> tuple[Any, Any]:
+        cond_jaxpr, body_jaxpr = params["cond_jaxpr"], params["body_jaxpr"]
+        if not _has_tap(cond_jaxpr):
+            result: tuple[Any, Any] = original(axis_data, args, dims, **params)
+            return result
+        cond_nconsts, body_nconsts = params["cond_nconsts"], params["body_nconsts"]
+        cond = core.jaxpr_as_fun(cond_jaxpr)
+        body = core.jaxpr_as_fun(body_jaxpr)
+
+        def carrying_predicate(*operands: Any) -> list[Any]:
+            cond_consts = operands[:cond_nconsts]
+            body_consts = operands[cond_nconsts : cond_nconsts + body_nconsts]
+            carry = tuple(operands[cond_nconsts + body_nconsts :])
+
+            def step(state: tuple[Any, tuple[Any, ...]]) -> tuple[Any, tuple[Any, ...]]:
+                new_carry = tuple(body(*body_consts, *state[1]))
+                return cond(*cond_consts, *new_carry)[0], new_carry
+
+            first = cond(*cond_consts, *carry)[0]
+            return list(lax.while_loop(lambda state: state[0], step, (first, carry))[1])
+
+        import jax
+
+        outs = jax.vmap(
+            carrying_predicate,
+            in_axes=[None if not _mapped(dim) else dim for dim in dims],
+            axis_size=axis_data.size,
+            axis_name=axis_data.name,
+            spmd_axis_name=axis_data.spmd_name,
+        )(*args)
+        return outs, [0] * len(outs)
+
+    batching.fancy_primitive_batchers[loops.while_p] = batch_while
+
+
+_install_while_batching()
