@@ -227,3 +227,18 @@ def test_sigterm_to_a_detached_daemon_leaves_no_lock_holder(runtime_dir: Path) -
     again = tapd_cmd("start", "--detach", "--endpoint", endpoint, "--pidfile", str(pidfile))
     assert again.returncode == 0, again.stderr
     assert tapd_cmd("stop", "--endpoint", endpoint, "--pidfile", str(pidfile)).returncode == 0
+
+
+def test_one_ring_is_drained_by_one_daemon_at_most(tmp_path: Path) -> None:
+    """Issue 10, item 10, for rings: daemons sharing a ring directory (two endpoints in
+    one runtime dir) never both drain a ring; the ring's lock says who does."""
+    from tapd.daemon.rings import RingBusy, lock_ring_file
+
+    ring = fake_ring(tmp_path / "rings", dead_pid())
+    first = lock_ring_file(ring)
+    try:
+        with pytest.raises(RingBusy, match="another tapd daemon"):
+            lock_ring_file(ring)
+    finally:
+        os.close(first)
+    os.close(lock_ring_file(ring))  # free again once the first let go

@@ -72,3 +72,39 @@ def test_allowed_key_is_served_and_an_unknown_key_refused_logged_and_counted(
         stranger.kill()
         stranger.communicate(timeout=30)
     assert not (tmp_path / "stranger.jsonl").read_text()  # it received nothing
+
+
+def test_clients_with_no_key_or_the_wrong_server_key_are_counted_as_refused(
+    start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Issue 10, item 14: CURVE refuses these before ZAP is asked; they count too."""
+    import zmq
+
+    _, daemon_secret = keygen(tmp_path / "daemon", "daemon")
+    friend_public, friend_secret = keygen(tmp_path / "friend", "friend")
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "friend.key").write_text(friend_public.read_text())
+    wrong_public, _ = keygen(tmp_path / "wrong", "wrong")
+    daemon = start_daemon("--tcp", "tcp://127.0.0.1:0", "--curve-secret-key",
+                          str(daemon_secret), "--curve-allowed", str(allowed))  # fmt: skip
+    remote = daemon.endpoints[1]
+    context = zmq.Context()
+    try:
+        plain = context.socket(zmq.DEALER)  # no key at all
+        plain.connect(remote)
+        plain.send(b"hello?")
+        wait_until(lambda: daemon.counters().get("auth_refused", 0) >= 1, "the keyless client")
+        from tapd.security import ClientKeys
+
+        keys = ClientKeys.from_files(wrong_public, friend_secret)  # an allowed key, wrong server
+        mistaken = context.socket(zmq.DEALER)
+        keys.apply(mistaken)
+        mistaken.connect(remote)
+        mistaken.send(b"hello?")
+        wait_until(lambda: daemon.counters().get("auth_refused", 0) >= 2, "the wrong server key")
+    finally:
+        context.destroy(linger=0)
+    log = daemon.log()
+    assert "no key" in log and "wrong server key" in log
+    assert daemon.subscriber_count() == 0
