@@ -2,8 +2,11 @@
 
 - `tapd.native._tapd_native`: the shared-memory ring (a C++17 compiler is all it
   needs), with the XLA FFI handler for CPU built in where jaxlib's FFI headers are found:
-  $TAPD_XLA_FFI_INCLUDE, else an importable jaxlib (`[build-system] requires` has one,
-  so an isolated `pip install .` finds it).
+  $TAPD_XLA_FFI_INCLUDE, else an importable jaxlib. An isolated build (`pip install .`)
+  asks for jaxlib as a build requirement (`setup_requires`, which setuptools' PEP 517
+  backend reports and pip installs into the build environment) where jaxlib publishes
+  wheels: Linux with glibc on x86_64 or aarch64. Elsewhere, or with
+  TAPD_BUILD_WITH_JAXLIB=0, it does not, and the CPU handler is compiled on first use.
 - `tapd.native._tapd_cuda`: the XLA FFI handler for CUDA, where the CUDA runtime from
   pip's nvidia-cuda-runtime-cu12 (and the crt/ headers of nvidia-cuda-nvcc-cu12) is
   importable too; with build isolation it is not, and tapd compiles it on first use
@@ -17,6 +20,8 @@ which). The sources ship in the wheel for that.
 from __future__ import annotations
 
 import importlib.util
+import os
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,7 +44,13 @@ def _native_build() -> Any:
 
 
 class OptionalBuildExt(build_ext):
-    """A failed native build is a warning, not a failed install."""
+    """A failed native build is a warning, not a failed install. Always a fresh build:
+    what goes in (the handlers, the jaxlib headers) depends on the build environment,
+    which setuptools' up-to-date check on the sources alone does not see."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.force = True
 
     def run(self) -> None:
         try:
@@ -59,6 +70,26 @@ class OptionalBuildExt(build_ext):
             "else uses the portable backend",
             file=sys.stderr,
         )
+
+
+def jaxlib_build_requirement() -> list[str]:
+    """jaxlib (for its FFI headers: ~85 MB, with numpy and scipy ~130 MB, pip caches
+    it) where it has wheels for this interpreter; nothing elsewhere, so that a build
+    never fails for want of it."""
+    # Which one: a handler built against XLA FFI API 0.N runs on every jaxlib whose API
+    # is 0.M, M >= N (tapd.native.library checks). Prebuilt wheels take the oldest
+    # jaxlib tapd supports (TAPD_BUILD_JAXLIB, see [tool.cibuildwheel]) to serve them all.
+    requirement = os.environ.get("TAPD_BUILD_JAXLIB") or "jaxlib>=0.6"
+    choice = os.environ.get("TAPD_BUILD_WITH_JAXLIB", "")
+    if choice in ("0", "1"):
+        return [requirement] if choice == "1" else []
+    supported = (
+        platform.system() == "Linux"
+        and platform.machine().lower() in ("x86_64", "aarch64")
+        and platform.libc_ver()[0] == "glibc"
+        and (3, 11) <= sys.version_info[:2] < (3, 15)
+    )
+    return [requirement] if supported else []
 
 
 def extensions() -> list[Extension]:
@@ -106,6 +137,7 @@ def extensions() -> list[Extension]:
 
 setup(
     ext_modules=extensions(),
+    setup_requires=jaxlib_build_requirement(),
     cmdclass={"build_ext": OptionalBuildExt},
     # The sources, so that tapd can compile what the install could not.
     package_data={"tapd.native": ["*.cc", "*.h"]},
