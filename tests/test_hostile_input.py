@@ -4,7 +4,6 @@ reason, the daemon serves on, and a normal tap still arrives afterwards."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -119,8 +118,9 @@ def test_the_three_crashers_are_rejected_counted_and_the_daemon_serves_on(
 
     sock = raw_peer(daemon.endpoint)
     # 1. a tree node with a list among its keys
+    tree = ["nt", "P", [[1], "y"], [["*"], ["n"]]]
     sock.send_multipart(raw({**TAP_FIELDS, "kind": "tap", "leaves": [["float32", [1], 4]],
-                             "tree": ["nt", "P", [[1], "y"], [["*"], ["n"]]]}, bytes(4)))  # fmt: skip
+                             "tree": tree}, bytes(4)))  # fmt: skip
     # 2. an emitter of this host whose pid os.kill cannot take
     hostile = raw_peer(daemon.endpoint)
     hostile.send_multipart(encode("hello", {"role": "emitter", "host": socket.gethostname(),
@@ -157,7 +157,9 @@ def make_dead_ring(directory: Path, records: int = 1) -> Path:
     return Path(out.stdout.strip())
 
 
-needs_native = pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable()))
+needs_native = pytest.mark.skipif(
+    native_unavailable() is not None, reason=str(native_unavailable())
+)
 
 
 @needs_native
@@ -224,12 +226,15 @@ def test_peer_names_are_bounded_and_logged_escaped(
                                          "window": 1, "name": forged}))  # fmt: skip
     huge = "n" * 100_000
     for _ in range(50):
-        raw_peer(daemon.endpoint).send_multipart(encode(
-            "hello", {"role": "subscriber", "consumers": ["a"], "window": 1, "name": huge}))
-        raw_peer(daemon.endpoint).send_multipart(encode(
-            "hello", {"role": "subscriber", "consumers": [huge], "window": 1}))
-        raw_peer(daemon.endpoint).send_multipart(encode(
-            "hello", {"role": "emitter", "host": huge, "pid": 5, "process": 0}))
+        raw_peer(daemon.endpoint).send_multipart(
+            encode("hello", {"role": "subscriber", "consumers": ["a"], "window": 1, "name": huge})
+        )
+        raw_peer(daemon.endpoint).send_multipart(
+            encode("hello", {"role": "subscriber", "consumers": [huge], "window": 1})
+        )
+        raw_peer(daemon.endpoint).send_multipart(
+            encode("hello", {"role": "emitter", "host": huge, "pid": 5, "process": 0})
+        )
     wait_until(lambda: daemon.counters().get("rejected_too_large") == 150, "150 rejections")
     a_normal_tap_arrives(daemon, raw_peer, probe(daemon.endpoint), 2.0)
     log = daemon.log()
