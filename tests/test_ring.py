@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import logging
 import mmap
 import os
 import queue
@@ -30,6 +31,7 @@ import numpy as np
 import pytest
 
 from tapd.native import build, library
+from tapd.native import ring as ring_module
 from tapd.native.ring import RECORD_HEADER, Record, Ring, RingError
 
 if library.load() is None:
@@ -1207,3 +1209,21 @@ def test_the_cuda_handler_library_builds_and_exports_its_handler() -> None:
     function = library.handler("cuda")
     assert function.__name__ == "TapdTapCuda"
     assert library.status()["CUDA handler"] == "built"
+
+
+def test_a_record_held_reserved_by_a_live_writer_is_logged_not_skipped(
+    rings: Rings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(ring_module, "STALL_WARNING_S", 0.0)
+    writer = rings.create("drop_newest")
+    reader = rings.open()
+    held = writer.reserve_for_test(1, b"held")
+    assert held is not None and writer.write(2, b"after")
+    with caplog.at_level(logging.WARNING, logger="tapd.native"):
+        for _ in range(3):
+            assert reader.read(0) == []
+    warnings = [r.getMessage() for r in caplog.records if "not committed" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once per stall
+    assert reader.counters().abandoned == 0  # the writer lives: nothing skipped
+    writer.commit_for_test(held)
+    assert [r.site for r in reader.read(0)] == [1, 2]

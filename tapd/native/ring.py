@@ -8,9 +8,11 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import logging
 import mmap
 import os
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -20,7 +22,10 @@ import numpy as np
 from tapd.errors import TapdError
 from tapd.native import library
 
+logger = logging.getLogger("tapd.native")
+
 POLICIES = {"block": 0, "drop_newest": 1}
+STALL_WARNING_S = 30.0  # a reserved record holding the ring back this long is logged
 NO_STEP = -(2**63)
 RECORD_HEADER = np.dtype([
     ("length", "<u4"), ("nleaves", "<u4"), ("site", "<u8"), ("seq", "<u8"),
@@ -80,6 +85,7 @@ class Ring:
         self.header_bytes = int(self._lib.tapd_ring_record_header_bytes())
         self._mapped: tuple[int, memoryview] | None = None  # (capacity, view of both maps)
         self._nonce = int(self._lib.tapd_ring_nonce(handle)) & ~7  # in every commit tag
+        self._stalled: tuple[int, float, bool] | None = None  # (position, since, warned)
         assert self.header_bytes == RECORD_HEADER.itemsize
 
     @classmethod
@@ -203,7 +209,9 @@ class Ring:
         pointer = ctypes.c_void_p()
         available = int(self._lib.tapd_ring_readable(self.handle, position, ctypes.byref(pointer)))
         if available == 0:
+            self._check_stall(position)
             return memoryview(b""), []
+        self._stalled = None
         if self._mapped is None:  # both mappings, viewed once (a ctypes type per read is slow)
             capacity = self.counters().capacity
             base = (pointer.value or 0) - position % capacity
@@ -238,6 +246,26 @@ class Ring:
             ))  # fmt: skip
             offset += length
         return view, records
+
+    def _check_stall(self, position: int) -> None:
+        """Nothing readable: say so once if a record has stayed reserved, holding back
+        the ring, for STALL_WARNING_S (its writer lives, so it is not skipped)."""
+        counters = self.counters()
+        if counters.head <= counters.committed or position < counters.committed:
+            self._stalled = None
+            return
+        now = time.monotonic()
+        if self._stalled is None or self._stalled[0] != counters.committed:
+            self._stalled = (counters.committed, now, False)
+        elif not self._stalled[2] and now - self._stalled[1] >= STALL_WARNING_S:
+            self._stalled = (counters.committed, self._stalled[1], True)
+            logger.warning(
+                "ring %s: the record at position %d has been reserved but not committed "
+                "for %.0f s, holding back %d bytes after it; its writer (pid %d) still "
+                "runs, so it is not skipped (docs/PROTOCOL.md, 'Records never committed')",
+                self.path, counters.committed, now - self._stalled[1],
+                counters.head - counters.committed, counters.writer_pid,
+            )  # fmt: skip
 
     def sleep(self, position: int) -> bool:
         """The reader is going idle: ask the next writer to commit for a datagram to
