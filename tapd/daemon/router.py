@@ -374,21 +374,30 @@ class Router:
             self._advance(emitter)
 
     def refused(
-        self, key: PeerKey, consumer: str, seq: int, error: str, *, credit_bytes: int = 0
+        self,
+        key: PeerKey,
+        consumer: str,
+        seq: int,
+        error: str,
+        *,
+        credit_bytes: int = 0,
+        tap: bool = True,
     ) -> int:
         """A tap of emitter `key` that this daemon refused (malformed, too large for its
         subscribers): reported to the emitter as an `error`, so that its barrier_wait
         raises, counted dropped, and finished at once; its bytes are credited back.
-        Returns its index (ring records are released by index)."""
+        Returns its index (ring records are released by index). `tap=False`: another
+        message of the emitter's, refused: only reported."""
         emitter = self.emitters.get(key)
         if emitter is None:
             return -1
         index = emitter.next_index
-        emitter.next_index += 1
-        emitter.received += 1
-        emitter.dropped += 1
+        if tap:
+            emitter.next_index += 1
+            emitter.received += 1
+            emitter.dropped += 1
+            self.counters["taps_refused"] += 1
         emitter.credit_due += credit_bytes
-        self.counters["taps_refused"] += 1
         if not emitter.gone:
             self._send(key, encode("error", {
                 "consumer": consumer, "seq": seq, "error": error, "subscriber": "tapd daemon",

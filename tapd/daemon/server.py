@@ -337,7 +337,7 @@ class Daemon:
                     seq = header["seq"]
         error = f"the tapd daemon rejected a message from this emitter: {exc}"[:4000]
         credit = sum(len(f) for f in frames[2:]) if is_tap else 0
-        self.router.refused(key, consumer, seq, error, credit_bytes=credit)
+        self.router.refused(key, consumer, seq, error, credit_bytes=credit, tap=is_tap)
 
     def _dispatch(self, key: Any, index: int, message: Any, now: float) -> None:
         router = self.router
