@@ -68,6 +68,10 @@ struct RingControl {
   alignas(64) std::atomic<uint32_t> reader_sleeping;
 };
 static_assert(sizeof(RingControl) <= 4096, "control block must fit its page");
+// Read without mapping the ring: the first 32 bytes by tapd/protocol/schema.py
+// (check_ring_control), reader_pid by tapd/daemon/rings.py (sweep_stale_rings).
+static_assert(offsetof(RingControl, writer_pid) == 24, "");
+static_assert(offsetof(RingControl, reader_pid) == 280, "");
 
 // One record; 8-byte aligned; followed by the leaves' bytes, each padded to 8.
 struct RecordHeader {
