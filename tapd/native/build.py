@@ -114,18 +114,26 @@ class CudaRuntime:
 
 def cuda_runtime() -> CudaRuntime | None:
     """The CUDA runtime from pip's nvidia wheels ($TAPD_CUDA_RUNTIME_DIR first: a
-    directory with include/ and lib/ laid out like nvidia/cuda_runtime), or None."""
+    directory with include/ and lib/ or lib64/ holding libcudart.so.12, such as a CUDA 12
+    toolkit's), or None."""
     nvidia = _package_dirs("nvidia")
     runtimes = [Path(p) for p in [os.environ.get("TAPD_CUDA_RUNTIME_DIR")] if p]
     runtimes += [p / "cuda_runtime" for p in nvidia]
-    crt_dirs = [r / "include" for r in runtimes] + [p / "cuda_nvcc" / "include" for p in nvidia]
-    crt = next((d for d in crt_dirs if (d / "crt" / "host_defines.h").is_file()), None)
+    nvcc_crt = next((p / "cuda_nvcc" / "include" for p in nvidia
+                     if (p / "cuda_nvcc" / "include" / "crt" / "host_defines.h").is_file()),
+                    None)  # fmt: skip
     for runtime in runtimes:
-        include, lib = runtime / "include", runtime / "lib"
-        if (include / "cuda_runtime_api.h").is_file() and (lib / CUDART).is_file():
-            if crt is None:
-                return None  # the runtime's headers include crt/host_defines.h
-            return CudaRuntime((include,) if crt == include else (include, crt), lib)
+        include = runtime / "include"
+        lib = next((d for d in (runtime / "lib", runtime / "lib64") if (d / CUDART).is_file()),
+                   None)  # fmt: skip
+        if lib is None or not (include / "cuda_runtime_api.h").is_file():
+            continue
+        # cuda_runtime_api.h includes crt/host_defines.h: a toolkit has it beside; pip's
+        # runtime wheel does not, its nvcc wheel does.
+        if (include / "crt" / "host_defines.h").is_file():
+            return CudaRuntime((include,), lib)
+        if nvcc_crt is not None:
+            return CudaRuntime((include, nvcc_crt), lib)
     return None
 
 
