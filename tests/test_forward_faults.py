@@ -11,10 +11,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from faultproxy import FaultProxy
 
@@ -45,10 +47,12 @@ def forward_stats(daemon: Daemon) -> dict[str, Any]:
     return dict(daemon.stats()["forward"])
 
 
-def start_emitter(endpoint: str, scenario: str, *args: str) -> subprocess.Popen[str]:
+def start_emitter(
+    endpoint: str, scenario: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(APPS / "emitter_app.py"), scenario, *args],
-        env={**os.environ, "TAPD_ENDPOINT": endpoint},
+        env={**os.environ, "TAPD_ENDPOINT": endpoint, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -201,3 +205,195 @@ def test_a_connection_reset_on_the_forwarders_side_mid_stream_loses_nothing(
     tally = Tally.of(far.records(), steps)
     assert (tally.delivered, tally.missing) == (steps, 0), tally
     assert result["stats"]["delivered"] == steps and result["stats"]["errors"] == 0
+
+
+# ---- daemons killed and restarted -------------------------------------------------------
+
+
+@pytest.mark.parametrize("sleep_ms", [0, 20], ids=["fast", "slow"])
+def test_an_upstream_killed_and_restarted_loses_nothing(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, sleep_ms: int
+) -> None:
+    """kill -9 of the upstream mid-stream, a new one on the same endpoint: its subscriber
+    reconnects by itself, the forwarder sends again what the dead one had not confirmed,
+    and the new one holds those for its subscriber (start-up grace)."""
+    steps = 400
+    upstream = start_daemon(name="a.sock")
+    forwarder = start_daemon("--forward", upstream.endpoint, name="b.sock")
+    far = start_subscriber(upstream, "loss", sleep_ms=sleep_ms)
+    emitter = start_emitter(forwarder.endpoint, "paced", str(steps), "5")
+    try:
+        wait_until(lambda: len(far.records()) >= 100, "taps at the first upstream")
+        upstream.process.kill()
+        upstream.process.wait(timeout=30)
+        again = start_daemon("--startup-grace", "10", name="a.sock")
+        wait_until(lambda: again.subscriber_count() == 1, "the subscriber back", timeout=30)
+        result = finish(emitter)
+    finally:
+        if emitter.poll() is None:
+            emitter.kill()
+            emitter.communicate()
+    tally = Tally.of(far.records(), steps)
+    assert (tally.delivered, tally.missing) == (steps, 0), tally
+    stats = result["stats"]
+    assert (stats["delivered"], stats["daemon_dropped"], stats["unrouted"]) == (steps, 0, 0)
+    assert "deliveries_lost" not in again.counters()
+    assert forwarder.counters()["forward_resent"] > 0
+
+
+def test_a_forwarding_daemon_killed_and_restarted_loses_only_what_its_emitter_counts(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str
+) -> None:
+    """kill -9 of the forwarding daemon mid-stream, a new one on the same endpoint. On the
+    native backend its emitter's ring keeps every tap until it is delivered: nothing is
+    missing. A portable emitter's taps that the dead daemon held are lost, and counted:
+    the emitter's `delivered` falls short by at least as many."""
+    steps = 400
+    upstream = start_daemon(name="a.sock")
+    far = start_subscriber(upstream, "loss")
+    forwarder = start_daemon("--forward", upstream.endpoint, name="b.sock")
+    emitter = start_emitter(forwarder.endpoint, "paced", str(steps), "5")
+    try:
+        wait_until(lambda: len(far.records()) >= 100, "taps at the upstream")
+        forwarder.process.kill()
+        forwarder.process.wait(timeout=30)
+        again = start_daemon("--forward", upstream.endpoint, name="b.sock")
+        result = finish(emitter)
+    finally:
+        if emitter.poll() is None:
+            emitter.kill()
+            emitter.communicate()
+    tally = Tally.of(far.records(), steps)
+    stats = result["stats"]
+    counted = stats["submitted"] - stats["delivered"] - stats["unrouted"] - stats["dropped"]
+    assert stats["daemon_dropped"] == 0
+    if backend == "native":
+        assert (tally.delivered, tally.missing) == (steps, 0), tally
+    else:
+        assert tally.missing <= counted, (tally, stats)
+    assert again.counters()["forward_confirmed"] > 0
+
+
+# ---- 4. smaller faults ------------------------------------------------------------------
+
+
+def test_the_upstream_forgets_a_forwarding_daemon_that_died(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber
+) -> None:
+    """A forwarding daemon killed with -9 says no bye; its emitter entry upstream goes
+    once it has been silent for 3 subscriber timeouts (a live one keeps it with
+    heartbeats, however idle)."""
+    upstream = start_daemon("--subscriber-timeout", "1", name="a.sock")
+    start_subscriber(upstream, "loss")
+    doomed = start_daemon("--forward", upstream.endpoint, name="b.sock")
+    idle = start_daemon("--forward", upstream.endpoint, name="c.sock")
+    finish(start_emitter(doomed.endpoint, "steps", "5"))
+
+    def forwarders() -> dict[str, int]:
+        return {e["name"]: e["taps"] for e in upstream.stats()["emitters"]
+                if e["name"].startswith("forwarding daemon")}  # fmt: skip
+
+    known = wait_until(lambda: len(forwarders()) == 2 and forwarders(), "both forwarders")
+    [idle_name] = [name for name, taps in known.items() if taps == 0]
+    doomed.process.kill()
+    doomed.process.wait(timeout=30)
+    wait_until(lambda: len(forwarders()) == 1, "the dead forwarder forgotten", timeout=30)
+    assert list(forwarders()) == [idle_name]  # the idle one stays, heard from
+    assert forward_stats(idle)["upstream"] is not None
+
+
+def test_the_outage_warning_counts_the_taps_sent_and_not_confirmed(
+    start_daemon: StartDaemon, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """In-process forwarder, an upstream that welcomes it and then falls silent: the
+    warning counts what waits unsent and what was sent but not confirmed."""
+    import zmq
+
+    from tapd.config import Config
+    from tapd.daemon.forward import Forwarder
+    from tapd.daemon.router import Router
+    from tapd.protocol import decode, encode
+
+    context = zmq.Context()
+    upstream = context.socket(zmq.ROUTER)
+    endpoint = f"ipc://{tmp_path}/up.sock"
+    upstream.bind(endpoint)
+    router = Router(lambda key, frames: True, policy="block", queue_bytes=1 << 20,
+                    window_bytes=1 << 20, daemon_id="here")  # fmt: skip
+    forwarder = Forwarder(context, Config(forward=endpoint), router, "here")
+    try:
+        assert upstream.poll(5000)
+        peer, *frames = upstream.recv_multipart()
+        assert decode(frames).kind == "hello"
+        upstream.send_multipart([peer, *encode("welcome", {"window_bytes": 1 << 20,
+                                                           "daemon": "up"})])  # fmt: skip
+        assert forwarder.socket.poll(5000)
+        now = time.monotonic()
+        forwarder.receive(now)
+        router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
+        fields = {"consumer": "x", "seq": 0, "step": None, "device": None, "process": 0,
+                  "host": "h", "pid": 1, "time": 0, "transforms": [], "meta": {},
+                  "tree": ["*"]}  # fmt: skip
+        for seq in range(5):
+            router.tap("em", decode(encode("tap", {**fields, "seq": seq}, [np.zeros(2)])))
+        router.pump()
+        forwarder.flush(now)  # all five sent, none confirmed: the upstream says nothing
+        assert forwarder.stats()["unconfirmed"] == 5
+        with caplog.at_level("WARNING", logger="tapd.daemon"):
+            forwarder.flush(now + 11)
+        assert "5 taps sent to it and not confirmed, 0 more wait here" in caplog.text
+    finally:
+        forwarder.close()
+        upstream.close(linger=0)
+        context.term()
+
+
+def test_a_barrier_timeout_names_the_upstream_when_it_is_the_one_missing(
+    start_daemon: StartDaemon, runtime_dir: Path
+) -> None:
+    nobody = f"ipc://{runtime_dir}/nobody.sock"
+    forwarder = start_daemon("--forward", nobody, name="b.sock")
+    emitter = start_emitter(forwarder.endpoint, "steps", "3", "no_barrier",
+                            env={"TAPD_EXIT_TIMEOUT": "1"})  # fmt: skip
+    _, err = emitter.communicate(timeout=90)  # its exit drain's barrier times out
+    assert "barrier_wait timed out" in err
+    assert f"the upstream daemon at {nobody}" in err and "never answered" in err
+
+
+def test_a_subscriber_saying_hello_again_gets_its_taps_again_instead_of_losing_them(
+    start_daemon: StartDaemon, raw_peer: Callable[[str], Any]
+) -> None:
+    """A subscriber whose daemon restarted may answer several rehellos (they answer
+    messages it sent before its hello): a repeated hello must not cost it the taps it
+    had in flight. They come again, with the same seq."""
+    from tapd.protocol import decode, encode
+
+    daemon = start_daemon()
+
+    def receive(sock: Any) -> Any:
+        assert sock.poll(10_000), "nothing within 10 s"
+        return decode(sock.recv_multipart())
+
+    hello = {"role": "subscriber", "consumers": ["x"], "window": 8, "name": "raw"}
+    subscriber = raw_peer(daemon.endpoint)
+    subscriber.send_multipart(encode("hello", hello))
+    assert receive(subscriber).kind == "welcome"
+    emitter = raw_peer(daemon.endpoint)
+    emitter.send_multipart(encode("hello", {"role": "emitter", "host": "h", "pid": 1}))
+    assert receive(emitter).kind == "welcome"
+    fields = {"consumer": "x", "seq": 0, "step": None, "device": None, "process": 0,
+              "host": "h", "pid": 1, "time": 0, "transforms": [], "meta": {},
+              "tree": ["*"]}  # fmt: skip
+    emitter.send_multipart(encode("tap", fields, [np.zeros(2)]))
+    emitter.send_multipart(encode("barrier", {"id": 0}))
+    first = receive(subscriber)
+    assert first.kind == "tap"
+    subscriber.send_multipart(encode("hello", hello))  # again, the tap unacknowledged
+    assert receive(subscriber).kind == "welcome"
+    again = receive(subscriber)
+    assert (again.kind, again.header["seq"]) == ("tap", 0)
+    subscriber.send_multipart(encode("ack", {"upto": again.header["tid"], "errors": []}))
+    while (done := receive(emitter)).kind != "barrier_done":
+        pass
+    assert (done.header["delivered"], done.header["dropped"]) == (1, 0)
+    assert daemon.counters().get("deliveries_lost", 0) == 0

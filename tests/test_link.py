@@ -30,7 +30,7 @@ def welcome(daemon: str = "d1", window: int = 1000, **fields: Any) -> dict[str, 
 def test_nothing_is_sent_before_the_welcome_and_the_window_bounds_bytes_in_flight() -> None:
     link = EmitterLink(IDENTITY, now=0.0)
     [hello] = link.outgoing()
-    assert decode(hello).header == {"kind": "hello", **IDENTITY}
+    assert decode(hello).header == {"kind": "hello", **IDENTITY, "nonce": 1}
     assert not link.may_send(1)
     event = link.received(welcome(window=100), now=0.1)
     assert event == Welcomed("d1", lost_bytes=0, first=True)
@@ -122,3 +122,30 @@ def test_the_rehello_timer_fires_only_while_waiting_and_backs_off_while_silent()
     # Without a maximum, the wait stays the same.
     fixed = EmitterLink(IDENTITY, now=0.0)
     assert fixed.tick(2.1, waiting=True) and fixed.tick(4.2, waiting=True)
+
+
+def test_a_welcome_answering_an_older_hello_does_not_count_later_bytes_as_lost() -> None:
+    """Hellos queue up while a daemon is down (the rehello timer); the restarted daemon
+    answers each. Its answer to the first must be read against the bytes sent since the
+    first, not since the last (issue 11: 320 taps counted lost for 1 missing)."""
+    link = EmitterLink(IDENTITY, now=0.0)
+    link.outgoing()
+    link.received(welcome("old"), now=0.0)
+    link.sent(100)  # the old daemon died holding these: lost
+    link.hello(now=2.0)
+    link.sent(40)  # queued behind hello 2, read by the new daemon after it
+    link.hello(now=4.0)
+    link.sent(10)
+    nonces = [decode(frames).header["nonce"] for frames in link.outgoing()]
+    assert nonces == [2, 3]
+    # The new daemon met our queued messages: hello 2, 40 bytes, hello 3, 10 bytes.
+    assert isinstance(link.received(welcome("new", held_bytes=0, nonce=2), now=5.0), Restarted)
+    link.outgoing()  # (hello 4, after the restart)
+    # Its welcome to hello 2: it had none of ours yet; 40 + 10 came after hello 2.
+    event = link.received(welcome("new", held_bytes=0, nonce=2), now=5.1)
+    assert event == Welcomed("new", lost_bytes=100, first=False)
+    assert link.in_flight == 50
+    # Its welcome to hello 3 (it had read the 40 by then and holds them): nothing more lost.
+    event = link.received(welcome("new", held_bytes=40, nonce=3), now=5.2)
+    assert event == Welcomed("new", lost_bytes=0, first=False)
+    assert (link.in_flight, link.lost_bytes) == (50, 100)

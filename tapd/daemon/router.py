@@ -36,6 +36,7 @@ _BATCH_BYTES = 64 * 1024
 _BATCH_HEADER_BYTES = DEFAULT_LIMITS.max_header_bytes // 4  # well within what decoders take
 # Sent but not yet acknowledged, per subscriber: a window of large taps stays this small.
 _IN_FLIGHT_BYTES = 64 * 2**20
+_FORWARDER_SILENCE_MIN = 5.0  # seconds; forwarders send a barrier every second
 _TOTALS_EVERY = 0.1  # seconds between totals sent without credit (ring emitters)
 
 
@@ -90,6 +91,9 @@ class Emitter:
     # in the barrier_done after it (docs/PROTOCOL.md, "Forwarding").
     fids: dict[int, int] = dataclasses.field(default_factory=dict)  # index -> fid
     outcomes: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)
+    # Last heard (time.monotonic(): hello, barrier, a forwarder's tap); a forwarding
+    # daemon silent too long is gone (`Router.expire`): it sends a barrier every second.
+    last_seen: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def held_bytes(self) -> int:
@@ -175,14 +179,17 @@ class Router:
         if header.get("host") == _HOSTNAME and isinstance(pid, int) and not forwarder:
             emitter.local_pid = pid
         emitter.gone = False
-        self._welcome(emitter)
+        emitter.last_seen = time.monotonic()
+        self._welcome(emitter, header.get("nonce"))
 
-    def _welcome(self, emitter: Emitter) -> None:
+    def _welcome(self, emitter: Emitter, nonce: Any = None) -> None:
         fields = {
             "window_bytes": self.window_bytes,
             "daemon": self.daemon_id,
             "held_bytes": emitter.held_bytes,
         }
+        if type(nonce) is int:  # which hello this answers (tapd/protocol/link.py)
+            fields["nonce"] = nonce
         self._send(emitter.key, encode("welcome", fields))
 
     def tap(
@@ -194,6 +201,7 @@ class Router:
         if emitter is None:  # e.g. this daemon restarted: the tap says who sent it
             header = tap.header
             emitter = self.adopt(key, f"{header['host']}:{header['pid']}")
+            emitter.forwarder = "fid" in header  # only forwarders number their taps
             self._welcome(emitter)
         if nbytes is None:
             assert isinstance(tap, Message)
@@ -204,6 +212,7 @@ class Router:
             fid = tap.header.pop("fid", None)  # the forwarder's, not for subscribers
             if type(fid) is int:
                 emitter.fids[index] = fid
+            emitter.last_seen = time.monotonic()
         count = _count(tap)
         emitter.received += count
         self.counters["taps_received"] += count
@@ -363,6 +372,7 @@ class Router:
         if emitter is None:
             self._send(key, encode("rehello", {}))
             return
+        emitter.last_seen = time.monotonic()
         emitter.barriers.append((barrier_id, emitter.next_index))
         self._advance(emitter)
 
@@ -457,7 +467,21 @@ class Router:
             logger.info("subscriber %r now wants %r", known.name, consumers)
             self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
             return
-        if key in self.subscribers:
+        known = self.subscribers.get(key)
+        if (
+            known is not None
+            and known.deliver is None
+            and _same_subscription(known, patterns, header)
+        ):
+            # The same subscription again (it answered two rehellos, say): it starts its
+            # delivery ids afresh, so what it had in flight goes to it again, same seq.
+            again = self._deliver_again(known)
+            known.window, known.batch, known.last_seen = window, header.get("batch") is True, now
+            logger.info("subscriber %r said hello again; the %d taps it had in flight go to "
+                        "it again", known.name, again)  # fmt: skip
+            self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
+            return
+        if known is not None:
             self.drop_subscriber(key, "said hello again")
         name = str(header.get("name", "")) or repr(key)
         self._targets_cache.clear()
@@ -467,6 +491,16 @@ class Router:
                                            fallback_for=owner)  # fmt: skip
         logger.info("subscriber %r connected for %r", name, consumers)
         self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
+
+    def _deliver_again(self, subscriber: Subscriber) -> int:
+        """Its deliveries in flight back to the front of its queue, in order; how many
+        taps they hold."""
+        taps = subscriber.in_flight_taps
+        subscriber.queue.extendleft(reversed(subscriber.in_flight))
+        subscriber.in_flight.clear()
+        subscriber.in_flight_taps = subscriber.in_flight_bytes = 0
+        self.counters["deliveries_resent"] += taps
+        return taps
 
     def add_local_subscriber(
         self, key: PeerKey, name: str, patterns: Sequence[str], deliver: Deliver, now: float
@@ -640,6 +674,12 @@ class Router:
         for subscriber in list(self.subscribers.values()):
             if subscriber.deliver is None and now - subscriber.last_seen > timeout:
                 self.drop_subscriber(subscriber.key, f"was silent for {timeout:g} s")
+        # A forwarding daemon killed without a bye: nothing else would remove it.
+        silence = max(3 * timeout, _FORWARDER_SILENCE_MIN)
+        for emitter in list(self.emitters.values()):
+            if emitter.forwarder and not emitter.gone and now - emitter.last_seen > silence:
+                logger.info("%s was silent for %g s: forgotten", emitter.name, silence)
+                self.emitter_bye(emitter.key)
 
     # ---- bookkeeping ----------------------------------------------------------------
 
@@ -666,6 +706,10 @@ class Router:
 
 def _matches(patterns: Sequence[str], consumer: str) -> bool:
     return any(consumer == p or (p.endswith("*") and consumer.startswith(p[:-1])) for p in patterns)
+
+
+def _same_subscription(known: Subscriber, patterns: tuple[str, ...], header: Any) -> bool:
+    return known.patterns == patterns and known.fallback_for == header.get("fallback_for")
 
 
 def _taps_of(delivery: _Delivery) -> list[Message]:

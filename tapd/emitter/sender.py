@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from tapd.daemon import control
 from tapd.emitter.native_backend import NativeEmitter
 from tapd.emitter.settings import EmitterSettings
 from tapd.errors import BarrierTimeout, ProtocolError, TapFunctionException
@@ -201,10 +202,13 @@ class Sender:
             with self._lock:
                 self._barriers.pop(barrier.id, None)
                 queued = sum(1 for item in self._queue if isinstance(item, _Tap))
+            where = _waiting_upstream(self.settings.endpoint) or (
+                "not yet processed by its subscribers (is the daemon running? `tapd status`)"
+            )
             raise BarrierTimeout(
                 f"barrier_wait timed out after {timeout} s: {queued} taps still buffered in "
                 f"this process, the rest sent to the daemon at {self.settings.endpoint} and "
-                "not yet processed by its subscribers (is the daemon running? `tapd status`)"
+                f"{where}"
             )
         with self._lock:
             errors, self._errors = self._errors, []
@@ -421,6 +425,26 @@ class _Connection:
             self.sock.send_multipart(encode("bye", {}), zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+
+
+def _waiting_upstream(endpoint: str) -> str | None:
+    """If the daemon at `endpoint` forwards, and its upstream is where taps wait (silent,
+    or holding taps unconfirmed), the end of a BarrierTimeout's message saying so."""
+    try:
+        forward = control.stats(endpoint, timeout=1.0).get("forward")
+    except Exception:  # no answer, or none we understand: say nothing more
+        return None
+    if not isinstance(forward, dict) or not (forward.get("held") or forward.get("waiting")):
+        return None
+    upstream = f"the upstream daemon at {forward.get('endpoint')}"
+    held = forward.get("held", forward.get("waiting"))
+    if forward.get("upstream") is None:
+        return f"waiting for {upstream}, which never answered it ({held} taps wait there)"
+    silent = forward.get("silent_s", 0)
+    if isinstance(silent, int | float) and silent > 2:
+        return (f"waiting for {upstream}, silent for {silent:.0f} s ({held} taps wait "
+                "there)")  # fmt: skip
+    return f"waiting for {upstream} to confirm {held} taps (is its subscriber keeping up?)"
 
 
 def _encode_barrier(barrier: _Barrier) -> list[Any]:

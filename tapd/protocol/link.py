@@ -27,12 +27,14 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from tapd.protocol.schema import DEFAULT_LIMITS
 from tapd.protocol.wire import encode, is_int
 
 # Say hello again after this long without a word from the daemon while something is
 # outstanding; an owner may let the wait grow (doubling, up to `rehello_max`) while the
 # daemon stays silent, so that a long outage does not fill its queue with hellos.
 REHELLO_AFTER = 2.0
+_HELLOS_KEPT = 64  # unanswered hellos remembered (see EmitterLink._sent_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +111,13 @@ class EmitterLink:
         self._rehello_base = rehello_after
         self._rehello_max = rehello_after if rehello_max is None else rehello_max
         self._rehello_after = rehello_after
-        self._sent_since_hello = 0
+        # Each hello carries a number (`nonce`) that the daemon's welcome echoes, so that
+        # a welcome answering an older hello (several queue up while a daemon is down)
+        # is read against the bytes sent since *that* hello: what is in flight then is
+        # neither over- nor undercounted as lost.
+        self._nonce = 0
+        self._sent_total = 0
+        self._sent_at_hello: dict[int, int] = {}  # nonce -> _sent_total when it went out
         self._outgoing: list[list[Any]] = []
         self.hello(now)
 
@@ -122,8 +130,11 @@ class EmitterLink:
 
     def hello(self, now: float) -> None:
         self.last_hello = now
-        self._sent_since_hello = 0
-        self._outgoing.append(encode("hello", self.identity))
+        self._nonce += 1
+        self._sent_at_hello[self._nonce] = self._sent_total
+        if len(self._sent_at_hello) > _HELLOS_KEPT:  # answers to these will not come
+            del self._sent_at_hello[min(self._sent_at_hello)]
+        self._outgoing.append(encode("hello", {**self.identity, "nonce": self._nonce}))
 
     def may_send(self, nbytes: int) -> bool:
         """Whether a tap of `nbytes` fits the daemon's credit window now (one tap always
@@ -135,7 +146,7 @@ class EmitterLink:
     def sent(self, nbytes: int) -> None:
         """The owner sent a tap of `nbytes` payload bytes."""
         self.in_flight += nbytes
-        self._sent_since_hello += nbytes
+        self._sent_total += nbytes
 
     # ---- what the daemon says ---------------------------------------------------------
 
@@ -173,11 +184,22 @@ class EmitterLink:
         first = self.daemon is None
         self.daemon = daemon
         self.window = header["window_bytes"]
-        expected = held + self._sent_since_hello
+        expected = held + self._sent_total - self._sent_at(header.get("nonce"))
         lost = max(0, self.in_flight - expected)
         self.lost_bytes += lost
         self.in_flight = expected
         return Welcomed(daemon, lost, first)
+
+    def _sent_at(self, nonce: Any) -> int:
+        """`_sent_total` when the hello this welcome answers went out: the one it names,
+        else (a welcome that names none: the daemon met a tap of ours first, or does
+        not echo) the latest. Older hellos will not be answered any more."""
+        if not (is_int(nonce) and nonce in self._sent_at_hello):
+            nonce = self._nonce
+        sent = self._sent_at_hello[nonce]
+        for older in [n for n in self._sent_at_hello if n < nonce]:
+            del self._sent_at_hello[older]
+        return sent
 
     # ---- the timer --------------------------------------------------------------------
 
@@ -199,7 +221,7 @@ class EmitterLink:
 # each `barrier_done` what became of every one it finished before that barrier, as
 # ranges [first fid, last fid, outcome] (docs/PROTOCOL.md, "Forwarding").
 OUTCOMES = ("delivered", "dropped", "unrouted")
-MAX_OUTCOME_RANGES = 16384  # per barrier_done; the rest go with the next one
+MAX_OUTCOME_RANGES = DEFAULT_LIMITS.max_outcome_ranges  # per barrier_done; more go later
 
 
 def outcome_ranges(
@@ -221,24 +243,9 @@ def outcome_ranges(
     return ranges, []
 
 
-def parse_outcome_ranges(value: Any) -> list[tuple[int, int, str]]:
-    """The `outcomes` field of a `barrier_done`, checked; raises ValueError saying what
-    is wrong with it."""
-    if not isinstance(value, list) or len(value) > MAX_OUTCOME_RANGES:
-        raise ValueError(f"outcomes must be a list of at most {MAX_OUTCOME_RANGES} ranges")
-    ranges = []
-    for entry in value:
-        if not (
-            isinstance(entry, list)
-            and len(entry) == 3
-            and is_int(entry[0])
-            and is_int(entry[1])
-            and 0 <= entry[0] <= entry[1]
-            and entry[2] in OUTCOMES
-        ):
-            raise ValueError(f"bad outcome range {entry!r:.60}")
-        ranges.append((entry[0], entry[1], entry[2]))
-    return ranges
+def parse_outcome_ranges(value: list[list[Any]]) -> list[tuple[int, int, str]]:
+    """The `outcomes` of a `barrier_done`, as decode checked them (tapd/protocol/schema.py)."""
+    return [(first, last, outcome) for first, last, outcome in value]
 
 
 # ---- connections that die unseen -------------------------------------------------------

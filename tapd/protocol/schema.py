@@ -45,6 +45,7 @@ class Limits:
     max_entries: int = 1 << 16  # errors in one ack; keys of meta; transforms
     max_path: int = 4096  # ring and sites paths in an emitter's hello
     max_sites_bytes: int = 64 << 20  # a ring's whole `.sites` file
+    max_outcome_ranges: int = 16384  # in a barrier_done to a forwarder
 
 
 DEFAULT_LIMITS = Limits()
@@ -186,6 +187,15 @@ def _ack_error(value: Any, limits: Limits) -> Complaint:
 
 _NAME = Str("max_name")
 _ID = Str("max_id")
+_OUTCOMES = ("delivered", "dropped", "unrouted")
+
+
+def _outcome_range(value: Any, limits: Limits) -> Complaint:
+    if not (isinstance(value, list) and len(value) == 3 and _is_int(value[0])
+            and _is_int(value[1]) and 0 <= value[0] <= value[1] <= U64_MAX
+            and value[2] in _OUTCOMES):  # fmt: skip
+        return ("bad_field", f"is not [first fid, last fid, outcome]: {value!r:.60}")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +229,7 @@ TAP: Schema = {
     "leaves": req(Of(list)),  # wire.leaf_sizes checks them
     "tid": opt(Int(0)),
     "emitter": opt(_ID),
+    "fid": opt(Int(0)),  # forwarder -> upstream: the forwarder's number for the tap
     # `shard`: wire.check_shard
 }
 
@@ -227,6 +238,7 @@ EMITTER_HELLO: Schema = {
     "host": req(Str("max_name", empty=False)),
     "process": opt(Int(0, PID_MAX)),
     "forwarder": opt(_ID),
+    "nonce": opt(Int(0)),  # echoed by the welcome that answers this hello
     "ring": opt(Str("max_path")),
     "sites": opt(Str("max_path")),
 }
@@ -243,7 +255,8 @@ HELLO_ROLES: dict[str, Schema] = {"emitter": EMITTER_HELLO, "subscriber": SUBSCR
 _COUNT = Int(0)
 KINDS_SCHEMA: dict[str, Schema] = {
     "hello": {"role": req(Str("max_name"))},
-    "welcome": {"window_bytes": req(_COUNT), "daemon": req(_ID), "held_bytes": opt(_COUNT)},
+    "welcome": {"window_bytes": req(_COUNT), "daemon": req(_ID), "held_bytes": opt(_COUNT),
+                "nonce": opt(_COUNT)},
     "rehello": {},
     "tap": TAP,
     "taps": {"statics": req(Of(list)), "taps": req(Of(list))},  # tapd/protocol/batch.py
@@ -254,8 +267,10 @@ KINDS_SCHEMA: dict[str, Schema] = {
     "error": {"consumer": req(_NAME), "seq": req(Int()), "error": req(Str("max_text")),
               "subscriber": req(_ID), "emitter": opt(_ID), "device": opt(Int(optional=True))},
     "barrier": {"id": req(Int(0)), "ring_position": opt(Int(0))},
+    # `outcomes` (to a forwarder): [first fid, last fid, outcome] ranges, docs/PROTOCOL.md
     "barrier_done": {"id": req(Int(0)), "delivered": req(_COUNT), "dropped": req(_COUNT),
-                     "unrouted": req(_COUNT)},
+                     "unrouted": req(_COUNT),
+                     "outcomes": opt(ListOf(_outcome_range, "max_outcome_ranges"))},
     "heartbeat": {},
     "bye": {},
     "stats": {},
