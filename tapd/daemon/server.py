@@ -287,6 +287,8 @@ class Daemon:
 
     def _send(self, key: Any, frames: list[Any]) -> bool:
         index, identity = key
+        if not isinstance(index, int):  # an orphaned ring's emitter: no peer to tell
+            return False
         try:
             self._sockets[index].send_multipart([identity, *frames], copy=False)
         except zmq.ZMQError as exc:
