@@ -145,8 +145,11 @@ def test_tail_prints_taps_as_they_arrive(start_daemon: Callable[..., Daemon]) ->
 def test_doctor_reports_the_native_library_and_the_daemon(runtime_dir: Path) -> None:
     result = tapd_cmd("doctor", "--endpoint", f"ipc://{runtime_dir}/none.sock")
     assert result.returncode == 0
-    assert "native library" in result.stdout
+    assert "ring library" in result.stdout
     assert "not answering" in result.stdout
+    # Which path taps take on each platform, and why where it is not the native one.
+    assert "taps on CPU" in result.stdout and "taps on GPU" in result.stdout
+    assert "TPU has no user FFI handlers" in result.stdout
 
 
 def test_without_the_native_library_auto_falls_back_to_portable_and_says_so_once(

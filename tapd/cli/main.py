@@ -527,7 +527,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             return "not installed"
 
     endpoint = _endpoint(args)
-    lib = library.load()
+    library.load()  # builds or finds it now, so that the rows below say why not
     rows = [
         ("tapd", version("tapd")),
         ("python", platform.python_version()),
@@ -536,26 +536,41 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         ("runtime dir", str(runtime_dir())),
         ("endpoint", endpoint),
         ("rings", str(ring_dir_for(endpoint) or "none (not an ipc:// endpoint)")),
-        ("native library", str(lib._name) if lib is not None
-         else f"unavailable: {library.unavailable_reason()}"),
-    ]  # fmt: skip
+    ]
+    rows += list(library.status().items())
     try:
         stats = control.stats(endpoint, timeout=1.0)
         daemon = f"running ({len(stats['subscribers'])} subscribers, {len(stats['rings'])} rings)"
     except TimeoutError:
         daemon = "not answering (start one with `tapd start`)"
     rows.append(("daemon", daemon))
-    if lib is None:
-        backend = "portable (the native library is unavailable)"
-    elif ring_dir_for(endpoint) is None:
-        backend = "portable (the endpoint is not a local ipc:// socket)"
-    else:
-        backend = "native on CPU; portable on other JAX platforms"
-    rows.append(("emitters here use", backend))
+    rows += [(f"taps on {platform}", path) for platform, path in _tap_paths(endpoint)]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
     return ExitCode.OK
+
+
+def _tap_paths(endpoint: str) -> list[tuple[str, str]]:
+    """Which path a tap takes on each JAX platform here, and why (`tapd doctor`)."""
+    from tapd.native import library
+    from tapd.runtime import ring_dir_for
+
+    if library.load() is None:
+        sender = f"portable, sender thread (no ring: {library.unavailable_reason()})"
+        return [(platform, sender) for platform in ("CPU", "GPU", "TPU")]
+    if ring_dir_for(endpoint) is None:
+        sender = "portable, sender thread (the endpoint is not a local ipc:// socket)"
+        return [(platform, sender) for platform in ("CPU", "GPU", "TPU")]
+    paths = []
+    for platform, handler in (("CPU", "cpu"), ("GPU", "cuda")):
+        if library.has_handler(handler):
+            paths.append((platform, "native (tapd's FFI handler writes the ring)"))
+        else:
+            why = library.handler_reason(handler)
+            paths.append((platform, f"portable, host callback into the ring (no handler: {why})"))
+    paths.append(("TPU", "portable, host callback into the ring (TPU has no user FFI handlers)"))
+    return paths
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
