@@ -5,72 +5,24 @@ and checks that whatever is missing is what the emitter was told was lost."""
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import json
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from faultproxy import FaultProxy
+from tally import Tally, finish, start_emitter
 
-from conftest import APPS, Daemon, SubscriberProcess, wait_until
+from conftest import Daemon, SubscriberProcess, wait_until
 
 StartDaemon = Callable[..., Daemon]
 StartSubscriber = Callable[..., SubscriberProcess]
 
 
-@dataclasses.dataclass(frozen=True)
-class Tally:
-    """What a subscriber got of taps with steps 0..steps-1 (one tap per step)."""
-
-    delivered: int  # steps that arrived at least once
-    duplicated: int  # copies beyond the first
-    missing: int  # steps that never arrived
-
-    @classmethod
-    def of(cls, records: Iterable[dict[str, Any]], steps: int) -> Tally:
-        seen = collections.Counter(r["step"] for r in records)
-        assert set(seen) <= set(range(steps)), sorted(set(seen) - set(range(steps)))
-        for r in records:  # a copy is the same tap: same seq
-            assert r["seq"] == r["step"], r
-        return cls(len(seen), sum(seen.values()) - len(seen), steps - len(seen))
-
-
 def forward_stats(daemon: Daemon) -> dict[str, Any]:
     return dict(daemon.stats()["forward"])
-
-
-def start_emitter(
-    endpoint: str, scenario: str, *args: str, env: dict[str, str] | None = None
-) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, str(APPS / "emitter_app.py"), scenario, *args],
-        env={**os.environ, "TAPD_ENDPOINT": endpoint, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def finish(emitter: subprocess.Popen[str], timeout: float = 90) -> dict[str, Any]:
-    """Wait for the emitter; return its last JSON line (its stats)."""
-    try:
-        out, err = emitter.communicate(timeout=timeout)
-    finally:
-        if emitter.poll() is None:
-            emitter.kill()
-            emitter.communicate()
-    assert emitter.returncode == 0, err[-3000:]
-    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
-    result["stderr"] = err
-    return result
 
 
 # ---- 1. an upstream without a subscriber yet -------------------------------------------

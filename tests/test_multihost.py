@@ -6,6 +6,7 @@ subscriber reaching both daemons over CurveZMQ tcp."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -13,12 +14,14 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from tally import Tally, finish, start_emitter
 
-from conftest import APPS, Daemon, wait_until
+from conftest import APPS, Daemon, SubscriberProcess, wait_until
 from tapd.daemon import control
 
 pytestmark = pytest.mark.usefixtures("backend")
@@ -218,3 +221,144 @@ def test_two_hosts_in_network_namespaces_over_curve_tcp(
     assert {(r["process"], r["step"]) for r in records} == {
         (p, s) for p in (0, 1) for s in range(STEPS)}  # fmt: skip
     assert {r["value"]["total"] for r in records} == {float(sum(range(4)) + sum(range(10, 14)))}
+
+
+# ---- forwarding between the two hosts, with the link between them cut ------------------
+
+
+@dataclasses.dataclass
+class ForwardingHosts:
+    """Host a runs the upstream daemon (CurveZMQ tcp on its address, its subscriber on
+    ipc); host b runs a daemon forwarding to it, its emitters on ipc. Only the daemons
+    live in the namespaces: the ipc sockets are files, reachable from anywhere."""
+
+    upstream: Daemon
+    forwarder: Daemon
+    namespace: str  # host b's
+    device: str  # host b's end of the veth pair
+    upstream_address: str
+
+    def link(self, state: str) -> None:
+        result = _ip("-n", self.namespace, "link", "set", self.device, state)
+        assert result.returncode == 0, result.stderr
+
+    def kill_forwarders_connection(self) -> None:
+        """Reset the forwarder's TCP connection on host b only: with the link down, its
+        reset never reaches host a, which keeps the connection, half-open."""
+        self.link("down")
+        try:
+            killed = subprocess.run(
+                _in(self.namespace, "ss", "-tnK", "dst", self.upstream_address,
+                    "dport", "=", "5555"),
+                capture_output=True, text=True,
+            )  # fmt: skip
+            assert killed.returncode == 0, killed.stderr
+            left = subprocess.run(_in(self.namespace, "ss", "-tnH", "dst", self.upstream_address),
+                                  capture_output=True, text=True)  # fmt: skip
+            assert "ESTAB" not in left.stdout, left.stdout
+        finally:
+            self.link("up")
+
+
+@pytest.fixture
+def forwarding_hosts(
+    two_hosts: list[tuple[str, str]], runtime_dir: Path, tmp_path: Path
+) -> Iterator[ForwardingHosts]:
+    if shutil.which("ss") is None:
+        pytest.skip("needs iproute2's `ss` to reset connections")
+    keys = tmp_path / "keys"
+    for name in ("upstream", "forwarder"):
+        subprocess.run([sys.executable, "-m", "tapd", "keygen", name, "--dir", str(keys)],
+                       check=True, capture_output=True)  # fmt: skip
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    shutil.copy(keys / "forwarder.key", allowed / "forwarder.key")
+    (ns_a, address_a), (ns_b, _) = two_hosts
+    tag = ns_b.removeprefix("tapd").removesuffix("b")
+    daemons: list[Daemon] = []
+
+    def start(namespace: str, name: str, *flags: str) -> Daemon:
+        local = f"ipc://{runtime_dir}/{name}.sock"
+        log = runtime_dir / f"{name}.log"
+        with open(log, "w") as stderr:
+            process = subprocess.Popen(
+                _in(namespace, sys.executable, "-m", "tapd", "start", "--endpoint", local,
+                    "--pidfile", str(runtime_dir / f"{name}.pid"), "--startup-grace", "0",
+                    *flags),
+                stdout=subprocess.PIPE, stderr=stderr, text=True,
+            )  # fmt: skip
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert line.startswith("tapd ready:"), log.read_text()
+        daemons.append(Daemon(process, [local], log))
+        return daemons[-1]
+
+    try:
+        upstream = start(ns_a, "a", "--tcp", f"tcp://{address_a}:5555",
+                         "--curve-secret-key", str(keys / "upstream.key_secret"),
+                         "--curve-allowed", str(allowed))  # fmt: skip
+        forwarder = start(ns_b, "b", "--forward", f"tcp://{address_a}:5555",
+                          "--forward-server-key", str(keys / "upstream.key"),
+                          "--curve-secret-key", str(keys / "forwarder.key_secret"))  # fmt: skip
+        wait_until(lambda: upstream.stats()["emitters"], "the forwarder known upstream")
+        yield ForwardingHosts(upstream, forwarder, ns_b, f"v{tag}b", address_a)
+    finally:
+        for daemon in daemons:
+            daemon.process.terminate()
+            daemon.process.communicate(timeout=30)
+            sys.stderr.write(daemon.log())
+
+
+@pytest.mark.parametrize("cut_s", [5, 20])
+def test_taps_forwarded_across_a_cut_link_all_arrive(
+    forwarding_hosts: ForwardingHosts,
+    start_subscriber: Callable[..., SubscriberProcess],
+    cut_s: float,
+) -> None:
+    """The veth link down for 5 s (the connection survives) and for 20 s (heartbeats
+    give it up; a new one is made once the link is back), taps flowing all along."""
+    hosts = forwarding_hosts
+    steps = 20 * (cut_s + 10)  # one every 50 ms, past the cut
+    far = start_subscriber(hosts.upstream, "loss")
+    emitter = start_emitter(hosts.forwarder.endpoint, "paced", str(steps), "50")
+    try:
+        wait_until(lambda: len(far.records()) >= 40, "taps across the link")
+        hosts.link("down")
+        time.sleep(cut_s)  # the fault itself lasts this long
+        hosts.link("up")
+        result = finish(emitter, timeout=cut_s + 90)
+    finally:
+        hosts.link("up")
+    tally = Tally.of(far.records(), steps)
+    assert (tally.delivered, tally.missing) == (steps, 0), tally
+    stats = result["stats"]
+    assert (stats["delivered"], stats["daemon_dropped"], stats["errors"]) == (steps, 0, 0)
+
+
+def test_a_connection_reset_on_the_forwarders_side_only_heals_while_idle(
+    forwarding_hosts: ForwardingHosts, start_subscriber: Callable[..., SubscriberProcess]
+) -> None:
+    hosts = forwarding_hosts
+    far = start_subscriber(hosts.upstream, "loss")
+    finish(start_emitter(hosts.forwarder.endpoint, "steps", "20"))
+    hosts.kill_forwarders_connection()
+    second = start_emitter(hosts.forwarder.endpoint, "steps", "200")
+    result = finish(second, timeout=60)
+    mine = [r for r in far.records() if r["emitter"].endswith(f":{second.pid}")]
+    assert Tally.of(mine, 200) == Tally(200, 0, 0)
+    assert result["stats"]["delivered"] == 200
+
+
+def test_a_connection_reset_on_the_forwarders_side_only_mid_stream_loses_nothing(
+    forwarding_hosts: ForwardingHosts, start_subscriber: Callable[..., SubscriberProcess]
+) -> None:
+    hosts = forwarding_hosts
+    steps = 300
+    far = start_subscriber(hosts.upstream, "loss")
+    emitter = start_emitter(hosts.forwarder.endpoint, "paced", str(steps), "10")
+    wait_until(lambda: len(far.records()) >= 50, "taps across the link")
+    hosts.kill_forwarders_connection()
+    result = finish(emitter, timeout=90)
+    tally = Tally.of(far.records(), steps)
+    assert (tally.delivered, tally.missing) == (steps, 0), tally
+    assert result["stats"]["delivered"] == steps and result["stats"]["errors"] == 0
