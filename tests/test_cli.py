@@ -107,7 +107,8 @@ def test_subscribe_module_runs_host_callback_style_tap_functions(
     printed = stop_and_read(printer)
     assert recorded == [
         "RECORD arg=[0, 1] transforms=[] kwargs={}\n",
-        "RECORD arg=[0, 1, 2] transforms=[] kwargs={'device': 0}\n",  # both backends know it
+        # Both backends know the device; a subscriber names it as JAX would (cpu:0).
+        "RECORD arg=[0, 1, 2] transforms=[] kwargs={'device': TapDevice(platform='cpu', id=0)}\n",
     ]
     assert "what: scaled\n[10. 10.]" in printed  # host_callback's id_print format
 
