@@ -718,7 +718,12 @@ CORRUPTIONS: dict[str, tuple[Callable[[bytes], bytes | None], str]] = {
     # Size and capacity agree, but the record area cannot be mapped twice.
     "capacity not whole pages": (
         lambda good: good[:16] + struct.pack("<Q", 100) + good[24 : CONTROL_BYTES + 100],
-        "",
+        NOT_A_RING,
+    ),
+    # Size and capacity agree on an empty record area (every position would divide by 0).
+    "capacity zero": (
+        lambda good: good[:16] + struct.pack("<Q", 0) + good[24:CONTROL_BYTES],
+        NOT_A_RING,
     ),
 }
 

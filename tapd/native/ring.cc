@@ -503,7 +503,8 @@ void* tapd_ring_open(const char* path) {
   if (fstat(fd, &info) != 0 || info.st_size < off_t(tapd::kControlBytes) ||
       pread(fd, probe, sizeof(probe), 0) != sizeof(probe) || probe[0] != tapd::kMagic ||
       (std::memcpy(&version, &probe[1], sizeof(version)), version != tapd::kVersion) ||
-      info.st_size != off_t(tapd::kControlBytes + probe[2])) {
+      info.st_size != off_t(tapd::kControlBytes + probe[2]) ||
+      probe[2] == 0 || probe[2] % uint64_t(sysconf(_SC_PAGESIZE)) != 0) {  // capacity
     close(fd);
     errno = EPROTO;
     return nullptr;
