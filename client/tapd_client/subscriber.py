@@ -385,7 +385,10 @@ class Subscriber:
             if handler is None:
                 raise TapdError(f"no handler here for consumer {consumer!r}")
             meta = TapMeta.from_header(header) if template is None else template.meta(header)
-            handler(message.value(), meta)
+            # A handler that says `takes_message` (tapd record) gets the decoded tap
+            # itself: header, tree spec and leaves as they travelled.
+            handler(message if getattr(handler, "takes_message", False) else message.value(),
+                    meta)  # fmt: skip
             self.processed += 1
         except Exception as exc:
             self.failed += 1

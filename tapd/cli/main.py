@@ -189,6 +189,46 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("names", metavar="NAME", nargs="+")
     _endpoint_arg(tail, several=True)
 
+    record = commands.add_parser(
+        "record",
+        help="write taps named NAME (default all) to DIR as they arrive (docs/RECORDING.md)",
+        description="Record taps into DIR: npz chunks of their arrays and a JSON-lines "
+        "index of their meta, readable with numpy alone. A progress line on stderr shows "
+        "taps, MB, the rate and drops. SIGINT/SIGTERM write what is held and stop; a chunk "
+        "is complete on disk or absent, never half-written.",
+    )
+    record.add_argument("directory", metavar="DIR", type=Path)
+    record.add_argument("names", metavar="NAME", nargs="*", default=["*"])
+    record.add_argument("--max-bytes", type=_byte_size, help="bound DIR's size (e.g. 2G, 500M)")
+    record.add_argument(
+        "--when-full",
+        choices=["rotate", "stop"],
+        default="rotate",
+        help="at --max-bytes: remove the oldest chunks (rotate, default), or stop recording",
+    )
+    record.add_argument(
+        "--chunk-bytes", type=_byte_size, default=64 * 2**20, help="bytes per chunk (64M)"
+    )
+    _endpoint_arg(record, several=True)
+
+    replay = commands.add_parser(
+        "replay",
+        help="publish a recording through the daemon, as its emitters did (meta.meta['replayed'])",
+        description="Send the taps recorded in DIR to the daemon's subscribers, at the pace "
+        "they were recorded (or --speed X times it, or --as-fast-as-possible), then wait "
+        "until they are handled. Subscribers see the recorded consumers and meta; "
+        "meta.meta has replayed=True and recorded_emitter.",
+    )
+    replay.add_argument("directory", metavar="DIR", type=Path)
+    replay.add_argument("names", metavar="NAME", nargs="*", help="only these (default all)")
+    pace = replay.add_mutually_exclusive_group()
+    pace.add_argument("--speed", type=float, default=1.0, help="times the recorded pace (1)")
+    pace.add_argument("--as-fast-as-possible", action="store_true")
+    replay.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for subscribers at the end"
+    )
+    _endpoint_arg(replay)
+
     keygen = commands.add_parser(
         "keygen", help="write a CurveZMQ key pair: NAME.key (public), NAME.key_secret"
     )
@@ -491,6 +531,92 @@ def cmd_tail(args: argparse.Namespace) -> int:
     return _run_subscriber(subscriber)
 
 
+def _byte_size(text: str) -> int:
+    """`500M`, `2G`, `1.5GiB`, `1000000`: bytes (K/M/G/T are powers of 1024)."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    stripped = text.strip().upper().removesuffix("B").removesuffix("I")
+    number = stripped.rstrip("KMGT")
+    unit = stripped[len(number) :]
+    try:
+        value = int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500M, 2G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"not a positive size: {text!r}")
+    return value
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    from tapd.daemon import control
+    from tapd.tools.record import Progress, Recorder
+    from tapd_client import Subscriber
+
+    subscriber = Subscriber(args.endpoint)
+    recorder = Recorder(args.directory, consumers=tuple(args.names),
+                        chunk_bytes=args.chunk_bytes, max_bytes=args.max_bytes,
+                        when_full=args.when_full, on_full=subscriber.stop)  # fmt: skip
+    for name in args.names:
+        subscriber.add_handler(name, recorder)
+    for signum in (signal.SIGTERM, signal.SIGINT):  # stop between taps, never inside a write
+        signal.signal(signum, lambda *_: subscriber.stop())
+    try:
+        subscriber.connect()
+    except TimeoutError as exc:
+        logger.error("%s", exc)
+        return ExitCode.UNREACHABLE
+    print(f"recording {', '.join(args.names)} from {', '.join(subscriber.endpoints)} into "
+          f"{args.directory}", file=sys.stderr, flush=True)  # fmt: skip
+    progress = Progress(lambda text: print(text, end="", file=sys.stderr, flush=True),
+                        tty=sys.stderr.isatty())  # fmt: skip
+
+    def dropped() -> int | None:
+        total = 0
+        for endpoint in subscriber.endpoints:
+            try:
+                stats = control.stats(endpoint, timeout=0.5)
+            except TimeoutError:
+                return None
+            total += sum(s["dropped"] for s in stats["subscribers"] if s["name"] == subscriber.name)
+        return total
+
+    def tick() -> bool:
+        if progress.due():
+            progress.show(recorder.stats, dropped())
+        return False
+
+    try:
+        subscriber.run(until=tick)
+    finally:
+        recorder.close()
+        subscriber.close()
+    progress.show(recorder.stats, dropped(), final=True)
+    if recorder.full:
+        print(f"{args.directory} reached --max-bytes {args.max_bytes}: recording stopped",
+              file=sys.stderr)  # fmt: skip
+    return ExitCode.OK
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    import threading
+
+    from tapd.tools.replay import replay
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    speed = None if args.as_fast_as_possible else args.speed
+    try:
+        result = replay(args.directory, _endpoint(args), speed=speed, names=args.names,
+                        barrier_timeout=args.timeout, stop=stop)  # fmt: skip
+    except (FileNotFoundError, ValueError, TimeoutError, TapdError) as exc:
+        logger.error("replay: %s", exc)
+        return ExitCode.FAILURE
+    print(f"replayed {result.sent} taps ({result.bytes / 1e6:.1f} MB) in {result.seconds:.2f} s:"
+          f" {result.delivered} delivered, {result.dropped} dropped, {result.unrouted} unrouted"
+          f" (no subscriber), {len(result.errors)} handler errors")  # fmt: skip
+    return ExitCode.FAILURE if result.errors else ExitCode.OK
+
+
 def cmd_clean(args: argparse.Namespace) -> int:
     from tapd.daemon.rings import sweep_stale_rings
 
@@ -586,5 +712,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "start": cmd_start, "stop": cmd_stop, "status": cmd_status, "check": cmd_check,
     "subscribe": cmd_subscribe, "tail": cmd_tail, "demo": cmd_demo, "doctor": cmd_doctor,
-    "keygen": cmd_keygen, "clean": cmd_clean,
+    "keygen": cmd_keygen, "clean": cmd_clean, "record": cmd_record, "replay": cmd_replay,
 }  # fmt: skip
