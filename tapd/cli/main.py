@@ -169,6 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
     _endpoint_arg(status)
     status.add_argument("--json", action="store_true", help="print the raw stats as JSON")
 
+    top = commands.add_parser(
+        "top",
+        help="a live view of the daemon: taps/s, MB/s, queues, drops per emitter and consumer",
+        description="Refreshes every --interval seconds from the daemon's control socket "
+        "(what `tapd status --json` shows). Keys: q quits, s changes the sort (rate, name, "
+        "drops). --once prints one frame (two samples --interval apart) and exits.",
+    )
+    _endpoint_arg(top)
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between frames (1)")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+
     check = commands.add_parser(
         "check",
         help=f"health probe: exit 0 if the daemon answers, {int(ExitCode.UNREACHABLE)} if not",
@@ -470,6 +481,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    from tapd.daemon import control
+    from tapd.tools.top import run
+
+    endpoint = _endpoint(args)
+    if args.interval <= 0:
+        raise ConfigError(f"--interval must be positive, got {args.interval}")
+    try:
+        run(lambda: control.stats(endpoint, timeout=2.0), endpoint=endpoint,
+            interval=args.interval, once=args.once,
+            keys=None if args.once or not sys.stdin.isatty() else sys.stdin)  # fmt: skip
+    except TimeoutError as exc:
+        logger.error("%s", exc)
+        return ExitCode.UNREACHABLE
+    return ExitCode.OK
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from tapd.daemon import control
 
@@ -713,4 +741,5 @@ _COMMANDS = {
     "start": cmd_start, "stop": cmd_stop, "status": cmd_status, "check": cmd_check,
     "subscribe": cmd_subscribe, "tail": cmd_tail, "demo": cmd_demo, "doctor": cmd_doctor,
     "keygen": cmd_keygen, "clean": cmd_clean, "record": cmd_record, "replay": cmd_replay,
+    "top": cmd_top,
 }  # fmt: skip

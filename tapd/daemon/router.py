@@ -84,6 +84,7 @@ class Emitter:
     delivered: int = 0
     dropped: int = 0
     unrouted: int = 0
+    received_bytes: int = 0  # (tapd top: MB/s per emitter)
     gone: bool = False
     forwarder: bool = False  # a forwarding daemon: its taps name their own emitters
     local_pid: int | None = None  # an emitter process on this host (from its hello)
@@ -123,6 +124,7 @@ class Subscriber:
     in_flight_bytes: int = 0  # bounded by _IN_FLIGHT_BYTES
     held_bytes: int = 0  # queued + in flight
     delivered: int = 0
+    delivered_bytes: int = 0  # (tapd top: MB/s per subscriber)
     dropped: int = 0
     errors: int = 0
     deliver: Deliver | None = None  # set for in-process subscribers
@@ -215,6 +217,7 @@ class Router:
             emitter.last_seen = time.monotonic()
         count = _count(tap)
         emitter.received += count
+        emitter.received_bytes += nbytes
         self.counters["taps_received"] += count
         self.counters["bytes_received"] += nbytes
         credit_bytes = nbytes if credit else 0
@@ -544,6 +547,7 @@ class Router:
             subscriber.in_flight_taps -= delivery.count
             subscriber.in_flight_bytes -= delivery.nbytes
             subscriber.delivered += delivery.count
+            subscriber.delivered_bytes += delivery.nbytes
             self.counters["deliveries_acked"] += delivery.count
             tids = range(delivery.tid, delivery.tid + delivery.count)
             self._delivered(
@@ -700,6 +704,7 @@ class Router:
             "counters": dict(self.counters),
             "emitters": [_emitter_stats(e) for e in self.emitters.values()],
             "subscribers": [_subscriber_stats(s) for s in self.subscribers.values()],
+            "queue_bytes": self.queue_bytes,  # each subscriber's queue bound
             "time": time.time(),
         }
 
@@ -737,6 +742,7 @@ def _emitter_stats(e: Emitter) -> dict[str, Any]:
     return {
         "name": e.name,
         "taps": e.received,
+        "bytes": e.received_bytes,
         "delivered": e.delivered,
         "dropped": e.dropped,
         "unrouted": e.unrouted,
@@ -754,6 +760,7 @@ def _subscriber_stats(s: Subscriber) -> dict[str, Any]:
         "in_flight": s.in_flight_taps,
         "held_bytes": s.held_bytes,
         "delivered": s.delivered,
+        "delivered_bytes": s.delivered_bytes,
         "dropped": s.dropped,
         "errors": s.errors,
     }
