@@ -240,6 +240,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _endpoint_arg(replay)
 
+    sink = commands.add_parser(
+        "sink", help="send taps to a tool users look at: `tapd sink tensorboard --logdir DIR`"
+    )
+    sinks = sink.add_subparsers(dest="sink", required=True, metavar="TOOL")
+    tensorboard = sinks.add_parser(
+        "tensorboard",
+        help="scalars, histograms and images into TensorBoard event files "
+        "(pip install 'tapd[tensorboard]')",
+        description="Write taps named NAME (default all) to TensorBoard: a one-element value "
+        "as a scalar at meta.step (else the tap's seq), an array as a histogram, an image "
+        "tapped with image=True as an image; a pytree's leaves named by their path (grads/w).",
+    )
+    tensorboard.add_argument("--logdir", type=Path, required=True)
+    tensorboard.add_argument("names", metavar="NAME", nargs="*", default=["*"])
+    tensorboard.add_argument(
+        "--process-in-tag",
+        action="store_true",
+        help="start each tag with the emitting process (p0/loss): for multi-process jobs",
+    )
+    _endpoint_arg(tensorboard, several=True)
+
     keygen = commands.add_parser(
         "keygen", help="write a CurveZMQ key pair: NAME.key (public), NAME.key_secret"
     )
@@ -645,6 +666,25 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return ExitCode.FAILURE if result.errors else ExitCode.OK
 
 
+def cmd_sink(args: argparse.Namespace) -> int:
+    from tapd_client import Subscriber
+    from tapd_client.sinks.tensorboard import TensorBoardSink
+
+    try:
+        handler = TensorBoardSink(args.logdir, process_in_tag=args.process_in_tag)
+    except ImportError as exc:
+        logger.error("%s", exc)
+        return ExitCode.FAILURE
+    subscriber = Subscriber(args.endpoint)
+    for name in args.names:
+        subscriber.add_handler(name, handler)
+    try:
+        return _run_subscriber(subscriber)
+    finally:
+        handler.close()
+        print(f"wrote {handler.written} points to {args.logdir}", flush=True)
+
+
 def cmd_clean(args: argparse.Namespace) -> int:
     from tapd.daemon.rings import sweep_stale_rings
 
@@ -741,5 +781,5 @@ _COMMANDS = {
     "start": cmd_start, "stop": cmd_stop, "status": cmd_status, "check": cmd_check,
     "subscribe": cmd_subscribe, "tail": cmd_tail, "demo": cmd_demo, "doctor": cmd_doctor,
     "keygen": cmd_keygen, "clean": cmd_clean, "record": cmd_record, "replay": cmd_replay,
-    "top": cmd_top,
+    "top": cmd_top, "sink": cmd_sink,
 }  # fmt: skip

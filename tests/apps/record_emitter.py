@@ -1,12 +1,14 @@
 """A JAX emitter for the record/replay tests: taps of every shape a recording must keep
 (scalars with a step and static meta, a pytree with a namedtuple and bfloat16 leaves,
-vmap's batch dims, pmap shards over 2 CPU devices). Prints one JSON line when done."""
+vmap's batch dims, pmap shards over 2 CPU devices; with the argument `image`, an image).
+Prints one JSON line when done."""
 
 from __future__ import annotations
 
 import collections
 import json
 import os
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
@@ -33,6 +35,9 @@ def main() -> None:
     devices = jax.local_device_count()
     shards = jnp.arange(devices * 2, dtype=jnp.float32).reshape(devices, 2)
     jax.pmap(lambda x: tapd.tap(x + 1, "shard", step=1))(shards)
+    if "image" in sys.argv[1:]:  # (the TensorBoard sink's test)
+        image = jnp.arange(4 * 5 * 3, dtype=jnp.uint8).reshape(4, 5, 3)
+        jax.jit(lambda x: tapd.tap(x, "samples", step=2, image=True))(image)
     tapd.barrier_wait(timeout=60)
     print(json.dumps({"devices": devices, "stats": tapd.stats()}), flush=True)
 
