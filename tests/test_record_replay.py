@@ -231,6 +231,15 @@ def test_kill_leaves_every_file_readable(
     for npz in (tmp_path / "run").glob("*.npz"):  # numpy alone opens every complete one
         with np.load(npz) as arrays:
             assert all(arrays[name].nbytes for name in arrays.files)
+    # Recording again into the same directory: numbering goes on, a cut write is swept.
+    (tmp_path / "run" / ".000999.npz.tmp").write_bytes(b"PK\x03")
+    again = start_record(daemon, tmp_path / "run", "loss")
+    run_emitter(daemon.endpoint, "steps", "3")
+    assert finish(again)[0] == 0
+    after = list(read_recording(tmp_path / "run"))
+    assert [t.header["step"] for t in after[: len(taps)]] == list(range(len(taps)))
+    assert [t.header["consumer"] for t in after[len(taps) :]] == ["loss"] * 3
+    assert not list((tmp_path / "run").glob(".*.tmp"))
 
 
 def test_docs_snippet_reads_a_recording_without_tapd(

@@ -62,6 +62,8 @@ class ChunkWriter:
     def __init__(self, directory: Path, *, consumers: Sequence[str] = ()) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob(".*.tmp"):  # a write that a kill -9 cut short
+            stale.unlink(missing_ok=True)
         existing = chunk_numbers(directory)
         self.next_number = existing[-1] + 1 if existing else 0
         info = directory / INFO_FILE
