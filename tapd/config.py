@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tapd.errors import ConfigError
-from tapd.policies import POLICIES
+from tapd.policies import DAEMON_POLICIES, POLICIES
 from tapd.runtime import check_ipc_endpoint, default_endpoint, default_pidfile
 
 
@@ -34,8 +34,14 @@ class Config:
     # forward_server_key, ours in curve_secret_key (unless insecure).
     forward: str | None = None
     forward_server_key: Path | None = None
-    # What a full subscriber queue does: "block" slows the emitters, "drop_newest" drops.
+    # What a full subscriber queue does: "block" slows the emitters, "drop_newest" drops,
+    # "spool" appends to an on-disk log per subscriber (spool_dir, at most spool_bytes
+    # each) and delivers it in order as the subscriber catches up; a full spool (or disk)
+    # falls back to spool_fallback ("block" or "drop_newest").
     policy: str = "block"
+    spool_dir: Path | None = None  # default: ~/.cache/tapd/spool/<hash of the endpoint>
+    spool_bytes: int = 10 * 2**30
+    spool_fallback: str = "block"
     # Bound of each subscriber's queue, in bytes of array payload.
     queue_bytes: int = 256 * 10**6
     # Bytes of taps an emitter may have sent that the daemon has not yet passed on.
@@ -53,9 +59,13 @@ class Config:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
-        for name in ("queue_bytes", "emitter_window_bytes", "max_message_bytes"):
+        if self.policy not in DAEMON_POLICIES:
+            raise ConfigError(f"policy {self.policy!r} is not one of "
+                              f"{', '.join(DAEMON_POLICIES)}")  # fmt: skip
+        if self.spool_fallback not in POLICIES:
+            raise ConfigError(f"spool_fallback {self.spool_fallback!r} is not one of "
+                              f"{', '.join(POLICIES)}")  # fmt: skip
+        for name in ("queue_bytes", "emitter_window_bytes", "max_message_bytes", "spool_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("subscriber_timeout", "drain_timeout", "startup_grace"):
@@ -136,7 +146,7 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         "queue_bytes": int, "emitter_window_bytes": int, "max_message_bytes": int,
         "subscriber_timeout": float, "drain_timeout": float, "startup_grace": float,
         "pidfile": Path, "curve_secret_key": Path, "curve_allowed": Path, "insecure": _boolean,
-        "forward_server_key": Path,
+        "forward_server_key": Path, "spool_dir": Path, "spool_bytes": int,
     }  # fmt: skip
     kind = converters.get(name, str)
     try:

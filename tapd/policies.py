@@ -6,3 +6,6 @@ from typing import Literal
 
 Policy = Literal["block", "drop_newest"]
 POLICIES: tuple[Policy, ...] = ("block", "drop_newest")
+# The daemon also has "spool": a full subscriber queue spills to disk (tapd/daemon/spool.py),
+# and only a full spool falls back to one of POLICIES.
+DAEMON_POLICIES: tuple[str, ...] = (*POLICIES, "spool")

@@ -114,9 +114,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     start.add_argument(
         "--policy",
-        choices=["block", "drop_newest"],
+        choices=["block", "drop_newest", "spool"],
         help="when a subscriber's queue is full: block (lossless, slows the "
-        "emitters) or drop_newest (counted). Default block",
+        "emitters), drop_newest (counted), or spool (to an on-disk log per subscriber, "
+        "delivered in order as it catches up; lossless without slowing the emitters "
+        "until the spool is full, then --spool-fallback). Default block",
+    )
+    start.add_argument(
+        "--spool-dir",
+        type=Path,
+        help="where --policy spool keeps its logs, one directory per subscriber name "
+        "(default: ~/.cache/tapd/spool/<endpoint hash>); a daemon restarted on it delivers "
+        "what an earlier one left there",
+    )
+    start.add_argument(
+        "--spool-bytes", type=int, help="bound of each subscriber's spool (default 10 GiB)"
+    )
+    start.add_argument(
+        "--spool-fallback",
+        choices=["block", "drop_newest"],
+        help="what a full spool (or a full disk) does (default block)",
     )
     start.add_argument(
         "--queue-bytes", type=int, help="bound of each subscriber queue (default 256 MB)"
@@ -139,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument(
         "--startup-grace",
         type=float,
-        help="seconds to wait after start before draining emitters' rings, "
-        "so subscribers can reconnect first (default 2)",
+        help="seconds after start in which taps no subscriber wants yet wait for one, "
+        "and emitters' rings are not drained, so subscribers can reconnect first "
+        "(default 2)",
     )
     start.add_argument("--max-message-bytes", type=int, help="largest tap accepted (1 GiB)")
     start.add_argument(
@@ -319,7 +337,7 @@ def _set_log_level(level: str) -> None:
 def _daemon_config(args: argparse.Namespace) -> config_module.Config:
     flags = {name: getattr(args, name) for name in (
         "endpoint", "tcp", "curve_secret_key", "curve_allowed", "insecure", "forward",
-        "forward_server_key", "policy",
+        "forward_server_key", "policy", "spool_dir", "spool_bytes", "spool_fallback",
         "queue_bytes", "emitter_window_bytes",
         "subscriber_timeout", "drain_timeout", "startup_grace", "max_message_bytes", "pidfile",
     )}  # fmt: skip

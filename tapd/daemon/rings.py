@@ -235,7 +235,9 @@ class RingSource:
     def release_delivered(self, router: Router) -> None:
         """Give writers back the space of every tap the router has finished."""
         emitter = router.emitters.get(self.key)
-        low = emitter.low if emitter is not None else None
+        # (under the spool policy, also taps copied to the spools of the subscribers
+        # that still have them: `Router.safe_low`)
+        low = router.safe_low(emitter) if emitter is not None else None
         end = None
         while self._in_router and (low is None or self._in_router[0][0] < low):
             end = self._in_router.popleft()[1]

@@ -14,9 +14,11 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Container, Hashable, Sequence
+from pathlib import Path
 from typing import Any
 
 from tapd.daemon.runs import TapRun
+from tapd.daemon.spool import Spool, SpoolEntry, SpoolError, SpoolFull, Taken, find_spools
 from tapd.protocol import MAGIC, Message, encode
 from tapd.protocol.batch import BatchRun, BatchTap, encode_batch
 from tapd.protocol.link import outcome_ranges
@@ -37,6 +39,20 @@ _BATCH_HEADER_BYTES = DEFAULT_LIMITS.max_header_bytes // 4  # well within what d
 # Sent but not yet acknowledged, per subscriber: a window of large taps stays this small.
 _IN_FLIGHT_BYTES = 64 * 2**20
 _FORWARDER_SILENCE_MIN = 5.0  # seconds; forwarders send a barrier every second
+_SPOOL_OVERHEAD = 4096  # bytes a spool record takes beyond its arrays (headers), roughly
+_SPOOL_RETRY = 5.0  # seconds after a spool write error (a full disk) before trying again
+
+
+_NO_TAP = Message({"kind": "tap", "consumer": ""})  # a spooled unit counted lost unread
+
+
+@dataclasses.dataclass(frozen=True)
+class SpoolSettings:
+    directory: Path
+    limit: int  # bytes per subscriber's spool
+    fallback: str  # policy when it is full: "block" or "drop_newest"
+
+
 _TOTALS_EVERY = 0.1  # seconds between totals sent without credit (ring emitters)
 
 
@@ -61,6 +77,7 @@ class _Pending:
     # it had no subscriber for, unless some subscriber here handled them, as unrouted.
     dropped: int = 0
     unrouted: int | None = None
+    copied: int = 0  # of `remaining`, deliveries whose bytes are copies (spool): ring-free
 
 
 @dataclasses.dataclass
@@ -95,6 +112,9 @@ class Emitter:
     # Last heard (time.monotonic(): hello, barrier, a forwarder's tap); a forwarding
     # daemon silent too long is gone (`Router.expire`): it sends a barrier every second.
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
+    # Under the spool policy: routed units still pending whose bytes some subscriber
+    # holds in memory (not copied to its spool), in index order (`Router.safe_low`).
+    unsafe: dict[int, None] = dataclasses.field(default_factory=dict)
 
     @property
     def held_bytes(self) -> int:
@@ -109,6 +129,8 @@ class _Delivery:
     nbytes: int
     count: int  # taps: delivery ids tid .. tid + count - 1
     tid: int = -1
+    copied: bool = False  # taken back from the spool: its bytes are its own
+    spooled: SpoolEntry | None = None  # the spool record its ack lets go
 
 
 @dataclasses.dataclass
@@ -133,6 +155,13 @@ class Subscriber:
     # subscriber takes them (see `Router._targets`): a JAX process's own tap functions.
     fallback: tuple[str, ...] = ()
     fallback_for: str | None = None
+    # Under the spool policy: its taps go to `spool` while `spilling` (its queue was
+    # full), and come back, in order, as it catches up; `behind`: taps that come after
+    # the spool's but it could not take (full; the fallback is block).
+    spool: Spool | None = None
+    spilling: bool = False
+    behind: collections.deque[_Delivery] = dataclasses.field(default_factory=collections.deque)
+    spool_retry: float = 0.0  # after a write error, not before then
 
     def wants(self, consumer: str) -> bool:
         # exact names, or prefixes written "module:*" (the client matches the same way)
@@ -166,6 +195,10 @@ class Router:
         # instead of counting as unrouted: the daemon's start-up grace, in which the
         # subscribers of a daemon that was down reconnect (and forwarders send backlogs).
         self.hold_unrouted_until = 0.0
+        self.spool: SpoolSettings | None = None  # set under policy "spool"
+        self._left_spools: dict[str, Spool] = {}  # found at start, by subscriber name
+        # The emitter of taps an earlier daemon spooled: named by each tap's `emitter`.
+        self._spooled_before = Emitter(("spool",), "spooled before a restart", forwarder=True)
 
     # ---- emitters -------------------------------------------------------------------
 
@@ -223,7 +256,7 @@ class Router:
         credit_bytes = nbytes if credit else 0
         if (
             emitter.parked
-            or (self.policy == "block" and not self._has_room(tap, nbytes, emitter))
+            or (self._blocking and not self._has_room(tap, nbytes, emitter))
             or self._held_unrouted(tap, emitter)
         ):
             emitter.parked.append((index, tap, nbytes, credit_bytes))
@@ -276,10 +309,18 @@ class Router:
         return min(*limits, by_queue, DEFAULT_LIMITS.max_batch)
 
     def _has_room(self, tap: Unit, nbytes: int, emitter: Emitter) -> bool:
-        return all(
-            s.held_bytes == 0 or s.held_bytes + nbytes <= self.queue_bytes
-            for s in self._targets(tap.header["consumer"], emitter)
-        )
+        return all(self._room_for(s, nbytes) for s in self._targets(tap.header["consumer"],
+                                                                      emitter))  # fmt: skip
+
+    def _room_for(self, s: Subscriber, nbytes: int) -> bool:
+        if not s.spilling and (s.held_bytes == 0 or s.held_bytes + nbytes <= self.queue_bytes):
+            return True
+        return self.spool is not None and self._spool_takes(s, nbytes)
+
+    @property
+    def _blocking(self) -> bool:
+        """Whether a tap waits (parked, credit withheld) when a queue has no room."""
+        return self.policy == "block" or (self.spool is not None and self.spool.fallback == "block")
 
     def _held_unrouted(self, tap: Unit, emitter: Emitter) -> bool:
         """Whether `tap` waits, wanted by no subscriber yet, in the start-up grace."""
@@ -303,7 +344,12 @@ class Router:
             self._advance(emitter)
             return
         pending = emitter.pending[index] = _Pending(remaining=0, count=count)
+        if self.spool is not None:
+            emitter.unsafe[index] = None
         for subscriber in targets:
+            if self.spool is not None and self._spill(subscriber, emitter, index, tap, nbytes,
+                                                      pending):  # fmt: skip
+                continue
             if subscriber.held_bytes and subscriber.held_bytes + nbytes > self.queue_bytes:
                 subscriber.dropped += count  # drop_newest (block never gets here while full)
                 self.counters["deliveries_dropped"] += count
@@ -314,6 +360,8 @@ class Router:
             pending.remaining += 1
         if pending.remaining == 0:
             self._finish(emitter, index)
+        elif pending.copied >= pending.remaining:  # on disk for all: the ring may go on
+            emitter.unsafe.pop(index, None)
 
     def unpark(self) -> None:
         """Route parked taps, in order, as far as queue room allows."""
@@ -321,7 +369,7 @@ class Router:
             while emitter.parked:
                 index, tap, nbytes, credit_bytes = emitter.parked[0]
                 if (
-                    self.policy == "block" and not self._has_room(tap, nbytes, emitter)
+                    self._blocking and not self._has_room(tap, nbytes, emitter)
                 ) or self._held_unrouted(tap, emitter):
                     break
                 emitter.parked.popleft()
@@ -330,6 +378,7 @@ class Router:
 
     def _finish(self, emitter: Emitter, index: int) -> None:
         pending = emitter.pending.pop(index)
+        emitter.unsafe.pop(index, None)
         count = pending.count
         dropped = count if pending.lost else pending.dropped
         unrouted = min(pending.unrouted or 0, count - dropped)
@@ -493,6 +542,7 @@ class Router:
                                            fallback=tuple(fallback),
                                            fallback_for=owner)  # fmt: skip
         logger.info("subscriber %r connected for %r", name, consumers)
+        self._adopt_spool(self.subscribers[key])
         self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
 
     def _deliver_again(self, subscriber: Subscriber) -> int:
@@ -514,6 +564,7 @@ class Router:
         self.subscribers[key] = Subscriber(
             key, name, tuple(patterns), _UNLIMITED, now, deliver=deliver
         )
+        self._adopt_spool(self.subscribers[key])
 
     def ack(self, key: PeerKey, header: dict[str, Any], now: float) -> None:
         subscriber = self.subscribers.get(key)
@@ -550,6 +601,8 @@ class Router:
             subscriber.delivered_bytes += delivery.nbytes
             self.counters["deliveries_acked"] += delivery.count
             tids = range(delivery.tid, delivery.tid + delivery.count)
+            if delivery.spooled is not None and subscriber.spool is not None:
+                subscriber.spool.acknowledge(delivery.spooled)
             self._delivered(
                 delivery,
                 lost=False,
@@ -592,12 +645,17 @@ class Router:
             pending.unrouted = unrouted if pending.unrouted is None else min(
                 pending.unrouted, unrouted)  # fmt: skip
         pending.remaining -= 1
+        pending.copied -= delivery.copied
         if pending.remaining == 0:
             self._finish(emitter, delivery.index)
+        elif emitter.unsafe and pending.copied >= pending.remaining:
+            emitter.unsafe.pop(delivery.index, None)
 
     def pump(self) -> None:
         """Send each subscriber what its window allows."""
         for subscriber in list(self.subscribers.values()):
+            if subscriber.spilling:
+                self._refill(subscriber)
             while (subscriber.queue and subscriber.in_flight_taps < subscriber.window
                    and (not subscriber.in_flight_bytes or subscriber.in_flight_bytes
                         + subscriber.queue[0].nbytes <= _IN_FLIGHT_BYTES)):  # fmt: skip
@@ -659,7 +717,8 @@ class Router:
         self._targets_cache.clear()
         if subscriber is None:
             return
-        lost = list(subscriber.in_flight) + list(subscriber.queue)
+        lost = list(subscriber.in_flight) + list(subscriber.queue) + list(subscriber.behind)
+        lost += self._spooled_deliveries(subscriber)
         taps = sum(delivery.count for delivery in lost)
         if lost:
             logger.warning(
@@ -673,6 +732,160 @@ class Router:
         self.counters["deliveries_lost"] += taps
         for delivery in lost:
             self._delivered(delivery, lost=True)
+
+    # ---- the spool policy (tapd/daemon/spool.py) ----------------------------------------
+
+    def safe_low(self, emitter: Emitter) -> int:
+        """Every unit of `emitter` below this index is finished, or copied to the spools
+        of the subscribers that still have it: its ring space may be released."""
+        if self.spool is None:
+            return emitter.low
+        low = next(iter(emitter.unsafe), emitter.next_index)
+        return min(low, emitter.parked[0][0]) if emitter.parked else low
+
+    def configure_spool(self, directory: Path, limit: int, fallback: str) -> None:
+        """Policy "spool": full queues spill to logs under `directory` (`limit` bytes
+        each; then `fallback`). Logs an earlier daemon left wait for their subscribers."""
+        self.spool = SpoolSettings(directory, limit, fallback)
+        for name in find_spools(directory):
+            self._left_spools[name] = Spool(directory, name, limit)
+
+    def _adopt_spool(self, subscriber: Subscriber) -> None:
+        left = self._left_spools.pop(subscriber.name, None)
+        if left is not None:
+            subscriber.spool, subscriber.spilling = left, True
+            logger.info("subscriber %r gets first the %d taps an earlier daemon spooled "
+                        "for it", subscriber.name, left.taps)  # fmt: skip
+
+    def _spool_takes(self, s: Subscriber, nbytes: int) -> bool:
+        assert self.spool is not None
+        if time.monotonic() < s.spool_retry:
+            return False
+        used = s.spool.bytes if s.spool is not None else 0
+        return used + nbytes + _SPOOL_OVERHEAD <= self.spool.limit
+
+    def _spill(self, s: Subscriber, emitter: Emitter, index: int, tap: Unit, nbytes: int,
+               pending: _Pending) -> bool:  # fmt: skip
+        """Route one unit to `s` under the spool policy if its queue is full (or its spool
+        not yet empty, to keep order); False to route it the usual way."""
+        assert self.spool is not None
+        if not s.spilling and (not s.held_bytes or s.held_bytes + nbytes <= self.queue_bytes):
+            return False
+        count = _count(tap)
+        delivery = _Delivery(emitter, index, tap, nbytes, count)
+        if self._spool_append(s, delivery):
+            pending.remaining += 1
+            pending.copied += 1
+            s.spilling = True
+            return True
+        if self.spool.fallback == "drop_newest":
+            s.dropped += count
+            self.counters["deliveries_dropped"] += count
+            self.counters["spool_fallback_dropped"] += count
+            pending.lost = True
+            return True
+        # block: in memory, after what is spooled (later taps wait, parked: `_room_for`)
+        (s.behind if s.spilling else s.queue).append(delivery)
+        if not s.spilling:
+            s.held_bytes += nbytes
+        pending.remaining += 1
+        return True
+
+    def _spool_append(self, s: Subscriber, delivery: _Delivery) -> bool:
+        assert self.spool is not None
+        if time.monotonic() < s.spool_retry:
+            return False
+        tap = delivery.tap
+        try:
+            if s.spool is None:
+                s.spool = Spool(self.spool.directory, s.name, self.spool.limit)
+            taps = tap.taps() if isinstance(tap, TapRun) else [tap]
+            s.spool.append(taps, _emitter_name(delivery), delivery.nbytes,
+                           owner=(delivery.emitter, delivery.index))  # fmt: skip
+        except (SpoolFull, SpoolError, OSError) as exc:
+            full = isinstance(exc, SpoolFull)
+            if not full:  # the disk, not the bound: try again in a while
+                s.spool_retry = time.monotonic() + _SPOOL_RETRY
+            counter = "spool_full" if full else "spool_errors"
+            if not self.counters[counter]:
+                logger.error("subscriber %r: %s; falling back to %s (further ones counted "
+                             "in %s)", s.name, exc, self.spool.fallback, counter)  # fmt: skip
+            self.counters[counter] += delivery.count
+            return False
+        self.counters["taps_spooled"] += delivery.count
+        return True
+
+    def _refill(self, s: Subscriber) -> None:
+        """Take spooled taps back into `s`'s queue, in order, as far as it has room;
+        then those held behind; then it is caught up."""
+        spool = s.spool
+        while True:
+            if spool is not None and spool.entries:
+                nbytes = spool.entries[0].nbytes
+            elif s.behind:
+                nbytes = s.behind[0].nbytes
+            else:
+                s.spilling = False
+                if spool is not None and not spool.bytes:
+                    spool.remove()
+                    s.spool = None
+                return
+            if s.held_bytes and s.held_bytes + nbytes > self.queue_bytes:
+                return
+            if spool is not None and spool.entries:
+                taken = spool.take()
+                if taken is not None:
+                    self._queue_taken(s, taken)
+            else:
+                delivery = s.behind.popleft()
+                s.queue.append(delivery)
+                s.held_bytes += delivery.nbytes
+
+    def _queue_taken(self, s: Subscriber, taken: Taken) -> None:
+        entry = taken.entry
+        emitter, index = entry.owner if entry.owner is not None else (self._spooled_before, -1)
+        pending = emitter.pending.get(index)
+        count = len(taken.taps)
+        if pending is not None and count > 1:  # one delivery per tap now
+            pending.remaining += count - 1
+            pending.copied += count - 1
+        each = entry.nbytes // max(1, count)
+        for i, tap in enumerate(taken.taps):
+            tap.header.setdefault("emitter", taken.emitter)
+            last = i == count - 1
+            nbytes = entry.nbytes - each * (count - 1) if last else each
+            s.queue.append(_Delivery(emitter, index, tap, nbytes, 1, copied=True,
+                                     spooled=entry if last else None))  # fmt: skip
+            s.held_bytes += nbytes
+        self.counters["taps_unspooled"] += count
+
+    def _spooled_deliveries(self, s: Subscriber) -> list[_Delivery]:
+        """A dropped subscriber's spool: deliveries standing for its records (counted
+        lost), the log removed."""
+        spool, s.spool, s.spilling = s.spool, None, False
+        if spool is None:
+            return []
+        lost = []
+        for entry in spool.entries:
+            emitter, index = entry.owner if entry.owner is not None else (self._spooled_before,
+                                                                          -1)  # fmt: skip
+            lost.append(_Delivery(emitter, index, _NO_TAP, entry.nbytes, entry.count,
+                                  copied=True))  # fmt: skip
+        spool.remove()
+        return lost
+
+    def close_spools(self) -> None:
+        """At shutdown: spools stay on disk for the next daemon, not counted lost."""
+        for s in self.subscribers.values():
+            if s.spool is not None:
+                if s.spool.taps:
+                    logger.warning("subscriber %r: %d taps stay in its spool at %s for the "
+                                   "next daemon", s.name, s.spool.taps,
+                                   s.spool.directory)  # fmt: skip
+                s.spool.close()
+                s.spool, s.spilling = None, False
+        for spool in self._left_spools.values():
+            spool.close()
 
     def expire(self, now: float, timeout: float) -> None:
         for subscriber in list(self.subscribers.values()):
@@ -696,7 +909,7 @@ class Router:
     def idle(self) -> bool:
         """Nothing queued, in flight or parked anywhere."""
         return not any(e.pending for e in self.emitters.values()) and not any(
-            s.queue or s.in_flight for s in self.subscribers.values()
+            s.queue or s.in_flight or s.spilling for s in self.subscribers.values()
         )
 
     def stats(self) -> dict[str, Any]:
@@ -763,6 +976,8 @@ def _subscriber_stats(s: Subscriber) -> dict[str, Any]:
         "delivered_bytes": s.delivered_bytes,
         "dropped": s.dropped,
         "errors": s.errors,
+        "spooled": (s.spool.taps if s.spool else 0) + sum(d.count for d in s.behind),
+        "spool_bytes": s.spool.bytes if s.spool else 0,
     }
 
 

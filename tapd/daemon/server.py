@@ -9,6 +9,7 @@ linger.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import socket
@@ -57,6 +58,10 @@ class Daemon:
             window_bytes=config.emitter_window_bytes,
             daemon_id=self.id,
         )
+        if config.policy == "spool":
+            spool_dir = config.spool_dir or spool_dir_for(config.endpoint)
+            ensure_private_dir(spool_dir)
+            self.router.configure_spool(spool_dir, config.spool_bytes, config.spool_fallback)
         self.endpoints: list[str] = []
         self.zap: security.ZapHandler | None = None
         self.handshakes: list[security.HandshakeMonitor] = []
@@ -243,6 +248,7 @@ class Daemon:
         return _IDLE_POLL_MS if self.rings.sleep() else 1
 
     def _report_undelivered(self) -> None:
+        self.router.close_spools()  # what is spooled stays for the next daemon
         for key in list(self.router.subscribers):
             self.router.drop_subscriber(key, "was still connected at shutdown")
         try:  # emitters learn the final totals (they outlive this daemon, maybe)
@@ -401,6 +407,13 @@ def _lock_endpoint(path: str) -> int:
         raise OSError(f"another tapd daemon is already running for ipc://{path} "
                       f"(it holds {lock_path})") from None  # fmt: skip
     return fd
+
+
+def spool_dir_for(endpoint: str) -> Path:
+    """The default --spool-dir: on disk (the runtime directory may be in memory), one per
+    endpoint, so that a daemon restarted on it finds what it left."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "tapd" / "spool" / hashlib.sha256(endpoint.encode()).hexdigest()[:12]
 
 
 def _remove_stale_socket(path: str) -> None:
