@@ -63,11 +63,12 @@ class Processes:
 
     # ---- daemon ---------------------------------------------------------------------
 
-    def start_daemon(self, timeout: float = 30.0) -> list[str]:
-        """Start `python -m tapd start` and return its endpoints once it says it is ready."""
+    def start_daemon(self, timeout: float = 30.0, flags: Sequence[str] = ()) -> list[str]:
+        """Start `python -m tapd start [flags]` and return its endpoints once it says it
+        is ready."""
         argv = [
             sys.executable, "-m", "tapd", "--log-level", "warning", "start",
-            "--endpoint", self.endpoint, "--pidfile", str(self.workdir / "d.pid"),
+            "--endpoint", self.endpoint, "--pidfile", str(self.workdir / "d.pid"), *flags,
         ]  # fmt: skip
         with open(self.daemon_log, "wb") as log:
             process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log)
