@@ -357,3 +357,20 @@ def test_a_tap_the_upstream_never_finished_is_reported_lost_not_confirmed(
     finally:
         emitter.close(linger=0)
         context.term()
+
+
+def test_a_forwarder_refuses_an_ipc_upstream_in_a_directory_others_can_enter(
+    tmp_path: Path,
+) -> None:
+    """Issue 10, item 4: every client checks the runtime directory before it connects,
+    the forwarding daemon too (another user's fake upstream would get every tap)."""
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    squatted = tmp_path / "squatted"
+    squatted.mkdir()
+    squatted.chmod(0o777)
+    upstream = f"ipc://{squatted}/up.sock"
+    result = tapd_cmd("start", "--endpoint", f"ipc://{mine}/d.sock", "--pidfile",
+                      str(mine / "pid"), "--forward", upstream, timeout=60)  # fmt: skip
+    assert result.returncode == ExitCode.CONFIG, result.stderr
+    assert str(squatted) in result.stderr and "mode" in result.stderr

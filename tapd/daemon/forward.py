@@ -48,6 +48,7 @@ from tapd.protocol.link import (
     parse_outcome_ranges,
 )
 from tapd.protocol.wire import encode_header
+from tapd.runtime import check_endpoint_dir
 from tapd.security import ClientKeys
 
 logger = logging.getLogger("tapd.daemon")
@@ -89,6 +90,7 @@ class Forwarder:
         self.key = ("forward", self.endpoint)  # never a socket peer's (index, identity)
         self.name = f"forward to {self.endpoint}"
         self.limits = Limits(max_message_bytes=config.max_message_bytes)
+        check_endpoint_dir(self.endpoint)  # an ipc upstream in a squatted dir gets nothing
         keys = None
         if self.endpoint.startswith("tcp://") and not config.insecure:
             assert config.forward_server_key and config.curve_secret_key
