@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Daemon, stop_process, wait_until
+from conftest import Daemon, SubscriberProcess, stop_process, wait_until
 
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 300.0
@@ -44,18 +44,9 @@ def _skip_without_gpu() -> None:
         pytest.skip(reason)
 
 
-class Checksums:
-    """tests/gpu/checksum_subscriber.py, running: one JSON line per tap it handled."""
-
-    def __init__(self, process: subprocess.Popen[str], record: Path) -> None:
-        self.process = process
-        self.record = record
-
-    def records(self) -> list[dict[str, Any]]:
-        if not self.record.exists():
-            return []
-        return [json.loads(line) for line in self.record.read_text().splitlines()
-                if line.endswith("}")]  # fmt: skip
+# tests/gpu/checksum_subscriber.py writes one JSON line per tap it handled, as
+# tests/apps/subscriber_app.py does: the same reader serves both.
+Checksums = SubscriberProcess
 
 
 @pytest.fixture
