@@ -8,10 +8,12 @@ daemon and subscriber sinks (bench/processes.py). Every figure is the median of
 interleaved repeats.
 
 1. Per-tap cost for 64 B, 1 MiB and 64 MiB: a jitted `fori_loop` whose body updates a
-   float32 vector of that size on the GPU, untapped; with `tapd.tap`; with a no-op
-   `jax.debug.callback`; and with a bare `cudaMemcpyAsync` of the vector into pinned
-   host memory (bench/gpu_baseline.cc, an FFI handler that does only that). The added
-   µs per step is each one's cost. Goal: tapd ≤ 1.2 times the bare copy.
+   float32 vector of that size on the GPU, untapped; with `tapd.tap` (the CUDA handler);
+   with `tapd.tap` lowered as the portable backend (a host callback writing the ring,
+   what a GPU without the handler gets); with a no-op `jax.debug.callback`; and with a
+   bare `cudaMemcpyAsync` of the vector into pinned host memory (bench/gpu_baseline.cc,
+   an FFI handler that does only that). The added µs per step is each one's cost.
+   Goals: tapd ≤ 1.2 times the bare copy; portable ≤ 1.1 times the callback at 64 B.
 2. Isolation: a ~0.5 ms step (eight 2048² matmuls) untapped, tapped into a subscriber
    that sleeps 10 ms a tap, and with a no-op `jax.debug.callback` in the tap's place.
    Goal: tapped ≤ 1.1 times the callback variant.
@@ -21,7 +23,9 @@ interleaved repeats.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -39,6 +43,8 @@ from processes import BENCH_DIR, Processes
 from report import code_revision, machine_description, median, number, size_name, table
 
 import tapd
+from tapd.emitter import lifecycle
+from tapd.emitter.settings import Backend
 from tapd.native import build, library
 
 MiB = 2**20
@@ -83,10 +89,23 @@ def build_baseline(workdir: Path) -> ctypes.CDLL:
 # ---- 1. per-tap cost --------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def lowered_as(backend: Backend) -> Any:
+    """Taps lowered (compiled) inside this block take `backend`'s path: how one process
+    compares both. A compiled loop keeps the path it was lowered with."""
+    settings = lifecycle._settings
+    assert settings is not None, "tapd.configure() first"
+    lifecycle._settings = dataclasses.replace(settings, backend=backend)
+    try:
+        yield
+    finally:
+        lifecycle._settings = settings
+
+
 def cost_loop(size: int, steps: int, mode: str) -> Callable[[jax.Array], jax.Array]:
     def body(i: jax.Array, x: jax.Array) -> jax.Array:
         x = x * 0.999 + 0.001
-        if mode == "tap":
+        if mode in ("tap", "portable tap"):
             tapd.tap(x, f"gpu.cost.{size}")
         elif mode == "callback":
             jax.debug.callback(lambda v: None, x)
@@ -110,14 +129,16 @@ def per_tap_cost(repeats: int, modes: list[str], ring_bytes: int) -> list[dict[s
         steps = max(2, min(steps, int(ring_bytes * 0.8) // (size + 64)))  # the ring holds a run
         x = jnp.zeros(size // 4, jnp.float32)
         loops = {mode: cost_loop(size, steps, mode) for mode in ["none", *modes]}
-        for function in loops.values():
-            timed(function, x)  # compile and warm up
+        for mode, function in loops.items():  # compile and warm up
+            portable = mode == "portable tap"
+            with lowered_as("portable") if portable else contextlib.nullcontext():
+                timed(function, x)
         tapd.barrier_wait(timeout=BARRIER_TIMEOUT)
         samples: dict[str, list[float]] = {mode: [] for mode in loops}
         for _ in range(repeats):
             for mode, function in loops.items():  # interleaved: shared noise
                 samples[mode].append(timed(function, x) / steps * 1e6)
-                if mode == "tap":
+                if mode in ("tap", "portable tap"):
                     tapd.barrier_wait(timeout=BARRIER_TIMEOUT)  # an empty ring each run
         base = median(samples["none"])
         added = {mode: median(v) - base for mode, v in samples.items() if mode != "none"}
@@ -129,19 +150,19 @@ def per_tap_cost(repeats: int, modes: list[str], ring_bytes: int) -> list[dict[s
 def cost_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
     header = ["payload", "steps", "untapped µs/step",
               *[f"{mode} adds µs" for mode in modes]]  # fmt: skip
-    if "callback" in modes:
-        header.append("tap ÷ callback")
-    if "bare copy" in modes:
-        header.append("tap ÷ bare copy (goal ≤ 1.2)")
+    ratios = [(a, b, title) for a, b, title in (
+        ("tap", "callback", "tap ÷ callback"),
+        ("tap", "bare copy", "tap ÷ bare copy (goal ≤ 1.2)"),
+        ("portable tap", "callback", "portable ÷ callback (goal ≤ 1.1 at 64 B)"),
+    ) if a in modes and b in modes]  # fmt: skip
+    header += [title for _, _, title in ratios]
     lines = []
     for row in rows:
         added = row["added_us"]
         line = [size_name(row["bytes"]), str(row["steps"]), number(row["untapped_us"]),
                 *[number(added[mode]) for mode in modes]]  # fmt: skip
-        for other in ("callback", "bare copy"):
-            if other in modes:
-                ratio = added["tap"] / added[other] if added[other] > 0 else float("nan")
-                line.append(f"{ratio:.2f}")
+        for a, b, _ in ratios:
+            line.append(f"{added[a] / added[b]:.2f}" if added[b] > 0 else "n/a")
         lines.append(line)
     return table(header, lines)
 
@@ -149,9 +170,9 @@ def cost_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
 # ---- 2. isolation -----------------------------------------------------------------------
 
 
-def isolation(procs: Processes, steps: int, repeats: int) -> dict[str, Any]:
+def isolation(procs: Processes, steps: int, repeats: int, side: int = 2048) -> dict[str, Any]:
     sink = procs.start_sink("gpu.isolation", sleep_ms=10.0)
-    weights = jnp.full((2048, 2048), 0.0001, jnp.float32)
+    weights = jnp.full((side, side), 0.0001, jnp.float32)
 
     def make(mode: str) -> Callable[[jax.Array], jax.Array]:
         def body(i: jax.Array, x: jax.Array) -> jax.Array:
@@ -165,7 +186,7 @@ def isolation(procs: Processes, steps: int, repeats: int) -> dict[str, Any]:
 
         return jax.jit(lambda x: lax.fori_loop(0, steps, body, x))
 
-    x = jnp.ones((2048, 2048), jnp.float32)
+    x = jnp.ones((side, side), jnp.float32)
     variants = {mode: make(mode) for mode in ("none", "tap", "callback")}
     for function in variants.values():
         timed(function, x)
@@ -285,9 +306,15 @@ def main() -> int:
     parser.add_argument("--out", default=str(BENCH_DIR / "RESULTS-gpu.md"))
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
     parser.add_argument("--tests-status", default="not run", help="what tests/gpu said")
+    parser.add_argument("--smoke-on-cpu", action="store_true",
+                        help="run this script's code on CPU (no bare copy): checks the "
+                        "script where there is no GPU; its figures mean nothing")  # fmt: skip
     args = parser.parse_args()
     repeats = 2 if args.quick else 5
-    if jax.default_backend() != "gpu":
+    if args.smoke_on_cpu:
+        COST_STEPS.update({64: 50, MiB: 10, 64 * MiB: 2})
+        THROUGHPUT_COUNTS.update({64: 200, MiB: 10, 64 * MiB: 2})
+    elif jax.default_backend() != "gpu":
         print(f"gpu_bench: JAX's default backend is {jax.default_backend()}, not gpu")
         return 2
     free = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 2**30
@@ -313,8 +340,10 @@ def main() -> int:
                 f"{backend}): their figures are not the handler's.",
                 "",
             ]
-        modes = ["tap", "callback"]
+        modes = ["tap", "portable tap", "callback"]
         try:
+            if args.smoke_on_cpu:
+                raise RuntimeError("not on CPU")
             build_baseline(workdir)
             modes.append("bare copy")
         except Exception as exc:
@@ -325,7 +354,7 @@ def main() -> int:
                      "Added µs per step over the untapped loop (median of "
                      f"{repeats} interleaved runs).", "", cost_table(rows, modes), ""]  # fmt: skip
         log("2. isolation")
-        iso = isolation(procs, 100, repeats)
+        iso = isolation(procs, 100, repeats, 128 if args.smoke_on_cpu else 2048)
         sections += ["## 2. Isolation (a subscriber sleeping 10 ms per tap)", "", table(
             ["steps", "untapped µs/step", "tapped µs/step", "callback µs/step",
              "tapped ÷ untapped", "tapped ÷ callback (goal ≤ 1.1)", "barrier after (s)",

@@ -1216,6 +1216,71 @@ def test_the_cuda_handler_library_builds_and_exports_its_handler() -> None:
     assert library.status()["CUDA handler"] == "built"
 
 
+def _toolkit_with(major: int) -> Path | None:
+    """A CUDA toolkit on this machine whose runtime is libcudart.so.<major>, or None."""
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and any((Path(root) / d / f"libcudart.so.{major}").is_file()
+                        for d in ("lib", "lib64")):  # fmt: skip
+            return Path(root)
+    return None
+
+
+def test_the_cuda_runtime_found_is_the_major_of_jaxs_plugin_or_the_one_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Layouts as pip's wheels lay them out (CUDA 12: nvidia/cuda_runtime with crt/ in
+    nvidia/cuda_nvcc; CUDA 13: nvidia/cu13), made on disk: JAX's plugin decides the
+    major, TAPD_CUDA_RUNTIME_DIR wins over everything, a CUDA 12 runtime without crt/
+    is not a runtime."""
+    site = tmp_path / "site"
+    for lib, include in (("cuda_runtime/lib", "cuda_runtime/include"),
+                         ("cu13/lib", "cu13/include")):  # fmt: skip
+        major = "13" if lib.startswith("cu13") else "12"
+        (site / "nvidia" / lib).mkdir(parents=True)
+        (site / "nvidia" / lib / f"libcudart.so.{major}").write_bytes(b"")
+        (site / "nvidia" / include).mkdir(parents=True, exist_ok=True)
+        (site / "nvidia" / include / "cuda_runtime_api.h").write_text(
+            f"#define CUDART_VERSION {major}000\n"
+        )
+    for crt in ("cu13/include/crt", "cuda_nvcc/include/crt"):
+        (site / "nvidia" / crt).mkdir(parents=True)
+        (site / "nvidia" / crt / "host_defines.h").write_text("")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv("TAPD_CUDA_RUNTIME_DIR", raising=False)
+    for major in (12, 13):  # no plugin stands in: the test says which major JAX has
+        monkeypatch.setattr(build, "_plugin_major", lambda major=major: major)
+        found = build.cuda_runtime()
+        assert found is not None and found.soname == f"libcudart.so.{major}", found
+        # (this environment's own wheels may be found before the ones made here)
+        wheel_dir = "cu13" if major == 13 else "cuda_runtime"
+        assert found.lib_dir.parent.name == wheel_dir, found
+        assert (found.includes[-1] / "crt" / "host_defines.h").is_file()
+    monkeypatch.setenv("TAPD_CUDA_RUNTIME_DIR", str(site / "nvidia" / "cu13"))
+    monkeypatch.setattr(build, "_plugin_major", lambda: 12)
+    found = build.cuda_runtime()
+    assert found is not None and found.soname == "libcudart.so.13", found
+    monkeypatch.setenv("TAPD_CUDA_RUNTIME_DIR", str(site / "nvidia" / "cuda_runtime"))
+    assert build.cuda_runtime() is None  # no crt/ anywhere it may look
+
+
+def test_the_cuda_handler_compiles_against_a_cuda_13_toolkit(tmp_path: Path) -> None:
+    """JAX's CUDA 13 plugin: the handler builds against CUDA 13's runtime too and
+    links libcudart.so.13 (the local toolkit's headers and library, compiled for real)."""
+    toolkit = _toolkit_with(13)
+    include = build.ffi_include_dir()
+    if toolkit is None or include is None:
+        pytest.skip("needs a CUDA 13 toolkit (CUDA_HOME or /usr/local/cuda) and jaxlib")
+    os.environ["TAPD_CUDA_RUNTIME_DIR"] = str(toolkit)
+    try:
+        cuda = build.cuda_runtime()
+    finally:
+        del os.environ["TAPD_CUDA_RUNTIME_DIR"]
+    assert cuda is not None and cuda.soname == "libcudart.so.13"
+    output = build.compile_cuda(tmp_path / "libtapd_cuda13.so", include, cuda)
+    needed = subprocess.run(["readelf", "-d", str(output)], capture_output=True, text=True)
+    assert "[libcudart.so.13]" in needed.stdout, needed.stdout
+
+
 def test_a_record_held_reserved_by_a_live_writer_is_logged_not_skipped(
     rings: Rings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

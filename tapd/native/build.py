@@ -4,10 +4,13 @@ Two libraries:
 
 - the ring library (`ring.cc`; needs a C++17 compiler, nothing else), with the XLA FFI
   handler for CPU (`ffi_cpu.cc`) built in where jaxlib's FFI headers are found;
-- the CUDA handler library (`ffi_cuda.cc`), where the FFI headers and the CUDA runtime
-  (headers and libcudart from pip's `nvidia-cuda-runtime-cu12`, plus the `crt/` headers
-  that `nvidia-cuda-nvcc-cu12` ships) are found. It is a library of its own so that a
-  machine without CUDA never needs libcudart to load the ring.
+- the CUDA handler library (`ffi_cuda.cc`), where the FFI headers and a CUDA runtime
+  are found: headers and libcudart from pip's wheels (CUDA 12: `nvidia-cuda-runtime-cu12`
+  plus the `crt/` headers of `nvidia-cuda-nvcc-cu12`; CUDA 13: `nvidia-cuda-runtime` and
+  `nvidia-cuda-crt`, both in `nvidia/cu13/`), else a toolkit ($CUDA_HOME, /usr/local/cuda).
+  The major version JAX's CUDA plugin uses is preferred, so that one libcudart serves
+  both. It is a library of its own so that a machine without CUDA never needs libcudart
+  to load the ring.
 
 Standard library only: setup.py loads this file by path at build time, where tapd's
 dependencies may not be installed.
@@ -32,7 +35,7 @@ CPU_SOURCES = ("ffi_cpu.cc",)
 CUDA_SOURCES = ("ffi_cuda.cc",)
 HEADERS = ("ring.h",)
 FLAGS = ("-std=c++17", "-O3", "-fPIC", "-fvisibility-inlines-hidden")
-CUDART = "libcudart.so.12"
+CUDA_MAJORS = (12, 13)  # the libcudart.so.N tapd builds against
 
 
 class BuildError(RuntimeError):
@@ -99,11 +102,12 @@ def version_name(version: int) -> str:
 @dataclasses.dataclass(frozen=True)
 class CudaRuntime:
     includes: tuple[Path, ...]  # cuda_runtime_api.h, and the crt/ headers it includes
-    lib_dir: Path  # holds libcudart.so.12
+    lib_dir: Path  # holds `soname`
+    soname: str = "libcudart.so.12"
 
     @property
     def library(self) -> Path:
-        return self.lib_dir / CUDART
+        return self.lib_dir / self.soname
 
     def version(self) -> str:
         """CUDART_VERSION from the headers (e.g. "12090"), or "?"."""
@@ -112,28 +116,67 @@ class CudaRuntime:
         return found.group(1) if found else "?"
 
 
-def cuda_runtime() -> CudaRuntime | None:
-    """The CUDA runtime from pip's nvidia wheels ($TAPD_CUDA_RUNTIME_DIR first: a
-    directory with include/ and lib/ or lib64/ holding libcudart.so.12, such as a CUDA 12
-    toolkit's), or None."""
+def _plugin_major() -> int | None:
+    """The CUDA major of JAX's CUDA plugin, if one is installed: the handler is built
+    against the same one, so that one libcudart serves the process."""
+    for major in CUDA_MAJORS:
+        try:
+            if importlib.util.find_spec(f"jax_cuda{major}_plugin") is not None:
+                return major
+        except (ImportError, ValueError):
+            pass
+    return None
+
+
+def _runtime_candidates() -> list[tuple[Path, Path | None]]:
+    """(runtime directory with include/ and lib/, where else crt/ may be), in order."""
     nvidia = _package_dirs("nvidia")
-    runtimes = [Path(p) for p in [os.environ.get("TAPD_CUDA_RUNTIME_DIR")] if p]
-    runtimes += [p / "cuda_runtime" for p in nvidia]
-    nvcc_crt = next((p / "cuda_nvcc" / "include" for p in nvidia
-                     if (p / "cuda_nvcc" / "include" / "crt" / "host_defines.h").is_file()),
-                    None)  # fmt: skip
-    for runtime in runtimes:
-        include = runtime / "include"
-        lib = next((d for d in (runtime / "lib", runtime / "lib64") if (d / CUDART).is_file()),
-                   None)  # fmt: skip
-        if lib is None or not (include / "cuda_runtime_api.h").is_file():
-            continue
-        # cuda_runtime_api.h includes crt/host_defines.h: a toolkit has it beside; pip's
-        # runtime wheel does not, its nvcc wheel does.
-        if (include / "crt" / "host_defines.h").is_file():
-            return CudaRuntime((include,), lib)
-        if nvcc_crt is not None:
-            return CudaRuntime((include, nvcc_crt), lib)
+    nvcc12_crt = next((p / "cuda_nvcc" / "include" for p in nvidia
+                       if (p / "cuda_nvcc" / "include" / "crt" / "host_defines.h").is_file()),
+                      None)  # fmt: skip
+    candidates = [(p / "cuda_runtime", nvcc12_crt) for p in nvidia]  # CUDA 12's wheels
+    candidates += [(p / "cu13", None) for p in nvidia]  # CUDA 13's
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        if value := os.environ.get(variable):
+            candidates.append((Path(value), None))
+    candidates.append((Path("/usr/local/cuda"), None))
+    return candidates
+
+
+def cuda_runtime() -> CudaRuntime | None:
+    """A CUDA runtime to build the handler against ($TAPD_CUDA_RUNTIME_DIR first: a
+    directory with include/ and lib/ or lib64/ holding libcudart.so.12 or .13, and only
+    it when set), or None. JAX's plugin's major first; then the first place found."""
+    chosen = os.environ.get("TAPD_CUDA_RUNTIME_DIR")
+    candidates: list[tuple[Path, Path | None]] = (
+        [(Path(chosen), None)] if chosen else _runtime_candidates()
+    )
+    plugin = _plugin_major()
+    searches: list[tuple[list[tuple[Path, Path | None]], tuple[int, ...]]] = []
+    if plugin is not None:
+        searches.append((candidates, (plugin,)))
+    searches += [([candidate], CUDA_MAJORS) for candidate in candidates]
+    for places, majors in searches:
+        for major in majors:
+            for runtime, crt_elsewhere in places:
+                if (found := _runtime_at(runtime, crt_elsewhere, major)) is not None:
+                    return found
+    return None
+
+
+def _runtime_at(runtime: Path, crt_elsewhere: Path | None, major: int) -> CudaRuntime | None:
+    soname = f"libcudart.so.{major}"
+    include = runtime / "include"
+    lib = next((d for d in (runtime / "lib", runtime / "lib64") if (d / soname).is_file()),
+               None)  # fmt: skip
+    if lib is None or not (include / "cuda_runtime_api.h").is_file():
+        return None
+    # cuda_runtime_api.h includes crt/host_defines.h: a toolkit and CUDA 13's wheels have
+    # it beside; CUDA 12's runtime wheel does not, its nvcc wheel does.
+    if (include / "crt" / "host_defines.h").is_file():
+        return CudaRuntime((include,), lib, soname)
+    if crt_elsewhere is not None and major == 12:
+        return CudaRuntime((include, crt_elsewhere), lib, soname)
     return None
 
 
@@ -141,7 +184,8 @@ def cuda_missing() -> str:
     """Why cuda_runtime() found nothing."""
     return (
         "the CUDA runtime was not found (pip install nvidia-cuda-runtime-cu12 "
-        "nvidia-cuda-nvcc-cu12; jax[cuda12] installs both)"
+        "nvidia-cuda-nvcc-cu12, as jax[cuda12] does; or nvidia-cuda-runtime "
+        "nvidia-cuda-crt for CUDA 13; or set TAPD_CUDA_RUNTIME_DIR to a toolkit)"
     )
 
 
@@ -168,7 +212,7 @@ def ring_key(ffi_include: Path | None) -> str:
 def cuda_key(ffi_include: Path, cuda: CudaRuntime) -> str:
     abi = (ffi_include / "xla" / "ffi" / "api" / "c_api.h").read_bytes()
     return "cuda-" + _digest(HEADERS + CUDA_SOURCES, abi, cuda.version().encode(),
-                             str(cuda.lib_dir).encode())  # fmt: skip
+                             str(cuda.library).encode())  # fmt: skip
 
 
 def ring_command(output: Path, ffi_include: Path | None) -> list[str]:
@@ -181,8 +225,9 @@ def ring_command(output: Path, ffi_include: Path | None) -> list[str]:
 def cuda_link_args(cuda: CudaRuntime) -> list[str]:
     # The wheel has no unversioned libcudart.so to link by -lcudart. The rpaths: where
     # it was found, and the same place relative to an installed tapd/native/.
-    return ["-L", str(cuda.lib_dir), f"-l:{CUDART}", f"-Wl,-rpath,{cuda.lib_dir}",
-            "-Wl,-rpath,$ORIGIN/../../nvidia/cuda_runtime/lib"]  # fmt: skip
+    wheel_lib = "cu13/lib" if cuda.soname.endswith(".13") else "cuda_runtime/lib"
+    return ["-L", str(cuda.lib_dir), f"-l:{cuda.soname}", f"-Wl,-rpath,{cuda.lib_dir}",
+            f"-Wl,-rpath,$ORIGIN/../../nvidia/{wheel_lib}"]  # fmt: skip
 
 
 def cuda_command(output: Path, ffi_include: Path, cuda: CudaRuntime) -> list[str]:

@@ -18,6 +18,7 @@ import ctypes
 import importlib.machinery
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -217,13 +218,24 @@ def _with_cpu_handler(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def _mapped(soname: str) -> bool:
+    """Whether a library of this soname (libcudart.so.13, say) is mapped in this process."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return re.search(rf"/{re.escape(soname)}(\.[0-9.]+)?$", maps, re.MULTILINE) is not None
+
+
 def _load_cuda() -> Any:
     """The CUDA handler library, attached to the ring library; raises _Unavailable."""
     ring = _library
     assert ring is not None
     cuda = build.cuda_runtime()
     include = build.ffi_include_dir()
-    if cuda is not None:  # so that its libcudart.so.12 is the one the library gets
+    # The handler's libcudart: the one JAX's plugin loaded, where it did (the same
+    # soname then resolves to it), else the one it was built against.
+    if cuda is not None and not _mapped(cuda.soname):
         try:
             ctypes.CDLL(str(cuda.library), mode=ctypes.RTLD_GLOBAL)
         except OSError:
