@@ -89,18 +89,30 @@ def handler_platforms() -> frozenset[str]:
     if sender.native is None or _settings.backend == "portable":
         return frozenset()
     platforms = registered_platforms()
-    if _settings.backend == "native" and jax.default_backend() not in platforms:
+    if _settings.backend == "native" and default_platform() not in platforms:
+        reason = library.handler_reason(default_platform()) or library.unavailable_reason()
         raise ConfigError(
             f"backend 'native' was asked for, but JAX's {jax.default_backend()} backend has "
-            f"no tapd handler here ({library.unavailable_reason() or 'not built for it'})"
+            f"no tapd handler here ({reason or 'not built for it'})"
         )
     return platforms
+
+
+def default_platform() -> str:
+    """JAX's default backend as lowering names it: "gpu" is "cuda" (or "rocm")."""
+    name = jax.default_backend()
+    if name != "gpu":
+        return name
+    try:
+        return "cuda" if jax.devices("cuda") else "rocm"
+    except RuntimeError:  # no CUDA backend: a ROCm one
+        return "rocm"
 
 
 def backend() -> str:
     """The backend this process's taps use on JAX's default platform: "native" (tapd's
     FFI handler writes the ring) or "portable" (a host callback)."""
-    return "native" if jax.default_backend() in handler_platforms() else "portable"
+    return "native" if default_platform() in handler_platforms() else "portable"
 
 
 def stats() -> dict[str, int]:
