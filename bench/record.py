@@ -24,7 +24,15 @@ from pathlib import Path
 
 import jax.numpy as jnp
 from processes import BENCH_DIR, Processes, wait_until
-from report import code_revision, load_average, machine_description, median, table, with_spread
+from report import (
+    code_revision,
+    load_average,
+    machine_description,
+    median,
+    publish,
+    table,
+    with_spread,
+)
 from run import configure_emitter, payload_loop, time_tapd_throughput
 
 from tapd.daemon import control
@@ -134,10 +142,7 @@ def main() -> None:
         "on disk** (the issue 12 target: within x1.5).",
         "",
     ])  # fmt: skip
-    print("\n" + text)
-    if output is not None:
-        output.write_text(text)
-        print(f"wrote {output}")
+    publish(text, output)
 
 
 if __name__ == "__main__":

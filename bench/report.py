@@ -110,3 +110,11 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
+
+
+def publish(text: str, output: Path | None) -> None:
+    """Print a report, and write it to `output` where one is given."""
+    print("\n" + text)
+    if output is not None:
+        output.write_text(text)
+        print(f"wrote {output}")

@@ -55,6 +55,7 @@ from report import (
     machine_description,
     median,
     number,
+    publish,
     size_name,
     table,
     with_spread,
@@ -647,10 +648,7 @@ def main() -> None:
     machine.append(("benchmark wall time", f"{time.monotonic() - started:.0f} s"))
     command = " ".join([COMMAND, *sys.argv[1:]])
     text = render(plan, machine, sections, command, args.quick)
-    print("\n" + text)
-    if output is not None:
-        output.write_text(text)
-        print(f"wrote {output}")
+    publish(text, output)
 
 
 if __name__ == "__main__":

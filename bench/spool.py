@@ -32,7 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from processes import BENCH_DIR, Processes
-from report import code_revision, load_average, machine_description, median, table, with_spread
+from report import (
+    code_revision,
+    load_average,
+    machine_description,
+    median,
+    publish,
+    table,
+    with_spread,
+)
 
 import tapd
 from tapd.daemon.spool import Spool
@@ -174,10 +182,7 @@ def main() -> None:
         table(["tap size", "append", "take back"], rate_rows),
         "",
     ])  # fmt: skip
-    print("\n" + text)
-    if output is not None:
-        output.write_text(text)
-        print(f"wrote {output}")
+    publish(text, output)
 
 
 if __name__ == "__main__":
