@@ -1263,18 +1263,17 @@ def test_the_cuda_runtime_found_is_the_major_of_jaxs_plugin_or_the_one_named(
     assert build.cuda_runtime() is None  # no crt/ anywhere it may look
 
 
-def test_the_cuda_handler_compiles_against_a_cuda_13_toolkit(tmp_path: Path) -> None:
+def test_the_cuda_handler_compiles_against_a_cuda_13_toolkit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """JAX's CUDA 13 plugin: the handler builds against CUDA 13's runtime too and
     links libcudart.so.13 (the local toolkit's headers and library, compiled for real)."""
     toolkit = _toolkit_with(13)
     include = build.ffi_include_dir()
     if toolkit is None or include is None:
         pytest.skip("needs a CUDA 13 toolkit (CUDA_HOME or /usr/local/cuda) and jaxlib")
-    os.environ["TAPD_CUDA_RUNTIME_DIR"] = str(toolkit)
-    try:
-        cuda = build.cuda_runtime()
-    finally:
-        del os.environ["TAPD_CUDA_RUNTIME_DIR"]
+    monkeypatch.setenv("TAPD_CUDA_RUNTIME_DIR", str(toolkit))
+    cuda = build.cuda_runtime()
     assert cuda is not None and cuda.soname == "libcudart.so.13"
     output = build.compile_cuda(tmp_path / "libtapd_cuda13.so", include, cuda)
     needed = subprocess.run(["readelf", "-d", str(output)], capture_output=True, text=True)
