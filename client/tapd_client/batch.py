@@ -78,6 +78,11 @@ class TapBatch:
     def metas(self) -> list[TapMeta]:
         return [self._template.meta(self._header_of(i)) for i in range(len(self.tids))]
 
+    def headers(self) -> list[dict[str, Any]]:
+        """Each tap's header as the wire protocol has it (docs/PROTOCOL.md, `tap`): for
+        tools that keep taps as they travelled (`tapd record`)."""
+        return [self._header_of(i) for i in range(len(self.tids))]
+
     def __iter__(self) -> Iterator[tuple[Any, TapMeta]]:
         for i, meta in enumerate(self.metas()):
             leaves = [leaf[i] for leaf in self.leaves]

@@ -54,6 +54,10 @@ BatchHandler = Callable[[TapBatch], object]
 # restarted), and each answered with a hello made a storm of them.
 _REHELLO_QUIET = 1.0
 _ERROR_CHARS = 4000  # of an error's text sent back (the protocol allows 8192)
+# Default windows. A batch handler's cost is per message more than per tap: with 4096
+# in flight the daemon sends up to 2048 small taps a message (bench/RESULTS.md, 2).
+_WINDOW = 256
+_BATCH_WINDOW = 4096
 
 
 class _DaemonLink:
@@ -168,8 +172,9 @@ class Subscriber:
 
     `endpoint`: the daemon's address, or a list of them (default: this host's daemon,
     `TAPD_ENDPOINT` or the per-user ipc socket). `window`: taps in flight per daemon
-    before it waits for acks. `curve`: keys for tcp:// daemons (default: from
-    TAPD_CURVE_SERVER_KEY and TAPD_CURVE_SECRET).
+    before it waits for acks (default 256, or 4096 with a batch handler: bigger batches
+    of small taps, fewer messages; the daemon bounds the bytes in flight too). `curve`:
+    keys for tcp:// daemons (default: from TAPD_CURVE_SERVER_KEY and TAPD_CURVE_SECRET).
     """
 
     def __init__(
@@ -177,12 +182,12 @@ class Subscriber:
         endpoint: str | Sequence[str] | None = None,
         *,
         name: str | None = None,
-        window: int = 256,
+        window: int | None = None,
         heartbeat: float = 1.0,
         curve: ClientKeys | None = None,
         fallback_for: str | None = None,
     ) -> None:
-        if window <= 0:
+        if window is not None and window <= 0:
             raise ValueError(f"window must be positive, got {window}")
         if isinstance(endpoint, str) or endpoint is None:
             endpoints = [endpoint or os.environ.get("TAPD_ENDPOINT") or default_endpoint()]
@@ -193,7 +198,7 @@ class Subscriber:
         self.endpoints = endpoints
         self.endpoint = endpoints[0]
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
-        self.window = window
+        self._window = window
         self.heartbeat = heartbeat
         self.curve = curve
         self._handlers: dict[str, Handler | BatchHandler] = {}
@@ -268,6 +273,13 @@ class Subscriber:
             link.hello_due = {**self._hello_fields(), "update": True}  # (sent when it can be)
             link.send_hello()
         self._wait_welcomed(timeout)
+
+    @property
+    def window(self) -> int:
+        """Taps in flight per daemon: as given, else by the kind of handlers."""
+        if self._window is not None:
+            return self._window
+        return _BATCH_WINDOW if self._batch else _WINDOW
 
     @property
     def consumers(self) -> list[str]:

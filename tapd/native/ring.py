@@ -220,8 +220,8 @@ class Ring:
         capacity, mapped = self._mapped
         start = position % capacity
         view = mapped[start : start + available]
-        records: list[Record] = []
-        offset = 0
+        records = self._read_uniform(view, position, max_records)
+        offset = records[-1].end - position if records else 0
         nonce = self._nonce
         while offset < available and len(records) < max_records:
             if available - offset < self.header_bytes:
@@ -246,6 +246,36 @@ class Ring:
             ))  # fmt: skip
             offset += length
         return view, records
+
+    def _read_uniform(self, view: memoryview, position: int, max_records: int) -> list[Record]:
+        """The leading records of `view` that are committed and as long as the first,
+        read as columns with numpy: a loop writing one small tap after another fills the
+        ring with such records, and one Python step per record header limited the
+        daemon's small-tap rate. The rest (other lengths, abandoned or bad records) is
+        left to `read_span`'s record-by-record walk, which checks and reports it."""
+        header_bytes = self.header_bytes
+        if len(view) < 2 * header_bytes:
+            return []
+        length = _HEADER.unpack_from(view, 0)[0]
+        if length < header_bytes or length % 8:
+            return []
+        count = min(len(view) // length, max_records)
+        if count < 2:
+            return []
+        headers = np.ndarray((count,), RECORD_HEADER, buffer=view, strides=(length,))
+        offsets = np.arange(count, dtype=np.uint64) * np.uint64(length)
+        tags = ((np.uint64(position) + offsets) ^ np.uint64(self._nonce)) & np.uint64(~7 % 2**64)
+        good = (headers["length"] == length) & (headers["commit"] == tags | np.uint64(_COMMITTED))
+        if not good.all():
+            count = int(good.argmin())  # (the first that is not: read one by one)
+            headers, offsets = headers[:count], offsets[:count]
+        starts = (offsets.astype(np.int64) + position).tolist()
+        steps = [None if step == NO_STEP else step for step in headers["step"].tolist()]
+        payloads = [view[o + header_bytes : o + length] for o in offsets.tolist()]
+        return list(map(Record._make, zip(
+            starts, [start + length for start in starts], headers["site"].tolist(),
+            headers["seq"].tolist(), steps, headers["time_ns"].tolist(),
+            headers["device"].tolist(), payloads, strict=True)))  # fmt: skip
 
     def _check_stall(self, position: int) -> None:
         """Nothing readable: say so once if a record has stayed reserved, holding back

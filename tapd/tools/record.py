@@ -1,8 +1,10 @@
 """`tapd record`: a subscriber that writes every tap it is given to a recording
 (tapd/tools/recording.py, docs/RECORDING.md).
 
-`Recorder` is a handler (`sub.add_handler("loss", Recorder(path))` in a program of one's
-own, or `tapd record DIR loss`). It keeps the taps of the chunk being filled in memory,
+`Recorder` is a batch handler (`sub.add_handler("loss", Recorder(path))` in a program of
+one's own, or `tapd record DIR loss`): each TapBatch, the taps of one site that arrived
+together, is kept as one group with its leaves stacked, and written as one array per
+leaf (tapd/tools/recording.py). It keeps the taps of the chunk being filled in memory,
 bounded by `chunk_bytes`, and hands the chunk to a writer thread of its own when it is
 full, once a second (from the subscriber's idle tick, `expire`), and at `close()`; at
 most one more chunk waits for that thread, so receiving goes on while a chunk is
@@ -21,11 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from tapd.protocol import Message
-from tapd.tools.recording import ChunkWriter
-from tapd_client.meta import TapMeta
+from tapd.tools.recording import ChunkWriter, Group
+from tapd_client.batch import TapBatch
 
 WHEN_FULL = ("rotate", "stop")
 _OVERHEAD = 1024  # bytes on disk per tap besides its arrays (index line, npz entry), at most
@@ -46,7 +45,7 @@ class RecordStats:
 class Recorder:
     """A handler that records the taps it is given into `directory`."""
 
-    takes_message = True  # the subscriber passes the decoded tap, not its value
+    takes_batch = True  # the subscriber passes TapBatches
 
     def __init__(
         self,
@@ -73,47 +72,60 @@ class Recorder:
         self.on_full = on_full
         self.full = False
         self.stats = RecordStats(written_bytes=self.writer.size())
-        self._chunk: list[tuple[dict[str, Any], list[np.ndarray]]] = []
+        self._chunk: list[Group] = []
         self._chunk_bytes = 0
         self._chunk_started = time.monotonic()
         self._next_seq: dict[tuple[str, int | None, str], int] = {}
         self.error: Exception | None = None
         self._accepted_bytes = self.stats.written_bytes  # (stop: array bytes, index aside)
         self._lock = threading.Lock()
-        self._writing: queue.Queue[list[tuple[dict[str, Any], list[np.ndarray]]] | None] = (
-            queue.Queue(maxsize=1)
-        )
+        self._writing: queue.Queue[list[Group] | None] = queue.Queue(maxsize=1)
         self._thread = threading.Thread(target=self._write_chunks, name="tapd-record-writer",
                                         daemon=True)  # fmt: skip
         self._thread.start()
 
-    def __call__(self, message: Message, meta: TapMeta) -> None:
-        arrays = message.arrays()
-        nbytes = sum(a.nbytes for a in arrays)
-        if self.full or (
-            self.when_full == "stop"
-            and self.max_bytes is not None
-            and self._accepted_bytes + nbytes > self.max_bytes
-        ):
-            self.stats.refused += 1
+    def __call__(self, batch: TapBatch) -> None:
+        count = len(batch)
+        leaves = batch.leaves
+        per_tap = sum(leaf.nbytes for leaf in leaves) // count  # (one site: all alike)
+        taken = count
+        if self.full:
+            taken = 0
+        elif self.when_full == "stop" and self.max_bytes is not None:
+            # Tap i (from 0) fits if accepted + i * (per_tap + overhead) + per_tap <= max,
+            # as when taps came one at a time.
+            room = self.max_bytes - self._accepted_bytes - per_tap
+            taken = 0 if room < 0 else min(count, room // (per_tap + _OVERHEAD) + 1)
+        if taken:
+            self._keep(batch, taken, per_tap)
+        if taken < count:
+            self.stats.refused += count - taken
             if not self.full:
                 self.full = True
                 self.flush()
                 if self.on_full is not None:
                     self.on_full()
-            return
-        key = (meta.emitter, meta.device, meta.consumer)
-        expected = self._next_seq.get(key, meta.seq)
-        if meta.seq > expected:
-            self.stats.gaps += meta.seq - expected
-        self._next_seq[key] = max(expected, meta.seq + 1)
-        header = dict(message.header)
-        header["emitter"] = meta.emitter
-        self._chunk.append((header, arrays))
+
+    def _keep(self, batch: TapBatch, count: int, per_tap: int) -> None:
+        """Keep the first `count` taps of `batch` in the chunk being filled."""
+        emitter, consumer = batch.meta.emitter, batch.consumer
+        for seq, device in zip(batch.seq[:count].tolist(), batch.device[:count].tolist(),
+                               strict=True):  # fmt: skip
+            key = (emitter, device, consumer)
+            expected = self._next_seq.get(key, seq)
+            if seq > expected:
+                self.stats.gaps += seq - expected
+            self._next_seq[key] = max(expected, seq + 1)
+        headers = batch.headers()[:count]
+        for header in headers:
+            header["emitter"] = emitter  # (a tap that came alone may lack it)
+        # The leaves view the received message; the chunk keeps them (and it) until written.
+        self._chunk.append((headers, [leaf[:count] for leaf in batch.leaves]))
+        nbytes = per_tap * count
         self._chunk_bytes += nbytes
-        self.stats.taps += 1
+        self.stats.taps += count
         self.stats.bytes += nbytes
-        self._accepted_bytes += nbytes + _OVERHEAD
+        self._accepted_bytes += nbytes + _OVERHEAD * count
         if self._chunk_bytes >= self.chunk_bytes:
             self.flush()
 

@@ -2,12 +2,14 @@
 of tapd's needed to read them.
 
 A recording is a directory of chunks, each a pair written once and never appended to:
-`NNNNNN.npz` (the chunk's arrays, one per leaf of each tap, named `t<i>_<leaf>`) and
-`NNNNNN.jsonl` (one JSON object per tap: its meta, tree spec, leaves and the names of its
-arrays in the npz). Each file is written under a temporary name and renamed into place,
-the npz first, so a chunk is either complete or absent: an interrupt, even a kill -9,
-can lose the chunk being filled but never leave a file that does not open. `recording.json`
-says what the directory is. Rotation removes whole chunks, oldest first (index first).
+`NNNNNN.npz` (the chunk's arrays: per group of taps of one site that arrived together,
+one array per leaf with the taps stacked on axis 0, named `g<group>_<leaf>`) and
+`NNNNNN.jsonl` (one JSON object per tap: its meta, tree spec, leaves, the names of its
+group's arrays in the npz and its `row` in them). Each file is written under a temporary
+name and renamed into place, the npz first, so a chunk is either complete or absent: an
+interrupt, even a kill -9, can lose the chunk being filled but never leave a file that
+does not open. `recording.json` says what the directory is. Rotation removes whole
+chunks, oldest first (index first).
 
 Dtypes numpy has no name for (bfloat16, float8_*, int4...) are stored as unsigned
 integers of the same size; the index's `leaves` entry keeps the real dtype name, and
@@ -30,7 +32,7 @@ import numpy as np
 from tapd.protocol.dtypes import dtype_from_name
 
 FORMAT = "tapd-recording"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: taps stacked per group, `row` in the index; 1: an array per leaf
 INFO_FILE = "recording.json"
 
 # The fields of a tap header that a recording keeps, as the protocol spells them
@@ -40,6 +42,10 @@ HEADER_FIELDS = ("consumer", "seq", "step", "device", "process", "host", "pid", 
 _NUMPY_NATIVE = frozenset(("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
                            "uint32", "uint64", "float16", "float32", "float64", "complex64",
                            "complex128"))  # fmt: skip
+
+
+# Taps of one site written together: their headers, and each leaf stacked on axis 0.
+Group = tuple[Sequence[Mapping[str, Any]], Sequence[np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,23 +79,26 @@ class ChunkWriter:
                 "started": time.time(),
             }, indent=2).encode() + b"\n")  # fmt: skip
 
-    def write(self, taps: Sequence[tuple[Mapping[str, Any], Sequence[np.ndarray]]]) -> int:
-        """Write one chunk of `taps` (header, arrays); return its size in bytes."""
+    def write(self, groups: Sequence[Group]) -> int:
+        """Write one chunk of `groups` (headers of taps of one site, and their leaves
+        stacked on axis 0); return its size in bytes."""
         number = self.next_number
         self.next_number += 1
         arrays: dict[str, np.ndarray] = {}
         lines = []
-        for i, (header, leaves) in enumerate(taps):
+        for g, (headers, leaves) in enumerate(groups):
             names = []
             for j, array in enumerate(leaves):
-                name = f"t{i}_{j}"
+                name = f"g{g}_{j}"
                 if array.dtype.name not in _NUMPY_NATIVE:  # (numpy would save it as void)
                     array = array.view(f"u{array.dtype.itemsize}")
                 arrays[name] = array
                 names.append(name)
-            entry = {field: header.get(field) for field in HEADER_FIELDS}
-            entry["arrays"] = names
-            lines.append(json.dumps(entry, separators=(",", ":"), default=_jsonable))
+            for row, header in enumerate(headers):
+                entry = {field: header.get(field) for field in HEADER_FIELDS}
+                entry["arrays"] = names
+                entry["row"] = row
+                lines.append(json.dumps(entry, separators=(",", ":"), default=_jsonable))
         npz = self.directory / f"{number:06d}.npz"
         temporary = npz.with_name(f".{npz.name}.tmp")
         _save_npz(temporary, arrays)
@@ -133,17 +142,22 @@ def read_recording(directory: str | os.PathLike[str]) -> Iterator[RecordedTap]:
     if not info.exists():
         raise FileNotFoundError(f"{path} is not a tapd recording (no {INFO_FILE})")
     fields = json.loads(info.read_text())
-    if fields.get("format") != FORMAT or fields.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: not a {FORMAT} version {FORMAT_VERSION}: {fields!r:.200}")
+    if fields.get("format") != FORMAT or fields.get("version") not in (1, FORMAT_VERSION):
+        raise ValueError(f"{path}: not a {FORMAT} of version 1 to {FORMAT_VERSION}: "
+                         f"{fields!r:.200}")  # fmt: skip
     for number in chunk_numbers(path):
         index = path / f"{number:06d}.jsonl"
-        with np.load(index.with_suffix(".npz")) as arrays:
+        with np.load(index.with_suffix(".npz")) as npz:
+            arrays: dict[str, np.ndarray] = {}  # (each member read once, not once per row)
             for line in index.read_text().splitlines():
                 header = json.loads(line)
+                row = header.pop("row", None)  # (None: version 1, an array per leaf)
                 leaves = []
                 for name, (dtype, _, _) in zip(header.pop("arrays"), header["leaves"],
                                                strict=True):  # fmt: skip
-                    array = arrays[name]
+                    if name not in arrays:
+                        arrays[name] = npz[name]
+                    array = arrays[name] if row is None else arrays[name][row, ...]
                     if array.dtype.name != dtype:
                         array = array.view(dtype_from_name(dtype))
                     leaves.append(array)
