@@ -11,6 +11,9 @@ when it has none) and wall time `meta.time`. A leaf is
 A per-shard tap (pmap, shard_map) gets `/shard<index>` after its tag, and with
 `process_in_tag` each tag starts with the emitting process, `p<index>/`, so that the
 processes of a multi-host job do not write over each other's points.
+
+`batch_points` reads a `TapBatch`'s columns (no per-tap `TapMeta` is made);
+`assembled_points` takes one step's global value, put together by `Assembler`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from tapd_client.batch import TapBatch
 from tapd_client.meta import TapMeta
 
 Kind = Literal["scalar", "histogram", "image"]
@@ -35,37 +39,50 @@ class Point:
     time: float  # seconds since the epoch
 
 
-def tap_points(value: Any, meta: TapMeta, *, process_in_tag: bool) -> Iterator[Point]:
-    """The points of one tap as it arrived (a shard of a sharded tap stays a shard)."""
+def batch_points(batch: TapBatch, *, process_in_tag: bool) -> Iterator[Point]:
+    """The points of a batch's taps, leaf by leaf, each leaf's taps in order."""
+    meta = batch.meta  # the static fields, every tap's
     prefix = f"p{meta.process}/" if process_in_tag else ""
-    suffix = f"/shard{meta.shard_index}" if meta.shard is not None else ""
-    yield from _points(value, meta, prefix, suffix, meta.time)
+    steps = np.where(batch.step >= 0, batch.step, batch.seq).tolist()
+    times = batch.time.tolist()
+    shards = None if batch.shard_index is None else batch.shard_index.tolist()
+    image = bool(meta.meta.get("image"))
+    for path, stacked in leaves(batch.value):
+        tag = prefix + "/".join([meta.consumer, *path])
+        stacked = np.asarray(stacked)
+        for i, (step, time) in enumerate(zip(steps, times, strict=True)):
+            suffix = "" if shards is None else f"/shard{shards[i]}"
+            point = _point(tag + suffix, stacked[i], step, time, image)
+            if point is not None:
+                yield point
 
 
 def assembled_points(value: Any, metas: Sequence[TapMeta]) -> Iterator[Point]:
     """The points of a step's shards put back together: one global value, with neither a
     shard suffix nor a process prefix (it spans the processes), at the last shard's time."""
-    yield from _points(value, metas[0], "", "", max(m.time for m in metas))
-
-
-def _points(value: Any, meta: TapMeta, prefix: str, suffix: str, time: float) -> Iterator[Point]:
+    meta, time = metas[0], max(m.time for m in metas)
     step = meta.step if meta.step is not None else meta.seq
     image = bool(meta.meta.get("image"))
     for path, leaf in leaves(value):
-        array = np.asarray(leaf)
-        if array.size == 0:
-            continue
-        tag = prefix + "/".join([meta.consumer, *path]) + suffix
-        if image and _is_image(array):
-            yield Point(tag, "image", _to_uint8(array), step, time)
-        elif array.size == 1:
-            number = array.reshape(()).item()
-            number = abs(number) if isinstance(number, complex) else number
-            yield Point(tag, "scalar", float(number), step, time)
-        else:
-            if np.iscomplexobj(array):
-                array = np.abs(array)
-            yield Point(tag, "histogram", array.astype(np.float64).reshape(-1), step, time)
+        point = _point("/".join([meta.consumer, *path]), np.asarray(leaf), step, time, image)
+        if point is not None:
+            yield point
+
+
+def _point(tag: str, array: np.ndarray, step: int, time: float, image: bool) -> Point | None:
+    """One leaf's point (None for an empty one). Its value never aliases `array`, which
+    may be a view of a received message that lives only as long as the handler call."""
+    if array.size == 0:
+        return None
+    if image and _is_image(array):
+        return Point(tag, "image", _to_uint8(array), step, time)
+    if array.size == 1:
+        number = array.reshape(()).item()
+        number = abs(number) if isinstance(number, complex) else number
+        return Point(tag, "scalar", float(number), step, time)
+    if np.iscomplexobj(array):
+        array = np.abs(array)
+    return Point(tag, "histogram", array.astype(np.float64).reshape(-1), step, time)
 
 
 def _is_image(value: np.ndarray) -> bool:
@@ -74,7 +91,7 @@ def _is_image(value: np.ndarray) -> bool:
 
 def _to_uint8(value: np.ndarray) -> np.ndarray:
     if value.dtype == np.uint8:
-        return value
+        return value.copy()
     return np.rint(np.clip(value.astype(np.float32), 0.0, 1.0) * 255).astype(np.uint8)
 
 

@@ -1,5 +1,6 @@
 """`Sink`: the handler every tool's sink is: taps in, `Point`s (sinks/_points.py) out to
-the tool's writer.
+the tool's writer. A sink is a batch handler (`takes_batch`): the subscriber gives it a
+`TapBatch` of one site's taps, and its points go to the tool in one `write` call.
 
 `process_in_tag` starts each tag with the emitting process (`p0/loss`); `assemble` puts
 the shards of a sharded tap back together with `Assembler` first (by (name, step): tap
@@ -12,19 +13,24 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from tapd.protocol import flatten, unflatten
 from tapd_client.assemble import Assembler
+from tapd_client.batch import TapBatch
 from tapd_client.meta import TapMeta
-from tapd_client.sinks._points import Point, assembled_points, tap_points
+from tapd_client.sinks._points import Point, assembled_points, batch_points
 
 logger = logging.getLogger("tapd.sinks")
 
 
 class Sink(abc.ABC):
-    """A subscriber handler writing the taps it is given to one tool."""
+    """A subscriber batch handler writing the taps it is given to one tool."""
 
+    takes_batch = True
     where = ""  # what the CLI names as the destination: a logdir, a run
 
     def __init__(
@@ -41,19 +47,14 @@ class Sink(abc.ABC):
         )
         self.written = 0  # points (scalars, histograms, images)
 
-    def __call__(self, value: Any, meta: TapMeta) -> None:
-        self.handle([(value, meta)])
-
-    def handle(self, taps: Iterable[tuple[Any, TapMeta]]) -> None:
-        """Write these taps' points, with one `write` call."""
-        points: list[Point] = []
-        for value, meta in taps:
-            if self._assembler is not None and meta.shard is not None:
-                self._assembler(value, meta)  # a complete step lands in _assembled
-            else:
-                points.extend(tap_points(value, meta, process_in_tag=self.process_in_tag))
-        points.extend(self._assembled)
-        self._assembled.clear()
+    def __call__(self, batch: TapBatch) -> None:
+        """Write a batch's points, with one `write` call."""
+        if self._assembler is not None and batch.shard_index is not None:
+            for value, meta in batch:  # a complete step lands in _assembled
+                self._assembler(_owned(value), meta)
+            points, self._assembled = self._assembled, []
+        else:
+            points = list(batch_points(batch, process_in_tag=self.process_in_tag))
         if points:
             self.write(points)
             self.written += len(points)
@@ -80,19 +81,17 @@ class Tee:
             raise ValueError("a Tee needs at least one sink")
         self.sinks = list(sinks)
 
+    takes_batch = True
+
     @property
     def written(self) -> int:
         return sum(sink.written for sink in self.sinks)
 
-    def __call__(self, value: Any, meta: TapMeta) -> None:
-        self.handle([(value, meta)])
-
-    def handle(self, taps: Iterable[tuple[Any, TapMeta]]) -> None:
-        taps = list(taps)
+    def __call__(self, batch: TapBatch) -> None:
         error: Exception | None = None
         for sink in self.sinks:
             try:
-                sink.handle(taps)
+                sink(batch)
             except Exception as exc:
                 logger.error("sink %s failed: %r", type(sink).__name__, exc)
                 error = error or exc
@@ -108,3 +107,10 @@ class Tee:
                 error = error or exc
         if error is not None:
             raise error
+
+
+def _owned(value: Any) -> Any:
+    """A copy of a tapped value whose leaves may be views of the received message (valid
+    only during the handler call), for the Assembler to hold until its step completes."""
+    tree, leaves = flatten(value)
+    return unflatten(tree, [np.array(leaf) for leaf in leaves])
