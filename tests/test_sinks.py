@@ -148,13 +148,26 @@ def test_mlflow_sink_logs_metrics_array_stats_images_to_the_default_file_store(
     np.testing.assert_array_equal(png_pixels(Path(local).read_bytes()), IMAGE)
 
 
-def test_mlflow_sink_names_a_missing_library_or_a_bad_tracking_uri(tmp_path: Path) -> None:
+def test_mlflow_sink_names_a_bad_tracking_uri(tmp_path: Path) -> None:
     pytest.importorskip("mlflow", reason="the MLflow sink logs with mlflow")
     result = subprocess.run([sys.executable, "-m", "tapd", "sink", "mlflow", "--tracking-uri",
                              "nosuchscheme://x"], capture_output=True, text=True,
                             timeout=PROCESS_TIMEOUT, cwd=tmp_path)  # fmt: skip
     assert result.returncode == 1
     assert "cannot start an MLflow run at 'nosuchscheme://x'" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    ("tool", "library"), [("tensorboard", "tensorboardX"), ("mlflow", "mlflow"), ("wandb", "wandb")]
+)
+def test_a_sink_without_its_library_names_the_extra_to_install(
+    tool: str, library: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tapd_client.sinks import make_sink
+
+    monkeypatch.setitem(sys.modules, library, None)  # what `import` does when it is missing
+    with pytest.raises(ImportError, match=rf"pip install 'tapd\[{tool}\]'"):
+        make_sink(tool, str(tmp_path) if tool == "tensorboard" else None)
 
 
 # ---- Weights & Biases --------------------------------------------------------------------
