@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -54,6 +55,22 @@ def test_importing_tapd_and_the_subscriber_library_does_not_import_jax() -> None
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "clean"
+
+
+def test_sinks_export_their_registry_and_import_no_tool_until_one_is_made() -> None:
+    code = (
+        "import json, sys, tapd_client.sinks as sinks, tapd_client.sinks.tensorboard, "
+        "tapd_client.sinks.mlflow, tapd_client.sinks.wandb\n"
+        "heavy = {'jax', 'tensorboardX', 'mlflow', 'wandb'}\n"
+        "print(json.dumps([sorted(sinks.__all__), sorted(sinks.SINKS),\n"
+        "                  sorted(m for m in sys.modules if m.split('.')[0] in heavy)]))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    exported, tools, imported = json.loads(result.stdout)
+    assert exported == ["SINKS", "Sink", "SinkKind", "Tee", "make_sink", "parse_spec"]
+    assert tools == ["mlflow", "tensorboard", "wandb"]
+    assert imported == []
 
 
 def module_level_tap(arg: object, transforms: object) -> None:

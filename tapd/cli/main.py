@@ -214,9 +214,24 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--timeout", type=float, default=2.0)
 
     subscribe = commands.add_parser(
-        "subscribe", help="run the tap functions of MODULE (id_tap(MODULE.f, x))"
+        "subscribe",
+        help="run the tap functions of MODULE (id_tap(MODULE.f, x)), and/or sinks (--sink)",
+        description="Run MODULE's tap functions on the taps of its consumers (MODULE:*), "
+        "and send every other tap to each --sink.",
     )
-    subscribe.add_argument("module", metavar="MODULE")
+    subscribe.add_argument("module", metavar="MODULE", nargs="?")
+    subscribe.add_argument(
+        "--sink",
+        dest="sinks",
+        metavar="SPEC",
+        action="append",
+        type=_sink_spec,
+        default=[],
+        help="TOOL[:TARGET][,OPTION[=VALUE]...], repeatable: tensorboard:LOGDIR, "
+        "mlflow[:TRACKING_URI], wandb[:PROJECT]; options process_in_tag, assemble, "
+        "run_name=N, experiment=E (mlflow). E.g. --sink tensorboard:runs/exp1,assemble "
+        "--sink mlflow:http://host:5000,experiment=exp1",
+    )
     _endpoint_arg(subscribe, several=True)
 
     tail = commands.add_parser(
@@ -267,25 +282,51 @@ def build_parser() -> argparse.ArgumentParser:
     _endpoint_arg(replay)
 
     sink = commands.add_parser(
-        "sink", help="send taps to a tool users look at: `tapd sink tensorboard --logdir DIR`"
+        "sink",
+        help="send taps to a tool users look at: `tapd sink tensorboard --logdir DIR`, "
+        "`tapd sink mlflow`, `tapd sink wandb`",
+        description="Write taps named NAME (default all) to a tool: a one-element value as a "
+        "scalar at meta.step (else the tap's seq), an array as a histogram, an image tapped "
+        "with image=True as an image; a pytree's leaves named by their path (grads/w).",
     )
     sinks = sink.add_subparsers(dest="sink", required=True, metavar="TOOL")
     tensorboard = sinks.add_parser(
         "tensorboard",
         help="scalars, histograms and images into TensorBoard event files "
         "(pip install 'tapd[tensorboard]')",
-        description="Write taps named NAME (default all) to TensorBoard: a one-element value "
-        "as a scalar at meta.step (else the tap's seq), an array as a histogram, an image "
-        "tapped with image=True as an image; a pytree's leaves named by their path (grads/w).",
     )
     tensorboard.add_argument("--logdir", type=Path, required=True)
-    tensorboard.add_argument("names", metavar="NAME", nargs="*", default=["*"])
-    tensorboard.add_argument(
-        "--process-in-tag",
-        action="store_true",
-        help="start each tag with the emitting process (p0/loss): for multi-process jobs",
+    mlflow = sinks.add_parser(
+        "mlflow",
+        help="metrics into an MLflow run; an array as tag/mean, /min, /max, /norm; images "
+        "with log_image (pip install 'tapd[mlflow]')",
     )
-    _endpoint_arg(tensorboard, several=True)
+    mlflow.add_argument(
+        "--tracking-uri", help="default: MLFLOW_TRACKING_URI, else the file store ./mlruns"
+    )
+    mlflow.add_argument("--experiment", help="by name, made if missing (default: Default)")
+    mlflow.add_argument("--run-name")
+    wandb = sinks.add_parser(
+        "wandb",
+        help="scalars, histograms and images into a W&B run, x-axis tapd/step; WANDB_MODE="
+        "offline needs no network (pip install 'tapd[wandb]')",
+    )
+    wandb.add_argument("--project", help="default: tapd")
+    wandb.add_argument("--run-name")
+    for tool in (tensorboard, mlflow, wandb):
+        tool.add_argument("names", metavar="NAME", nargs="*", default=["*"])
+        tool.add_argument(
+            "--process-in-tag",
+            action="store_true",
+            help="start each tag with the emitting process (p0/loss): for multi-process jobs",
+        )
+        tool.add_argument(
+            "--assemble",
+            action="store_true",
+            help="put a sharded tap's shards together (tapd_client.Assembler, by name and "
+            "step) and write the global value, instead of one tag per shard (name/shard0)",
+        )
+        _endpoint_arg(tool, several=True)
 
     keygen = commands.add_parser(
         "keygen", help="write a CurveZMQ key pair: NAME.key (public), NAME.key_secret"
@@ -583,14 +624,47 @@ def _run_subscriber(subscriber: Any) -> int:
 
 def cmd_subscribe(args: argparse.Namespace) -> int:
     from tapd_client import Subscriber
+    from tapd_client.sinks import Tee, make_sink
     from tapd_client.tap_functions import serve_module
 
+    if args.module is None and not args.sinks:
+        logger.error("give a tap function MODULE, or a --sink, or both")
+        return ExitCode.USAGE
+    subscriber = Subscriber(args.endpoint)
     try:
-        subscriber = serve_module(args.module, Subscriber(args.endpoint))
+        if args.module is not None:
+            serve_module(args.module, subscriber)
     except ImportError as exc:
         logger.error("cannot import tap function module %r: %s", args.module, exc)
         return ExitCode.FAILURE
-    return _run_subscriber(subscriber)
+    sinks = []
+    try:
+        for tool, target, options in args.sinks:
+            sinks.append(make_sink(tool, target, **options))
+    except (ImportError, ValueError) as exc:
+        logger.error("%s", exc)
+        for made in sinks:  # end the runs already started
+            made.close()
+        return ExitCode.FAILURE
+    if not sinks:
+        return _run_subscriber(subscriber)
+    tee = Tee(sinks)
+    subscriber.add_handler("*", tee)  # after MODULE:*, which keeps its consumers' taps
+    try:
+        return _run_subscriber(subscriber)
+    finally:
+        tee.close()
+        for sink in sinks:
+            print(f"wrote {sink.written} points to {sink.where}", flush=True)
+
+
+def _sink_spec(text: str) -> tuple[str, str | None, dict[str, Any]]:
+    from tapd_client.sinks import parse_spec
+
+    try:
+        return parse_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def cmd_tail(args: argparse.Namespace) -> int:
@@ -695,11 +769,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_sink(args: argparse.Namespace) -> int:
     from tapd_client import Subscriber
-    from tapd_client.sinks.tensorboard import TensorBoardSink
+    from tapd_client.sinks import SINKS, make_sink
 
+    kind = SINKS[args.sink]
+    options = {name: getattr(args, name) for name in kind.options if getattr(args, name)}
     try:
-        handler = TensorBoardSink(args.logdir, process_in_tag=args.process_in_tag)
-    except ImportError as exc:
+        handler = make_sink(args.sink, getattr(args, kind.target), **options,
+                            process_in_tag=args.process_in_tag, assemble=args.assemble)  # fmt: skip
+    except (ImportError, ValueError) as exc:
         logger.error("%s", exc)
         return ExitCode.FAILURE
     subscriber = Subscriber(args.endpoint)
@@ -709,7 +786,7 @@ def cmd_sink(args: argparse.Namespace) -> int:
         return _run_subscriber(subscriber)
     finally:
         handler.close()
-        print(f"wrote {handler.written} points to {args.logdir}", flush=True)
+        print(f"wrote {handler.written} points to {handler.where}", flush=True)
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
