@@ -39,6 +39,7 @@ EMITTER = {
     "unrouted": "tapd_emitter_taps_unrouted_total",
     "pending": "tapd_emitter_pending_units",
     "parked_bytes": "tapd_emitter_parked_bytes",
+    "last_handled_time": "tapd_emitter_last_handled_tap_timestamp_seconds",
 }
 SUBSCRIBER = {
     "delivered": "tapd_subscriber_taps_handled_total",
@@ -128,6 +129,7 @@ def test_scrape_equals_status(
     for e in stats["emitters"]:
         for key, name in EMITTER.items():
             assert value(name, emitter=e["name"]) == e[key], (name, e)
+        assert started <= e["last_handled_time"] <= tapped
     for s in stats["subscribers"]:
         labels = {"subscriber": s["name"], "consumers": ",".join(s["consumers"])}
         for key, name in SUBSCRIBER.items():

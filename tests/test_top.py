@@ -45,6 +45,8 @@ def test_once_shows_emitters_and_consumers(flowing: tuple[Daemon, subprocess.Pop
     assert emitters[0].split()[:3] == ["name", "taps/s", "MB/s"]
     row = emitters[1].split()
     assert row[0].endswith(f":{emitter.pid}") and float(row[1]) > 5, out  # ~50 taps/s
+    # the emitter's lag: the newest of its taps that a subscriber handled
+    assert emitters[0].split()[-1] == "lag" and 0 <= float(row[8][:-1]) < 10, out
     consumers = out.split("CONSUMERS (one row per subscriber)\n")[1].splitlines()
     row = consumers[1].split()
     assert row[0] == "loss" and float(row[2]) > 5, out

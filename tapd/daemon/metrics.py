@@ -84,6 +84,10 @@ EMITTER_METRICS = {
                 "this emitter not yet handled by every subscriber: what barriers wait for."),
     "parked_bytes": ("tapd_emitter_parked_bytes", False, "Bytes of this emitter's taps "
                      "waiting for room in a subscriber queue (policy block)."),
+    "last_handled_time": ("tapd_emitter_last_handled_tap_timestamp_seconds", False,
+                          "Emitter time (meta.time, seconds since the epoch) of the newest "
+                          "tap of this emitter that a subscriber handled; lag is time() "
+                          "minus this. Absent until one was handled."),
 }  # fmt: skip
 SUBSCRIBER_METRICS = {
     "delivered": ("tapd_subscriber_taps_handled", True, "Taps this subscriber handled "

@@ -102,6 +102,7 @@ class Emitter:
     dropped: int = 0
     unrouted: int = 0
     received_bytes: int = 0  # (tapd top: MB/s per emitter)
+    last_handled_ns: int | None = None  # emitter time of the newest tap a subscriber handled
     gone: bool = False
     forwarder: bool = False  # a forwarding daemon: its taps name their own emitters
     local_pid: int | None = None  # an emitter process on this host (from its hello)
@@ -617,6 +618,9 @@ class Router:
             when = tap.records[-1].time_ns if isinstance(tap, TapRun) else tap.header.get("time")
             if type(when) is int:
                 subscriber.last_handled_ns = when
+                emitter = last.emitter
+                if emitter.last_handled_ns is None or when > emitter.last_handled_ns:
+                    emitter.last_handled_ns = when
 
     def heartbeat(self, key: PeerKey, now: float) -> None:
         subscriber = self.subscribers.get(key)
@@ -969,6 +973,7 @@ def _emitter_stats(e: Emitter) -> dict[str, Any]:
         "unrouted": e.unrouted,
         "pending": len(e.pending),
         "parked_bytes": e.parked_bytes,
+        "last_handled_time": None if e.last_handled_ns is None else e.last_handled_ns / 1e9,
     }
 
 

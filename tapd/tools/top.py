@@ -81,6 +81,7 @@ def frame(
         f"handler errors {counters.get('handler_errors', 0):,}",
         "",
     ]
+    now = stats.get("time") or time.time()  # the daemon's clock, when it answered
     rings = {ring.get("writer_pid"): ring for ring in stats.get("rings", [])}
     old_emitters = {e["name"]: e for e in old.get("emitters", [])}
     rows = []
@@ -97,16 +98,16 @@ def frame(
             dropped += ring.get("dropped", 0)
         rows.append((taps, e["name"], dropped, [
             e["name"], _num(taps), f"{mb:.1f}", fill, f"{e['pending']:,}", f"{e['taps']:,}",
-            f"{dropped:,}", f"{e['unrouted']:,}",
+            f"{dropped:,}", f"{e['unrouted']:,}", _lag(now, e.get("last_handled_time")),
         ]))  # fmt: skip
-    header = ["name", "taps/s", "MB/s", "ring fill", "pending", "taps", "dropped", "unrouted"]
+    header = ["name", "taps/s", "MB/s", "ring fill", "pending", "taps", "dropped", "unrouted",
+              "lag"]  # fmt: skip
     if rows:
         lines += ["EMITTERS", *_table(header, _sorted(rows, sort), width)]
     else:
         lines.append("EMITTERS: none")
     lines.append("")
     queue_bytes = stats.get("queue_bytes") or 0
-    now = stats.get("time") or time.time()  # the daemon's clock, when it answered
     old_subscribers = {s["name"]: s for s in old.get("subscribers", [])}
     rows = []
     for s in stats.get("subscribers", []):
