@@ -49,6 +49,15 @@ def _endpoint_arg(parser: argparse.ArgumentParser, *, several: bool = False) -> 
     )
 
 
+def _group_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--group",
+        metavar="NAME",
+        help="join the worker pool NAME: its members (here or on other hosts) with the same "
+        "consumers share the taps, each tap going to one of them",
+    )
+
+
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}  # by command, filled by build_parser
 
 
@@ -210,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subscribe.add_argument("module", metavar="MODULE")
     _endpoint_arg(subscribe, several=True)
+    _group_arg(subscribe)
 
     tail = commands.add_parser(
         "tail",
@@ -217,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tail.add_argument("names", metavar="NAME", nargs="+")
     _endpoint_arg(tail, several=True)
+    _group_arg(tail)
 
     record = commands.add_parser(
         "record",
@@ -278,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start each tag with the emitting process (p0/loss): for multi-process jobs",
     )
     _endpoint_arg(tensorboard, several=True)
+    _group_arg(tensorboard)
 
     keygen = commands.add_parser(
         "keygen", help="write a CurveZMQ key pair: NAME.key (public), NAME.key_secret"
@@ -577,7 +589,7 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
     from tapd_client.tap_functions import serve_module
 
     try:
-        subscriber = serve_module(args.module, Subscriber(args.endpoint))
+        subscriber = serve_module(args.module, Subscriber(args.endpoint, group=args.group))
     except ImportError as exc:
         logger.error("cannot import tap function module %r: %s", args.module, exc)
         return ExitCode.FAILURE
@@ -587,7 +599,7 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
 def cmd_tail(args: argparse.Namespace) -> int:
     from tapd_client import Subscriber, TapMeta
 
-    subscriber = Subscriber(args.endpoint)
+    subscriber = Subscriber(args.endpoint, group=args.group)
 
     def show(arg: Any, meta: TapMeta) -> None:
         step = "" if meta.step is None else f" step={meta.step}"
@@ -693,7 +705,7 @@ def cmd_sink(args: argparse.Namespace) -> int:
     except ImportError as exc:
         logger.error("%s", exc)
         return ExitCode.FAILURE
-    subscriber = Subscriber(args.endpoint)
+    subscriber = Subscriber(args.endpoint, group=args.group)
     for name in args.names:
         subscriber.add_handler(name, handler)
     try:
