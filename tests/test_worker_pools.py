@@ -216,13 +216,16 @@ def test_other_consumers_make_another_group_and_bad_names_are_refused(
     start_daemon: Callable[..., Daemon], raw_peer: Callable[[str], zmq.Socket[bytes]]
 ) -> None:
     daemon = start_daemon()
-    for consumers in (["loss"], ["loss", "grads"]):
+    for consumers in (["loss"], ["loss", "grads"], ["grads", "loss"]):
         sock = raw_peer(daemon.endpoint)
         sock.send_multipart(encode("hello", {"role": "subscriber", "consumers": consumers,
                                              "window": 4, "group": "writers"}))  # fmt: skip
         assert decode(sock.recv_multipart()).kind == "welcome"
     groups = daemon.stats()["groups"]
-    assert sorted(g["consumers"] for g in groups) == [["loss"], ["loss", "grads"]]
+    assert sorted((g["consumers"], len(g["members"])) for g in groups) == [
+        (["grads", "loss"], 2),  # the same set in another order: the same group
+        (["loss"], 1),
+    ]
 
     for group, reason in (("", "bad_field"), ("w" * 257, "too_large"), (7, "bad_field")):
         sock = raw_peer(daemon.endpoint)
@@ -232,3 +235,20 @@ def test_other_consumers_make_another_group_and_bad_names_are_refused(
         wait_until(lambda r=reason, b=before: daemon.counters().get(f"rejected_{r}", 0) > b,
                    f"the group name {group!r:.20} refused as {reason}")  # fmt: skip
     assert len(daemon.stats()["groups"]) == 2
+
+
+def test_a_group_spools_under_the_spool_policy_and_loses_nothing(
+    start_daemon: Callable[..., Daemon], start_member: Callable[..., Member], tmp_path: Path
+) -> None:
+    daemon = start_daemon("--policy", "spool", "--spool-dir", str(tmp_path / "spool"),
+                          "--queue-bytes", "400")  # fmt: skip
+    members = [start_member(daemon, "loss", sleep_ms=3) for _ in range(2)]
+
+    result = run_emitter(daemon.endpoint, "steps", "200")
+    assert result["stats"]["delivered"] == 200
+    assert sorted(members[0].seqs() + members[1].seqs()) == list(range(200))
+    counters = daemon.counters()
+    assert counters["taps_spooled"] > 0, counters  # the group's queue was full: it spooled
+    assert counters["taps_unspooled"] == counters["taps_spooled"]
+    group = group_stats(daemon)
+    assert (group["spooled"], group["spool_bytes"], group["queued"]) == (0, 0, 0)

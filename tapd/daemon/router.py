@@ -526,6 +526,8 @@ class Router:
                                      and 0 < len(owner) <= DEFAULT_LIMITS.max_id):  # fmt: skip
             owner, fallback = None, []
         patterns = tuple(c for c in consumers if c not in fallback)
+        if group is not None:  # (a group's key: in whatever order its members list them)
+            patterns = tuple(sorted(set(patterns)))
         known = self.subscribers.get(key)
         if header.get("update") is True:  # more consumers, same session: nothing in flight lost
             if known is None:  # e.g. this daemon restarted: a full hello, please
