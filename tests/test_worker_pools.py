@@ -252,3 +252,24 @@ def test_a_group_spools_under_the_spool_policy_and_loses_nothing(
     assert counters["taps_unspooled"] == counters["taps_spooled"]
     group = group_stats(daemon)
     assert (group["spooled"], group["spool_bytes"], group["queued"]) == (0, 0, 0)
+
+
+def test_tapd_tail_group_members_share_the_taps(start_daemon: Callable[..., Daemon]) -> None:
+    daemon = start_daemon()
+    tails = [
+        subprocess.Popen([sys.executable, "-m", "tapd", "tail", "--endpoint", daemon.endpoint,
+                          "--group", "watchers", "loss"], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    try:
+        wait_until(lambda: [len(g["members"]) for g in daemon.stats()["groups"]] == [2],
+                   "both tails to join the group")  # fmt: skip
+        run_emitter(daemon.endpoint, "steps", "20")
+    finally:
+        outputs = []
+        for tail in tails:
+            tail.send_signal(signal.SIGINT)
+            outputs.append(tail.communicate(timeout=PROCESS_TIMEOUT)[0])
+    seqs = [int(line.split("#")[1].split()[0].rstrip("]")) for out in outputs
+            for line in out.splitlines() if line.startswith("[")]  # fmt: skip
+    assert sorted(seqs) == list(range(20)), outputs
