@@ -104,6 +104,7 @@ class Processes:
         tally: bool = False,
         window: int | None = None,
         endpoints: Sequence[str] = (),
+        batch: bool = False,
     ) -> Sink:
         """Start a subscriber for `consumer` following this daemon, or every daemon in
         `endpoints`; return once each of them lists it."""
@@ -115,6 +116,7 @@ class Processes:
             "--consumer", consumer, "--result", str(result),
             "--sleep-ms", str(sleep_ms), *(["--window", str(window)] if window else []),
             *(["--latency"] if latency else []), *(["--tally"] if tally else []),
+            *(["--batch"] if batch else []),
         ]  # fmt: skip
         process = subprocess.Popen(argv)
         self._started.append(process)

@@ -17,7 +17,8 @@ within this one run rather than absolute numbers across runs.
    `jax.effects_barrier()` returns; tapd's `barrier_wait()` is timed separately.
 2. Throughput JAX -> subscriber handler for 64 B, 64 KiB and 1 MiB float32 payloads,
    from the first tap to `barrier_wait()` returning, beside raw pyzmq PUSH/PULL over
-   ipc and a multiprocessing.Queue pipeline moving the same arrays (baselines.py).
+   ipc and a multiprocessing.Queue pipeline moving the same arrays (baselines.py);
+   then 64 B taps handled by a per-tap handler beside a batch handler (TapBatch).
 3. Delivery latency at a steady, modest tap rate: the handler's `time.time()` minus
    `meta.time` (when the tap ran in the emitter).
 4. Per-tap cost and isolation on each emitter backend (overhead_probe.py, one process
@@ -83,6 +84,7 @@ class Plan:
     idle_seconds: float  # watching the daemon's CPU use with no taps
     multihost_repeats: int
     multihost: dict[int, int]  # multi-host: bytes per device-tap -> steps (taps per device)
+    handler_taps: int  # per-tap vs batch handler: 64 B taps per repeat
 
 
 FULL = Plan(
@@ -97,6 +99,7 @@ FULL = Plan(
     idle_seconds=5.0,
     multihost_repeats=7,
     multihost={64: 3000, 1024 * 1024: 200},
+    handler_taps=100_000,
 )
 QUICK = Plan(
     step_repeats=3,
@@ -110,6 +113,7 @@ QUICK = Plan(
     idle_seconds=2.0,
     multihost_repeats=3,
     multihost={64: 500, 1024 * 1024: 40},
+    handler_taps=10_000,
 )
 
 
@@ -352,6 +356,45 @@ def throughput_table(cases: list[ThroughputCase]) -> str:
     return table(header, rows)
 
 
+HANDLERS = {"per-tap handler": False, "batch handler": True}  # label -> batch
+
+
+def measure_handlers(procs: Processes, plan: Plan) -> dict[str, list[float]]:
+    """Measurement 2b: seconds per repeat to handle `plan.handler_taps` 64 B taps, by a
+    per-tap handler and by a batch handler (each its own consumer and sink process),
+    alternating within each repeat."""
+    consumers = {label: f"bench.handlers.{'batch' if batch else 'per_tap'}"
+                 for label, batch in HANDLERS.items()}  # fmt: skip
+    sinks = {label: procs.start_sink(consumers[label], batch=batch)
+             for label, batch in HANDLERS.items()}  # fmt: skip
+    loops = {label: payload_loop(consumers[label]) for label in HANDLERS}
+    x = jnp.arange(16, dtype=jnp.float32)
+    for loop in loops.values():
+        time_tapd_throughput(loop, x, 2)
+    seconds: dict[str, list[float]] = {label: [] for label in HANDLERS}
+    for repeat in range(plan.repeats):
+        order = list(HANDLERS) if repeat % 2 == 0 else list(reversed(HANDLERS))
+        for label in order:
+            seconds[label].append(time_tapd_throughput(loops[label], x, plan.handler_taps))
+    for label, sink in sinks.items():
+        procs.stop(sink.process)
+        expected = plan.repeats * plan.handler_taps + 2
+        if (handled := sink.results()["processed"]) != expected:
+            print(f"warning: {label}: the sink handled {handled} taps, not {expected}")
+    return seconds
+
+
+def handlers_table(seconds: dict[str, list[float]], taps: int) -> str:
+    reference = median(seconds["per-tap handler"])
+    rows = [
+        [label, str(taps), number(taps / median(s), 0), number(taps * 64 / median(s) / 1e6, 1),
+         f"{reference / median(s):.2f}"]
+        for label, s in seconds.items()
+    ]  # fmt: skip
+    header = ["handler", "taps", "taps/s", "MB/s", "÷ per-tap handler"]
+    return table(header, rows)
+
+
 # ---- 3. latency -----------------------------------------------------------------------
 
 
@@ -457,6 +500,12 @@ def describe_method(plan: Plan) -> str:
         "- Processes: this one (JAX emitter), one tapd daemon, one subscriber process per "
         "consumer name, all on the same machine and cores: the daemon and subscriber "
         "compete with the tapped loop for CPU, which is part of what (b) and (c) measure.",
+        f"- Handlers: {plan.handler_taps} taps of 64 B (16 float32) from the same jitted "
+        "fori_loop per repeat, to a subscriber process whose handler only counts: per tap "
+        "(`handler(value, meta)`), or per batch (`@sub.on(name, batch=True)`: a TapBatch "
+        "per site per message, stacked leaves and meta columns). The two alternate within "
+        "each repeat, their order flipped every repeat; timed from dispatch to "
+        "`barrier_wait()` returning.",
         multihost.method(plan.multihost, plan.multihost_repeats),
     ])  # fmt: skip
 
@@ -494,6 +543,7 @@ def run(
         steps, headline = step_table(measure_step_time(procs, plan))
         print("2. throughput", flush=True)
         throughput = throughput_table(measure_throughput(procs, plan))
+        handlers = handlers_table(measure_handlers(procs, plan), plan.handler_taps)
         print("3. latency", flush=True)
         latency = latency_table(measure_latency(procs, plan))
         idle = idle_daemon_cpu(procs, plan.idle_seconds)
@@ -520,7 +570,7 @@ def run(
     ]
     sections = [
         ("1. Step time", table_with_notes(steps, headline)),
-        ("2. Throughput, JAX -> subscriber handler", throughput),
+        ("2. Throughput, JAX -> subscriber handler", throughput + "\n\n" + handlers),
         ("3. Delivery latency", latency + "\n\n- " + idle),
         ("4. Per-tap cost on the JAX loop and isolation, both backends", backends),
         (

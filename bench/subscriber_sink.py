@@ -1,7 +1,7 @@
 """A tapd subscriber process for the benchmark: one consumer, a minimal handler.
 
     python bench/subscriber_sink.py --endpoint ipc://... [--endpoint ...] --consumer NAME
-        --result PATH [--sleep-ms MS] [--latency] [--tally] [--window N]
+        --result PATH [--sleep-ms MS] [--latency] [--tally] [--window N] [--batch]
 
 It follows every daemon given (one per host of a multi-host job). The handler counts
 taps, optionally sleeps `--sleep-ms` (a slow tap function), with `--latency` records
@@ -9,7 +9,8 @@ taps, optionally sleeps `--sleep-ms` (a slow tap function), with `--latency` rec
 moment the handler runs here, and with `--tally` adds up taps and array bytes per
 (consumer, emitting process). On SIGTERM it stops, closes, and writes
 `{"processed": n, "latencies_s": [...], "tally": {consumer: {process: [taps, bytes]}}}`
-to `--result`.
+to `--result`. With `--batch` the handler is a batch handler (TapBatch per site and
+message) doing the same per batch, from its columns.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import signal
 import time
 from typing import Any
 
-from tapd_client import Subscriber, TapMeta
+from tapd_client import Subscriber, TapBatch, TapMeta
 
 
 def parse_args() -> argparse.Namespace:
@@ -32,6 +33,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--latency", action="store_true")
     parser.add_argument("--tally", action="store_true")
     parser.add_argument("--window", type=int, help="taps in flight (default: the library's)")
+    parser.add_argument("--batch", action="store_true", help="a batch handler (TapBatch)")
     return parser.parse_args()
 
 
@@ -43,7 +45,16 @@ def main() -> None:
     tally: dict[tuple[str, int], list[int]] = {}
     sleep_s = args.sleep_ms / 1000
 
-    @subscriber.on(args.consumer)
+    def handle_batch(batch: TapBatch) -> None:
+        if args.latency:
+            latencies.extend((time.time() - batch.time).tolist())
+        if args.tally:
+            counts = tally.setdefault((batch.consumer, batch.meta.process), [0, 0])
+            counts[0] += len(batch)
+            counts[1] += sum(leaf.nbytes for leaf in batch.leaves)
+        if sleep_s:
+            time.sleep(sleep_s * len(batch))
+
     def handle(arg: Any, meta: TapMeta) -> None:
         if args.latency:
             latencies.append(time.time() - meta.time)
@@ -54,6 +65,10 @@ def main() -> None:
         if sleep_s:
             time.sleep(sleep_s)
 
+    if args.batch:
+        subscriber.add_handler(args.consumer, handle_batch, batch=True)
+    else:
+        subscriber.add_handler(args.consumer, handle)
     signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
     with subscriber:
         subscriber.run()

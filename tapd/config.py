@@ -57,6 +57,9 @@ class Config:
     max_message_bytes: int = 2**30
     pidfile: Path | None = None
     log_level: str = "info"
+    # Serve Prometheus metrics over HTTP at HOST:PORT (":PORT": every interface, as
+    # exporters do; port 0: any free one, logged and shown by `tapd status`).
+    metrics: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in DAEMON_POLICIES:
@@ -91,6 +94,8 @@ class Config:
                 )
         if self.forward is not None:
             self._check_forward(self.forward)
+        if self.metrics is not None:
+            metrics_address(self.metrics)
 
     def _check_forward(self, forward: str) -> None:
         if forward.startswith("ipc://"):
@@ -125,6 +130,20 @@ class Config:
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _TCP_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[^:/\[\]\s]+):(?P<port>[0-9]+)")
+
+
+_HOST_PORT = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^:/\[\]\s]*):(?P<port>[0-9]+)")
+
+
+def metrics_address(text: str) -> tuple[str, int]:
+    """`--metrics HOST:PORT` as (host, port); an empty host is every interface."""
+    match = _HOST_PORT.fullmatch(text)
+    if match is None or not 0 <= int(match["port"]) < 65536:
+        raise ConfigError(
+            f"--metrics {text!r} is not HOST:PORT (e.g. 127.0.0.1:9100, or :9100 for every "
+            "interface; port 0 picks a free one)"
+        )
+    return match["host"].strip("[]") or "0.0.0.0", int(match["port"])
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}

@@ -203,6 +203,7 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
         endpoint: str | None = None,
         env: dict[str, str] | None = None,
         assemble: bool = False,
+        batch: bool = False,
     ) -> SubscriberProcess:
         """A subscriber of `daemon` (at `endpoint`, default its local one), connected;
         with `assemble`, its handlers are Assemblers recording one line per step."""
@@ -222,6 +223,7 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
             "--window",
             str(window),
             *(["--assemble"] if assemble else []),
+            *(["--batch"] if batch else []),
             *consumers,
         ]
         process = subprocess.Popen(argv, env={**os.environ, **(env or {})})

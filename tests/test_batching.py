@@ -18,7 +18,7 @@ from conftest import Daemon, native_unavailable, run_emitter
 from tapd.daemon.router import Router
 from tapd.daemon.runs import Site, TapRun
 from tapd.native.ring import Record
-from tapd.protocol import Message, decode, encode
+from tapd.protocol import decode, encode
 from tapd.protocol.batch import BatchTap, encode_batch
 from tapd.protocol.wire import DEFAULT_LIMITS
 from tapd_client import Subscriber
@@ -218,10 +218,9 @@ def test_a_batch_static_the_metadata_parser_chokes_on_is_a_handler_error_not_a_c
     # must not crash on one that passes the schema and chokes its metadata parser)
     fields = {**TAP_FIELDS, "transforms": []}
     header = decode(encode("tap", fields, [np.zeros(2, np.float32)])).header
-    good = decode(encode_batch([BatchTap(header, [bytes(8)], 0, "h:1")]))
-    [tap] = good.batch
-    odd = Message({**tap.header, "transforms": [1]}, tap.frames, site=tap.site)
-    batch = Message(good.header, good.frames, [odd])
+    batch = decode(encode_batch([BatchTap(header, [bytes(8)], 0, "h:1")]))
+    [run] = batch.runs
+    run.static.fields["transforms"] = [1]
     link = _DaemonLink("ipc:///nonexistent/never-connected.sock", None)  # type: ignore[arg-type]
     subscriber._handle(link, batch)
     assert (handled, subscriber.failed, link.last_tid) == ([], 1, 0)

@@ -32,9 +32,11 @@ def test_exported_members() -> None:
     ])  # fmt: skip
     assert sorted(tapd_client.__all__) == [
         "Assembler",
+        "BatchHandler",
         "Handler",
         "ShardInfo",
         "Subscriber",
+        "TapBatch",
         "TapMeta",
     ]
     for module in (tapd, tapd_client):

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -49,6 +50,18 @@ def test_once_shows_emitters_and_consumers(flowing: tuple[Daemon, subprocess.Pop
     assert row[0] == "loss" and float(row[2]) > 5, out
     handled = int(row[7].replace(",", ""))
     assert 5 <= handled <= daemon.stats()["subscribers"][0]["delivered"]
+    # lag: the daemon's now minus meta.time of the last tap handled; a tap every 20 ms
+    assert consumers[0].split()[-1] == "lag" and re.fullmatch(r"\d+\.\ds", row[10]), out
+    assert 0 <= float(row[10][:-1]) < 10, out
+
+    # Once the taps stop, the lag grows: the last tap handled was tapped before `stopped`,
+    # and top's second sample comes at least --interval (0.5 s) after it.
+    stop_process(emitter)
+    stopped = time.time()
+    result = tapd_cmd("top", "--once", "--interval", "0.5", "--endpoint", daemon.endpoint)
+    row = result.stdout.split("CONSUMERS (one row per subscriber)\n")[1].splitlines()[1].split()
+    lag = float(row[10][:-1])
+    assert 0.45 <= lag <= time.time() - stopped + 10, result.stdout  # (0.45: .1f rounding)
 
 
 def test_unreachable_daemon(tmp_path: os.PathLike[str]) -> None:
@@ -75,6 +88,7 @@ def test_live_in_a_terminal(flowing: tuple[Daemon, subprocess.Popen[str]]) -> No
             "a frame with the consumer's rate",
         )  # fmt: skip
         assert "sort: rate (s)" in screen
+        assert re.search(r"^loss\s.*\s\d+\.\ds$", screen, re.M), screen  # the lag column
         tmux("send-keys", "-t", "top", "s")
         wait_until(lambda: "sort: name (s)" in tmux("capture-pane", "-p", "-t", "top"),
                    "the sort key to take")  # fmt: skip

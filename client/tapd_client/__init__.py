@@ -14,7 +14,8 @@ Importing this package does not import JAX.
 """
 
 from tapd_client.assemble import Assembler
+from tapd_client.batch import TapBatch
 from tapd_client.meta import ShardInfo, TapMeta
-from tapd_client.subscriber import Handler, Subscriber
+from tapd_client.subscriber import BatchHandler, Handler, Subscriber
 
-__all__ = ["Assembler", "Handler", "ShardInfo", "Subscriber", "TapMeta"]
+__all__ = ["Assembler", "BatchHandler", "Handler", "ShardInfo", "Subscriber", "TapBatch", "TapMeta"]

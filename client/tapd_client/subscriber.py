@@ -7,6 +7,13 @@ the text of any handler exception so that the emitter's `barrier_wait()` raises 
 A subscriber given several endpoints (one daemon per host of a multi-host job) keeps
 one connection, with its own delivery ids and acks, per daemon.
 
+A *batch* handler (`on(name, batch=True)`, or a handler object whose class says
+`takes_batch = True`) is called once per site per received message, with a `TapBatch`
+of that site's taps in it: the leaves stacked, the meta as columns, in seq order. It
+runs where the site's first tap is in the message, so its taps may be handled before
+other consumers' taps that arrived between them. It costs far less per tap than a
+per-tap handler (bench/RESULTS.md, section 2), so sinks and recorders use it.
+
 A *fallback* handler (`add_handler(..., fallback=True)`, with `fallback_for` naming an
 emitter "host:pid") gets that emitter's taps of its consumer only while no other
 subscriber takes them: how a JAX process runs its own id_tap functions when no
@@ -23,20 +30,23 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import zmq
 
 from tapd.errors import ProtocolError, TapdError
 from tapd.protocol import Message, decode, encode
+from tapd.protocol.batch import SiteRun
 from tapd.runtime import default_endpoint
 from tapd.security import ClientKeys, secure_client
+from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap
 from tapd_client.meta import MetaTemplate, TapMeta
 
 logger = logging.getLogger("tapd.subscriber")
 
 Handler = Callable[[Any, TapMeta], object]
+BatchHandler = Callable[[TapBatch], object]
 
 
 # After a hello, rehellos are not answered for this long: they are the daemon's answers
@@ -191,7 +201,8 @@ class Subscriber:
         self.window = window
         self.heartbeat = heartbeat
         self.curve = curve
-        self._handlers: dict[str, Handler] = {}
+        self._handlers: dict[str, Handler | BatchHandler] = {}
+        self._batch: set[str] = set()  # consumers whose handlers take TapBatches
         self.fallback_for = fallback_for  # the emitter whose unwanted taps fallbacks take
         self.group = group
         self._fallback: set[str] = set()  # consumers whose handlers are fallbacks
@@ -203,42 +214,61 @@ class Subscriber:
 
     # ---- registration -----------------------------------------------------------
 
-    def on(self, consumer: str) -> Callable[[Handler], Handler]:
+    def on(self, consumer: str, *, batch: bool = False) -> Callable[[Any], Any]:
         """Decorator: run the function for taps named `consumer`. A name ending in `*`
-        matches by prefix (`"mymodule:*"`)."""
+        matches by prefix (`"mymodule:*"`). With `batch`, the function gets a `TapBatch`
+        per run of taps of one site instead of `(value, meta)` per tap."""
 
-        def register(handler: Handler) -> Handler:
-            self.add_handler(consumer, handler)
+        def register(handler: Any) -> Any:
+            self.add_handler(consumer, handler, batch=batch)
             return handler
 
         return register
 
-    def add_handler(self, consumer: str, handler: Handler, *, fallback: bool = False) -> None:
+    def add_handler(
+        self,
+        consumer: str,
+        handler: Handler | BatchHandler,
+        *,
+        fallback: bool = False,
+        batch: bool | None = None,
+    ) -> None:
         """Run `handler` for taps named `consumer`. With `fallback`, only for taps of the
-        emitter `fallback_for` that no other subscriber takes."""
+        emitter `fallback_for` that no other subscriber takes. `batch`: it takes a
+        `TapBatch` (default: what the handler's `takes_batch` attribute says)."""
         if self._links:
             raise RuntimeError("add handlers before connecting (or use subscribe())")
-        self._add(consumer, handler, fallback)
+        self._add(consumer, handler, fallback, batch)
 
-    def _add(self, consumer: str, handler: Handler, fallback: bool) -> None:
+    def _add(
+        self, consumer: str, handler: Handler | BatchHandler, fallback: bool, batch: bool | None
+    ) -> None:
         if consumer in self._handlers:
             raise ValueError(f"consumer {consumer!r} already has a handler")
         if fallback and self.fallback_for is None:
             raise ValueError("a fallback handler needs Subscriber(fallback_for=...)")
         self._handlers[consumer] = handler
+        if getattr(handler, "takes_batch", False) if batch is None else batch:
+            self._batch.add(consumer)
         if fallback:
             self._fallback.add(consumer)
 
     def subscribe(
-        self, consumer: str, handler: Handler, *, fallback: bool = False, timeout: float = 10.0
+        self,
+        consumer: str,
+        handler: Handler | BatchHandler,
+        *,
+        fallback: bool = False,
+        batch: bool | None = None,
+        timeout: float = 10.0,
     ) -> None:
         """Add a handler to a connected subscriber: every daemon is told the new set of
         consumers (taps in flight stay in flight) and confirms before this returns.
         Call it from the thread that runs the subscriber, between `run()` calls."""
         if not self._links:
-            self.add_handler(consumer, handler, fallback=fallback)
+            self.add_handler(consumer, handler, fallback=fallback, batch=batch)
             return
-        self._add(consumer, handler, fallback)
+        self._add(consumer, handler, fallback, batch)
         for link in self._links:
             link.welcomed = False
             link.hello_due = {**self._hello_fields(), "update": True}  # (sent when it can be)
@@ -362,20 +392,33 @@ class Subscriber:
         if kind == "tap":
             self._run_handler(link, message)
         elif kind == "taps":  # small taps, several per message
-            templates: dict[int, MetaTemplate] = {}  # by static entry, for this batch
-            for tap in message.batch:
-                template = templates.get(id(tap.site))
-                if template is None:
-                    try:
-                        template = templates[id(tap.site)] = MetaTemplate(tap.header)
-                    except Exception:  # odd metadata: from_header reports it per tap
-                        template = None
-                self._run_handler(link, tap, template)
+            self._handle_taps(link, message.runs)
         elif kind == "welcome":
             link.welcomed = True
         elif kind == "rehello" and link.rehello_wanted():  # a daemon that does not know us
             logger.warning("daemon at %s asked us to subscribe again", link.endpoint)
             link.hello(self._hello_fields())
+
+    def _handle_taps(self, link: _DaemonLink, runs: Sequence[SiteRun]) -> None:
+        """A `taps` message's taps, in order; a batch handler gets all the taps of one
+        site in the message as one batch, where the site's first tap is."""
+        templates: dict[int, MetaTemplate | None] = {}  # by static entry, for this message
+        batched: set[int] = set()  # static entries whose batch has run
+        for i, run in enumerate(runs):
+            key = id(run.static)
+            if key not in templates:
+                try:
+                    templates[key] = MetaTemplate(run.header(0))
+                except Exception:  # odd metadata: reported per tap, or per batch
+                    templates[key] = None
+            pattern = self._pattern_for(run.fields["consumer"])
+            if pattern not in self._batch:
+                for tap in range(len(run)):
+                    self._run_handler(link, run.message(tap), templates[key])
+            elif key not in batched:
+                batched.add(key)
+                same_site = [r for r in runs[i:] if r.static is run.static]
+                self._run_batch(link, same_site, pattern, templates[key])
 
     def _run_handler(
         self, link: _DaemonLink, message: Message, template: MetaTemplate | None = None
@@ -386,9 +429,13 @@ class Subscriber:
             logger.error("tap from the daemon at %s without a delivery id; ignored",
                          link.endpoint)  # fmt: skip
             return
-        link.last_tid = tid
+        link.last_tid = max(link.last_tid, tid)  # (a batch may have handled later ones)
         consumer = header["consumer"]
-        handler = self._handler_for(consumer)
+        pattern = self._pattern_for(consumer)
+        if pattern in self._batch:
+            self._run_batch(link, message, pattern, template)
+            return
+        handler = None if pattern is None else cast(Handler, self._handlers[pattern])
         try:
             if handler is None:
                 raise TapdError(f"no handler here for consumer {consumer!r}")
@@ -405,10 +452,43 @@ class Subscriber:
                          header["seq"], traceback.format_exc())  # fmt: skip
             link.errors.append({"tid": tid, "error": f"{name} raised {exc!r}"[:_ERROR_CHARS]})
 
-    def _handler_for(self, consumer: str) -> Handler | None:
+    def _run_batch(
+        self,
+        link: _DaemonLink,
+        taps: Sequence[SiteRun] | Message,
+        pattern: str,
+        template: MetaTemplate | None,
+    ) -> None:
+        """Run a batch handler on runs of one static entry (or on one `tap` message)."""
+        if isinstance(taps, Message):
+            tids = [taps.header["tid"]]
+            header = taps.header
+        else:
+            tids = [row[1] for run in taps for row in run.rows]
+            header = taps[0].header(0)
+        link.last_tid = max(link.last_tid, *tids)
+        handler = cast(BatchHandler, self._handlers[pattern])
+        try:
+            if template is None:
+                template = MetaTemplate(header)  # (raises what made it None)
+            batch = (batch_of_tap(taps, template) if isinstance(taps, Message)
+                     else batch_of_runs(taps, template))  # fmt: skip
+            handler(batch)
+            self.processed += len(tids)
+        except Exception as exc:
+            self.failed += len(tids)
+            name = getattr(handler, "__qualname__", repr(handler))
+            logger.error("batch handler %s for %r (%d taps from seq %s) raised:\n%s", name,
+                         header["consumer"], len(tids), header["seq"],
+                         traceback.format_exc())  # fmt: skip
+            text = f"{name} raised {exc!r}"[:_ERROR_CHARS]
+            link.errors.extend({"tid": tid, "error": text} for tid in tids)
+
+    def _pattern_for(self, consumer: str) -> str | None:
+        """The registered name (exact, else a `prefix*` pattern) that takes `consumer`."""
         if consumer in self._handlers:
-            return self._handlers[consumer]
-        for pattern, handler in self._handlers.items():
+            return consumer
+        for pattern in self._handlers:
             if pattern.endswith("*") and consumer.startswith(pattern[:-1]):
-                return handler
+                return pattern
         return None

@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     start.add_argument("--max-message-bytes", type=int, help="largest tap accepted (1 GiB)")
     start.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics: the counters and "
+        "gauges of `tapd status --json`, per emitter and per subscriber (needs "
+        "pip install 'tapd[metrics]'). :PORT listens on every interface; port 0 picks a "
+        "free one, shown by `tapd status`",
+    )
+    start.add_argument(
         "--config",
         type=Path,
         help="TOML file ([daemon] table; "
@@ -352,6 +360,7 @@ def _daemon_config(args: argparse.Namespace) -> config_module.Config:
         "forward_server_key", "policy", "spool_dir", "spool_bytes", "spool_fallback",
         "queue_bytes", "emitter_window_bytes",
         "subscriber_timeout", "drain_timeout", "startup_grace", "max_message_bytes", "pidfile",
+        "metrics",
     )}  # fmt: skip
     flags["log_level"] = args.log_level
     return config_module.load(flags, args.config)

@@ -154,6 +154,8 @@ class Subscriber:
     delivered_bytes: int = 0  # (tapd top: MB/s per subscriber)
     dropped: int = 0
     errors: int = 0
+    # The emitter's `time` (ns) of the last tap it acknowledged: `tapd top`'s lag.
+    last_handled_ns: int | None = None
     deliver: Deliver | None = None  # set for in-process subscribers
     batch: bool = False  # takes `taps` messages (several small taps in one)
     # Patterns it wants only from emitter `fallback_for`, and only while no other
@@ -685,8 +687,9 @@ class Router:
             if subscriber.deliver is not None
             else ((), ())
         )
+        last: _Delivery | None = None
         while in_flight and in_flight[0].tid + in_flight[0].count <= upto + 1:
-            delivery = in_flight.popleft()
+            delivery = last = in_flight.popleft()
             owner.held_bytes -= delivery.nbytes
             subscriber.in_flight_taps -= delivery.count
             subscriber.in_flight_bytes -= delivery.nbytes
@@ -702,6 +705,11 @@ class Router:
                 dropped=sum(t in dropped for t in tids) if dropped else 0,
                 unrouted=sum(t in unrouted for t in tids) if unrouted else 0,
             )
+        if last is not None:  # once per ack, not per tap: the hot path stays O(1) here
+            tap = last.tap
+            when = tap.records[-1].time_ns if isinstance(tap, TapRun) else tap.header.get("time")
+            if type(when) is int:
+                subscriber.last_handled_ns = when
 
     def heartbeat(self, key: PeerKey, now: float) -> None:
         subscriber = self.subscribers.get(key)
@@ -1120,6 +1128,8 @@ def _subscriber_stats(s: Subscriber) -> dict[str, Any]:
         "errors": s.errors,
         "spooled": (s.spool.taps if s.spool else 0) + sum(d.count for d in s.behind),
         "spool_bytes": s.spool.bytes if s.spool else 0,
+        # seconds since the epoch, on the emitter's clock (None: nothing handled yet)
+        "last_handled_time": None if s.last_handled_ns is None else s.last_handled_ns / 1e9,
         "group": s.group_name,
     }
 
@@ -1127,6 +1137,7 @@ def _subscriber_stats(s: Subscriber) -> dict[str, Any]:
 def _group_stats(g: Subscriber) -> dict[str, Any]:
     """A worker pool: its queue and counts; taps in flight are its members'."""
     members = g.members or []
+    handled = [m.last_handled_ns for m in members if m.last_handled_ns is not None]
     return {
         **_subscriber_stats(g),
         "members": sorted(m.name for m in members),  # (their order here changes)
@@ -1135,6 +1146,7 @@ def _group_stats(g: Subscriber) -> dict[str, Any]:
         "delivered_bytes": g.delivered_bytes + sum(m.delivered_bytes for m in members),
         "errors": g.errors + sum(m.errors for m in members),
         "redelivered": g.redelivered,
+        "last_handled_time": max(handled) / 1e9 if handled else None,
     }
 
 
@@ -1148,4 +1160,6 @@ def summarize(stats: dict[str, Any]) -> Sequence[str]:
     lines += [f"ring {r['path']}: {r}" for r in stats.get("rings", [])]
     if forward := stats.get("forward"):
         lines.append(f"forward to {forward['endpoint']}: {forward}")
+    if metrics := stats.get("metrics"):
+        lines.append(f"Prometheus metrics at {metrics}")
     return lines

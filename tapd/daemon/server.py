@@ -26,6 +26,7 @@ import zmq
 from tapd import security
 from tapd.config import Config
 from tapd.daemon.forward import Forwarder
+from tapd.daemon.metrics import MetricsServer, Snapshots
 from tapd.daemon.rings import RingSet, pid_alive, sweep_stale_rings
 from tapd.daemon.router import Router
 from tapd.errors import ProtocolError
@@ -50,6 +51,7 @@ class Daemon:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
+        self._wake_lock = threading.Lock()  # a wake from a scrape thread vs. close()
         self.limits = Limits(max_message_bytes=config.max_message_bytes)
         self.router = Router(
             self._send,
@@ -68,6 +70,8 @@ class Daemon:
         self._lock_fds: list[int] = []
         self.rings = RingSet(ring_dir_for(config.endpoint))
         self.forwarder: Forwarder | None = None
+        self.metrics: MetricsServer | None = None  # --metrics
+        self.snapshots = Snapshots(self._wake_for_scrape)
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -125,6 +129,13 @@ class Daemon:
             except Exception:
                 self.close()
                 raise
+        if self.config.metrics:
+            try:
+                self.metrics = MetricsServer(self.config.metrics, self.snapshots)
+            except Exception:
+                self.close()
+                raise
+            logger.info("serving Prometheus metrics at %s", self.metrics.url)
         return self.endpoints
 
     def _secure(self, sock: zmq.Socket[Any]) -> None:
@@ -142,10 +153,31 @@ class Daemon:
     def request_stop(self) -> None:
         """Safe from signal handlers and other threads."""
         self._stop.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the loop's poll. No lock: a signal handler runs on the thread that
+        may hold it, in close()."""
         try:
             os.write(self._wake_write, b"\0")
-        except BlockingIOError:
+        except (BlockingIOError, OSError):  # a full pipe wakes it anyway; closed: gone
             pass
+
+    def _wake_for_scrape(self) -> None:
+        """`_wake` from an HTTP thread of --metrics, which may outlive close()."""
+        with self._wake_lock:
+            if self._wake_write >= 0:  # (once closed, its number may be another file's)
+                self._wake()
+
+    def stats(self) -> dict[str, Any]:
+        """What `tapd status --json` shows (on the loop's thread only)."""
+        stats = {**self.router.stats(), "rings": self.rings.stats(), "daemon": self.id,
+                 "pid": os.getpid()}  # fmt: skip
+        if self.forwarder is not None:
+            stats["forward"] = self.forwarder.stats()
+        if self.metrics is not None:
+            stats["metrics"] = self.metrics.url
+        return stats
 
     def serve(self, on_ready: Callable[[list[str]], None] | None = None) -> None:
         if not self._sockets:
@@ -222,6 +254,7 @@ class Daemon:
                 if forwarder is not None:
                     forwarder.flush(now)
                 self.router.flush_credit()
+                self.snapshots.answer(self.stats)  # scrapes of --metrics, if any wait
                 if self._stop.is_set():
                     if drain_deadline is None:
                         drain_deadline = now + self.config.drain_timeout
@@ -263,6 +296,10 @@ class Daemon:
         logger.info("tapd daemon stopped: %s", dict(self.router.counters))
 
     def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        self.snapshots.refuse()
         if self.forwarder is not None:
             self.forwarder.close()
             self.forwarder = None
@@ -283,11 +320,13 @@ class Daemon:
         self._lock_fds.clear()
         # Only now: until the sockets are gone, ZeroMQ may still be sending ring memory.
         self.rings.close()
-        for fd in (self._wake_read, self._wake_write):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._wake_lock:
+            for fd in (self._wake_read, self._wake_write):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._wake_read = self._wake_write = -1
 
     # ---- messages -------------------------------------------------------------------
 
@@ -376,11 +415,7 @@ class Daemon:
             if key not in self.rings.sources:  # a ring's lifetime is its writer's
                 router.emitter_bye(key)
         elif kind == "stats":
-            stats = {**router.stats(), "rings": self.rings.stats(), "daemon": self.id,
-                     "pid": os.getpid()}  # fmt: skip
-            if self.forwarder is not None:
-                stats["forward"] = self.forwarder.stats()
-            self._send(key, encode("stats_reply", {"stats": stats}))
+            self._send(key, encode("stats_reply", {"stats": self.stats()}))
         elif kind == "shutdown":
             if index == 0 and self.config.endpoint.startswith("ipc://"):
                 logger.info("shutdown requested over the local endpoint")

@@ -151,8 +151,8 @@ class _Static:
                         static["leaves"], limits)  # fmt: skip
             self.shard_sizes = list(shard["sizes"])
 
-    def tap_header(self, row: list[Any], number: int) -> dict[str, Any]:
-        """Tap `number`'s header: this static's fields and the row's (checked)."""
+    def check_row(self, row: list[Any], number: int) -> None:
+        """Check tap `number`'s per-tap fields (its row), as the wire requires."""
         _, tid, seq, step, device, time, coords, _, _ = row
         # (`type(x) is int`: quicker than isinstance, and refuses bools as the wire must)
         if not (
@@ -165,13 +165,11 @@ class _Static:
         ):
             raise ProtocolError("bad_field", f"batch tap {number}: bad tid/seq/step/device/"
                                 f"time {row[1:6]!r:.80}")  # fmt: skip
-        header = {**self.fields, "kind": "tap", "tid": tid, "seq": seq, "step": step,
-                  "device": device, "time": time}  # fmt: skip
         if self.shard_sizes is None:
             if coords is not None:
                 raise ProtocolError("bad_shard", f"batch tap {number}: coordinates for an "
                                     "unsharded tap")  # fmt: skip
-            return header
+            return
         if not (
             isinstance(coords, list)
             and len(coords) == len(self.shard_sizes)
@@ -179,13 +177,54 @@ class _Static:
         ):
             raise ProtocolError("bad_shard", f"batch tap {number}: coordinates {coords!r:.40} "
                                 f"do not fit axes of sizes {self.shard_sizes}")  # fmt: skip
-        header["shard"] = {**self.fields["shard"], "coords": coords}
+
+    def tap_header(self, row: list[Any]) -> dict[str, Any]:
+        """The full header of the tap a (checked) row describes."""
+        _, tid, seq, step, device, time, coords, _, _ = row
+        header = {**self.fields, "kind": "tap", "tid": tid, "seq": seq, "step": step,
+                  "device": device, "time": time}  # fmt: skip
+        if coords is not None:
+            header["shard"] = {**self.fields["shard"], "coords": coords}
         return header
 
 
-def split_batch(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> list[Message]:
-    """The taps of a decoded `taps` message, each a `tap` Message whose frames view a
-    body frame; raises ProtocolError on any inconsistency."""
+class SiteRun:
+    """Consecutive taps of a `taps` message that share one static entry and one body
+    frame, checked: what a batch handler gets as columns (tapd_client.TapBatch) and a
+    per-tap handler as one `tap` Message each."""
+
+    __slots__ = ("body", "rows", "static")
+
+    def __init__(self, static: _Static, body: memoryview, rows: list[list[Any]]) -> None:
+        self.static = static
+        self.body = body
+        self.rows = rows  # [static, tid, seq, step, device, time, coords, frame, offset]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The static fields every tap of the run shares (consumer, tree, leaves, ...)."""
+        return self.static.fields
+
+    @property
+    def layout(self) -> list[tuple[int, int]]:
+        """Each leaf's (start, size) in bytes, from a tap's offset in `body`."""
+        return self.static.layout
+
+    def header(self, i: int) -> dict[str, Any]:
+        return self.static.tap_header(self.rows[i])
+
+    def message(self, i: int) -> Message:
+        offset, body = self.rows[i][8], self.body
+        frames = [body[offset + start : offset + start + n] for start, n in self.static.layout]
+        return Message(self.header(i), frames, site=self.static)
+
+
+def read_runs(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> list[SiteRun]:
+    """The taps of a decoded `taps` message, checked, as runs of one static entry and
+    body frame each, in order; raises ProtocolError on any inconsistency."""
     if not payload:
         raise ProtocolError("bad_frames", "'taps' needs at least one body frame")
     rows, statics_given = header["taps"], header["statics"]
@@ -195,13 +234,14 @@ def split_batch(header: dict[str, Any], payload: list[memoryview], limits: Limit
     statics = [_Static(i, static, limits) for i, static in enumerate(statics_given)]
     used = [0] * len(payload)  # per body frame: where the last tap's leaves ended
     bodies = len(payload)
-    taps = []
+    runs: list[SiteRun] = []
+    run_key: tuple[int, int] | None = None
     for number, row in enumerate(rows):
         if not (type(row) is list and len(row) == ROW_LENGTH and type(row[0]) is int
                 and 0 <= row[0] < len(statics)):  # fmt: skip
             raise ProtocolError("bad_field", f"batch tap {number}: {row!r:.60} is not a row")
         static = statics[row[0]]
-        tap_header = static.tap_header(row, number)
+        static.check_row(row, number)
         frame, offset = row[7], row[8]
         if not (type(frame) is int and 0 <= frame < bodies and type(offset) is int):
             raise ProtocolError("bad_frames", f"batch tap {number}: body {frame!r:.20}, "
@@ -209,11 +249,19 @@ def split_batch(header: dict[str, Any], payload: list[memoryview], limits: Limit
         if offset < used[frame]:
             raise ProtocolError("bad_frames", f"batch tap {number}: offset {offset} overlaps "
                                 f"the tap before it in body {frame}")  # fmt: skip
-        body = payload[frame]
-        if offset + static.extent > len(body):
+        if offset + static.extent > len(payload[frame]):
             raise ProtocolError("bad_frames", f"batch tap {number}: leaves overrun the "
-                                f"{len(body)}-byte body {frame}")  # fmt: skip
-        frames = [body[offset + start : offset + start + n] for start, n in static.layout]
+                                f"{len(payload[frame])}-byte body {frame}")  # fmt: skip
         used[frame] = offset + static.extent
-        taps.append(Message(tap_header, frames, site=static))
-    return taps
+        if run_key == (row[0], frame):
+            runs[-1].rows.append(row)
+        else:
+            run_key = (row[0], frame)
+            runs.append(SiteRun(static, payload[frame], [row]))
+    return runs
+
+
+def split_batch(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> list[Message]:
+    """The taps of a decoded `taps` message, each a `tap` Message whose frames view a
+    body frame; raises ProtocolError on any inconsistency."""
+    return [run.message(i) for run in read_runs(header, payload, limits) for i in range(len(run))]

@@ -8,9 +8,10 @@ limits) and raises `ProtocolError` with a short reason code on the first violati
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -20,6 +21,9 @@ from tapd.protocol import schema
 from tapd.protocol.dtypes import dtype_from_name, dtype_name
 from tapd.protocol.schema import KINDS_SCHEMA, check_header, required_types
 from tapd.protocol.tree import LEAF, count_leaves, unflatten
+
+if TYPE_CHECKING:
+    from tapd.protocol.batch import SiteRun
 
 VERSION = 1
 MAGIC = b"TAPD" + bytes([VERSION])
@@ -42,8 +46,13 @@ class Message:
 
     header: dict[str, Any]
     frames: Sequence[Frame] = ()
-    batch: Sequence[Message] = ()  # a `taps` message's taps, each a `tap` Message
+    runs: Sequence[SiteRun] = ()  # a `taps` message's taps, checked, by static entry
     site: Hashable | None = None  # equal for taps of one site: static fields equal too
+
+    @functools.cached_property
+    def batch(self) -> list[Message]:
+        """A `taps` message's taps, each a `tap` Message viewing a body frame."""
+        return [run.message(i) for run in self.runs for i in range(len(run))]
 
     @property
     def kind(self) -> str:
@@ -129,9 +138,9 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if kind == "tap":
         _check_tap(header, payload, limits)
     elif kind == "taps":
-        from tapd.protocol.batch import split_batch  # (batch.py builds on this module)
+        from tapd.protocol.batch import read_runs  # (batch.py builds on this module)
 
-        return Message(header, payload, split_batch(header, payload, limits))
+        return Message(header, payload, read_runs(header, payload, limits))
     elif payload:
         raise ProtocolError("bad_frames", f"{kind!r} message has {len(payload)} extra frames")
     return Message(header, payload)

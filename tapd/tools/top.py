@@ -5,7 +5,9 @@ over the time between them. Per emitter: taps/s and MB/s received, its ring's fi
 emitter's queue, on the native path), taps pending, dropped, unrouted. Per subscriber
 (one row per subscriber process, with the consumers it takes): taps/s and MB/s handled
 (acknowledged), its queue's fill (bytes held of the daemon's `--queue-bytes`), queued and
-in-flight taps, dropped, handler errors. The first line has the daemon's totals, taps
+in-flight taps, dropped, handler errors, and lag: how long ago (by the daemon's clock)
+the last tap it handled was tapped (its `meta.time`, by the emitter's clock; "-" until
+it has handled one). The first line has the daemon's totals, taps
 lost with subscribers that died among them.
 
 `frame()` is pure (stats in, lines out); `run()` draws with plain ANSI escapes, reads
@@ -104,6 +106,7 @@ def frame(
         lines.append("EMITTERS: none")
     lines.append("")
     queue_bytes = stats.get("queue_bytes") or 0
+    now = stats.get("time") or time.time()  # the daemon's clock, when it answered
     old_subscribers = {s["name"]: s for s in old.get("subscribers", [])}
     rows = []
     for s in stats.get("subscribers", []):
@@ -115,10 +118,10 @@ def frame(
         rows.append((taps, consumers, s["dropped"], [
             consumers[:40], s["name"], _num(taps), f"{mb:.1f}", fill, f"{s['queued']:,}",
             f"{s['in_flight']:,}", f"{s['delivered']:,}", f"{s['dropped']:,}",
-            f"{s['errors']:,}",
+            f"{s['errors']:,}", _lag(now, s.get("last_handled_time")),
         ]))  # fmt: skip
     header = ["consumers", "subscriber", "taps/s", "MB/s", "queue fill", "queued",
-              "in flight", "handled", "dropped", "errors"]  # fmt: skip
+              "in flight", "handled", "dropped", "errors", "lag"]  # fmt: skip
     if rows:
         lines += ["CONSUMERS (one row per subscriber)", *_table(header, _sorted(rows, sort), width)]
     else:
@@ -126,6 +129,12 @@ def frame(
     if forward := stats.get("forward"):
         lines += ["", f"forwarding to {forward.get('endpoint')}: held {forward.get('held', 0)}"]
     return lines
+
+
+def _lag(now: float, handled: float | None) -> str:
+    if handled is None:
+        return "-"
+    return f"{now - handled:.1f}s"  # (negative: the emitter's clock is ahead of ours)
 
 
 def _sorted(rows: list[tuple[float, str, int, list[str]]], sort: str) -> list[list[str]]:

@@ -92,6 +92,21 @@ def steps(count: str, barrier: str = "barrier") -> dict[str, Any]:
     return {"loop_s": loop, "barrier_s": waited, "stats": tapd.stats()}
 
 
+def loop_pytree(count: str) -> dict[str, Any]:
+    """A fori_loop of `count` steps tapping a pytree and a scalar each step, then a
+    barrier: many small taps of two sites, interleaved."""
+
+    def body(i: jax.Array, w: jax.Array) -> jax.Array:
+        w = w + 1.0
+        tapd.tap({"w": w, "i": i, "half": (w / 2).astype(jnp.bfloat16)}, "tree", step=i)
+        tapd.tap(jnp.sum(w), "loss", step=i, unit="nats")
+        return w
+
+    jax.jit(lambda: lax.fori_loop(0, int(count), body, jnp.zeros((2, 3))))().block_until_ready()
+    tapd.barrier_wait(timeout=60)
+    return {"stats": tapd.stats()}
+
+
 def raising() -> dict[str, Any]:
     jax.jit(lambda x: tapd.tap(x, "bad"))(1.0)
     jax.jit(lambda x: tapd.tap(x, "good"))(2.0)

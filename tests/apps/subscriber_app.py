@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tapd_client import Assembler, Subscriber, TapMeta
+from tapd_client import Assembler, Subscriber, TapBatch, TapMeta
 
 
 def main() -> None:
@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--raise-on", default="")
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--assemble", action="store_true", help="one record per global step")
+    parser.add_argument("--batch", action="store_true", help="batch handlers, records per tap")
     args = parser.parse_args()
 
     subscriber = Subscriber(args.endpoint, window=args.window, heartbeat=0.2)
@@ -58,6 +59,41 @@ def main() -> None:
             + "\n"
         )
 
+    def handle_batch(batch: TapBatch) -> None:
+        """The same records as `handle`, read from the batch's columns and stacked
+        leaves (the per-tap metas only for what has no column)."""
+        if args.sleep_ms:
+            time.sleep(args.sleep_ms / 1000)
+        if batch.consumer == args.raise_on:
+            raise ValueError(f"deliberate failure at seqs {batch.seq.tolist()}")
+        first = batch.meta
+        metas = batch.metas()
+        for i in range(len(batch)):
+            leaf = batch.value
+            value = (
+                {k: np.asarray(v[i]).tolist() for k, v in leaf.items()}
+                if isinstance(leaf, dict)
+                else np.asarray(leaf[i]).tolist()
+            )
+            shard = metas[i].shard
+            out.write(json.dumps({
+                "consumer": batch.consumer,
+                "seq": int(batch.seq[i]),
+                "step": None if batch.step[i] < 0 else int(batch.step[i]),
+                "device": None if batch.device[i] < 0 else int(batch.device[i]),
+                "process": int(batch.process[i]),
+                "emitter": first.emitter,
+                "transforms": [[n, p] for n, p in first.transforms],
+                "meta": first.meta,
+                "shard_index": None if batch.shard_index is None else int(batch.shard_index[i]),
+                "mesh_coords": shard.mesh_coords if shard else None,
+                "global_shapes": shard.global_shapes if shard else None,
+                "value": value,
+                "shape": list(np.shape(leaf[i])) if not isinstance(leaf, dict) else None,
+                "time_matches": abs(float(batch.time[i]) - metas[i].time) < 1e-6,
+                "batch_size": len(batch),
+            }) + "\n")  # fmt: skip
+
     def assembled(value: Any, metas: list[TapMeta]) -> None:
         out.write(json.dumps({
             "consumer": metas[0].consumer, "step": metas[0].step, "assembled": True,
@@ -72,6 +108,8 @@ def main() -> None:
     for consumer in args.consumers:
         if args.assemble:
             subscriber.add_handler(consumer, Assembler(assembled))
+        elif args.batch:
+            subscriber.add_handler(consumer, handle_batch, batch=True)
         else:
             subscriber.add_handler(consumer, handle)
     signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
