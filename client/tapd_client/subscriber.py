@@ -175,6 +175,8 @@ class Subscriber:
     before it waits for acks (default 256, or 4096 with a batch handler: bigger batches
     of small taps, fewer messages; the daemon bounds the bytes in flight too). `curve`:
     keys for tcp:// daemons (default: from TAPD_CURVE_SERVER_KEY and TAPD_CURVE_SECRET).
+    `group`: a worker pool's name; the subscribers of one group with the same consumers
+    share their taps, each tap going to one of them (docs/PROTOCOL.md, "Worker pools").
     """
 
     def __init__(
@@ -186,9 +188,12 @@ class Subscriber:
         heartbeat: float = 1.0,
         curve: ClientKeys | None = None,
         fallback_for: str | None = None,
+        group: str | None = None,
     ) -> None:
         if window is not None and window <= 0:
             raise ValueError(f"window must be positive, got {window}")
+        if group is not None and not 0 < len(group) <= 256:  # the protocol's name bound
+            raise ValueError(f"a group name has 1 to 256 characters, got {group!r:.300}")
         if isinstance(endpoint, str) or endpoint is None:
             endpoints = [endpoint or os.environ.get("TAPD_ENDPOINT") or default_endpoint()]
         else:
@@ -204,6 +209,7 @@ class Subscriber:
         self._handlers: dict[str, Handler | BatchHandler] = {}
         self._batch: set[str] = set()  # consumers whose handlers take TapBatches
         self.fallback_for = fallback_for  # the emitter whose unwanted taps fallbacks take
+        self.group = group
         self._fallback: set[str] = set()  # consumers whose handlers are fallbacks
         self._stop = threading.Event()
         self._context: zmq.Context[Any] = zmq.Context.instance()
@@ -379,6 +385,8 @@ class Subscriber:
                   "window": self.window, "name": self.name, "batch": True}  # fmt: skip
         if self._fallback:  # which of `consumers` are fallbacks, and for whom
             fields.update(fallback=sorted(self._fallback), fallback_for=self.fallback_for)
+        if self.group is not None:
+            fields["group"] = self.group
         return fields
 
     def _poller(self) -> zmq.Poller:

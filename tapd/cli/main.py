@@ -49,6 +49,15 @@ def _endpoint_arg(parser: argparse.ArgumentParser, *, several: bool = False) -> 
     )
 
 
+def _group_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--group",
+        metavar="NAME",
+        help="join the worker pool NAME: its members (here or on other hosts) with the same "
+        "consumers share the taps, each tap going to one of them",
+    )
+
+
 _SUBPARSERS: dict[str, argparse.ArgumentParser] = {}  # by command, filled by build_parser
 
 
@@ -233,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--sink mlflow:http://host:5000,experiment=exp1",
     )
     _endpoint_arg(subscribe, several=True)
+    _group_arg(subscribe)
 
     tail = commands.add_parser(
         "tail",
@@ -240,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tail.add_argument("names", metavar="NAME", nargs="+")
     _endpoint_arg(tail, several=True)
+    _group_arg(tail)
 
     record = commands.add_parser(
         "record",
@@ -327,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
             "step) and write the global value, instead of one tag per shard (name/shard0)",
         )
         _endpoint_arg(tool, several=True)
+        _group_arg(tool)
 
     keygen = commands.add_parser(
         "keygen", help="write a CurveZMQ key pair: NAME.key (public), NAME.key_secret"
@@ -630,7 +642,7 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
     if args.module is None and not args.sinks:
         logger.error("give a tap function MODULE, or a --sink, or both")
         return ExitCode.USAGE
-    subscriber = Subscriber(args.endpoint)
+    subscriber = Subscriber(args.endpoint, group=args.group)
     try:
         if args.module is not None:
             serve_module(args.module, subscriber)
@@ -670,7 +682,7 @@ def _sink_spec(text: str) -> tuple[str, str | None, dict[str, Any]]:
 def cmd_tail(args: argparse.Namespace) -> int:
     from tapd_client import Subscriber, TapMeta
 
-    subscriber = Subscriber(args.endpoint)
+    subscriber = Subscriber(args.endpoint, group=args.group)
 
     def show(arg: Any, meta: TapMeta) -> None:
         step = "" if meta.step is None else f" step={meta.step}"
@@ -779,7 +791,7 @@ def cmd_sink(args: argparse.Namespace) -> int:
     except (ImportError, ValueError) as exc:
         logger.error("%s", exc)
         return ExitCode.FAILURE
-    subscriber = Subscriber(args.endpoint)
+    subscriber = Subscriber(args.endpoint, group=args.group)
     for name in args.names:
         subscriber.add_handler(name, handler)
     try:

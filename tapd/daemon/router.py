@@ -4,6 +4,11 @@ No sockets here: the server feeds decoded messages in and the router answers thr
 `send(peer, frames)` callable it was given. Every tap gets an index per emitter; it is
 "pending" until each subscriber it was routed to has acknowledged it (or lost it), which
 is what barriers wait for (docs/PROTOCOL.md, "Barrier").
+
+A worker pool (hello `group`) is one routing target, a `Subscriber` with `members`: taps
+queue there as for any subscriber (same bound, same policy, same spool), and go from its
+queue to the member with the most free credit; what a member leaves unacknowledged goes
+back to that queue for another (docs/PROTOCOL.md, "Worker pools").
 """
 
 from __future__ import annotations
@@ -165,6 +170,13 @@ class Subscriber:
     spilling: bool = False
     behind: collections.deque[_Delivery] = dataclasses.field(default_factory=collections.deque)
     spool_retry: float = 0.0  # after a write error, not before then
+    # Worker pools: a member takes its taps from its `group`'s queue, holds them in its
+    # own `in_flight` and is never a routing target itself; a group has `members` and no
+    # socket of its own. Its `held_bytes` counts its members' taps in flight too.
+    group: Subscriber | None = None
+    members: list[Subscriber] | None = None
+    group_name: str | None = None
+    redelivered: int = 0  # (a group's) taps a member left unacknowledged, sent again
 
     def wants(self, consumer: str) -> bool:
         # exact names, or prefixes written "module:*" (the client matches the same way)
@@ -189,7 +201,8 @@ class Router:
         self.window_bytes = window_bytes
         self.daemon_id = daemon_id
         self.emitters: dict[PeerKey, Emitter] = {}
-        self.subscribers: dict[PeerKey, Subscriber] = {}
+        self.subscribers: dict[PeerKey, Subscriber] = {}  # members of groups too
+        self.groups: dict[tuple[str, tuple[str, ...]], Subscriber] = {}  # by (name, patterns)
         # by (consumer, emitter name or None); cleared on any change
         self._targets_cache: dict[tuple[str, str | None], list[Subscriber]] = {}
         self._next_tid = 0  # delivery ids, one per tap, for every subscriber
@@ -291,7 +304,10 @@ class Router:
         key = (consumer, None if emitter is None else emitter.name)
         targets = self._targets_cache.get(key)
         if targets is None:
-            targets = [s for s in self.subscribers.values() if s.wants(consumer)]
+            targets = [s for s in self.subscribers.values()
+                       if s.group is None and s.wants(consumer)]  # fmt: skip
+            if self.groups:  # each group is one target; its members are not
+                targets += [g for g in self.groups.values() if g.wants(consumer)]
             if emitter is not None and not any(s.takes(consumer) for s in targets):
                 targets += [s for s in self.subscribers.values() if s not in targets
                             and s.fallback_for == emitter.name
@@ -508,30 +524,46 @@ class Router:
         owner = header.get("fallback_for")
         marked = header.get("fallback")
         fallback = [c for c in consumers if isinstance(marked, list) and c in marked]
-        if not (isinstance(owner, str) and 0 < len(owner) <= DEFAULT_LIMITS.max_id):
+        group = header.get("group")  # a worker pool's members have no fallbacks
+        if group is not None or not (isinstance(owner, str)
+                                     and 0 < len(owner) <= DEFAULT_LIMITS.max_id):  # fmt: skip
             owner, fallback = None, []
         patterns = tuple(c for c in consumers if c not in fallback)
+        if group is not None:  # (a group's key: in whatever order its members list them)
+            patterns = tuple(sorted(set(patterns)))
+        known = self.subscribers.get(key)
         if header.get("update") is True:  # more consumers, same session: nothing in flight lost
-            known = self.subscribers.get(key)
             if known is None:  # e.g. this daemon restarted: a full hello, please
                 self._send(key, encode("rehello", {}))
                 return
+            if known.group is not None or group is not None:
+                if known.group_name == group and known.patterns == patterns:
+                    known.last_seen = now
+                    self._send(key, encode("welcome", {"window_bytes": 0,
+                                                       "daemon": self.daemon_id}))  # fmt: skip
+                    return
+                # Other consumers make another group (they key it): it leaves this one,
+                # and what it held goes to the other members.
+                self.drop_subscriber(key, "changed its consumers or group")
+                known = None
+        if header.get("update") is True and known is not None:
             known.patterns, known.fallback, known.fallback_for = patterns, tuple(fallback), owner
             known.last_seen = now
             self._targets_cache.clear()
             logger.info("subscriber %r now wants %r", known.name, consumers)
             self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
             return
-        known = self.subscribers.get(key)
         if (
             known is not None
             and known.deliver is None
-            and _same_subscription(known, patterns, header)
+            and _same_subscription(known, patterns, owner, group)
         ):
             # The same subscription again (it answered two rehellos, say): it starts its
             # delivery ids afresh, so what it had in flight goes to it again, same seq.
             again = self._deliver_again(known)
             known.window, known.batch, known.last_seen = window, header.get("batch") is True, now
+            if known.group is not None:
+                self._size_group(known.group)
             logger.info("subscriber %r said hello again; the %d taps it had in flight go to "
                         "it again", known.name, again)  # fmt: skip
             self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
@@ -540,6 +572,10 @@ class Router:
             self.drop_subscriber(key, "said hello again")
         name = str(header.get("name", "")) or repr(key)
         self._targets_cache.clear()
+        if group is not None:
+            self._join(key, name, group, patterns, window, header.get("batch") is True, now)
+            self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
+            return
         self.subscribers[key] = Subscriber(key, name, patterns, window, now,
                                            batch=header.get("batch") is True,
                                            fallback=tuple(fallback),
@@ -547,6 +583,62 @@ class Router:
         logger.info("subscriber %r connected for %r", name, consumers)
         self._adopt_spool(self.subscribers[key])
         self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
+
+    def _join(self, key: PeerKey, name: str, group_name: str, patterns: tuple[str, ...],
+              window: int, batch: bool, now: float) -> None:  # fmt: skip
+        """A member of the worker pool (`group_name`, `patterns`), formed by its first."""
+        group = self.groups.get((group_name, patterns))
+        if group is None:
+            # Named with its consumers: it is also the name of its spool, which another
+            # group of this name but other consumers must not share.
+            label = f"group {group_name} ({', '.join(patterns)})"
+            group = Subscriber(("group", group_name, patterns), label, patterns, window, now,
+                               members=[], group_name=group_name)  # fmt: skip
+            self.groups[(group_name, patterns)] = group
+            self._adopt_spool(group)
+        assert group.members is not None
+        member = Subscriber(key, name, patterns, window, now, batch=batch, group=group,
+                            group_name=group_name)  # fmt: skip
+        self.subscribers[key] = member
+        group.members.append(member)
+        self._size_group(group)
+        logger.info("subscriber %r joined group %r (%d members) for %r", name, group_name,
+                    len(group.members), list(patterns))  # fmt: skip
+
+    def _size_group(self, group: Subscriber) -> None:
+        """What routing reads of a group as a target (`run_limit`): a run must fit any
+        member, and only batch-taking members may get batches."""
+        assert group.members
+        group.window = min(m.window for m in group.members)
+        group.batch = all(m.batch for m in group.members)
+
+    def _leave(self, member: Subscriber, why: str) -> None:
+        """A member is gone: what it had not acknowledged goes back to the front of its
+        group's queue, for the others (at least once: it may have handled some). With no
+        member left the group goes as a subscriber does, its taps counted lost."""
+        group, member.group = member.group, None
+        assert group is not None and group.members is not None
+        group.members.remove(member)
+        back = [*member.in_flight, *member.queue]
+        taps = sum(d.count for d in back)
+        group.queue.extendleft(reversed(back))  # (its bytes were the group's all along)
+        group.delivered += member.delivered
+        group.delivered_bytes += member.delivered_bytes
+        group.errors += member.errors
+        if not group.members:
+            del self.groups[(group.group_name or "", group.patterns)]
+            self._lose(group, f"lost its last member, {member.name!r}, which {why}")
+            return
+        if taps:
+            group.redelivered += taps
+            self.counters["deliveries_redelivered"] += taps
+            logger.warning("subscriber %r of group %r %s; the %d taps it had not acknowledged "
+                           "go to the other members (%d)", member.name, group.group_name, why,
+                           taps, len(group.members))  # fmt: skip
+        else:
+            logger.info("subscriber %r of group %r %s; %d members remain", member.name,
+                        group.group_name, why, len(group.members))  # fmt: skip
+        self._size_group(group)
 
     def _deliver_again(self, subscriber: Subscriber) -> int:
         """Its deliveries in flight back to the front of its queue, in order; how many
@@ -576,6 +668,7 @@ class Router:
             return
         subscriber.last_seen = now
         in_flight = subscriber.in_flight
+        owner = subscriber if subscriber.group is None else subscriber.group  # holds its bytes
         # Errors go to their emitters at once: an ack may end inside a run, whose
         # delivery then stays in flight until a later ack covers the rest of it.
         for entry in header["errors"]:
@@ -598,15 +691,15 @@ class Router:
         last: _Delivery | None = None
         while in_flight and in_flight[0].tid + in_flight[0].count <= upto + 1:
             delivery = last = in_flight.popleft()
-            subscriber.held_bytes -= delivery.nbytes
+            owner.held_bytes -= delivery.nbytes
             subscriber.in_flight_taps -= delivery.count
             subscriber.in_flight_bytes -= delivery.nbytes
             subscriber.delivered += delivery.count
             subscriber.delivered_bytes += delivery.nbytes
             self.counters["deliveries_acked"] += delivery.count
             tids = range(delivery.tid, delivery.tid + delivery.count)
-            if delivery.spooled is not None and subscriber.spool is not None:
-                subscriber.spool.acknowledge(delivery.spooled)
+            if delivery.spooled is not None and owner.spool is not None:
+                owner.spool.acknowledge(delivery.spooled)
             self._delivered(
                 delivery,
                 lost=False,
@@ -666,14 +759,52 @@ class Router:
     def pump(self) -> None:
         """Send each subscriber what its window allows."""
         for subscriber in list(self.subscribers.values()):
-            if subscriber.spilling:
-                self._refill(subscriber)
-            while (subscriber.queue and subscriber.in_flight_taps < subscriber.window
-                   and (not subscriber.in_flight_bytes or subscriber.in_flight_bytes
-                        + subscriber.queue[0].nbytes <= _IN_FLIGHT_BYTES)):  # fmt: skip
-                if not self._send_next(subscriber):
-                    self.drop_subscriber(subscriber.key, "is unreachable")
-                    break
+            self._pump_one(subscriber)
+        if self.groups:
+            for group in list(self.groups.values()):
+                self._pump_group(group)
+
+    def _pump_one(self, subscriber: Subscriber) -> None:
+        if subscriber.spilling:
+            self._refill(subscriber)
+        while (subscriber.queue and subscriber.in_flight_taps < subscriber.window
+               and (not subscriber.in_flight_bytes or subscriber.in_flight_bytes
+                    + subscriber.queue[0].nbytes <= _IN_FLIGHT_BYTES)):  # fmt: skip
+            if not self._send_next(subscriber):
+                self.drop_subscriber(subscriber.key, "is unreachable")
+                break
+
+    def _pump_group(self, group: Subscriber) -> None:
+        """Hand a group's queued taps to its members: each unit to the member with the
+        most free credit (a slow one, holding unacknowledged taps, gets fewer), as many
+        as one batch to it would hold; ties go round. The rest waits in the group's
+        queue, under its bound and the policy, as a subscriber's does."""
+        if group.spilling:
+            self._refill(group)
+        queue, members = group.queue, group.members
+        assert members is not None
+        while queue and members:
+            nbytes = queue[0].nbytes
+            best, free = None, 0
+            for m in members:
+                room = m.window - m.in_flight_taps
+                if (
+                    room > free
+                    and not m.queue
+                    and (not m.in_flight_bytes or m.in_flight_bytes + nbytes <= _IN_FLIGHT_BYTES)
+                ):
+                    best, free = m, room
+            if best is None:
+                return
+            limit = min(free, max(1, best.window // 2)) if best.batch else 1
+            taps = 0
+            while queue and (not taps or taps + queue[0].count <= limit):
+                delivery = queue.popleft()
+                best.queue.append(delivery)
+                taps += delivery.count
+            members.remove(best)  # to the back: the next tie goes to another member
+            members.append(best)
+            self._pump_one(best)  # (unreachable: dropped, its taps back in `queue`)
 
     def _send_next(self, subscriber: Subscriber) -> bool:
         """Send the next queued unit, or the next small ones together as one `taps`
@@ -729,6 +860,13 @@ class Router:
         self._targets_cache.clear()
         if subscriber is None:
             return
+        if subscriber.group is not None:
+            self._leave(subscriber, why)
+        else:
+            self._lose(subscriber, why)
+
+    def _lose(self, subscriber: Subscriber, why: str) -> None:
+        """A subscriber (or a group) is gone: what it held is lost, and counted."""
         lost = list(subscriber.in_flight) + list(subscriber.queue) + list(subscriber.behind)
         lost += self._spooled_deliveries(subscriber)
         taps = sum(delivery.count for delivery in lost)
@@ -888,7 +1026,7 @@ class Router:
 
     def close_spools(self) -> None:
         """At shutdown: spools stay on disk for the next daemon, not counted lost."""
-        for s in self.subscribers.values():
+        for s in [*self.subscribers.values(), *self.groups.values()]:
             if s.spool is not None:
                 if s.spool.taps:
                     logger.warning("subscriber %r: %d taps stay in its spool at %s for the "
@@ -921,7 +1059,8 @@ class Router:
     def idle(self) -> bool:
         """Nothing queued, in flight or parked anywhere."""
         return not any(e.pending for e in self.emitters.values()) and not any(
-            s.queue or s.in_flight or s.spilling for s in self.subscribers.values()
+            s.queue or s.in_flight or s.spilling
+            for s in [*self.subscribers.values(), *self.groups.values()]
         )
 
     def stats(self) -> dict[str, Any]:
@@ -929,6 +1068,7 @@ class Router:
             "counters": dict(self.counters),
             "emitters": [_emitter_stats(e) for e in self.emitters.values()],
             "subscribers": [_subscriber_stats(s) for s in self.subscribers.values()],
+            "groups": [_group_stats(g) for g in self.groups.values()],
             "queue_bytes": self.queue_bytes,  # each subscriber's queue bound
             "time": time.time(),
         }
@@ -938,8 +1078,10 @@ def _matches(patterns: Sequence[str], consumer: str) -> bool:
     return any(consumer == p or (p.endswith("*") and consumer.startswith(p[:-1])) for p in patterns)
 
 
-def _same_subscription(known: Subscriber, patterns: tuple[str, ...], header: Any) -> bool:
-    return known.patterns == patterns and known.fallback_for == header.get("fallback_for")
+def _same_subscription(
+    known: Subscriber, patterns: tuple[str, ...], owner: str | None, group: str | None
+) -> bool:
+    return known.patterns == patterns and known.fallback_for == owner and known.group_name == group
 
 
 def _taps_of(delivery: _Delivery) -> list[Message]:
@@ -993,6 +1135,23 @@ def _subscriber_stats(s: Subscriber) -> dict[str, Any]:
         "spool_bytes": s.spool.bytes if s.spool else 0,
         # seconds since the epoch, on the emitter's clock (None: nothing handled yet)
         "last_handled_time": None if s.last_handled_ns is None else s.last_handled_ns / 1e9,
+        "group": s.group_name,
+    }
+
+
+def _group_stats(g: Subscriber) -> dict[str, Any]:
+    """A worker pool: its queue and counts; taps in flight are its members'."""
+    members = g.members or []
+    handled = [m.last_handled_ns for m in members if m.last_handled_ns is not None]
+    return {
+        **_subscriber_stats(g),
+        "members": sorted(m.name for m in members),  # (their order here changes)
+        "in_flight": sum(m.in_flight_taps for m in members),
+        "delivered": g.delivered + sum(m.delivered for m in members),
+        "delivered_bytes": g.delivered_bytes + sum(m.delivered_bytes for m in members),
+        "errors": g.errors + sum(m.errors for m in members),
+        "redelivered": g.redelivered,
+        "last_handled_time": max(handled) / 1e9 if handled else None,
     }
 
 
@@ -1002,6 +1161,7 @@ def summarize(stats: dict[str, Any]) -> Sequence[str]:
     lines = [", ".join(f"{k}={v}" for k, v in sorted(counters.items())) or "no traffic yet"]
     lines += [f"emitter {e['name']}: {e}" for e in stats["emitters"]]
     lines += [f"subscriber {s['name']}: {s}" for s in stats["subscribers"]]
+    lines += [f"{g['name']}: {g}" for g in stats.get("groups", [])]
     lines += [f"ring {r['path']}: {r}" for r in stats.get("rings", [])]
     if forward := stats.get("forward"):
         lines.append(f"forward to {forward['endpoint']}: {forward}")

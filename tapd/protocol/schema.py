@@ -248,6 +248,7 @@ SUBSCRIBER_HELLO: Schema = {
     "window": req(Int(1, DEFAULT_LIMITS.max_window)),
     "name": opt(_NAME),
     "batch": opt(Of(bool)),
+    "group": opt(Str("max_name", empty=False)),  # a worker pool (docs/PROTOCOL.md)
 }
 
 HELLO_ROLES: dict[str, Schema] = {"emitter": EMITTER_HELLO, "subscriber": SUBSCRIBER_HELLO}
