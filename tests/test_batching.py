@@ -17,7 +17,7 @@ import zmq
 from conftest import Daemon, native_unavailable, run_emitter
 from tapd.daemon.router import Router
 from tapd.daemon.runs import Site, TapRun
-from tapd.native.ring import Record
+from tapd.native.ring import Record, Records
 from tapd.protocol import decode, encode
 from tapd.protocol.batch import BatchTap, encode_batch
 from tapd.protocol.wire import DEFAULT_LIMITS
@@ -157,8 +157,10 @@ def ring_run(count: int) -> tuple[TapRun, list[np.ndarray]]:
     site = Site(entry, {"process": 0, "host": "h", "pid": 1})
     values = [np.array([i, 10 * i], np.int32) for i in range(count)]
     span = memoryview(b"".join(bytes(48) + v.tobytes() for v in values))
-    records = [Record(56 * i, 56 * (i + 1), 0, 100 + i, i, 7, 0, span[56 * i + 48 : 56 * (i + 1)])
-               for i in range(count)]  # fmt: skip
+    records = Records(span, 0, header_bytes=48)
+    for i in range(count):
+        records.append(56 * i, 56 * (i + 1), 0, 100 + i, i, 7, 0)
+    assert records[1] == Record(56, 112, 0, 101, 1, 7, 0, span[104:112])
     return TapRun(site, records, span, header_bytes=48), values
 
 

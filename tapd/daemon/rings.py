@@ -9,6 +9,7 @@ daemon killed and restarted re-reads them from the ring's tail: nothing is lost.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import errno
 import fcntl
@@ -23,10 +24,12 @@ from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tapd.daemon.router import Router
 from tapd.daemon.runs import Site, TapRun
 from tapd.errors import ProtocolError
-from tapd.native.ring import Ring, RingError
+from tapd.native.ring import Record, Records, Ring, RingError
 from tapd.protocol import Message
 from tapd.protocol.schema import (
     DEFAULT_LIMITS,
@@ -168,6 +171,7 @@ class RingSource:
         base = self.read_position
         taken = 0
         first = 0
+        ends = _run_ends(records)
         while first < len(records):
             record = records[first]
             site = self._site(record.site)
@@ -183,25 +187,23 @@ class RingSource:
                 self._refuse(router, record, why)
                 first += 1
                 continue
-            # Consecutive small records of this site go to the router as one run.
-            limit = 1
+            # Consecutive small records of this site (and length: the first one's is
+            # checked) go to the router as one run.
+            most = 1
             if site.nbytes <= _RUN_BYTES // 2:
-                limit = router.run_limit(site.consumer, site.nbytes)
-            end = first + 1
-            while (end < len(records) and end - first < limit
-                   and records[end].site == record.site
-                   and (end + 1 - first) * site.nbytes <= _RUN_BYTES):  # fmt: skip
-                end += 1
-            last = records[end - 1]
+                most = min(router.run_limit(site.consumer, site.nbytes),
+                           _RUN_BYTES // site.nbytes if site.nbytes else len(records))  # fmt: skip
+            end = min(ends[bisect.bisect_right(ends, first)], first + max(1, most))
+            last_end = records.ends[end - 1]
             unit: Message | TapRun
             if end - first == 1:
                 unit = site.message(record)
             else:
-                piece = span[record.start - base : last.end - base]
+                piece = span[record.start - base : last_end - base]
                 unit = TapRun(site, records[first:end], piece, self.ring.header_bytes)
             index = router.tap(self.key, unit, credit=False, nbytes=site.nbytes * (end - first))
-            self._in_router.append((index, last.end))
-            self.read_position = last.end
+            self._in_router.append((index, last_end))
+            self.read_position = last_end
             taken += end - first
             first = end
             if emitter.parked:
@@ -209,7 +211,7 @@ class RingSource:
         self._release_barriers(router)
         return taken
 
-    def _refuse(self, router: Router, record: Any, why: ProtocolError) -> None:
+    def _refuse(self, router: Router, record: Record, why: ProtocolError) -> None:
         """A record the daemon cannot pass on: counted by reason, reported to the
         emitter (its barrier_wait raises), and its ring space released in turn."""
         router.reject(why.reason, f"ring {self.path}: {why.detail}")
@@ -552,3 +554,14 @@ def _stale_bytes(directory: Path) -> int | None:
         for fd in locks:
             os.close(fd)
     return held
+
+
+def _run_ends(records: Records) -> list[int]:
+    """Where each run of records of one site and one length ends (exclusive), ascending:
+    the places a run must stop, found for the whole read at once."""
+    if len(records) < 2:
+        return [len(records)]
+    sites = np.array(records.sites, np.uint64)
+    lengths = np.array(records.ends, np.int64) - np.array(records.starts, np.int64)
+    changes = (sites[1:] != sites[:-1]) | (lengths[1:] != lengths[:-1])
+    return [*(np.flatnonzero(changes) + 1).tolist(), len(records)]

@@ -708,7 +708,7 @@ class Router:
             )
         if last is not None:  # once per ack, not per tap: the hot path stays O(1) here
             tap = last.tap
-            when = tap.records[-1].time_ns if isinstance(tap, TapRun) else tap.header.get("time")
+            when = tap.last_time_ns if isinstance(tap, TapRun) else tap.header.get("time")
             if type(when) is int:
                 subscriber.last_handled_ns = when
                 emitter = last.emitter

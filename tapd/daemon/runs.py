@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tapd.native.ring import Record
+from tapd.native.ring import Record, Records
 from tapd.protocol import Message
 from tapd.protocol.batch import BatchRun
 
@@ -65,7 +65,7 @@ class TapRun:
     """Consecutive records of one site, all in `span` (the ring bytes from the first
     record's start to the last one's end): routed as one unit of `count` taps."""
 
-    def __init__(self, site: Site, records: list[Record], span: memoryview,
+    def __init__(self, site: Site, records: Records, span: memoryview,
                  header_bytes: int) -> None:  # fmt: skip
         self.site = site
         self.records = records
@@ -73,8 +73,13 @@ class TapRun:
         self.count = len(records)
         self.consumer = site.consumer
         self.header = site.static  # what the router reads of a unit's header: its consumer
-        start = records[0].start
-        self.offsets = [r.start - start + header_bytes for r in records]
+        start = records.starts[0] - header_bytes
+        self.offsets = [position - start for position in records.starts]
+
+    @property
+    def last_time_ns(self) -> int:
+        """When its last tap ran (the emitter's clock)."""
+        return self.records.times[-1]
 
     def taps(self) -> list[Message]:
         return [self.site.message(record) for record in self.records]
@@ -89,7 +94,8 @@ class TapRun:
         # counted lost and their ring space reused, or the ring unmapped.
         return BatchRun(
             site.batch_static, bytes(self.span), self.offsets, first_tid, emitter, site,
-            seqs=[r.seq for r in records], steps=[r.step for r in records],
-            devices=[r.device for r in records], times=[r.time_ns for r in records],
-            coords=None if site.shard is None else [site.coords(r.payload) for r in records],
+            seqs=records.seqs, steps=records.steps, devices=records.devices,
+            times=records.times,
+            coords=None if site.shard is None else
+            [site.coords(records.payload(i)) for i in range(self.count)],
         )  # fmt: skip

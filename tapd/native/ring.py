@@ -15,7 +15,7 @@ import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 import numpy as np
 
@@ -58,6 +58,64 @@ class Record(NamedTuple):  # (a NamedTuple: the daemon makes one per tap, quickl
     time_ns: int
     device: int
     payload: memoryview  # the leaves, each padded to 8 bytes
+
+
+class Records(Sequence[Record]):
+    """Records read from a ring, as columns (lists, in ring order); a `Record` is made
+    only when one is asked for: the daemon routes runs of thousands of small records by
+    their columns (tapd/daemon/rings.py, runs.py)."""
+
+    __slots__ = ("devices", "ends", "header_bytes", "position", "seqs", "sites", "starts",
+                 "steps", "times", "view")  # fmt: skip
+
+    def __init__(self, view: memoryview, position: int, header_bytes: int) -> None:
+        self.view = view  # the ring bytes from `position` on
+        self.position = position
+        self.header_bytes = header_bytes
+        self.starts: list[int] = []  # ring positions
+        self.ends: list[int] = []
+        self.sites: list[int] = []
+        self.seqs: list[int] = []
+        self.steps: list[int | None] = []
+        self.times: list[int] = []
+        self.devices: list[int] = []
+
+    @classmethod
+    def empty(cls) -> Records:
+        return cls(memoryview(b""), 0, 0)
+
+    def append(self, start: int, end: int, site: int, seq: int, step: int | None,
+               time_ns: int, device: int) -> None:  # fmt: skip
+        self.starts.append(start)
+        self.ends.append(end)
+        self.sites.append(site)
+        self.seqs.append(seq)
+        self.steps.append(step)
+        self.times.append(time_ns)
+        self.devices.append(device)
+
+    def payload(self, i: int) -> memoryview:
+        """Record i's leaves, each padded to 8 bytes (a view of the ring)."""
+        return self.view[self.starts[i] - self.position + self.header_bytes :
+                         self.ends[i] - self.position]  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @overload
+    def __getitem__(self, i: int) -> Record: ...
+    @overload
+    def __getitem__(self, i: slice) -> Records: ...
+    def __getitem__(self, i: int | slice) -> Record | Records:
+        if isinstance(i, slice):
+            part = Records(self.view, self.position, self.header_bytes)
+            part.starts, part.ends = self.starts[i], self.ends[i]
+            part.sites, part.seqs, part.steps = self.sites[i], self.seqs[i], self.steps[i]
+            part.times, part.devices = self.times[i], self.devices[i]
+            return part
+        i = range(len(self.starts))[i]  # (negative indices; IndexError past the end)
+        return Record(self.starts[i], self.ends[i], self.sites[i], self.seqs[i], self.steps[i],
+                      self.times[i], self.devices[i], self.payload(i))  # fmt: skip
 
 
 class RingError(TapdError):
@@ -201,16 +259,17 @@ class Ring:
         space is released and rewritten). Abandoned records are skipped: the first
         record may start after `position`, and one may start after the previous one's
         end."""
-        return self.read_span(position, max_records)[1]
+        return list(self.read_span(position, max_records)[1])
 
-    def read_span(self, position: int, max_records: int = 1024) -> tuple[memoryview, list[Record]]:
+    def read_span(self, position: int, max_records: int = 1024) -> tuple[memoryview, Records]:
         """Like `read`, with a view of the ring bytes from `position` on, which holds the
-        records (the ring is mapped twice: any span of it is contiguous)."""
+        records (the ring is mapped twice: any span of it is contiguous), and the records
+        as columns (`Records`)."""
         pointer = ctypes.c_void_p()
         available = int(self._lib.tapd_ring_readable(self.handle, position, ctypes.byref(pointer)))
         if available == 0:
             self._check_stall(position)
-            return memoryview(b""), []
+            return memoryview(b""), Records.empty()
         self._stalled = None
         if self._mapped is None:  # both mappings, viewed once (a ctypes type per read is slow)
             capacity = self.counters().capacity
@@ -221,9 +280,9 @@ class Ring:
         start = position % capacity
         view = mapped[start : start + available]
         records = self._read_uniform(view, position, max_records)
-        offset = records[-1].end - position if records else 0
+        offset = records.ends[-1] - position if records.ends else 0
         nonce = self._nonce
-        while offset < available and len(records) < max_records:
+        while offset < available and len(records.starts) < max_records:
             if available - offset < self.header_bytes:
                 raise RingError(f"ring {self.path}: truncated record header at {position + offset}")
             length, _, site, seq, step, time_ns, device, tag = _HEADER.unpack_from(view, offset)
@@ -239,29 +298,27 @@ class Ring:
                     )
                 offset += length  # never to be committed: skipped (counted in `abandoned`)
                 continue
-            records.append(Record(
-                start=position + offset, end=position + offset + length, site=site, seq=seq,
-                step=None if step == NO_STEP else step, time_ns=time_ns, device=device,
-                payload=view[offset + self.header_bytes : offset + length],
-            ))  # fmt: skip
+            records.append(position + offset, position + offset + length, site, seq,
+                           None if step == NO_STEP else step, time_ns, device)  # fmt: skip
             offset += length
         return view, records
 
-    def _read_uniform(self, view: memoryview, position: int, max_records: int) -> list[Record]:
+    def _read_uniform(self, view: memoryview, position: int, max_records: int) -> Records:
         """The leading records of `view` that are committed and as long as the first,
         read as columns with numpy: a loop writing one small tap after another fills the
         ring with such records, and one Python step per record header limited the
         daemon's small-tap rate. The rest (other lengths, abandoned or bad records) is
         left to `read_span`'s record-by-record walk, which checks and reports it."""
         header_bytes = self.header_bytes
+        records = Records(view, position, header_bytes)
         if len(view) < 2 * header_bytes:
-            return []
+            return records
         length = _HEADER.unpack_from(view, 0)[0]
         if length < header_bytes or length % 8:
-            return []
+            return records
         count = min(len(view) // length, max_records)
         if count < 2:
-            return []
+            return records
         headers = np.ndarray((count,), RECORD_HEADER, buffer=view, strides=(length,))
         offsets = np.arange(count, dtype=np.uint64) * np.uint64(length)
         tags = ((np.uint64(position) + offsets) ^ np.uint64(self._nonce)) & np.uint64(~7 % 2**64)
@@ -269,13 +326,15 @@ class Ring:
         if not good.all():
             count = int(good.argmin())  # (the first that is not: read one by one)
             headers, offsets = headers[:count], offsets[:count]
-        starts = (offsets.astype(np.int64) + position).tolist()
-        steps = [None if step == NO_STEP else step for step in headers["step"].tolist()]
-        payloads = [view[o + header_bytes : o + length] for o in offsets.tolist()]
-        return list(map(Record._make, zip(
-            starts, [start + length for start in starts], headers["site"].tolist(),
-            headers["seq"].tolist(), steps, headers["time_ns"].tolist(),
-            headers["device"].tolist(), payloads, strict=True)))  # fmt: skip
+        starts = offsets.astype(np.int64) + position
+        records.starts = starts.tolist()
+        records.ends = (starts + length).tolist()
+        records.sites = headers["site"].tolist()
+        records.seqs = headers["seq"].tolist()
+        records.steps = [None if step == NO_STEP else step for step in headers["step"].tolist()]
+        records.times = headers["time_ns"].tolist()
+        records.devices = headers["device"].tolist()
+        return records
 
     def _check_stall(self, position: int) -> None:
         """Nothing readable: say so once if a record has stayed reserved, holding back
