@@ -52,12 +52,13 @@ class TapBatch:
         self._tree = first["tree"]
         self.leaves = leaves
         self.value: Any = leaves[0] if self._tree == LEAF else unflatten(self._tree, leaves)
-        self.tids = [row[1] for row in rows]
-        self.seq = np.array([row[2] for row in rows], np.int64)
-        self.step = np.array([-1 if row[3] is None else row[3] for row in rows], np.int64)
-        self.device = np.array([-1 if row[4] is None else row[4] for row in rows], np.int64)
+        _, tids, seqs, steps, devices, times = list(zip(*rows, strict=False))[:6]
+        self.tids = list(tids)
+        self.seq = np.array(seqs, np.int64)
+        self.step = _int_column(steps)
+        self.device = _int_column(devices)
         self.process = np.full(len(rows), first["process"], np.int64)
-        self.time = np.array([row[5] for row in rows], np.int64) / 1e9
+        self.time = np.array(times, np.int64) / 1e9
         self.shard_index: np.ndarray | None = None
         if first.get("shard") is not None:
             self.shard_index = np.array([m.shard_index for m in self.metas()], np.int64)
@@ -90,6 +91,13 @@ class TapBatch:
 
     def __repr__(self) -> str:
         return f"<TapBatch {self.consumer!r} x{len(self)} seq {self.seq[0]}..{self.seq[-1]}>"
+
+
+def _int_column(values: Sequence[int | None]) -> np.ndarray:
+    """int64, -1 for None (a tap without a step, or a device)."""
+    if None in values:
+        values = [-1 if value is None else value for value in values]
+    return np.array(values, np.int64)
 
 
 def batch_of_runs(runs: Sequence[SiteRun], template: MetaTemplate) -> TapBatch:
