@@ -186,6 +186,30 @@ def test_the_taps_of_a_member_killed_mid_stream_go_to_another(
     assert f"subscriber {doomed.name!r} of group 'writers' " in daemon.log()
 
 
+def test_at_shutdown_a_groups_taps_are_lost_once_not_passed_around(
+    start_daemon: Callable[..., Daemon], start_member: Callable[..., Member]
+) -> None:
+    """The daemon stops while both members hold taps they have not acknowledged: the
+    group's taps are counted lost once, not handed from member to member first."""
+    daemon = start_daemon("--subscriber-timeout", "30", "--drain-timeout", "1")
+    members = [start_member(daemon, "loss", hang_after=2) for _ in range(2)]
+    emitter = subprocess.Popen([sys.executable, str(APPS / "emitter_app.py"), "taps_then_hang",
+                                "20"], env={**os.environ, "TAPD_ENDPOINT": daemon.endpoint},
+                               stdout=subprocess.DEVNULL)  # fmt: skip
+    try:
+        for member in members:
+            wait_until(member.hung_at, f"{member.name} to hang on a tap")
+        held = group_stats(daemon)["in_flight"] + group_stats(daemon)["queued"]
+        assert held >= 2
+        assert daemon.stop() == 0
+    finally:
+        emitter.kill()
+        emitter.wait(timeout=PROCESS_TIMEOUT)
+    log = daemon.log()
+    assert "go to the other members" not in log, log
+    assert "lost its last member" in log and "taps it had not processed are lost" in log, log
+
+
 def keygen(directory: Path, name: str) -> tuple[Path, Path]:
     result = tapd_cmd("keygen", name, "--dir", str(directory))
     assert result.returncode == 0, result.stderr

@@ -612,7 +612,7 @@ class Router:
         group.window = min(m.window for m in group.members)
         group.batch = all(m.batch for m in group.members)
 
-    def _leave(self, member: Subscriber, why: str) -> None:
+    def _leave(self, member: Subscriber, why: str, *, shutdown: bool = False) -> None:
         """A member is gone: what it had not acknowledged goes back to the front of its
         group's queue, for the others (at least once: it may have handled some). With no
         member left the group goes as a subscriber does, its taps counted lost."""
@@ -628,6 +628,8 @@ class Router:
         if not group.members:
             del self.groups[(group.group_name or "", group.patterns)]
             self._lose(group, f"lost its last member, {member.name!r}, which {why}")
+            return
+        if shutdown:
             return
         if taps:
             group.redelivered += taps
@@ -855,13 +857,16 @@ class Router:
         subscriber.in_flight_bytes += delivery.nbytes
         return delivery
 
-    def drop_subscriber(self, key: PeerKey, why: str) -> None:
+    def drop_subscriber(self, key: PeerKey, why: str, *, shutdown: bool = False) -> None:
+        """A subscriber is gone. At `shutdown` a group member's taps go back to its group
+        without being counted as redelivered: the others are going too, and the last
+        one's going counts what the group held as lost, once."""
         subscriber = self.subscribers.pop(key, None)
         self._targets_cache.clear()
         if subscriber is None:
             return
         if subscriber.group is not None:
-            self._leave(subscriber, why)
+            self._leave(subscriber, why, shutdown=shutdown)
         else:
             self._lose(subscriber, why)
 

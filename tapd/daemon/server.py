@@ -283,7 +283,7 @@ class Daemon:
     def _report_undelivered(self) -> None:
         self.router.close_spools()  # what is spooled stays for the next daemon
         for key in list(self.router.subscribers):
-            self.router.drop_subscriber(key, "was still connected at shutdown")
+            self.router.drop_subscriber(key, "was still connected at shutdown", shutdown=True)
         try:  # emitters learn the final totals (they outlive this daemon, maybe)
             self.router.flush_credit(final=True)
         except zmq.ZMQError:
