@@ -54,7 +54,8 @@ SUBSCRIBER = {
     "last_handled_time": "tapd_last_handled_tap_timestamp_seconds",
 }
 # Labels are bounded by peers: anything else (a seq, a step, a tid) would grow per tap.
-BOUNDED_LABELS = {"daemon", "pid", "reason", "emitter", "subscriber", "consumers", "ring"}
+BOUNDED_LABELS = {"daemon", "pid", "reason", "emitter", "subscriber", "consumers", "ring",
+                  "group"}  # fmt: skip
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

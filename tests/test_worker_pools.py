@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -108,7 +109,7 @@ def group_stats(daemon: Daemon, name: str = "writers") -> dict[str, Any]:
 def test_each_tap_goes_to_one_member_and_barrier_wait_counts_it_once(
     start_daemon: Callable[..., Daemon], start_member: Callable[..., Member]
 ) -> None:
-    daemon = start_daemon()
+    daemon = start_daemon("--metrics", "127.0.0.1:0")
     members = [start_member(daemon, "loss", window=w, sleep_ms=5) for w in (8, 4, 16)]
     outsider = start_member(daemon, "loss", group=None)
 
@@ -136,6 +137,17 @@ def test_each_tap_goes_to_one_member_and_barrier_wait_counts_it_once(
     assert status.returncode == 0, status.stderr
     [shown] = json.loads(status.stdout)["groups"]
     assert shown["group"] == "writers" and len(shown["members"]) == 3
+
+    # Prometheus: the pool's series, labelled by group and consumers, equal its stats.
+    parser = pytest.importorskip("prometheus_client.parser")
+    with urllib.request.urlopen(daemon.stats()["metrics"], timeout=10) as response:
+        text = response.read().decode()
+    samples = {s.name: s for f in parser.text_string_to_metric_families(text)
+               for s in f.samples if s.labels.get("group") == "writers"}  # fmt: skip
+    assert samples["tapd_group_taps_handled_total"].value == 120
+    assert samples["tapd_group_taps_redelivered_total"].value == 0
+    assert samples["tapd_group_members"].value == 3
+    assert samples["tapd_group_queued_taps"].labels == {"group": "writers", "consumers": "loss"}
 
 
 def test_a_slow_member_gets_fewer_taps(

@@ -113,6 +113,22 @@ SUBSCRIBER_METRICS = {
                           "clock) of the last tap this subscriber handled; lag is "
                           "time() minus this. Absent until it has handled one."),
 }  # fmt: skip
+# Per worker pool (labels `group`, `consumers`): field -> (name, counter?, help).
+GROUP_METRICS = {
+    "delivered": ("tapd_group_taps_handled", True, "Taps the members of this worker pool "
+                  "handled (acknowledged), each tap once."),
+    "redelivered": ("tapd_group_taps_redelivered", True, "Taps a member of this pool left "
+                    "unacknowledged (it died, or went silent) and another member was given."),
+    "dropped": ("tapd_group_taps_dropped", True, "Taps for this pool dropped because its "
+                "queue was full."),
+    "errors": ("tapd_group_handler_errors", True, "Handler calls of this pool's members "
+               "that raised."),
+    "queued": ("tapd_group_queued_taps", False, "Taps queued for this pool, not yet given "
+               "to a member."),
+    "in_flight": ("tapd_group_in_flight_taps", False, "Taps given to a member of this pool "
+                  "and not yet acknowledged."),
+    "member_count": ("tapd_group_members", False, "Members of this worker pool."),
+}  # fmt: skip
 # Per shared-memory ring (label `ring`, its file name): field -> (name, counter?, help).
 RING_METRICS = {
     "taps": ("tapd_ring_taps_written", True, "Taps the emitter wrote to this ring."),
@@ -225,6 +241,11 @@ def families(stats: Stats) -> Iterator[Any]:
     yield from _per_peer(
         SUBSCRIBER_METRICS, subscribers, ("subscriber", "consumers"),
         lambda s: (s["name"], ",".join(s["consumers"])), counter, gauge,
+    )  # fmt: skip
+    groups = [{**g, "member_count": len(g["members"])} for g in stats.get("groups", [])]
+    yield from _per_peer(
+        GROUP_METRICS, groups, ("group", "consumers"),
+        lambda g: (g["group"], ",".join(g["consumers"])), counter, gauge,
     )  # fmt: skip
     rings = stats.get("rings", [])
     yield from _per_peer(RING_METRICS, rings, ("ring",),
