@@ -16,6 +16,8 @@ import pytest
 
 from conftest import APPS, Daemon, SubscriberProcess, stop_process, tapd_cmd, wait_until
 
+CONSUMERS = "CONSUMERS (one row per subscriber, and per worker pool)\n"
+
 
 @pytest.fixture
 def flowing(
@@ -47,7 +49,7 @@ def test_once_shows_emitters_and_consumers(flowing: tuple[Daemon, subprocess.Pop
     assert row[0].endswith(f":{emitter.pid}") and float(row[1]) > 5, out  # ~50 taps/s
     # the emitter's lag: the newest of its taps that a subscriber handled
     assert emitters[0].split()[-1] == "lag" and 0 <= float(row[8][:-1]) < 10, out
-    consumers = out.split("CONSUMERS (one row per subscriber)\n")[1].splitlines()
+    consumers = out.split(CONSUMERS)[1].splitlines()
     row = consumers[1].split()
     assert row[0] == "loss" and float(row[2]) > 5, out
     handled = int(row[7].replace(",", ""))
@@ -61,7 +63,7 @@ def test_once_shows_emitters_and_consumers(flowing: tuple[Daemon, subprocess.Pop
     stop_process(emitter)
     stopped = time.time()
     result = tapd_cmd("top", "--once", "--interval", "0.5", "--endpoint", daemon.endpoint)
-    row = result.stdout.split("CONSUMERS (one row per subscriber)\n")[1].splitlines()[1].split()
+    row = result.stdout.split(CONSUMERS)[1].splitlines()[1].split()
     lag = float(row[10][:-1])
     assert 0.45 <= lag <= time.time() - stopped + 10, result.stdout  # (0.45: .1f rounding)
 

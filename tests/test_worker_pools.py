@@ -138,6 +138,10 @@ def test_each_tap_goes_to_one_member_and_barrier_wait_counts_it_once(
     [shown] = json.loads(status.stdout)["groups"]
     assert shown["group"] == "writers" and len(shown["members"]) == 3
 
+    top = tapd_cmd("top", "--once", "--interval", "0.2", "--endpoint", daemon.endpoint)
+    [pool] = [line.split() for line in top.stdout.splitlines() if "pool:writers[3]" in line]
+    assert pool[:2] == ["loss", "pool:writers[3]"] and pool[7] == "120", top.stdout
+
     # Prometheus: the pool's series, labelled by group and consumers, equal its stats.
     parser = pytest.importorskip("prometheus_client.parser")
     with urllib.request.urlopen(daemon.stats()["metrics"], timeout=10) as response:

@@ -108,23 +108,30 @@ def frame(
         lines.append("EMITTERS: none")
     lines.append("")
     queue_bytes = stats.get("queue_bytes") or 0
-    old_subscribers = {s["name"]: s for s in old.get("subscribers", [])}
+    # A worker pool is a row of its own (its queue, its members' taps), beside its members.
+    peers = [*stats.get("subscribers", []), *stats.get("groups", [])]
+    old_subscribers = {s["name"]: s for s in [*old.get("subscribers", []),
+                                              *old.get("groups", [])]}  # fmt: skip
     rows = []
-    for s in stats.get("subscribers", []):
+    for s in peers:
         before = old_subscribers.get(s["name"], {})
         taps = _rate(s["delivered"], before.get("delivered"), seconds)
         mb = _rate(s.get("delivered_bytes", 0), before.get("delivered_bytes"), seconds) / 1e6
         fill = f"{100 * s['held_bytes'] / queue_bytes:.0f}%" if queue_bytes else "-"
         consumers = ",".join(s["consumers"])
+        who = f"pool:{s['group']}[{len(s['members'])}]" if "members" in s else s["name"]
         rows.append((taps, consumers, s["dropped"], [
-            consumers[:40], s["name"], _num(taps), f"{mb:.1f}", fill, f"{s['queued']:,}",
+            consumers[:40], who, _num(taps), f"{mb:.1f}", fill, f"{s['queued']:,}",
             f"{s['in_flight']:,}", f"{s['delivered']:,}", f"{s['dropped']:,}",
             f"{s['errors']:,}", _lag(now, s.get("last_handled_time")),
         ]))  # fmt: skip
     header = ["consumers", "subscriber", "taps/s", "MB/s", "queue fill", "queued",
               "in flight", "handled", "dropped", "errors", "lag"]  # fmt: skip
     if rows:
-        lines += ["CONSUMERS (one row per subscriber)", *_table(header, _sorted(rows, sort), width)]
+        lines += [
+            "CONSUMERS (one row per subscriber, and per worker pool)",
+            *_table(header, _sorted(rows, sort), width),
+        ]
     else:
         lines.append("CONSUMERS: no subscriber")
     if forward := stats.get("forward"):
