@@ -615,7 +615,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _run_subscriber(subscriber: Any) -> int:
-    signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
+    # Stop between taps, never inside a handler (a sink's write); SIGINT too, even where
+    # the process was started with it ignored (a background job of a script).
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: subscriber.stop())
     try:
         subscriber.connect()
     except TimeoutError as exc:
@@ -627,8 +630,6 @@ def _run_subscriber(subscriber: Any) -> int:
     )
     try:
         subscriber.run()
-    except KeyboardInterrupt:
-        pass
     finally:
         subscriber.close()
     return ExitCode.OK
