@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -262,6 +263,29 @@ def run_emitter(
     output: dict[str, Any] = json.loads(lines[-1])
     output["stderr"] = result.stderr
     return output
+
+
+class BackgroundEmitter(threading.Thread):
+    """`run_emitter` on a thread, for what a test does while the emitter taps;
+    `outcome()` waits for its result, or raises what it raised."""
+
+    def __init__(self, endpoint: str, *scenario: str) -> None:
+        super().__init__(daemon=True)
+        self.args = (endpoint, *scenario)
+        self.result: dict[str, Any] | BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = run_emitter(*self.args)
+        except BaseException as exc:  # re-raised by the test, not lost in the thread
+            self.result = exc
+
+    def outcome(self) -> dict[str, Any]:
+        self.join(timeout=PROCESS_TIMEOUT + 10)
+        if not isinstance(self.result, dict):
+            raise AssertionError(f"the emitter failed: {self.result!r}")
+        return self.result
 
 
 @pytest.fixture

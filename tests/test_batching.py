@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import Daemon, native_unavailable, run_emitter
+from conftest import BackgroundEmitter, Daemon, native_unavailable
 from tapd.daemon.router import Router
 from tapd.daemon.runs import Site, TapRun
 from tapd.native.ring import Record, Records
@@ -46,28 +46,6 @@ def receive_while(sock: zmq.Socket[bytes], emitter: threading.Thread) -> list[An
     return messages
 
 
-class Emitter(threading.Thread):
-    """A real JAX emitter scenario run from a thread; `result` once it is done."""
-
-    def __init__(self, endpoint: str, *scenario: str) -> None:
-        super().__init__(daemon=True)
-        self.args = (endpoint, *scenario)
-        self.result: dict[str, Any] | BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.result = run_emitter(*self.args)
-        except BaseException as exc:  # re-raised by the test, not lost in the thread
-            self.result = exc
-
-    def outcome(self) -> dict[str, Any]:
-        self.join(timeout=60)
-        if not isinstance(self.result, dict):
-            raise AssertionError(f"the emitter failed: {self.result!r}")
-        return self.result
-
-
 @pytest.mark.parametrize("batch", [True, False], ids=["batching", "old-subscriber"])
 def test_small_taps_are_batched_only_for_subscribers_that_said_so(
     start_daemon: Callable[..., Daemon], raw_peer: Callable[[str], zmq.Socket[bytes]], batch: bool
@@ -78,7 +56,7 @@ def test_small_taps_are_batched_only_for_subscribers_that_said_so(
     sock.send_multipart(encode("hello", {**hello, "batch": True} if batch else hello))
     assert decode(sock.recv_multipart()).kind == "welcome"
 
-    emitter = Emitter(daemon.endpoint, "steps", str(TAPS))
+    emitter = BackgroundEmitter(daemon.endpoint, "steps", str(TAPS))
     messages = receive_while(sock, emitter)
     assert emitter.outcome()["stats"]["delivered"] == TAPS
     taps = [t for m in messages for t in (m.batch if m.kind == "taps" else [m])]
@@ -103,7 +81,7 @@ def test_large_taps_travel_alone_even_to_a_batching_subscriber(
     sock.send_multipart(encode("hello", {"role": "subscriber", "consumers": ["big"],
                                          "window": 8, "name": "raw", "batch": True}))  # fmt: skip
     assert decode(sock.recv_multipart()).kind == "welcome"
-    emitter = Emitter(daemon.endpoint, "many_bytes", "5", "128")
+    emitter = BackgroundEmitter(daemon.endpoint, "many_bytes", "5", "128")
     messages = receive_while(sock, emitter)
     emitter.outcome()
     assert [m.kind for m in messages] == ["tap"] * 5

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +18,15 @@ from typing import Any
 import pytest
 import zmq
 
-from conftest import APPS, PROCESS_TIMEOUT, Daemon, run_emitter, tapd_cmd, wait_until
+from conftest import (
+    APPS,
+    PROCESS_TIMEOUT,
+    BackgroundEmitter,
+    Daemon,
+    run_emitter,
+    tapd_cmd,
+    wait_until,
+)
 from tapd.protocol import decode, encode
 
 
@@ -77,28 +84,6 @@ def start_member(runtime_dir: Path) -> Iterator[Callable[..., Member]]:
                 member.process.wait(timeout=PROCESS_TIMEOUT)
         if member.process.stdout is not None:
             member.process.stdout.close()
-
-
-class Emitter(threading.Thread):
-    """A JAX emitter run in the background, for things done while it taps."""
-
-    def __init__(self, *args: str) -> None:
-        super().__init__(daemon=True)
-        self.args = args
-        self.result: dict[str, Any] | BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.result = run_emitter(*self.args)
-        except BaseException as exc:  # re-raised by the test, not lost in the thread
-            self.result = exc
-
-    def outcome(self) -> dict[str, Any]:
-        self.join(timeout=PROCESS_TIMEOUT + 10)
-        if not isinstance(self.result, dict):
-            raise AssertionError(f"the emitter failed: {self.result!r}")
-        return self.result
 
 
 def group_stats(daemon: Daemon, name: str = "writers") -> dict[str, Any]:
@@ -178,7 +163,7 @@ def test_the_taps_of_a_member_killed_mid_stream_go_to_another(
     doomed = start_member(daemon, "loss", hang_after=2)  # then holds a tap, unacked
     outsider = start_member(daemon, "loss", group=None)
 
-    emitter = Emitter(daemon.endpoint, "paced", "150", "10")
+    emitter = BackgroundEmitter(daemon.endpoint, "paced", "150", "10")
     hung_at = wait_until(doomed.hung_at, "the doomed member to hang on a tap")
     in_flight = {s["name"]: s["in_flight"] for s in daemon.stats()["subscribers"]}
     assert in_flight.get(doomed.name, 0) >= 1, in_flight
