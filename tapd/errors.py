@@ -5,6 +5,7 @@
     ├── ConfigError                a setting was missing or malformed
     ├── TapDefinitionError         a tap site cannot be served (raised at trace time)
     ├── BarrierTimeout             also a TimeoutError: `barrier_wait` gave up
+    ├── DaemonAlreadyRunning       also an OSError: another daemon holds this endpoint
     └── CallbackException          a tap function or handler raised (surfaces at the barrier);
                                    `TapFunctionException` is the same class, as in host_callback
 
@@ -18,6 +19,7 @@ __all__ = [
     "BarrierTimeout",
     "CallbackException",
     "ConfigError",
+    "DaemonAlreadyRunning",
     "ProtocolError",
     "TapDefinitionError",
     "TapFunctionException",
@@ -49,6 +51,11 @@ class TapDefinitionError(TapdError, TypeError):
 
 class BarrierTimeout(TapdError, TimeoutError):
     """`barrier_wait` ran out of time; the message says what was outstanding."""
+
+
+class DaemonAlreadyRunning(TapdError, OSError):
+    """Another tapd daemon serves (or holds the lock of) the endpoint a daemon was to
+    bind; `tapd start` exits with ExitCode.ALREADY_RUNNING."""
 
 
 class CallbackException(TapdError):

@@ -19,7 +19,7 @@ from typing import Any
 
 from tapd import config as config_module
 from tapd.cli.exit_codes import ExitCode
-from tapd.errors import ConfigError, TapdError
+from tapd.errors import ConfigError, DaemonAlreadyRunning, TapdError
 from tapd.runtime import default_endpoint, default_pidfile
 
 logger = logging.getLogger("tapd.cli")
@@ -442,9 +442,12 @@ def run_daemon(config: config_module.Config) -> int:
     daemon = Daemon(config)
     try:
         daemon.bind()
+    except DaemonAlreadyRunning as exc:
+        logger.error("%s", exc)
+        return ExitCode.ALREADY_RUNNING
     except OSError as exc:
         logger.error("%s", exc)
-        return ExitCode.ALREADY_RUNNING if "already" in str(exc) else ExitCode.FAILURE
+        return ExitCode.FAILURE
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: daemon.request_stop())
     pidfile = config.pidfile

@@ -311,8 +311,6 @@ class MetricsServer:
         try:
             self._server, self._thread = start_http_server(port, host, registry=registry)
         except OSError as exc:
-            # (not "already in use": the CLI reads "already" as another daemon on the
-            # endpoint; this one is an HTTP port, maybe anyone's)
             why = (
                 f"port {port} is in use by another process"
                 if exc.errno == errno.EADDRINUSE

@@ -29,7 +29,7 @@ from tapd.daemon.forward import Forwarder
 from tapd.daemon.metrics import MetricsServer, Snapshots
 from tapd.daemon.rings import RingSet, pid_alive, sweep_stale_rings
 from tapd.daemon.router import Router
-from tapd.errors import ProtocolError
+from tapd.errors import DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
 from tapd.protocol.link import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from tapd.runtime import ensure_private_dir, mark_ring_dir, ring_dir_for
@@ -439,8 +439,8 @@ def _lock_endpoint(path: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise OSError(f"another tapd daemon is already running for ipc://{path} "
-                      f"(it holds {lock_path})") from None  # fmt: skip
+        raise DaemonAlreadyRunning(f"another tapd daemon is already running for "
+                                   f"ipc://{path} (it holds {lock_path})") from None  # fmt: skip
     return fd
 
 
@@ -463,7 +463,7 @@ def _remove_stale_socket(path: str) -> None:
         return
     finally:
         probe.close()
-    raise OSError(f"another tapd daemon is already listening on ipc://{path}")
+    raise DaemonAlreadyRunning(f"another tapd daemon is already listening on ipc://{path}")
 
 
 def _drain_pipe(fd: int) -> None:
