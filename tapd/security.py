@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import logging
 import os
 from pathlib import Path
@@ -168,6 +169,13 @@ _HANDSHAKE_REASONS: dict[int, str] = {
 }
 
 
+_HUNG_UP = frozenset((errno.EPIPE, errno.ECONNRESET))
+_REASON_TEXT = {
+    "closed_during_handshake": "it hung up during the handshake (a client with no key, "
+    "which saw the mismatch first, or one that gave up)",
+}
+
+
 class HandshakeMonitor:
     """Counts the peers a CURVE socket refuses before ZAP is asked: a client with no key
     (a plain ZeroMQ peer), one with the wrong server key, one that does not speak ZMTP.
@@ -187,13 +195,22 @@ class HandshakeMonitor:
                 event = recv_monitor_message(self.socket, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            reason = _HANDSHAKE_REASONS.get(int(event["value"]), "bad_handshake")
+            value = int(event["value"])
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+                # An errno, not a protocol error: a client with no key that saw the
+                # mismatch first and hung up makes our next write fail (EPIPE).
+                reason = ("closed_during_handshake" if value in _HUNG_UP
+                          else "bad_handshake")  # fmt: skip
+                detail = f"errno {errno.errorcode.get(value, value)}"
+            else:
+                reason = _HANDSHAKE_REASONS.get(value, "bad_handshake")
+                detail = f"libzmq error {value:#x}"
             self.refused += 1
             self.by_reason[reason] += 1
             log = logger.warning if self.by_reason[reason] == 1 else logger.debug
-            log("refused a peer on %r: %s (libzmq error %#x; further ones counted in "
-                "auth_refused, not logged)", event["endpoint"].decode(errors="replace"),
-                reason.replace("_", " "), event["value"])  # fmt: skip
+            log("refused a peer on %r: %s (%s; further ones counted in auth_refused, not "
+                "logged)", event["endpoint"].decode(errors="replace"),
+                _REASON_TEXT.get(reason, reason.replace("_", " ")), detail)  # fmt: skip
 
     def close(self) -> None:
         try:
