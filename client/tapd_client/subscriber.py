@@ -222,7 +222,7 @@ class Subscriber:
     def on(self, consumer: str, *, batch: bool = False) -> Callable[[Any], Any]:
         """Decorator: run the function for taps named `consumer`. A name ending in `*`
         matches by prefix (`"mymodule:*"`). With `batch`, the function gets a `TapBatch`
-        per run of taps of one site instead of `(value, meta)` per tap."""
+        of each site's taps in a received message instead of `(value, meta)` per tap."""
 
         def register(handler: Any) -> Any:
             self.add_handler(consumer, handler, batch=batch)
@@ -452,10 +452,7 @@ class Subscriber:
             if handler is None:
                 raise TapdError(f"no handler here for consumer {consumer!r}")
             meta = TapMeta.from_header(header) if template is None else template.meta(header)
-            # A handler that says `takes_message` (tapd record) gets the decoded tap
-            # itself: header, tree spec and leaves as they travelled.
-            handler(message if getattr(handler, "takes_message", False) else message.value(),
-                    meta)  # fmt: skip
+            handler(message.value(), meta)
             self.processed += 1
         except Exception as exc:
             self.failed += 1

@@ -260,9 +260,3 @@ def read_runs(header: dict[str, Any], payload: list[memoryview], limits: Limits)
             run_key = (row[0], frame)
             runs.append(SiteRun(static, payload[frame], [row]))
     return runs
-
-
-def split_batch(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> list[Message]:
-    """The taps of a decoded `taps` message, each a `tap` Message whose frames view a
-    body frame; raises ProtocolError on any inconsistency."""
-    return [run.message(i) for run in read_runs(header, payload, limits) for i in range(len(run))]
