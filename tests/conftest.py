@@ -265,6 +265,13 @@ def run_emitter(
     return output
 
 
+def keygen(directory: Path, name: str) -> tuple[Path, Path]:
+    """`tapd keygen NAME --dir DIRECTORY`: the public and secret key files."""
+    result = tapd_cmd("keygen", name, "--dir", str(directory))
+    assert result.returncode == 0, result.stderr
+    return directory / f"{name}.key", directory / f"{name}.key_secret"
+
+
 class BackgroundEmitter(threading.Thread):
     """`run_emitter` on a thread, for what a test does while the emitter taps;
     `outcome()` waits for its result, or raises what it raised."""

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import APPS, Daemon, SubscriberProcess, run_emitter, tapd_cmd, wait_until
+from conftest import APPS, Daemon, SubscriberProcess, keygen, run_emitter, tapd_cmd, wait_until
 from tapd import config as config_module
 from tapd.cli.exit_codes import ExitCode
 from tapd.errors import ConfigError
@@ -242,12 +242,6 @@ def test_an_upstream_restart_gets_the_unconfirmed_taps_again(
     assert sorted(last, key=last.__getitem__) == sorted(last)
     assert forwarder.counters()["forward_confirmed"] == 40
     assert "upstream daemon at ipc://" in forwarder.log() and "restarted" in forwarder.log()
-
-
-def keygen(directory: Path, name: str) -> tuple[Path, Path]:
-    result = tapd_cmd("keygen", name, "--dir", str(directory))
-    assert result.returncode == 0, result.stderr
-    return directory / f"{name}.key", directory / f"{name}.key_secret"
 
 
 def test_forwarding_over_curve_tcp_admits_known_keys_only(

@@ -10,14 +10,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from conftest import APPS, Daemon, SubscriberProcess, run_emitter, tapd_cmd, wait_until
+from conftest import APPS, Daemon, SubscriberProcess, keygen, run_emitter, tapd_cmd, wait_until
 from tapd.cli.exit_codes import ExitCode
-
-
-def keygen(directory: Path, name: str) -> tuple[Path, Path]:
-    result = tapd_cmd("keygen", name, "--dir", str(directory))
-    assert result.returncode == 0, result.stderr
-    return directory / f"{name}.key", directory / f"{name}.key_secret"
 
 
 def test_keygen_writes_a_public_key_and_a_private_key_pair(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from conftest import (
     PROCESS_TIMEOUT,
     BackgroundEmitter,
     Daemon,
+    keygen,
     run_emitter,
     tapd_cmd,
     wait_until,
@@ -209,12 +210,6 @@ def test_at_shutdown_a_groups_taps_are_lost_once_not_passed_around(
     log = daemon.log()
     assert "go to the other members" not in log, log
     assert "lost its last member" in log and "taps it had not processed are lost" in log, log
-
-
-def keygen(directory: Path, name: str) -> tuple[Path, Path]:
-    result = tapd_cmd("keygen", name, "--dir", str(directory))
-    assert result.returncode == 0, result.stderr
-    return directory / f"{name}.key", directory / f"{name}.key_secret"
 
 
 def test_a_member_over_curve_tcp_shares_a_group_with_a_local_one(
