@@ -17,7 +17,8 @@ from typing import Any
 
 from tapd.errors import ConfigError
 from tapd.runtime import check_ipc_endpoint, default_pidfile
-from tapd.settings import CONFIG, DAEMON_SETTINGS, DaemonFields, check_choices, read_environment
+from tapd.settings import CONFIG, DAEMON_SETTINGS, DaemonFields
+from tapd.settings.setting import check_choices, read_environment
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,7 +56,8 @@ import jax
 
 from tapd.emitter import lifecycle
 from tapd.errors import TapDefinitionError
-from tapd.settings import CONNECT_TIMEOUT, LOCAL_FALLBACK, Setting
+from tapd.settings import CONNECT_TIMEOUT, LOCAL_FALLBACK
+from tapd.settings.setting import Setting
 from tapd_client.meta import TapMeta
 from tapd_client.subscriber import Subscriber
 from tapd_client.tap_functions import resolve, tap_function_keywords

@@ -10,7 +10,8 @@ import dataclasses
 from typing import Any, get_args
 
 from tapd.errors import ConfigError
-from tapd.settings import EMITTER_SETTINGS, Backend, EmitterFields, check_choices, read_environment
+from tapd.settings import EMITTER_SETTINGS, Backend, EmitterFields
+from tapd.settings.setting import check_choices, read_environment
 
 __all__ = ["BACKENDS", "Backend", "EmitterSettings", "from_environment"]
 
