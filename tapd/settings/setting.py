@@ -114,6 +114,9 @@ class Setting:
         """The value its environment variable gives (converted), or None if unset."""
         environ = os.environ if environ is None else environ
         if self.variable is not None and (raw := environ.get(self.variable)):
+            if self.choices and raw not in self.choices:
+                choices = ", ".join(self.choices)
+                raise ConfigError(f"{self.variable}={raw!r} is not one of {choices}")
             return self.convert(raw, self.variable)
         if self.legacy and self.legacy.variable and (raw := environ.get(self.legacy.variable)):
             return self._read_legacy(self.legacy, raw)
@@ -126,7 +129,8 @@ class Setting:
         emitter, and what was meant for an emitter never silently changes a daemon."""
         old = f"{legacy.variable}={raw}"
         if raw not in legacy.choices:
-            raise ConfigError(f"{old!r} is not one of {', '.join(legacy.choices)}")
+            choices = ", ".join(legacy.choices)
+            raise ConfigError(f"{legacy.variable}={raw!r} is not one of {choices}")
         reader = self.readers[0]
         if raw in self.choices:
             warn_once(
