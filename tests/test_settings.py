@@ -116,7 +116,7 @@ def test_a_daemon_and_its_emitter_share_a_shell_with_the_old_variable(
     assert "the emitter ignores it and uses block" in result["stderr"]
     log = daemon.log()
     assert "(policy spool)" in log
-    assert "takes TAPD_POLICY=spool as TAPD_DAEMON_POLICY=spool" in log
+    assert "TAPD_POLICY=spool: the daemon takes it as TAPD_DAEMON_POLICY=spool" in log
 
 
 # ---- one table ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from tapd.runtime import default_endpoint
 from tapd.settings import ENDPOINT
@@ -43,7 +44,7 @@ def add_setting(parser: argparse.ArgumentParser, setting: Setting) -> None:
     has_default = setting.default is not None or setting.default_text is not None
     if has_default and setting.base_type is not bool:
         text += f" (default {setting.shown_default})"
-    options: dict[str, object] = {"dest": setting.name, "help": text, "default": None}
+    options: dict[str, Any] = {"dest": setting.name, "help": text, "default": None}
     if setting.base_type is bool:
         options["action"] = "store_true"
     elif setting.choices:
@@ -52,7 +53,7 @@ def add_setting(parser: argparse.ArgumentParser, setting: Setting) -> None:
         options["type"] = setting.base_type
     if setting.metavar is not None:
         options["metavar"] = setting.metavar
-    parser.add_argument(setting.flag, **options)  # type: ignore[arg-type]
+    parser.add_argument(setting.flag, **options)
 
 
 def byte_size(text: str) -> int:

@@ -23,11 +23,6 @@ Reader = Literal["daemon", "emitter", "subscriber", "cli", "build"]
 EVERY_PROCESS: tuple[Reader, ...] = ("daemon", "emitter", "subscriber", "cli")
 CLIENTS: tuple[Reader, ...] = ("emitter", "subscriber", "cli")
 
-Backend = Literal["auto", "native", "portable"]
-
-SOCKET_NAME = "tapd.sock"
-PIDFILE_NAME = "tapd.pid"
-
 
 def boolean(raw: Any) -> bool:
     """1/true/yes/on or 0/false/no/off (any case), as environment variables spell them."""
@@ -132,16 +127,14 @@ class Setting:
             choices = ", ".join(legacy.choices)
             raise ConfigError(f"{legacy.variable}={raw!r} is not one of {choices}")
         reader = self.readers[0]
+        why = f"{legacy.variable} is {legacy.help}"
         if raw in self.choices:
-            warn_once(
-                f"{legacy.variable} is {legacy.help}: the {reader} takes {old} as "
-                f"{self.variable}={raw}"
-            )
+            warn_once(f"{old}: the {reader} takes it as {self.variable}={raw}. {why}")
             return self.convert(raw, str(legacy.variable))
+        choices = ", ".join(self.choices)
         warn_once(
-            f"{old} is not one of the {reader}'s {self.name} values ({', '.join(self.choices)}): "
-            f"the {reader} ignores it and uses {self.shown_default}. {legacy.variable} is "
-            f"{legacy.help}"
+            f"{old} is not one of the {reader}'s {self.name} values ({choices}): the {reader} "
+            f"ignores it and uses {self.shown_default}. {why}"
         )
         return None
 
