@@ -1,4 +1,5 @@
-"""The daemon's configuration: one frozen `Config`.
+"""The daemon's configuration: one frozen `Config`, whose fields (name, type, default,
+variable, flag, help) are declared in `tapd.settings.DaemonFields`.
 
 Precedence: defaults < TOML file (`--config` or `$TAPD_CONFIG`) < `TAPD_*` environment
 variables < command-line flags. Only the CLI builds one from all four (`load`).
@@ -10,64 +11,22 @@ import dataclasses
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tapd.errors import ConfigError
-from tapd.policies import DAEMON_POLICIES, POLICIES
-from tapd.runtime import check_ipc_endpoint, default_endpoint, default_pidfile
+from tapd.runtime import check_ipc_endpoint, default_pidfile
+from tapd.settings import CONFIG, DAEMON_SETTINGS, DaemonFields
+from tapd.settings.setting import check_choices, read_environment
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    # Local endpoint for emitters, subscribers and control (ipc in a 0700 directory).
-    endpoint: str = dataclasses.field(default_factory=default_endpoint)
-    # Optional extra endpoint reachable from other hosts: CurveZMQ-authenticated (our
-    # key pair in curve_secret_key, the peers we admit in curve_allowed), unless insecure.
-    tcp: str | None = None
-    curve_secret_key: Path | None = None
-    curve_allowed: Path | None = None
-    insecure: bool = False
-    # Forward every tap to the daemon at this endpoint (ipc:// or tcp://HOST:PORT), as
-    # well as to local subscribers. On tcp, CurveZMQ: the upstream's public key in
-    # forward_server_key, ours in curve_secret_key (unless insecure).
-    forward: str | None = None
-    forward_server_key: Path | None = None
-    # What a full subscriber queue does: "block" slows the emitters, "drop_newest" drops,
-    # "spool" appends to an on-disk log per subscriber (spool_dir, at most spool_bytes
-    # each) and delivers it in order as the subscriber catches up; a full spool (or disk)
-    # falls back to spool_fallback ("block" or "drop_newest").
-    policy: str = "block"
-    spool_dir: Path | None = None  # default: ~/.cache/tapd/spool/<hash of the endpoint>
-    spool_bytes: int = 10 * 2**30
-    spool_fallback: str = "block"
-    # Bound of each subscriber's queue, in bytes of array payload.
-    queue_bytes: int = 256 * 10**6
-    # Bytes of taps an emitter may have sent that the daemon has not yet passed on.
-    emitter_window_bytes: int = 64 * 2**20
-    # A subscriber silent this long (no ack, no heartbeat) is dropped; its taps count lost.
-    subscriber_timeout: float = 10.0
-    # After start, how long to wait before draining rings, so that subscribers of a
-    # restarted daemon are back before the taps waiting in rings are routed.
-    startup_grace: float = 2.0
-    # On SIGTERM, how long to keep delivering what is queued before exiting.
-    drain_timeout: float = 10.0
-    # Largest tap accepted, in bytes of array payload.
-    max_message_bytes: int = 2**30
-    pidfile: Path | None = None
-    log_level: str = "info"
-    # Serve Prometheus metrics over HTTP at HOST:PORT (":PORT": every interface, as
-    # exporters do; port 0: any free one, logged and shown by `tapd status`).
-    metrics: str | None = None
+class Config(DaemonFields):
+    """The daemon's settings, checked together."""
 
     def __post_init__(self) -> None:
-        if self.policy not in DAEMON_POLICIES:
-            raise ConfigError(f"policy {self.policy!r} is not one of "
-                              f"{', '.join(DAEMON_POLICIES)}")  # fmt: skip
-        if self.spool_fallback not in POLICIES:
-            raise ConfigError(f"spool_fallback {self.spool_fallback!r} is not one of "
-                              f"{', '.join(POLICIES)}")  # fmt: skip
+        check_choices(self)
         for name in ("queue_bytes", "emitter_window_bytes", "max_message_bytes", "spool_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -80,8 +39,8 @@ class Config:
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise ConfigError(f"--tcp {self.tcp!r} must be a tcp:// endpoint")
         if self.log_level.upper() not in LOG_LEVELS:
-            raise ConfigError(f"log_level {self.log_level!r} is not one of "
-                              f"{', '.join(level.lower() for level in LOG_LEVELS)}")  # fmt: skip
+            levels = ", ".join(level.lower() for level in LOG_LEVELS)
+            raise ConfigError(f"log_level {self.log_level!r} is not one of {levels}")
         curve = (self.curve_secret_key, self.curve_allowed)
         listened = [("--tcp", self.tcp), ("--endpoint", self.endpoint)]
         for option, endpoint in listened:
@@ -146,33 +105,7 @@ def metrics_address(text: str) -> tuple[str, int]:
     return match["host"].strip("[]") or "0.0.0.0", int(match["port"])
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
-
-
-def _boolean(raw: Any) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(raw)
-
-
-def _convert(name: str, raw: Any, source: str) -> Any:
-    converters: dict[str, Callable[[Any], Any]] = {
-        "queue_bytes": int, "emitter_window_bytes": int, "max_message_bytes": int,
-        "subscriber_timeout": float, "drain_timeout": float, "startup_grace": float,
-        "pidfile": Path, "curve_secret_key": Path, "curve_allowed": Path, "insecure": _boolean,
-        "forward_server_key": Path, "spool_dir": Path, "spool_bytes": int,
-    }  # fmt: skip
-    kind = converters.get(name, str)
-    try:
-        return kind(raw)
-    except (TypeError, ValueError) as exc:
-        what = getattr(kind, "__name__", "value").lstrip("_")
-        raise ConfigError(f"{source}: {name}={raw!r} is not a valid {what}") from exc
+_BY_NAME = {setting.name: setting for setting in DAEMON_SETTINGS}
 
 
 def load(
@@ -182,24 +115,22 @@ def load(
 ) -> Config:
     """Merge defaults, the TOML file, `TAPD_*` variables and flags (None = not given)."""
     values: dict[str, Any] = {}
-    path = config_file or (Path(environ["TAPD_CONFIG"]) if "TAPD_CONFIG" in environ else None)
+    path = config_file or CONFIG.read(environ)
     if path is not None:
         try:
             table = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"cannot read config file {path}: {exc}") from exc
         for key, raw in table.get("daemon", table).items():
-            name = key.replace("-", "_")
-            if name not in _FIELDS:
+            setting = _BY_NAME.get(key.replace("-", "_"))
+            if setting is None:
                 raise ConfigError(f"{path}: unknown setting {key!r}")
-            values[name] = _convert(name, raw, str(path))
-    for name in _FIELDS:
-        variable = f"TAPD_{name.upper()}"
-        if variable in environ:
-            values[name] = _convert(name, environ[variable], variable)
+            values[setting.name] = setting.convert(raw, str(path))
+    values |= read_environment(DAEMON_SETTINGS, environ)
     for name, raw in flags.items():
         if raw is not None:
-            values[name] = _convert(name, raw, f"--{name.replace('_', '-')}")
+            setting = _BY_NAME[name]
+            values[name] = setting.convert(raw, setting.flag or name)
     if "pidfile" not in values:
         values["pidfile"] = default_pidfile()
     return Config(**values)

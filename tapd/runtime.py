@@ -14,18 +14,14 @@ from pathlib import Path
 
 from tapd.errors import ConfigError
 
-SOCKET_NAME = "tapd.sock"
-PIDFILE_NAME = "tapd.pid"
+# The runtime directory and the default endpoint are settings' defaults, defined there.
+from tapd.settings import PIDFILE_NAME as PIDFILE_NAME
+from tapd.settings import SOCKET_NAME as SOCKET_NAME
+from tapd.settings import default_endpoint as default_endpoint
+from tapd.settings import default_pidfile as default_pidfile
+from tapd.settings import runtime_dir as runtime_dir
+
 IPC_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
-
-
-def runtime_dir() -> Path:
-    """The runtime directory path (not created)."""
-    if explicit := os.environ.get("TAPD_RUNTIME_DIR"):
-        return Path(explicit)
-    if xdg := os.environ.get("XDG_RUNTIME_DIR"):
-        return Path(xdg) / "tapd"
-    return Path(f"/tmp/tapd-{os.getuid()}")
 
 
 def ensure_private_dir(path: Path) -> Path:
@@ -39,8 +35,10 @@ def ensure_private_dir(path: Path) -> Path:
         raise ConfigError(f"cannot create runtime directory {path}: {exc.strerror}") from exc
     info = path.lstat()
     if stat.S_ISLNK(info.st_mode):
-        raise ConfigError(f"runtime directory {path} is a symbolic link; tapd uses only a "
-                          "real directory of its own. Remove the link.")  # fmt: skip
+        raise ConfigError(
+            f"runtime directory {path} is a symbolic link; tapd uses only a real directory "
+            "of its own. Remove the link."
+        )
     if not stat.S_ISDIR(info.st_mode):
         raise ConfigError(f"runtime directory {path} is not a directory")
     if info.st_uid != os.getuid():
@@ -60,14 +58,6 @@ def check_endpoint_dir(endpoint: str) -> None:
     could run a fake daemon there, to be sent taps or to feed subscribers."""
     if endpoint.startswith("ipc://"):
         ensure_private_dir(Path(endpoint.removeprefix("ipc://")).parent)
-
-
-def default_endpoint() -> str:
-    return f"ipc://{runtime_dir() / SOCKET_NAME}"
-
-
-def default_pidfile() -> Path:
-    return runtime_dir() / PIDFILE_NAME
 
 
 def check_ipc_endpoint(endpoint: str) -> None:

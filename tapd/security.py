@@ -26,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from tapd.errors import ConfigError
 from tapd.runtime import check_endpoint_dir
+from tapd.settings import CURVE_SECRET, CURVE_SERVER_KEY
 
 logger = logging.getLogger("tapd.security")
 
@@ -85,15 +86,12 @@ class ClientKeys:
     @classmethod
     def from_environment(cls) -> ClientKeys | None:
         """TAPD_CURVE_SERVER_KEY (the daemon's NAME.key) and TAPD_CURVE_SECRET (ours)."""
-        server, secret = (
-            os.environ.get("TAPD_CURVE_SERVER_KEY"),
-            os.environ.get("TAPD_CURVE_SECRET"),
-        )
+        server, secret = CURVE_SERVER_KEY.read(), CURVE_SECRET.read()
         if not server and not secret:
             return None
         if not (server and secret):
             raise ConfigError("set both TAPD_CURVE_SERVER_KEY and TAPD_CURVE_SECRET, or neither")
-        return cls.from_files(Path(server), Path(secret))
+        return cls.from_files(server, secret)
 
     def apply(self, sock: zmq.Socket[Any]) -> None:
         sock.curve_serverkey = self.server_public

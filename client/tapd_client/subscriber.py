@@ -40,6 +40,7 @@ from tapd.protocol import Message, decode, encode
 from tapd.protocol.batch import SiteRun
 from tapd.runtime import default_endpoint
 from tapd.security import ClientKeys, secure_client
+from tapd.settings import ENDPOINT
 from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap
 from tapd_client.meta import MetaTemplate, TapMeta
 
@@ -195,7 +196,7 @@ class Subscriber:
         if group is not None and not 0 < len(group) <= 256:  # the protocol's name bound
             raise ValueError(f"a group name has 1 to 256 characters, got {group!r:.300}")
         if isinstance(endpoint, str) or endpoint is None:
-            endpoints = [endpoint or os.environ.get("TAPD_ENDPOINT") or default_endpoint()]
+            endpoints = [endpoint or ENDPOINT.read() or default_endpoint()]
         else:
             endpoints = list(endpoint)
         if not endpoints:

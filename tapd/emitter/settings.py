@@ -1,60 +1,35 @@
-"""Emitter settings: defaults < `TAPD_*` environment variables < `tapd.configure(...)`."""
+"""Emitter settings: defaults < `TAPD_*` environment variables < `tapd.configure(...)`.
+
+The fields (name, type, default, variable, help) are declared in
+`tapd.settings.EmitterFields`; this module checks them together.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any, Literal
+from typing import Any, get_args
 
 from tapd.errors import ConfigError
-from tapd.policies import POLICIES, Policy
-from tapd.runtime import default_endpoint
+from tapd.settings import EMITTER_SETTINGS, Backend, EmitterFields
+from tapd.settings.setting import check_choices, read_environment
 
-Backend = Literal["auto", "native", "portable"]
-BACKENDS: tuple[Backend, ...] = ("auto", "native", "portable")
+__all__ = ["BACKENDS", "Backend", "EmitterSettings", "from_environment"]
+
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 
 @dataclasses.dataclass(frozen=True)
-class EmitterSettings:
-    endpoint: str = dataclasses.field(default_factory=default_endpoint)
-    policy: Policy = "block"
-    # native: XLA FFI handler into a shared-memory ring (CPU, daemon on this host);
-    # portable: jax.debug.callback; auto: native where it can be used.
-    backend: Backend = "auto"
-    # The emitter's own buffer (or ring), in bytes of payload (host_callback's 256 MB).
-    buffer_bytes: int = 256 * 10**6
-    # How long interpreter exit waits for taps to be delivered.
-    exit_timeout: float = 10.0
-    # Under `block`, warn when one tap has waited this long for buffer space.
-    block_warning_after: float = 5.0
-
+class EmitterSettings(EmitterFields):
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        check_choices(self)
         if self.buffer_bytes <= 0:
             raise ConfigError(f"buffer_bytes must be positive, got {self.buffer_bytes}")
         if self.exit_timeout < 0:
             raise ConfigError(f"exit_timeout must be >= 0, got {self.exit_timeout}")
 
 
-_ENV = {
-    "TAPD_ENDPOINT": ("endpoint", str),
-    "TAPD_POLICY": ("policy", str),
-    "TAPD_BACKEND": ("backend", str),
-    "TAPD_BUFFER_BYTES": ("buffer_bytes", int),
-    "TAPD_EXIT_TIMEOUT": ("exit_timeout", float),
-}
-
-
 def from_environment(**overrides: Any) -> EmitterSettings:
-    values: dict[str, Any] = {}
-    for variable, (field, convert) in _ENV.items():
-        if (raw := os.environ.get(variable)) is not None:
-            try:
-                values[field] = convert(raw)
-            except ValueError as exc:
-                raise ConfigError(f"{variable}={raw!r} is not a valid {field}") from exc
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return EmitterSettings(**values)
+    """The settings `overrides` give (None: not given), else their variables, else defaults."""
+    given = {name: value for name, value in overrides.items() if value is not None}
+    unset = [s for s in EMITTER_SETTINGS if s.name not in given]
+    return EmitterSettings(**read_environment(unset), **given)

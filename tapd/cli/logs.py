@@ -1,0 +1,24 @@
+"""Logging of the `tapd` command: only the CLI configures it, never library code."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from tapd.config import LOG_LEVELS
+from tapd.errors import ConfigError
+
+
+def configure_logging() -> None:
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+def set_log_level(level: str) -> None:
+    if level.upper() not in LOG_LEVELS:
+        levels = ", ".join(name.lower() for name in LOG_LEVELS)
+        raise ConfigError(f"log level {level!r} is not one of {levels}")
+    logging.getLogger("tapd").setLevel(level.upper())  # other libraries stay at WARNING

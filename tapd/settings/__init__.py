@@ -1,0 +1,337 @@
+"""Every tapd setting, declared once: its name, type, default, environment variable,
+`tapd start` flag, which processes read it, and what it does.
+
+The daemon's settings are the fields of `DaemonFields` (checked by `tapd.config.Config`);
+the `tapd start` options and the TOML converter are made from them, so a new daemon
+setting is one field here. The emitter's are the fields of `EmitterFields` (checked by
+`tapd.emitter.settings.EmitterSettings`, set by `tapd.configure()`). The rest are read
+where they are used, through `Setting.read`. `python -m tapd.settings --markdown` prints
+README's table of them all.
+
+Every process reads this package (no JAX, no sockets); it imports nothing of tapd's but
+errors and policies.
+"""
+
+# No `from __future__ import annotations`: the fields' types are read at run time.
+import dataclasses
+import os
+from pathlib import Path
+from typing import Literal
+
+from tapd.policies import DaemonPolicy, Policy
+from tapd.settings.setting import CLIENTS, EVERY_PROCESS, Setting, daemon, emitter, settings_of
+
+Backend = Literal["auto", "native", "portable"]
+
+SOCKET_NAME = "tapd.sock"
+PIDFILE_NAME = "tapd.pid"
+
+# ---- where the daemon lives ---------------------------------------------------------------
+
+RUNTIME_DIR = Setting(
+    "runtime_dir",
+    Path | None,
+    "the per-user 0700 directory of the daemon's socket, pidfile and log",
+    EVERY_PROCESS,
+    variable="TAPD_RUNTIME_DIR",
+    default_text="$XDG_RUNTIME_DIR/tapd, else /tmp/tapd-$UID",
+)
+
+
+def runtime_dir() -> Path:
+    """The runtime directory path (not created)."""
+    if explicit := RUNTIME_DIR.read():
+        return Path(explicit)
+    if xdg := os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(xdg) / "tapd"
+    return Path(f"/tmp/tapd-{os.getuid()}")
+
+
+def default_endpoint() -> str:
+    return f"ipc://{runtime_dir() / SOCKET_NAME}"
+
+
+def default_pidfile() -> Path:
+    return runtime_dir() / PIDFILE_NAME
+
+
+ENDPOINT = Setting(
+    "endpoint",
+    str,
+    "the daemon's endpoint: where it listens, and where emitters, subscribers and the "
+    "`tapd` command find it",
+    EVERY_PROCESS,
+    variable="TAPD_ENDPOINT",
+    default_factory=default_endpoint,
+    default_text="ipc://<runtime dir>/tapd.sock",
+    flag="--endpoint",
+    toml=True,
+)
+
+# A deprecated variable, read only through the settings that replace it (Setting.legacy).
+POLICY = Setting(
+    "policy",
+    DaemonPolicy,
+    "deprecated, as the daemon and emitters both read it: set TAPD_DAEMON_POLICY for the "
+    "daemon and TAPD_EMITTER_POLICY for emitters",
+    ("daemon", "emitter"),
+    variable="TAPD_POLICY",
+)
+
+
+# ---- the daemon (`tapd start`) --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonFields:
+    endpoint: str = ENDPOINT.field()
+    # Optional extra endpoint reachable from other hosts: CurveZMQ-authenticated (our
+    # key pair in curve_secret_key, the peers we admit in curve_allowed), unless insecure.
+    tcp: str | None = daemon(
+        None,
+        "also listen here for other hosts; CurveZMQ-authenticated (see --curve-secret-key, "
+        "--curve-allowed) unless --insecure",
+        metavar="tcp://HOST:PORT",
+    )
+    curve_secret_key: Path | None = daemon(
+        None,
+        "this daemon's key pair, from `tapd keygen` (for --tcp, and as its identity towards "
+        "a --forward tcp:// upstream)",
+        metavar="NAME.key_secret",
+    )
+    curve_allowed: Path | None = daemon(
+        None, "directory of the NAME.key public keys of peers to admit", metavar="DIR"
+    )
+    insecure: bool = daemon(
+        False,
+        "let --tcp accept anyone who can reach it, and --forward tcp:// connect, "
+        "unauthenticated and unencrypted",
+    )
+    # Forward every tap to the daemon at this endpoint, as well as to local subscribers.
+    forward: str | None = daemon(
+        None,
+        "also send every tap on to the daemon at ENDPOINT (ipc://PATH, or tcp://HOST:PORT "
+        "of its --tcp)",
+        metavar="ENDPOINT",
+        details="so that a job's subscribers can all connect to that one daemon; local "
+        "subscribers still get theirs. Taps keep their emitter's identity and seq. Flow "
+        "control runs end to end: what the upstream cannot take (or while it is not up "
+        "yet) waits in this daemon's queue, under --policy. An emitter's barrier_wait() "
+        "returns once the upstream's subscribers have handled its taps. tcp:// needs "
+        "--forward-server-key and --curve-secret-key unless --insecure",
+    )
+    forward_server_key: Path | None = daemon(
+        None,
+        "the upstream daemon's public key, for --forward tcp://; the upstream admits this "
+        "daemon by the public half of --curve-secret-key",
+        metavar="NAME.key",
+    )
+    # What a full subscriber queue does; a full spool (or disk) falls back to spool_fallback.
+    policy: DaemonPolicy = daemon(
+        "block",
+        "when a subscriber's queue is full: block (lossless, slows the emitters), "
+        "drop_newest (counted), or spool (to an on-disk log per subscriber, delivered in "
+        "order as it catches up; lossless without slowing the emitters until the spool is "
+        "full, then --spool-fallback)",
+        variable="TAPD_DAEMON_POLICY",
+        legacy=POLICY,
+    )
+    spool_dir: Path | None = daemon(
+        None,
+        "where --policy spool keeps its logs, one directory per subscriber name; a daemon "
+        "restarted on it delivers what an earlier one left there",
+        default_text="~/.cache/tapd/spool/<endpoint hash>",
+    )
+    spool_bytes: int = daemon(
+        10 * 2**30, "bound of each subscriber's spool, in bytes", default_text="10 GiB"
+    )
+    spool_fallback: Policy = daemon("block", "what a full spool (or a full disk) does")
+    queue_bytes: int = daemon(
+        256 * 10**6,
+        "bound of each subscriber queue, in bytes of array payload",
+        default_text="256 MB",
+    )
+    emitter_window_bytes: int = daemon(
+        64 * 2**20,
+        "bytes of taps an emitter may have sent that the daemon has not yet passed on",
+        default_text="64 MiB",
+    )
+    subscriber_timeout: float = daemon(
+        10.0, "drop a subscriber silent (no ack, no heartbeat) this many seconds"
+    )
+    startup_grace: float = daemon(
+        2.0,
+        "seconds after start in which taps no subscriber wants yet wait for one, and "
+        "emitters' rings are not drained, so that subscribers can reconnect first",
+    )
+    drain_timeout: float = daemon(10.0, "on SIGTERM, keep delivering this many seconds")
+    max_message_bytes: int = daemon(
+        2**30, "largest tap accepted, in bytes of array payload", default_text="1 GiB"
+    )
+    pidfile: Path | None = daemon(
+        None, "where the daemon writes its pid", default_text="<runtime dir>/tapd.pid"
+    )
+    log_level: str = daemon(
+        "info",
+        "debug, info, warning or error",
+        readers=("daemon", "cli"),
+        flag="--log-level",
+        global_flag=True,
+    )
+    # ":PORT": every interface, as exporters do; port 0: any free one.
+    metrics: str | None = daemon(
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics: the counters and gauges of "
+        "`tapd status --json`, per emitter and per subscriber (needs pip install "
+        "'tapd[metrics]'). :PORT listens on every interface; port 0 picks a free one, "
+        "shown by `tapd status`",
+        metavar="HOST:PORT",
+    )
+
+
+def _named(settings: tuple[Setting, ...], name: str) -> Setting:
+    return next(setting for setting in settings if setting.name == name)
+
+
+DAEMON_SETTINGS = settings_of(DaemonFields)
+LOG_LEVEL = _named(DAEMON_SETTINGS, "log_level")
+PIDFILE = _named(DAEMON_SETTINGS, "pidfile")
+
+CONFIG = Setting(
+    "config",
+    Path | None,
+    "TOML file of daemon settings (a [daemon] table); TAPD_* variables and flags override it",
+    ("daemon",),
+    variable="TAPD_CONFIG",
+    flag="--config",
+)
+
+# ---- the emitter (the JAX process; `tapd.configure()`) --------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class EmitterFields:
+    endpoint: str = ENDPOINT.field()
+    policy: Policy = emitter(
+        "block",
+        "when the emitter's buffer (or ring) is full: block (pauses the computation, "
+        "lossless) or drop_newest (counted)",
+        variable="TAPD_EMITTER_POLICY",
+        legacy=POLICY,
+    )
+    backend: Backend = emitter(
+        "auto",
+        "native: the XLA FFI handler writes a shared-memory ring (CPU, GPU; daemon on this "
+        "host); portable: jax.debug.callback; auto: native where it can be used",
+    )
+    buffer_bytes: int = emitter(
+        256 * 10**6,
+        "the emitter's own buffer (or ring), in bytes of payload (host_callback's 256 MB)",
+        default_text="256 MB",
+    )
+    exit_timeout: float = emitter(
+        10.0, "how long interpreter exit waits for taps to be delivered, in seconds"
+    )
+    block_warning_after: float = emitter(
+        5.0, "under block, warn when one tap has waited this long for buffer space", variable=None
+    )
+
+
+CONNECT_TIMEOUT = Setting(
+    "connect_timeout",
+    float,
+    "seconds to wait for a daemon before a tap function of this process fails at trace time",
+    ("emitter",),
+    variable="TAPD_CONNECT_TIMEOUT",
+    default=10.0,
+)
+LOCAL_FALLBACK = Setting(
+    "local_fallback",
+    bool,
+    "run importable tap functions that no subscriber takes in the JAX process (0: only in "
+    "subscriber processes; their taps count as unrouted meanwhile)",
+    ("emitter",),
+    variable="TAPD_LOCAL_FALLBACK",
+    default=True,
+)
+
+# ---- clients of a tcp:// daemon ---------------------------------------------------------------
+
+CURVE_SERVER_KEY = Setting(
+    "curve_server_key",
+    Path | None,
+    "the daemon's public NAME.key, for a client of a tcp:// daemon (with TAPD_CURVE_SECRET)",
+    CLIENTS,
+    variable="TAPD_CURVE_SERVER_KEY",
+)
+CURVE_SECRET = Setting(
+    "curve_secret",
+    Path | None,
+    "this client's NAME.key_secret, from `tapd keygen`, which the daemon admits by its "
+    "NAME.key (with TAPD_CURVE_SERVER_KEY)",
+    CLIENTS,
+    variable="TAPD_CURVE_SECRET",
+)
+
+# ---- building the native library (setup.py, or on first use) --------------------------------
+# tapd/native/build.py and setup.py read these themselves: setup.py runs without tapd.
+
+XLA_FFI_INCLUDE = Setting(
+    "xla_ffi_include",
+    Path | None,
+    "a directory with jaxlib's XLA FFI headers (xla/ffi/api/ffi.h) to build the CPU handler "
+    "against",
+    ("build",),
+    variable="TAPD_XLA_FFI_INCLUDE",
+    default_text="an importable jaxlib's",
+)
+CUDA_RUNTIME_DIR = Setting(
+    "cuda_runtime_dir",
+    Path | None,
+    "a CUDA runtime (include/, and lib/ or lib64/ with libcudart.so.12 or .13) to build the "
+    "CUDA handler against, and only it",
+    ("build",),
+    variable="TAPD_CUDA_RUNTIME_DIR",
+    default_text="JAX's CUDA wheels, $CUDA_HOME, /usr/local/cuda",
+)
+BUILD_WITH_JAXLIB = Setting(
+    "build_with_jaxlib",
+    bool | None,
+    "whether `pip install` asks for jaxlib, for its FFI headers (1 or 0)",
+    ("build",),
+    variable="TAPD_BUILD_WITH_JAXLIB",
+    default_text="where jaxlib has wheels",
+)
+BUILD_JAXLIB = Setting(
+    "build_jaxlib",
+    str,
+    "the jaxlib requirement that `pip install` asks for",
+    ("build",),
+    variable="TAPD_BUILD_JAXLIB",
+    default="jaxlib>=0.6",
+)
+
+EMITTER_SETTINGS = settings_of(EmitterFields)
+
+
+def _every_setting() -> tuple[Setting, ...]:
+    """Each setting once (the endpoint is a field of both the daemon and the emitter)."""
+    listed = [
+        *DAEMON_SETTINGS,
+        CONFIG,
+        RUNTIME_DIR,
+        *EMITTER_SETTINGS,
+        CONNECT_TIMEOUT,
+        LOCAL_FALLBACK,
+        CURVE_SERVER_KEY,
+        CURVE_SECRET,
+        XLA_FFI_INCLUDE,
+        CUDA_RUNTIME_DIR,
+        BUILD_WITH_JAXLIB,
+        BUILD_JAXLIB,
+        POLICY,
+    ]
+    return tuple(dict.fromkeys(listed))
+
+
+SETTINGS = _every_setting()

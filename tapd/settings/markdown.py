@@ -1,0 +1,50 @@
+"""README's table of every TAPD_* variable, made from the settings table."""
+
+from pathlib import Path
+
+from tapd.settings import EMITTER_SETTINGS, SETTINGS
+from tapd.settings.setting import Setting
+
+
+def _type_text(setting: Setting) -> str:
+    if setting.choices:
+        return " \\| ".join(f"`{choice}`" for choice in setting.choices)
+    names = {
+        bool: "boolean",
+        int: "integer",
+        float: "seconds"
+        if "timeout" in setting.name or setting.name.endswith(("_grace", "_after"))
+        else "number",
+        Path: "path",
+    }
+    return names.get(setting.base_type, "text")
+
+
+def markdown_table() -> str:
+    """README's table of every TAPD_* variable (`python -m tapd.settings --markdown`)."""
+    rows = [
+        "| variable | read by | type | default | also | what it does |",
+        "|---|---|---|---|---|---|",
+    ]
+    for setting in SETTINGS:
+        if setting.variable is None:
+            continue
+        also = []
+        if setting.flag:
+            also.append(
+                f"`{setting.flag}`" if setting.global_flag else f"`tapd start {setting.flag}`"
+            )
+        if setting.toml:
+            also.append(f"TOML `{setting.name}`")
+        if "emitter" in setting.readers and setting in EMITTER_SETTINGS:
+            also.append(f"`tapd.configure({setting.name}=)`")
+        cells = [
+            f"`{setting.variable}`",
+            ", ".join(setting.readers),
+            _type_text(setting),
+            setting.shown_default.replace("|", "\\|"),
+            ", ".join(also),
+            setting.help.replace("|", "\\|"),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
