@@ -467,7 +467,7 @@ def run_daemon(config: config_module.Config) -> int:
 
 
 def _start_detached(config: config_module.Config, argv: list[str]) -> int:
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.daemon.rings import pid_alive
 
     try:
@@ -527,7 +527,7 @@ def _endpoint(args: argparse.Namespace) -> str:
 def cmd_stop(args: argparse.Namespace) -> int:
     """Stop the daemon that answers at the endpoint, by the pid it gives. The pidfile is
     only compared with it: after a kill -9 its pid may have gone to another process."""
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.daemon.rings import pid_alive
 
     endpoint = _endpoint(args)
@@ -567,7 +567,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.daemon.router import summarize
 
     endpoint = _endpoint(args)
@@ -586,7 +586,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.tools.top import run
 
     endpoint = _endpoint(args)
@@ -603,7 +603,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from tapd.daemon import control
+    from tapd.clients import control
 
     try:
         control.stats(_endpoint(args), timeout=args.timeout)
@@ -713,7 +713,7 @@ def _byte_size(text: str) -> int:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.tools.record import Progress, Recorder
     from tapd_client import Subscriber
 
@@ -830,7 +830,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import importlib.metadata
     import platform
 
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.native import library
     from tapd.runtime import ring_dir_for, runtime_dir
 
