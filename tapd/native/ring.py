@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 STALL_WARNING_S = 30.0  # a reserved record holding the ring back this long is logged
-_HEADER = RECORD_HEADER_STRUCT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,9 +176,8 @@ class Ring:
         self._lib = _lib()
         self.header_bytes = int(self._lib.tapd_ring_record_header_bytes())
         self._mapped: tuple[int, memoryview] | None = None  # (capacity, view of both maps)
-        self._nonce = (
-            int(self._lib.tapd_ring_nonce(handle)) & ~TAG_STATE_MASK
-        )  # in every commit tag
+        # The nonce mixed into every commit tag (ring.h, Tag()), its state bits clear.
+        self._nonce = int(self._lib.tapd_ring_nonce(handle)) & ~TAG_STATE_MASK
         self._stalled: tuple[int, float, bool] | None = None  # (position, since, warned)
         assert self.header_bytes == RECORD_HEADER.itemsize
 
@@ -198,13 +196,9 @@ class Ring:
         handle = _lib().tapd_ring_open(str(path).encode())
         if not handle:
             err = ctypes.get_errno()
-            why = (
-                "not a tapd ring of this version"
-                if err == errno.EPROTO
-                else os.strerror(err)
-                if err
-                else "failed"
-            )
+            why = os.strerror(err) if err else "failed"
+            if err == errno.EPROTO:
+                why = "not a tapd ring of this version"
             raise RingError(f"cannot open ring {path}: {why}")
         return cls(handle, path)
 
@@ -263,15 +257,9 @@ class Ring:
         leaves = [np.ascontiguousarray(a) for a in arrays]
         data = (ctypes.c_void_p * len(leaves))(*[a.ctypes.data for a in leaves])
         sizes = (ctypes.c_uint64 * len(leaves))(*[a.nbytes for a in leaves])
+        step_value = NO_STEP if step is None else step
         status: int = self._lib.tapd_ring_write_leaves(
-            self.handle,
-            site,
-            consumer,
-            device,
-            NO_STEP if step is None else step,
-            len(leaves),
-            data,
-            sizes,
+            self.handle, site, consumer, device, step_value, len(leaves), data, sizes
         )
         return status == 0
 
@@ -289,15 +277,10 @@ class Ring:
         """Reserve and fill a record without committing it; its position, or None if
         dropped. Commit it (or abandon it) later, from any thread."""
         position = ctypes.c_uint64()
+        step_value = NO_STEP if step is None else step
+        where = ctypes.byref(position)
         status = self._lib.tapd_ring_reserve_for_test(
-            self.handle,
-            site,
-            consumer,
-            device,
-            NO_STEP if step is None else step,
-            payload,
-            len(payload),
-            ctypes.byref(position),
+            self.handle, site, consumer, device, step_value, payload, len(payload), where
         )
         return None if status else int(position.value)
 
@@ -344,7 +327,9 @@ class Ring:
         while offset < available and len(records.starts) < max_records:
             if available - offset < self.header_bytes:
                 raise RingError(f"ring {self.path}: truncated record header at {position + offset}")
-            length, _, site, seq, step, time_ns, device, tag = _HEADER.unpack_from(view, offset)
+            length, _, site, seq, step, time_ns, device, tag = RECORD_HEADER_STRUCT.unpack_from(
+                view, offset
+            )
             if length < self.header_bytes or length % 8 or offset + length > available:
                 raise RingError(
                     f"ring {self.path}: bad record length {length} at {position + offset}"
@@ -357,15 +342,9 @@ class Ring:
                     )
                 offset += length  # never to be committed: skipped (counted in `abandoned`)
                 continue
-            records.append(
-                position + offset,
-                position + offset + length,
-                site,
-                seq,
-                None if step == NO_STEP else step,
-                time_ns,
-                device,
-            )
+            start = position + offset
+            step_or_none = None if step == NO_STEP else step
+            records.append(start, start + length, site, seq, step_or_none, time_ns, device)
             offset += length
         return view, records
 
@@ -379,7 +358,7 @@ class Ring:
         records = Records(view, position, header_bytes)
         if len(view) < 2 * header_bytes:
             return records
-        length = _HEADER.unpack_from(view, 0)[0]
+        length = RECORD_HEADER_STRUCT.unpack_from(view, 0)[0]
         if length < header_bytes or length % 8:
             return records
         count = min(len(view) // length, max_records)
@@ -387,12 +366,10 @@ class Ring:
             return records
         headers = np.ndarray((count,), RECORD_HEADER, buffer=view, strides=(length,))
         offsets = np.arange(count, dtype=np.uint64) * np.uint64(length)
-        tags = ((np.uint64(position) + offsets) ^ np.uint64(self._nonce)) & np.uint64(
-            ~TAG_STATE_MASK % 2**64
-        )
-        good = (headers["length"] == length) & (
-            headers["commit"] == tags | np.uint64(TAG_COMMITTED)
-        )
+        tag_bits = np.uint64(~TAG_STATE_MASK % 2**64)
+        tags = ((np.uint64(position) + offsets) ^ np.uint64(self._nonce)) & tag_bits
+        committed = tags | np.uint64(TAG_COMMITTED)
+        good = (headers["length"] == length) & (headers["commit"] == committed)
         if not good.all():
             count = int(good.argmin())  # (the first that is not: read one by one)
             headers, offsets = headers[:count], offsets[:count]

@@ -449,21 +449,16 @@ def split_site_entries(
     position = 0
     while position + _LENGTH.size <= len(data):
         (length,) = _LENGTH.unpack_from(data, position)
-        if length > limits.max_header_bytes:
-            raise ProtocolError(
-                "too_large",
-                f"sites entry at byte {position} is {length} "
-                f"bytes; the limit is {limits.max_header_bytes}",
-            )
+        limit = limits.max_header_bytes
+        if length > limit:
+            why = f"sites entry at byte {position} is {length} bytes; the limit is {limit}"
+            raise ProtocolError("too_large", why)
         start = position + _LENGTH.size
         if start + length > len(data):
             break
+        packed = data[start : start + length]
         try:
-            entries.append(
-                msgpack.unpackb(
-                    data[start : start + length], raw=False, strict_map_key=True, max_ext_len=0
-                )
-            )
+            entries.append(msgpack.unpackb(packed, raw=False, strict_map_key=True, max_ext_len=0))
         except Exception as exc:  # msgpack raises several unrelated types
             raise ProtocolError(
                 "bad_header", f"sites entry at byte {position} is not valid msgpack ({exc})"
