@@ -38,7 +38,7 @@ DEFAULT_LIMITS = Limits()
 
 PID_MAX = 2**31 - 1  # pid_t is a 32-bit int; os.kill refuses anything larger
 U64_MAX = 2**64 - 1
-I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+I64_MIN = -(2**63)
 
 
 # ---- field rules -----------------------------------------------------------------------
