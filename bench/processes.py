@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tapd.daemon import control
+from tapd.clients import control
 
 BENCH_DIR = Path(__file__).resolve().parent
 READY_PREFIX = "tapd ready:"

@@ -35,7 +35,7 @@ from report import (
 )
 from run import configure_emitter, payload_loop, time_tapd_throughput
 
-from tapd.daemon import control
+from tapd.clients import control
 
 COMMAND = ".venv/bin/python bench/record.py"
 SIZE = 2**20

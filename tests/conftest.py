@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import zmq
 
-from tapd.daemon import control
+from tapd.clients import control
 from tapd.runtime import ring_dir_for
 
 APPS = Path(__file__).parent / "apps"

@@ -22,7 +22,7 @@ import pytest
 from tally import Tally, finish, start_emitter
 
 from conftest import APPS, Daemon, SubscriberProcess, wait_until
-from tapd.daemon import control
+from tapd.clients import control
 
 pytestmark = pytest.mark.usefixtures("backend")
 STEPS = 3

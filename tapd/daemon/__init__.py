@@ -1,2 +1,2 @@
 """The receiver daemon (`tapd start`): `server` does sockets and lifecycle, `router`
-the routing state, `control` the small client for `status`/`check`/`stop`."""
+the routing state. (Its client for `status`/`check`/`stop` is tapd/clients/control.py.)"""

@@ -34,17 +34,17 @@ from typing import Any
 
 import zmq
 
+from tapd.clients import emitter_socket
+from tapd.clients.emitter_socket import EmitterSocket
 from tapd.config import Config
 from tapd.daemon.router import Router
 from tapd.errors import ConfigError, ProtocolError
-from tapd.protocol import MAGIC, Limits, Message, decode, encode
+from tapd.protocol import MAGIC, Limits, Message
 from tapd.protocol.link import (
-    EmitterLink,
     Looped,
     Refused,
     Restarted,
     Welcomed,
-    heartbeats,
     parse_outcome_ranges,
 )
 from tapd.protocol.wire import encode_header
@@ -95,28 +95,32 @@ class Forwarder:
         if self.endpoint.startswith("tcp://") and not config.insecure:
             assert config.forward_server_key and config.curve_secret_key
             keys = ClientKeys.from_files(config.forward_server_key, config.curve_secret_key)
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 1000)
-        self.socket.setsockopt(zmq.SNDHWM, 0)  # bounded by the upstream's credit window
-        self.socket.setsockopt(zmq.RCVHWM, 0)
-        # One identity for this daemon's lifetime, so that after a reconnection the
-        # upstream still knows us (it keys its emitters by identity, and lets a new
-        # connection take the identity over from a dead one); heartbeats find a
-        # connection that died unseen, and ZeroMQ then makes a new one.
-        self.socket.setsockopt(zmq.ROUTING_ID, f"tapd-forward:{daemon_id}".encode())
-        heartbeats(self.socket)
-        if keys is not None:
-            keys.apply(self.socket)
         try:
-            self.socket.connect(self.endpoint)
+            # One identity for this daemon's lifetime, so that after a reconnection the
+            # upstream still knows us (it keys its emitters by identity, and lets a new
+            # connection take the identity over from a dead one); heartbeats find a
+            # connection that died unseen, and ZeroMQ then makes a new one.
+            self.socket = emitter_socket.connect(
+                context,
+                self.endpoint,
+                secure=keys.apply if keys is not None else lambda sock: None,
+                routing_id=f"tapd-forward:{daemon_id}".encode(),
+            )
         except zmq.ZMQError as exc:
-            self.socket.close(linger=0)
             raise ConfigError(f"--forward {self.endpoint}: cannot connect: {exc}") from exc
         identity = {"role": "emitter", "host": socket.gethostname(), "pid": os.getpid(),
                     "forwarder": daemon_id}  # fmt: skip
         now = time.monotonic()
         # hello/welcome, the upstream's credit window, rehello: as any emitter's
-        self.link = EmitterLink(identity, now, rehello_max=_REHELLO_AFTER_MAX, self_id=daemon_id)
+        self.connection = EmitterSocket(
+            self.socket,
+            identity,
+            now,
+            rehello_max=_REHELLO_AFTER_MAX,
+            self_id=daemon_id,
+            limits=self.limits,
+        )
+        self.link = self.connection.link
         self.outbox: collections.deque[_Forwarded] = collections.deque()  # not sent yet
         self.outbox_bytes = 0
         # Sent, waiting for the barrier that follows them: (barrier id, taps).
@@ -128,7 +132,6 @@ class Forwarder:
         self._barrier_ids = itertools.count()
         self._last_warning = self._last_sent = now
         router.add_local_subscriber(self.key, self.name, ["*"], self._take, now)
-        self._send_link()
         what = "with CurveZMQ" if keys else "unauthenticated" if config.insecure else "over ipc"
         logger.info("forwarding every tap to %s (%s)", self.endpoint, what)
 
@@ -157,8 +160,7 @@ class Forwarder:
         while self.outbox and link.may_send(self.outbox[0].nbytes):
             item = self.outbox.popleft()
             self.outbox_bytes -= item.nbytes
-            self.socket.send_multipart(item.frames, copy=False)
-            link.sent(item.nbytes)
+            self.connection.send(item.frames, item.nbytes)
             item.sends += 1
             self._sent[item.tid] = item
             batch.append(item)
@@ -177,11 +179,8 @@ class Forwarder:
             self._barrier([])
         if not (self.unconfirmed or link.in_flight or self.outbox):
             return
-        if link.tick(now, waiting=True):
-            self._send_link()
-            if self.unconfirmed:
-                last = self.unconfirmed[-1][0]
-                self.socket.send_multipart(encode("barrier", {"id": last}))
+        if self.connection.tick(now, waiting=True) and self.unconfirmed:
+            self.connection.resend_barriers(last_only=True)
         if now - max(link.last_heard, self._last_warning) > _WARN_AFTER:
             self._last_warning = now
             logger.warning(
@@ -194,30 +193,18 @@ class Forwarder:
 
     def _barrier(self, batch: list[_Forwarded]) -> None:
         barrier = next(self._barrier_ids)
-        self.socket.send_multipart(encode("barrier", {"id": barrier}))
+        self.connection.send_barrier(barrier)
         self._last_sent = time.monotonic()
         self.unconfirmed.append((barrier, batch))
         self.router.counters["forward_sent"] += len(batch)
 
-    def _send_link(self) -> None:
-        for frames in self.link.outgoing():
-            self.socket.send_multipart(frames)
+    def _malformed(self, exc: ProtocolError) -> None:
+        self.router.reject(exc.reason, f"from the upstream at {self.endpoint}: {exc}")
 
     def receive(self, now: float) -> None:
-        while True:
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                message = decode(frames, self.limits)
-            except ProtocolError as exc:
-                self.router.reject(exc.reason, f"from the upstream at {self.endpoint}: {exc}")
-                continue
+        for message, event in self.connection.receive(now, self._malformed):
             header = message.header
             kind = message.kind
-            event = self.link.received(header, now)
-            self._send_link()
             if event is None:
                 if kind == "barrier_done":
                     self._confirmed(header, now)
@@ -399,9 +386,6 @@ class Forwarder:
                 self.endpoint,
                 "it never answered" if self.link.daemon is None else f"it is {self.link.daemon}",
             )
-        try:
-            self.socket.send_multipart(encode("bye", {}), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        self.connection.bye()
         # Taps counted lost are not sent on after all; otherwise a bounded linger.
         self.socket.close(linger=0 if unsent else 1000)

@@ -30,10 +30,10 @@ from tapd.daemon.router import Router
 from tapd.daemon.runs import Site, TapRun
 from tapd.errors import ProtocolError
 from tapd.native.ring import Record, Records, Ring, RingError
+from tapd.native.ring_format import READER_PID, READER_PID_OFFSET  # (ring.h: RingControl)
 from tapd.protocol import Message
+from tapd.protocol.rules import DEFAULT_LIMITS, PID_MAX
 from tapd.protocol.schema import (
-    DEFAULT_LIMITS,
-    PID_MAX,
     RING_NAME,
     check_record,
     check_ring_control,
@@ -488,10 +488,6 @@ def lock_ring_file(path: Path) -> int:
     return fd
 
 
-_READER_PID = struct.Struct("<q")
-_READER_PID_OFFSET = 280  # RingControl.reader_pid in tapd_native.cc
-
-
 def sweep_stale_rings(*, dry_run: bool = False) -> list[tuple[Path, int]]:
     """Remove the ring directories in /dev/shm whose runtime directory is gone (a killed
     job's, say) and whose rings no live process writes or reads: nobody can drain them
@@ -543,9 +539,9 @@ def _stale_bytes(directory: Path) -> int | None:
             except RingError:
                 continue  # not a ring we can read: nobody else can either
             locks.append(fd)
-            page = os.pread(fd, _READER_PID_OFFSET + 8, 0)
+            page = os.pread(fd, READER_PID_OFFSET + READER_PID.size, 0)
             writer = check_ring_control(page, info.st_size, mmap.PAGESIZE).writer_pid
-            (reader,) = _READER_PID.unpack_from(page, _READER_PID_OFFSET)
+            (reader,) = READER_PID.unpack_from(page, READER_PID_OFFSET)
             if pid_alive(writer) or (reader != os.getpid() and pid_alive(reader)):
                 return None
     except OSError:

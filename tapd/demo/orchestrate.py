@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-from tapd.daemon import control
+from tapd.clients import control
 from tapd.errors import TapdError
 from tapd.runtime import default_endpoint
 

@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 import zmq
 
-from tapd.daemon import control
+from tapd.clients import control, emitter_socket
+from tapd.clients.emitter_socket import EmitterSocket
 from tapd.emitter.native_backend import NativeEmitter
 from tapd.emitter.settings import EmitterSettings
 from tapd.errors import BarrierTimeout, ProtocolError, TapFunctionException
-from tapd.protocol import decode, encode
-from tapd.protocol.link import EmitterLink, LinkEvent, Refused, Welcomed, heartbeats
-from tapd.security import secure_client
+from tapd.protocol import encode
+from tapd.protocol.link import Refused, RehelloAsked, Welcomed
 
 logger = logging.getLogger("tapd.emitter")
 
@@ -63,7 +63,6 @@ class _Barrier:
     covers: int  # taps submitted before it
     ring_position: int | None = None  # native backend: ring bytes committed before it
     lost_bytes: int = 0
-    sent: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     reply: dict[str, Any] = dataclasses.field(default_factory=dict)
     nbytes: int = 0
@@ -234,9 +233,12 @@ class Sender:
             stats = self._stats.as_dict()
             if self.native is not None:
                 native = self.native.stats()
-                stats.update(submitted=native["sent"] + native["dropped"],
-                             sent=native["sent"], dropped=native["dropped"],
-                             blocked_ns=native["blocked_ns"])  # fmt: skip
+                stats.update(
+                    submitted=native["sent"] + native["dropped"],
+                    sent=native["sent"],
+                    dropped=native["dropped"],
+                    blocked_ns=native["blocked_ns"],
+                )
             return stats
 
     def close(self, timeout: float) -> None:
@@ -252,15 +254,8 @@ class Sender:
     # ---- the sender thread ------------------------------------------------------------
 
     def _run(self) -> None:
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 1000)
-        # The credit window bounds what is in flight, in bytes; a message-count
-        # high-water mark would only make this thread block on many small taps.
-        sock.setsockopt(zmq.SNDHWM, 0)
-        heartbeats(sock)  # a tcp:// daemon's connection may die unseen
-        secure_client(sock, self.settings.endpoint)
-        sock.connect(self.settings.endpoint)
-        connection = _Connection(sock, self._identity)
+        sock = emitter_socket.connect(self._context, self.settings.endpoint)
+        connection = EmitterSocket(sock, self._identity, time.monotonic())
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
@@ -270,16 +265,16 @@ class Sender:
                 if self._wake_read in events:
                     self._drain_wake_pipe()
                 if sock in events:
-                    self._receive(sock, connection)
+                    self._receive(connection)
                 if self._closing:
                     break
                 self._send_ready(connection)
-                connection.keep_alive(queued=bool(self._queue))
+                self._keep_alive(connection)
         except Exception:  # a bug here must not vanish with the thread
             logger.exception("tapd sender thread failed; taps are no longer delivered")
         finally:
             self._abandon_queue()
-            connection.say_bye()
+            connection.bye()
             sock.close(linger=1000)
 
     def _drain_wake_pipe(self) -> None:
@@ -289,7 +284,7 @@ class Sender:
         except BlockingIOError:
             pass
 
-    def _send_ready(self, connection: _Connection) -> None:
+    def _send_ready(self, connection: EmitterSocket) -> None:
         while True:
             with self._lock:
                 if not self._queue:
@@ -305,32 +300,28 @@ class Sender:
                 if isinstance(item, _Tap):
                     self._stats.sent += 1
             if isinstance(item, _Barrier):
-                connection.send(_encode_barrier(item), 0)
+                connection.send_barrier(item.id, _barrier_fields(item))
             else:
                 connection.send(_encode_tap(item, self._identity), item.nbytes)
             # Hand the GIL over between messages: an XLA thread waiting to run a tap
             # callback would otherwise wait out Python's 5 ms switch interval.
             time.sleep(0)
 
-    def _receive(self, sock: zmq.Socket[Any], connection: _Connection) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                message = decode(frames)
-            except ProtocolError as exc:
-                logger.error("ignoring malformed message from the daemon: %s", exc)
-                continue
+    def _receive(self, connection: EmitterSocket) -> None:
+        for message, event in connection.receive(time.monotonic(), _malformed):
             header = message.header
             kind = message.kind
-            connection.heard_from_daemon(header)
-            if kind == "rehello":  # a restarted daemon: barriers sent to the old one are lost
-                with self._lock:
-                    outstanding = [b for b in self._barriers.values() if b.sent]
-                for waiting in outstanding:
-                    connection.send(_encode_barrier(waiting), 0)
+            if isinstance(event, Welcomed) and event.lost_bytes:
+                logger.warning(
+                    "%d bytes of taps sent to the tapd daemon never reached it "
+                    "(it restarted?) and are lost",
+                    event.lost_bytes,
+                )
+            elif isinstance(event, Refused):
+                logger.error("ignoring a malformed message from the daemon: %s", event.detail)
+            elif isinstance(event, RehelloAsked):
+                # A restarted daemon: barriers sent to the old one are lost.
+                connection.resend_barriers()
             elif kind == "error":
                 text = f"{header['consumer']}#{header['seq']}: {header['error']}"
                 logger.error("tap function raised in subscriber %s: %s", header["subscriber"], text)
@@ -343,9 +334,18 @@ class Sender:
                 with self._lock:
                     barrier = self._barriers.pop(header["id"], None)
                 if barrier is not None:
-                    barrier.lost_bytes = connection.lost_bytes
+                    barrier.lost_bytes = connection.link.lost_bytes
                     barrier.reply = dict(header)
                     barrier.done.set()
+
+    def _keep_alive(self, connection: EmitterSocket) -> None:
+        """Say hello again if the daemon is silent while we wait for it: bytes in flight,
+        a ring it must know of (with a ring, taps do not travel over this socket, so
+        hello is how a restarted daemon learns where it is), or taps queued here behind
+        the window that a restarted daemon closed (no credit will come to wake us)."""
+        link = connection.link
+        closed = bool(self._queue) and link.window == 0 and link.daemon is not None
+        connection.tick(time.monotonic(), closed or "ring" in self._identity)
 
     def _note_totals(self, daemon: str | None, header: dict[str, Any]) -> None:
         """A daemon's totals for this emitter (in `barrier_done` and `credit`). Each
@@ -371,60 +371,8 @@ class Sender:
             )
 
 
-class _Connection:
-    """The sender thread's socket to the daemon, driven by the emitter link
-    (tapd/protocol/link.py): hello/welcome, credit, rehello when the daemon is silent."""
-
-    def __init__(self, sock: zmq.Socket[Any], identity: dict[str, Any]) -> None:
-        self.sock = sock
-        # With a ring, taps do not travel over this socket, so hello is also how a
-        # restarted daemon learns where our ring is: say it again whenever it is silent.
-        self.ring = "ring" in identity
-        self.link = EmitterLink(identity, time.monotonic())
-        self._flush()
-
-    @property
-    def lost_bytes(self) -> int:
-        return self.link.lost_bytes
-
-    def may_send(self, nbytes: int) -> bool:
-        return self.link.may_send(nbytes)
-
-    def send(self, frames: list[Any], nbytes: int) -> None:
-        self.sock.send_multipart(frames, copy=False)
-        self.link.sent(nbytes)
-
-    def heard_from_daemon(self, header: dict[str, Any]) -> LinkEvent | None:
-        event = self.link.received(header, time.monotonic())
-        if isinstance(event, Welcomed) and event.lost_bytes:
-            logger.warning(
-                "%d bytes of taps sent to the tapd daemon never reached it "
-                "(it restarted?) and are lost",
-                event.lost_bytes,
-            )
-        elif isinstance(event, Refused):
-            logger.error("ignoring a malformed message from the daemon: %s", event.detail)
-        self._flush()
-        return event
-
-    def keep_alive(self, queued: bool) -> None:
-        """Say hello again if the daemon is silent while we wait for it: bytes in flight,
-        a ring it must know of, or taps `queued` here behind the window that a restarted
-        daemon closed (no credit will come to wake us)."""
-        link = self.link
-        closed = queued and link.window == 0 and link.daemon is not None
-        link.tick(time.monotonic(), closed or self.ring)
-        self._flush()
-
-    def _flush(self) -> None:
-        for frames in self.link.outgoing():
-            self.sock.send_multipart(frames)
-
-    def say_bye(self) -> None:
-        try:
-            self.sock.send_multipart(encode("bye", {}), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+def _malformed(exc: ProtocolError) -> None:
+    logger.error("ignoring malformed message from the daemon: %s", exc)
 
 
 def _waiting_upstream(endpoint: str) -> str | None:
@@ -442,17 +390,14 @@ def _waiting_upstream(endpoint: str) -> str | None:
         return f"waiting for {upstream}, which never answered it ({held} taps wait there)"
     silent = forward.get("silent_s", 0)
     if isinstance(silent, int | float) and silent > 2:
-        return (f"waiting for {upstream}, silent for {silent:.0f} s ({held} taps wait "
-                "there)")  # fmt: skip
+        return f"waiting for {upstream}, silent for {silent:.0f} s ({held} taps wait there)"
     return f"waiting for {upstream} to confirm {held} taps (is its subscriber keeping up?)"
 
 
-def _encode_barrier(barrier: _Barrier) -> list[Any]:
-    barrier.sent = True
-    fields: dict[str, Any] = {"id": barrier.id}
-    if barrier.ring_position is not None:
-        fields["ring_position"] = barrier.ring_position
-    return encode("barrier", fields)
+def _barrier_fields(barrier: _Barrier) -> dict[str, Any]:
+    if barrier.ring_position is None:
+        return {}
+    return {"ring_position": barrier.ring_position}
 
 
 def _encode_tap(tap: _Tap, identity: Mapping[str, Any]) -> list[Any]:

@@ -11,7 +11,6 @@ import errno
 import logging
 import mmap
 import os
-import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,19 +20,34 @@ import numpy as np
 
 from tapd.errors import TapdError
 from tapd.native import library
+from tapd.native.ring_format import (
+    NO_STEP,
+    POLICIES,
+    RECORD_HEADER,
+    RECORD_HEADER_STRUCT,
+    TAG_ABANDONED,
+    TAG_COMMITTED,
+    TAG_STATE_MASK,
+)
 
 logger = logging.getLogger("tapd.native")
 
-POLICIES = {"block": 0, "drop_newest": 1}
+# NO_STEP, POLICIES and RECORD_HEADER are the format's (ring_format.py), named here too
+# for the emitter and the tests.
+__all__ = [
+    "NO_STEP",
+    "POLICIES",
+    "RECORD_HEADER",
+    "STALL_WARNING_S",
+    "Counters",
+    "Record",
+    "Records",
+    "Ring",
+    "RingError",
+    "round_capacity",
+]
+
 STALL_WARNING_S = 30.0  # a reserved record holding the ring back this long is logged
-NO_STEP = -(2**63)
-RECORD_HEADER = np.dtype([
-    ("length", "<u4"), ("nleaves", "<u4"), ("site", "<u8"), ("seq", "<u8"),
-    ("step", "<i8"), ("time_ns", "<i8"), ("device", "<i4"), ("flags", "<u4"),
-    ("commit", "<u8"),
-])  # fmt: skip
-_HEADER = struct.Struct("<IIQQqqi4xQ")  # the same fields, unpacked without numpy (hot path)
-_COMMITTED, _ABANDONED = 2, 3  # commit tag states (ring.h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +79,18 @@ class Records(Sequence[Record]):
     only when one is asked for: the daemon routes runs of thousands of small records by
     their columns (tapd/daemon/rings.py, runs.py)."""
 
-    __slots__ = ("devices", "ends", "header_bytes", "position", "seqs", "sites", "starts",
-                 "steps", "times", "view")  # fmt: skip
+    __slots__ = (
+        "devices",
+        "ends",
+        "header_bytes",
+        "position",
+        "seqs",
+        "sites",
+        "starts",
+        "steps",
+        "times",
+        "view",
+    )
 
     def __init__(self, view: memoryview, position: int, header_bytes: int) -> None:
         self.view = view  # the ring bytes from `position` on
@@ -84,8 +108,9 @@ class Records(Sequence[Record]):
     def empty(cls) -> Records:
         return cls(memoryview(b""), 0, 0)
 
-    def append(self, start: int, end: int, site: int, seq: int, step: int | None,
-               time_ns: int, device: int) -> None:  # fmt: skip
+    def append(
+        self, start: int, end: int, site: int, seq: int, step: int | None, time_ns: int, device: int
+    ) -> None:
         self.starts.append(start)
         self.ends.append(end)
         self.sites.append(site)
@@ -96,8 +121,9 @@ class Records(Sequence[Record]):
 
     def payload(self, i: int) -> memoryview:
         """Record i's leaves, each padded to 8 bytes (a view of the ring)."""
-        return self.view[self.starts[i] - self.position + self.header_bytes :
-                         self.ends[i] - self.position]  # fmt: skip
+        return self.view[
+            self.starts[i] - self.position + self.header_bytes : self.ends[i] - self.position
+        ]
 
     def __len__(self) -> int:
         return len(self.starts)
@@ -114,8 +140,16 @@ class Records(Sequence[Record]):
             part.times, part.devices = self.times[i], self.devices[i]
             return part
         i = range(len(self.starts))[i]  # (negative indices; IndexError past the end)
-        return Record(self.starts[i], self.ends[i], self.sites[i], self.seqs[i], self.steps[i],
-                      self.times[i], self.devices[i], self.payload(i))  # fmt: skip
+        return Record(
+            self.starts[i],
+            self.ends[i],
+            self.sites[i],
+            self.seqs[i],
+            self.steps[i],
+            self.times[i],
+            self.devices[i],
+            self.payload(i),
+        )
 
 
 class RingError(TapdError):
@@ -142,7 +176,8 @@ class Ring:
         self._lib = _lib()
         self.header_bytes = int(self._lib.tapd_ring_record_header_bytes())
         self._mapped: tuple[int, memoryview] | None = None  # (capacity, view of both maps)
-        self._nonce = int(self._lib.tapd_ring_nonce(handle)) & ~7  # in every commit tag
+        # The nonce mixed into every commit tag (ring.h, Tag()), its state bits clear.
+        self._nonce = int(self._lib.tapd_ring_nonce(handle)) & ~TAG_STATE_MASK
         self._stalled: tuple[int, float, bool] | None = None  # (position, since, warned)
         assert self.header_bytes == RECORD_HEADER.itemsize
 
@@ -161,8 +196,9 @@ class Ring:
         handle = _lib().tapd_ring_open(str(path).encode())
         if not handle:
             err = ctypes.get_errno()
-            why = ("not a tapd ring of this version" if err == errno.EPROTO
-                   else os.strerror(err) if err else "failed")  # fmt: skip
+            why = os.strerror(err) if err else "failed"
+            if err == errno.EPROTO:
+                why = "not a tapd ring of this version"
             raise RingError(f"cannot open ring {path}: {why}")
         return cls(handle, path)
 
@@ -221,25 +257,31 @@ class Ring:
         leaves = [np.ascontiguousarray(a) for a in arrays]
         data = (ctypes.c_void_p * len(leaves))(*[a.ctypes.data for a in leaves])
         sizes = (ctypes.c_uint64 * len(leaves))(*[a.nbytes for a in leaves])
+        step_value = NO_STEP if step is None else step
         status: int = self._lib.tapd_ring_write_leaves(
-            self.handle, site, consumer, device, NO_STEP if step is None else step,
-            len(leaves), data, sizes,
-        )  # fmt: skip
+            self.handle, site, consumer, device, step_value, len(leaves), data, sizes
+        )
         return status == 0
 
     # -- the commit protocol, a step at a time (tests only) --
 
     def reserve_for_test(
-        self, site: int, payload: bytes, *, consumer: int = 0, device: int = 0,
+        self,
+        site: int,
+        payload: bytes,
+        *,
+        consumer: int = 0,
+        device: int = 0,
         step: int | None = None,
-    ) -> int | None:  # fmt: skip
+    ) -> int | None:
         """Reserve and fill a record without committing it; its position, or None if
         dropped. Commit it (or abandon it) later, from any thread."""
         position = ctypes.c_uint64()
+        step_value = NO_STEP if step is None else step
+        where = ctypes.byref(position)
         status = self._lib.tapd_ring_reserve_for_test(
-            self.handle, site, consumer, device, NO_STEP if step is None else step,
-            payload, len(payload), ctypes.byref(position),
-        )  # fmt: skip
+            self.handle, site, consumer, device, step_value, payload, len(payload), where
+        )
         return None if status else int(position.value)
 
     def commit_for_test(self, position: int) -> None:
@@ -285,21 +327,24 @@ class Ring:
         while offset < available and len(records.starts) < max_records:
             if available - offset < self.header_bytes:
                 raise RingError(f"ring {self.path}: truncated record header at {position + offset}")
-            length, _, site, seq, step, time_ns, device, tag = _HEADER.unpack_from(view, offset)
+            length, _, site, seq, step, time_ns, device, tag = RECORD_HEADER_STRUCT.unpack_from(
+                view, offset
+            )
             if length < self.header_bytes or length % 8 or offset + length > available:
                 raise RingError(
                     f"ring {self.path}: bad record length {length} at {position + offset}"
                 )
-            base_tag = ((position + offset) ^ nonce) & ~7
-            if tag != base_tag | _COMMITTED:
-                if tag != base_tag | _ABANDONED:
+            base_tag = ((position + offset) ^ nonce) & ~TAG_STATE_MASK
+            if tag != base_tag | TAG_COMMITTED:
+                if tag != base_tag | TAG_ABANDONED:
                     raise RingError(
                         f"ring {self.path}: record at {position + offset} is not committed"
                     )
                 offset += length  # never to be committed: skipped (counted in `abandoned`)
                 continue
-            records.append(position + offset, position + offset + length, site, seq,
-                           None if step == NO_STEP else step, time_ns, device)  # fmt: skip
+            start = position + offset
+            step_or_none = None if step == NO_STEP else step
+            records.append(start, start + length, site, seq, step_or_none, time_ns, device)
             offset += length
         return view, records
 
@@ -313,7 +358,7 @@ class Ring:
         records = Records(view, position, header_bytes)
         if len(view) < 2 * header_bytes:
             return records
-        length = _HEADER.unpack_from(view, 0)[0]
+        length = RECORD_HEADER_STRUCT.unpack_from(view, 0)[0]
         if length < header_bytes or length % 8:
             return records
         count = min(len(view) // length, max_records)
@@ -321,8 +366,10 @@ class Ring:
             return records
         headers = np.ndarray((count,), RECORD_HEADER, buffer=view, strides=(length,))
         offsets = np.arange(count, dtype=np.uint64) * np.uint64(length)
-        tags = ((np.uint64(position) + offsets) ^ np.uint64(self._nonce)) & np.uint64(~7 % 2**64)
-        good = (headers["length"] == length) & (headers["commit"] == tags | np.uint64(_COMMITTED))
+        tag_bits = np.uint64(~TAG_STATE_MASK % 2**64)
+        tags = ((np.uint64(position) + offsets) ^ np.uint64(self._nonce)) & tag_bits
+        committed = tags | np.uint64(TAG_COMMITTED)
+        good = (headers["length"] == length) & (headers["commit"] == committed)
         if not good.all():
             count = int(good.argmin())  # (the first that is not: read one by one)
             headers, offsets = headers[:count], offsets[:count]
@@ -352,9 +399,12 @@ class Ring:
                 "ring %s: the record at position %d has been reserved but not committed "
                 "for %.0f s, holding back %d bytes after it; its writer (pid %d) still "
                 "runs, so it is not skipped (docs/PROTOCOL.md, 'Records never committed')",
-                self.path, counters.committed, now - self._stalled[1],
-                counters.head - counters.committed, counters.writer_pid,
-            )  # fmt: skip
+                self.path,
+                counters.committed,
+                now - self._stalled[1],
+                counters.head - counters.committed,
+                counters.writer_pid,
+            )
 
     def sleep(self, position: int) -> bool:
         """The reader is going idle: ask the next writer to commit for a datagram to

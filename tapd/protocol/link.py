@@ -1,9 +1,10 @@
 """The emitter's end of a connection to a daemon, sans I/O (docs/PROTOCOL.md, "Flow
 control" and "Forwarding").
 
-Two parts of tapd speak to a daemon as an emitter: an emitter process's sender thread
-(`tapd/emitter/sender.py`) and a forwarding daemon facing its upstream
-(`tapd/daemon/forward.py`). What they share lives here, once:
+Three parts of tapd speak to a daemon as an emitter: an emitter process's sender thread
+(`tapd/emitter/sender.py`), a forwarding daemon facing its upstream
+(`tapd/daemon/forward.py`) and the replayer (`tapd/tools/replay.py`). What they share
+lives here, once, and their socket around it in tapd/clients/emitter_socket.py:
 - `hello` and the daemon's `welcome`: the credit window it grants, and `held_bytes`,
   the bytes of ours it holds and has not credited yet, from which the link knows how
   many bytes it has in flight, and how many were lost on the way (a restart, a dropped
@@ -27,8 +28,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from tapd.protocol.schema import DEFAULT_LIMITS
-from tapd.protocol.wire import encode, is_int
+from tapd.protocol.rules import DEFAULT_LIMITS, is_int
+from tapd.protocol.wire import encode
 
 # Say hello again after this long without a word from the daemon while something is
 # outstanding; an owner may let the wait grow (doubling, up to `rehello_max`) while the
@@ -254,16 +255,8 @@ def parse_outcome_ranges(value: list[list[Any]]) -> list[tuple[int, int, str]]:
 # of the emitters that talk to them: a TCP connection whose other end was reset, or whose
 # link went down, carries no pongs, and is closed (and, where we connected, made again)
 # within the timeout, rather than held open, unusable, until the operating system gives
-# up on it many minutes later.
+# up on it many minutes later. (Set by tapd/clients/emitter_socket.py and the daemon's
+# server.py: this module does no I/O.)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 HEARTBEAT_TTL_MS = 10000
-
-
-def heartbeats(sock: Any) -> None:
-    """Heartbeats on a connecting socket (a `zmq.Socket`; the one call here with I/O)."""
-    import zmq
-
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)

@@ -1,11 +1,16 @@
-"""Every message kind's fields and limits, in one place (docs/PROTOCOL.md).
+"""Every message kind's fields and limits, and every check of them, in one place
+(docs/PROTOCOL.md). The bottom of tapd/protocol/: it imports nothing from wire.py,
+message.py or batch.py, which all check through it.
 
-`decode` (tapd/protocol/wire.py) calls `check_header` on every header it accepts, so a
+`decode` (tapd/protocol/wire.py) calls `check_header` on every header it accepts, and
+the checks of a tap's leaves and shard layout (`leaf_sizes`, `check_shard`) and of a
+`taps` message's statics and rows (`check_batch_static`, `check_batch_row`), so a
 handler anywhere (daemon, emitter, subscriber, forwarder) receives only messages whose
 every known field is present, of its type, and within its bounds. Site entries of a
 ring's `.sites` file and the ring's control page are checked here too
 (`check_site_entry`, `split_site_entries`, `check_ring_control`): the daemon reads them
-from files an emitter wrote, so they are input like any message.
+from files an emitter wrote, so they are input like any message. Their layout is
+tapd/native/ring_format.py's.
 
 A violation raises `ProtocolError` with a reason code used for counting:
 `bad_field` (missing, mistyped or out of range), `too_large` (a string, list or map
@@ -17,38 +22,33 @@ bounded by the header's size limit.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
 
 from tapd.errors import ProtocolError, TapDefinitionError
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Bounds a decoder enforces before it trusts anything in a message."""
-
-    max_header_bytes: int = 1 << 20
-    max_leaves: int = 4096
-    max_tree_depth: int = 64
-    max_ndim: int = 32
-    max_message_bytes: int = 1 << 30
-    max_batch: int = 4096  # taps in one `taps` message
-    max_name: int = 256  # consumer names and patterns, host and subscriber names
-    max_id: int = 512  # daemon ids, emitter names ("host:pid"), forwarder ids
-    max_text: int = 8192  # an error's text
-    max_patterns: int = 1024  # consumer patterns in a subscriber's hello
-    max_window: int = 1 << 20  # a subscriber's window, in taps
-    max_entries: int = 1 << 16  # errors in one ack; keys of meta; transforms
-    max_path: int = 4096  # ring and sites paths in an emitter's hello
-    max_sites_bytes: int = 64 << 20  # a ring's whole `.sites` file
-    max_outcome_ranges: int = 16384  # in a barrier_done to a forwarder
-
-
-DEFAULT_LIMITS = Limits()
+from tapd.native import ring_format
+from tapd.protocol.dtypes import dtype_from_name
+from tapd.protocol.rules import (
+    DEFAULT_LIMITS,
+    PID_MAX,
+    U64_MAX,
+    Complaint,
+    Int,
+    Limits,
+    ListOf,
+    Of,
+    Schema,
+    Str,
+    check_fields,
+    is_int,
+    opt,
+    req,
+)
+from tapd.protocol.tree import count_leaves
 
 # What a tap site's static fields (consumer, tree, meta, transforms, leaves, shard
 # layout) may take of a tap header: the rest of `max_header_bytes` is left for the
@@ -62,91 +62,10 @@ def max_static_bytes(limits: Limits = DEFAULT_LIMITS) -> int:
     return limits.max_header_bytes - STATIC_RESERVE
 
 
-PID_MAX = 2**31 - 1  # pid_t is a 32-bit int; os.kill refuses anything larger
-U64_MAX = 2**64 - 1
-I64_MIN, I64_MAX = -(2**63), 2**63 - 1
-
 # A ring's file name as emitters make it (`<pid>-<random hex>.ring`), and its sites
 # file beside it: the daemon opens and later removes both, so neither may name
 # anything else (docs/PROTOCOL.md, "Shared-memory ring").
 RING_NAME = re.compile(r"[0-9]{1,10}-[0-9a-f]{1,64}\.ring")
-
-
-# ---- field rules -----------------------------------------------------------------------
-
-# A rule checks one value and returns None, or (reason, complaint).
-Complaint = tuple[str, str] | None
-Rule = Callable[[Any, Limits], Complaint]
-
-
-def _is_int(value: Any) -> bool:
-    return type(value) is int  # bool is an int subclass in Python, never one on the wire
-
-
-def Int(lo: int = I64_MIN, hi: int = U64_MAX, *, optional: bool = False) -> Rule:
-    def rule(value: Any, limits: Limits) -> Complaint:
-        if value is None and optional:
-            return None
-        if not _is_int(value):
-            return ("bad_field", f"has bad type: {value!r:.60}")
-        if not lo <= value <= hi:
-            return ("bad_field", f"{value} is not within [{lo}, {hi}]")
-        return None
-
-    rule.types = (int, type(None)) if optional else int  # type: ignore[attr-defined]
-    return rule
-
-
-def Str(limit: str | None = None, *, empty: bool = True) -> Rule:
-    """A str of at most `getattr(limits, limit)` characters (unbounded: None)."""
-
-    def rule(value: Any, limits: Limits) -> Complaint:
-        if not isinstance(value, str):
-            return ("bad_field", f"has bad type: {value!r:.60}")
-        if not empty and not value:
-            return ("bad_field", "is empty")
-        bound = getattr(limits, limit) if limit else None
-        if bound is not None and len(value) > bound:
-            return ("too_large", f"is {len(value)} characters long; the limit is {bound}")
-        return None
-
-    rule.types = str  # type: ignore[attr-defined]
-    return rule
-
-
-def Of(types: type | tuple[type, ...]) -> Rule:
-    """Only a type (containers whose insides other checks look at)."""
-
-    def rule(value: Any, limits: Limits) -> Complaint:
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types)):
-            return ("bad_field", f"has bad type: {value!r:.60}")
-        return None
-
-    rule.types = types  # type: ignore[attr-defined]
-    return rule
-
-
-def _tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
-    return types if isinstance(types, tuple) else (types,)
-
-
-def ListOf(item: Rule, limit: str, *, empty: bool = True) -> Rule:
-    def rule(value: Any, limits: Limits) -> Complaint:
-        if not isinstance(value, list):
-            return ("bad_field", f"has bad type: {value!r:.60}")
-        bound = getattr(limits, limit)
-        if len(value) > bound:
-            return ("too_large", f"has {len(value)} entries; the limit is {bound}")
-        if not empty and not value:
-            return ("bad_field", "is empty")
-        for index, entry in enumerate(value):
-            complaint = item(entry, limits)
-            if complaint is not None:
-                return (complaint[0], f"entry {index} {complaint[1]}")
-        return None
-
-    rule.types = list  # type: ignore[attr-defined]
-    return rule
 
 
 def _meta(value: Any, limits: Limits) -> Complaint:
@@ -166,8 +85,13 @@ _meta.types = dict  # type: ignore[attr-defined]
 
 
 def _transform(value: Any, limits: Limits) -> Complaint:
-    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], str)
-            and len(value[0]) <= limits.max_name and isinstance(value[1], dict)):  # fmt: skip
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and len(value[0]) <= limits.max_name
+        and isinstance(value[1], dict)
+    ):
         return ("bad_field", f"is not [name, {{params}}]: {value!r:.60}")
     return None
 
@@ -191,28 +115,17 @@ _OUTCOMES = ("delivered", "dropped", "unrouted")
 
 
 def _outcome_range(value: Any, limits: Limits) -> Complaint:
-    if not (isinstance(value, list) and len(value) == 3 and _is_int(value[0])
-            and _is_int(value[1]) and 0 <= value[0] <= value[1] <= U64_MAX
-            and value[2] in _OUTCOMES):  # fmt: skip
+    if not (
+        isinstance(value, list)
+        and len(value) == 3
+        and is_int(value[0])
+        and is_int(value[1])
+        and 0 <= value[0] <= value[1] <= U64_MAX
+        and value[2] in _OUTCOMES
+    ):
         return ("bad_field", f"is not [first fid, last fid, outcome]: {value!r:.60}")
     return None
 
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-    rule: Rule
-    required: bool = True
-
-
-def req(rule: Rule) -> Field:
-    return Field(rule, True)
-
-
-def opt(rule: Rule) -> Field:
-    return Field(rule, False)
-
-
-Schema = Mapping[str, Field]
 
 TAP: Schema = {
     "consumer": req(Str("max_name", empty=False)),
@@ -226,11 +139,11 @@ TAP: Schema = {
     "transforms": req(ListOf(_transform, "max_entries")),
     "meta": req(_meta),
     "tree": req(Of(list)),  # tapd/protocol/tree.py checks it
-    "leaves": req(Of(list)),  # wire.leaf_sizes checks them
+    "leaves": req(Of(list)),  # leaf_sizes checks them
     "tid": opt(Int(0)),
     "emitter": opt(_ID),
     "fid": opt(Int(0)),  # forwarder -> upstream: the forwarder's number for the tap
-    # `shard`: wire.check_shard
+    # `shard`: check_shard
 }
 
 EMITTER_HELLO: Schema = {
@@ -256,56 +169,47 @@ HELLO_ROLES: dict[str, Schema] = {"emitter": EMITTER_HELLO, "subscriber": SUBSCR
 _COUNT = Int(0)
 KINDS_SCHEMA: dict[str, Schema] = {
     "hello": {"role": req(Str("max_name"))},
-    "welcome": {"window_bytes": req(_COUNT), "daemon": req(_ID), "held_bytes": opt(_COUNT),
-                "nonce": opt(_COUNT)},
+    "welcome": {
+        "window_bytes": req(_COUNT),
+        "daemon": req(_ID),
+        "held_bytes": opt(_COUNT),
+        "nonce": opt(_COUNT),
+    },
     "rehello": {},
     "tap": TAP,
     "taps": {"statics": req(Of(list)), "taps": req(Of(list))},  # tapd/protocol/batch.py
     # `delivered`, `dropped`, `unrouted`: this emitter's totals at this daemon so far.
-    "credit": {"bytes": req(_COUNT), "delivered": opt(_COUNT), "dropped": opt(_COUNT),
-               "unrouted": opt(_COUNT)},
+    "credit": {
+        "bytes": req(_COUNT),
+        "delivered": opt(_COUNT),
+        "dropped": opt(_COUNT),
+        "unrouted": opt(_COUNT),
+    },
     "ack": {"upto": req(Int(-1)), "errors": req(ListOf(_ack_error, "max_entries"))},
-    "error": {"consumer": req(_NAME), "seq": req(Int()), "error": req(Str("max_text")),
-              "subscriber": req(_ID), "emitter": opt(_ID), "device": opt(Int(optional=True))},
+    "error": {
+        "consumer": req(_NAME),
+        "seq": req(Int()),
+        "error": req(Str("max_text")),
+        "subscriber": req(_ID),
+        "emitter": opt(_ID),
+        "device": opt(Int(optional=True)),
+    },
     "barrier": {"id": req(Int(0)), "ring_position": opt(Int(0))},
     # `outcomes` (to a forwarder): [first fid, last fid, outcome] ranges, docs/PROTOCOL.md
-    "barrier_done": {"id": req(Int(0)), "delivered": req(_COUNT), "dropped": req(_COUNT),
-                     "unrouted": req(_COUNT),
-                     "outcomes": opt(ListOf(_outcome_range, "max_outcome_ranges"))},
+    "barrier_done": {
+        "id": req(Int(0)),
+        "delivered": req(_COUNT),
+        "dropped": req(_COUNT),
+        "unrouted": req(_COUNT),
+        "outcomes": opt(ListOf(_outcome_range, "max_outcome_ranges")),
+    },
     "heartbeat": {},
     "bye": {},
     "stats": {},
     "stats_reply": {"stats": req(Of(dict))},
     "shutdown": {},
-}  # fmt: skip
+}
 KINDS = frozenset(KINDS_SCHEMA)
-
-
-def required_types(schema: Schema) -> dict[str, type | tuple[type, ...]]:
-    """The required fields of `schema` and their types (the simple view of it)."""
-    return {name: f.rule.types for name, f in schema.items() if f.required}  # type: ignore[attr-defined]
-
-
-# ---- checks ----------------------------------------------------------------------------
-
-_MISSING = object()
-
-
-def check_fields(
-    kind: str, header: Mapping[str, Any], schema: Schema, limits: Limits = DEFAULT_LIMITS
-) -> None:
-    """Every field of `schema` that is required is there, and every one there obeys its
-    rule; raises ProtocolError naming the kind, the field and what is wrong."""
-    for name, field in schema.items():
-        value = header.get(name, _MISSING)
-        if value is _MISSING:
-            if field.required:
-                raise ProtocolError("bad_field", f"{kind!r} message lacks {name!r}")
-            continue
-        complaint = field.rule(value, limits)
-        if complaint is not None:
-            reason, why = complaint
-            raise ProtocolError(reason, f"{kind!r} field {name!r} {why}")
 
 
 def check_header(kind: str, header: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS) -> None:
@@ -331,15 +235,173 @@ def check_ring_names(header: Mapping[str, Any]) -> None:
         return
     directory, _, name = ring.rpartition("/")
     if not directory or RING_NAME.fullmatch(name) is None:
-        raise ProtocolError("bad_field", f"emitter hello: ring {ring!r:.80} is not a path to "
-                            "a '<pid>-<hex>.ring' file")  # fmt: skip
+        raise ProtocolError(
+            "bad_field",
+            f"emitter hello: ring {ring!r:.80} is not a path to a '<pid>-<hex>.ring' file",
+        )
     if sites is not None and sites != ring.removesuffix(".ring") + ".sites":
-        raise ProtocolError("bad_field", f"emitter hello: sites {sites!r:.80} is not the "
-                            f"sites file of ring {ring!r:.80}")  # fmt: skip
+        raise ProtocolError(
+            "bad_field",
+            f"emitter hello: sites {sites!r:.80} is not the sites file of ring {ring!r:.80}",
+        )
 
 
 def sites_path_of(ring: str) -> str:
     return ring.removesuffix(".ring") + ".sites"
+
+
+# ---- a tap's leaves and shard layout ---------------------------------------------------
+
+
+def leaf_sizes(header: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS) -> list[int]:
+    """Check a tap header's `tree` and `leaves`; the byte size of each leaf."""
+    leaves = header["leaves"]
+    if len(leaves) > limits.max_leaves:
+        raise ProtocolError("too_large", f"{len(leaves)} leaves > {limits.max_leaves}")
+    expected_leaves = count_leaves(header["tree"], limits.max_tree_depth)
+    if expected_leaves != len(leaves):
+        raise ProtocolError("bad_tree", f"tree has {expected_leaves} leaves, header {len(leaves)}")
+    total = 0
+    sizes = []
+    for index, leaf in enumerate(leaves):
+        if not (isinstance(leaf, list) and len(leaf) == 3):
+            raise ProtocolError("bad_field", f"leaf {index} is not [dtype, shape, nbytes]")
+        name, shape, nbytes = leaf
+        dtype = dtype_from_name(name)
+        if (
+            not isinstance(shape, list)
+            or len(shape) > limits.max_ndim
+            or not all(is_int(d) and d >= 0 for d in shape)
+        ):
+            raise ProtocolError("bad_field", f"leaf {index} has bad shape {shape!r:.60}")
+        expected = math.prod(shape) * dtype.itemsize
+        if not is_int(nbytes):
+            raise ProtocolError("bad_field", f"leaf {index} nbytes {nbytes!r:.20} is not an int")
+        if nbytes != expected:
+            raise ProtocolError(
+                "bad_frames",
+                f"leaf {index} ({name}{shape}) needs {expected} bytes; header says {nbytes!r:.20}",
+            )
+        total += expected
+        if total > limits.max_message_bytes:
+            raise ProtocolError("too_large", f"arrays exceed {limits.max_message_bytes} bytes")
+        sizes.append(expected)
+    return sizes
+
+
+def check_shard(shard: Any, leaves: list[Any], limits: Limits = DEFAULT_LIMITS) -> None:
+    """A tap's optional `shard` field (docs/PROTOCOL.md): mesh axes, this device's
+    coordinates on them, and each leaf's global shape and splitting axes."""
+
+    def bad(why: str) -> ProtocolError:
+        return ProtocolError("bad_shard", f"shard {why}")
+
+    if not isinstance(shard, dict):
+        raise bad(f"is a {type(shard).__name__}, not a map")
+    axes, sizes, coords, layout = (shard.get(k) for k in ("axes", "sizes", "coords", "layout"))
+    if not (isinstance(axes, list) and isinstance(sizes, list) and isinstance(coords, list)):
+        raise bad("needs lists 'axes', 'sizes' and 'coords'")
+    if not (len(axes) == len(sizes) == len(coords)) or len(axes) > limits.max_ndim:
+        raise bad(f"axes/sizes/coords lengths {len(axes)}/{len(sizes)}/{len(coords)} differ")
+    if not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
+        raise bad(f"axes {axes!r:.60} are not distinct names")
+    for name, size, coord in zip(axes, sizes, coords, strict=True):
+        if not (is_int(size) and is_int(coord) and 0 <= coord < size):
+            raise bad(f"axis {name!r}: coordinate {coord!r:.20} not within size {size!r:.20}")
+    if not isinstance(layout, list) or len(layout) != len(leaves):
+        raise bad(f"layout must have one entry per leaf ({len(leaves)})")
+    for index, (entry, leaf) in enumerate(zip(layout, leaves, strict=True)):
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise bad(f"layout {index} is not [global_shape, dims]")
+        global_shape, dims = entry
+        if not (isinstance(global_shape, list) and isinstance(dims, list)):
+            raise bad(f"layout {index} is not [global_shape, dims]")
+        if len(global_shape) != len(dims) or len(dims) > limits.max_ndim:
+            raise bad(f"layout {index}: {len(global_shape)} dimensions but {len(dims)} dims")
+        named = [a for split in dims if isinstance(split, list) for a in split]
+        if len(set(map(str, named))) != len(named):  # as in a PartitionSpec: once at most
+            raise bad(f"layout {index}: dims {dims!r:.60} name an axis twice")
+        block = []
+        for extent, split in zip(global_shape, dims, strict=True):
+            if not (isinstance(split, list) and all(a in axes for a in split)):
+                raise bad(f"layout {index}: dims {split!r:.40} name unknown axes")
+            parts = math.prod(sizes[axes.index(a)] for a in split)
+            if not is_int(extent) or extent < 0 or extent % parts:
+                raise bad(f"layout {index}: extent {extent!r:.20} not divisible by {parts}")
+            block.append(extent // parts)
+        if math.prod(block) != math.prod(leaf[1]):
+            raise bad(f"layout {index}: block {block} does not hold the leaf's shape {leaf[1]}")
+
+
+# ---- a `taps` message's statics and rows (tapd/protocol/batch.py) ----------------------
+
+# A tap's fields that change from tap to tap; the rest is static per site and emitter.
+PER_TAP = ("tid", "seq", "step", "device", "time")
+# A row: static index, PER_TAP..., shard coordinates or nil, body frame, offset.
+ROW_LENGTH = 1 + len(PER_TAP) + 3
+STATIC_SCHEMA: Schema = {
+    **{k: v for k, v in TAP.items() if k not in PER_TAP},
+    "emitter": req(TAP["emitter"].rule),
+}
+
+
+def check_batch_static(index: int, static: Any, limits: Limits = DEFAULT_LIMITS) -> list[int]:
+    """Static entry `index` of a `taps` message: a tap's static fields, checked as a
+    tap's are (its shard layout with zero coordinates); its leaves' sizes."""
+    if not isinstance(static, dict):
+        raise ProtocolError("bad_field", f"batch static {index} is not a map")
+    check_fields("batch static", static, STATIC_SCHEMA, limits)
+    sizes = leaf_sizes(static, limits)
+    shard = static.get("shard")
+    if shard is not None:
+        axes = shard.get("axes") if isinstance(shard, dict) else None
+        zeros = [0] * len(axes) if isinstance(axes, list) else None
+        check_shard(
+            shard if zeros is None else {**shard, "coords": zeros}, static["leaves"], limits
+        )
+    return sizes
+
+
+def check_batch_row(row: Any, number: int, shard_sizes: Sequence[list[int] | None]) -> None:
+    """Tap `number` of a `taps` message: a row naming one of its statics (whose shard
+    axes have `shard_sizes`, None where unsharded), with a tap's per-tap fields. (Where
+    its leaves lie in the bodies is batch.read_runs' to check.)"""
+    # (`type(x) is int`: quicker than isinstance, and refuses bools as the wire must)
+    if not (
+        type(row) is list
+        and len(row) == ROW_LENGTH
+        and type(row[0]) is int
+        and 0 <= row[0] < len(shard_sizes)
+    ):
+        raise ProtocolError("bad_field", f"batch tap {number}: {row!r:.60} is not a row")
+    _, tid, seq, step, device, time, coords, _, _ = row
+    if not (
+        type(tid) is int
+        and type(seq) is int
+        and seq >= 0
+        and type(time) is int
+        and (step is None or type(step) is int)
+        and (device is None or type(device) is int)
+    ):
+        raise ProtocolError(
+            "bad_field", f"batch tap {number}: bad tid/seq/step/device/time {row[1:6]!r:.80}"
+        )
+    axes = shard_sizes[row[0]]
+    if axes is None:
+        if coords is not None:
+            raise ProtocolError(
+                "bad_shard", f"batch tap {number}: coordinates for an unsharded tap"
+            )
+        return
+    if not (
+        isinstance(coords, list)
+        and len(coords) == len(axes)
+        and all(is_int(c) and 0 <= c < n for c, n in zip(coords, axes, strict=True))
+    ):
+        raise ProtocolError(
+            "bad_shard",
+            f"batch tap {number}: coordinates {coords!r:.40} do not fit axes of sizes {axes}",
+        )
 
 
 # ---- tap sites: the trace-time bound and the `.sites` file -----------------------------
@@ -373,7 +435,7 @@ SITE_ENTRY: Schema = {
     "shard": opt(Of(dict)),
 }
 
-_LENGTH = struct.Struct("<I")
+_LENGTH = ring_format.SITE_ENTRY_LENGTH
 
 
 def split_site_entries(
@@ -387,18 +449,20 @@ def split_site_entries(
     position = 0
     while position + _LENGTH.size <= len(data):
         (length,) = _LENGTH.unpack_from(data, position)
-        if length > limits.max_header_bytes:
-            raise ProtocolError("too_large", f"sites entry at byte {position} is {length} "
-                                f"bytes; the limit is {limits.max_header_bytes}")  # fmt: skip
+        limit = limits.max_header_bytes
+        if length > limit:
+            why = f"sites entry at byte {position} is {length} bytes; the limit is {limit}"
+            raise ProtocolError("too_large", why)
         start = position + _LENGTH.size
         if start + length > len(data):
             break
+        packed = data[start : start + length]
         try:
-            entries.append(msgpack.unpackb(data[start : start + length], raw=False,
-                                           strict_map_key=True, max_ext_len=0))  # fmt: skip
+            entries.append(msgpack.unpackb(packed, raw=False, strict_map_key=True, max_ext_len=0))
         except Exception as exc:  # msgpack raises several unrelated types
-            raise ProtocolError("bad_header", f"sites entry at byte {position} is not valid "
-                                f"msgpack ({exc})") from exc  # fmt: skip
+            raise ProtocolError(
+                "bad_header", f"sites entry at byte {position} is not valid msgpack ({exc})"
+            ) from exc
         position = start + length
     return entries, position
 
@@ -406,8 +470,6 @@ def split_site_entries(
 def check_site_entry(entry: Any, limits: Limits = DEFAULT_LIMITS) -> None:
     """One `.sites` entry: its fields as a tap's static fields are checked, its tree and
     leaves against each other, its size against `max_static_bytes`."""
-    from tapd.protocol.wire import check_shard, leaf_sizes  # (wire imports this module)
-
     if not isinstance(entry, dict):
         raise ProtocolError("bad_field", f"sites entry is a {type(entry).__name__}, not a map")
     check_fields("sites entry", entry, SITE_ENTRY, limits)
@@ -420,8 +482,11 @@ def check_site_entry(entry: Any, limits: Limits = DEFAULT_LIMITS) -> None:
         coords = leaves[-1]
         axes = shard.get("axes")
         if not (isinstance(axes, list) and coords == ["int32", [len(axes)], 4 * len(axes)]):
-            raise ProtocolError("bad_shard", f"sites entry: last leaf {coords!r:.60} is not "
-                                "the int32 mesh coordinates of its axes")  # fmt: skip
+            raise ProtocolError(
+                "bad_shard",
+                f"sites entry: last leaf {coords!r:.60} is not "
+                "the int32 mesh coordinates of its axes",
+            )
         leaves = leaves[:-1]
         leaf_sizes({"tree": entry["tree"], "leaves": leaves}, limits)
         check_shard({**shard, "coords": [0] * len(axes)}, leaves, limits)
@@ -429,17 +494,14 @@ def check_site_entry(entry: Any, limits: Limits = DEFAULT_LIMITS) -> None:
         leaf_sizes(entry, limits)
     size = len(msgpack.packb(entry, use_bin_type=True))
     if size > max_static_bytes(limits):
-        raise ProtocolError("too_large", f"sites entry of {size} bytes; the limit is "
-                            f"{max_static_bytes(limits)}")  # fmt: skip
+        raise ProtocolError(
+            "too_large", f"sites entry of {size} bytes; the limit is {max_static_bytes(limits)}"
+        )
 
 
 # ---- a ring's control page -------------------------------------------------------------
 
-RING_MAGIC = 0x31474E4952504154  # "TAPRING1", little-endian
-# The fields checked here lead the control page in every ring format version since 2;
-# which versions it can map exactly is the native library's to say (it refuses others).
-RING_MIN_VERSION = 2
-_CONTROL = struct.Struct("<QIIQq")  # magic, version, policy, capacity, writer pid
+_CONTROL = ring_format.CONTROL  # magic, version, policy, capacity, writer pid
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,19 +516,22 @@ def check_ring_control(page: bytes | memoryview, file_size: int, page_size: int)
     """The first bytes of a ring file, checked before the file is mapped: the magic and
     version, a capacity that is a positive multiple of the page size and agrees with the
     file's size, a policy and a writer pid in range. Raises ProtocolError (`bad_ring`)."""
-    control_bytes = max(page_size, 4096)
+    control_bytes = max(page_size, ring_format.CONTROL_BYTES)
     if len(page) < _CONTROL.size:
         raise ProtocolError("bad_ring", f"ring control page of {len(page)} bytes is truncated")
     magic, version, policy, capacity, writer_pid = _CONTROL.unpack_from(page, 0)
-    if magic != RING_MAGIC or version < RING_MIN_VERSION:
+    if magic != ring_format.MAGIC or version < ring_format.MIN_CHECKED_VERSION:
         raise ProtocolError("bad_ring", f"not a tapd ring (magic {magic:#x}, version {version})")
     if capacity <= 0 or capacity % page_size or capacity > 1 << 40:
-        raise ProtocolError("bad_ring", f"ring capacity {capacity} is not a positive "
-                            f"multiple of the page size {page_size}")  # fmt: skip
+        raise ProtocolError(
+            "bad_ring",
+            f"ring capacity {capacity} is not a positive multiple of the page size {page_size}",
+        )
     if file_size != control_bytes + capacity:
-        raise ProtocolError("bad_ring", f"ring file of {file_size} bytes does not hold its "
-                            f"{capacity}-byte capacity")  # fmt: skip
-    if policy not in (0, 1):
+        raise ProtocolError(
+            "bad_ring", f"ring file of {file_size} bytes does not hold its {capacity}-byte capacity"
+        )
+    if policy not in ring_format.POLICIES.values():
         raise ProtocolError("bad_ring", f"ring policy {policy} is unknown")
     if not 0 < writer_pid <= PID_MAX:
         raise ProtocolError("bad_ring", f"ring writer pid {writer_pid} is out of range")
@@ -477,5 +542,7 @@ def check_record(payload_bytes: int, leaf_bytes: Sequence[int]) -> None:
     """A ring record's payload holds exactly its site's leaves, each padded to 8 bytes."""
     expected = sum((n + 7) & ~7 for n in leaf_bytes)
     if payload_bytes != expected:
-        raise ProtocolError("bad_ring", f"record of {payload_bytes} payload bytes for a "
-                            f"site whose leaves take {expected}")  # fmt: skip
+        raise ProtocolError(
+            "bad_ring",
+            f"record of {payload_bytes} payload bytes for a site whose leaves take {expected}",
+        )

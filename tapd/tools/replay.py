@@ -27,10 +27,10 @@ from typing import Any
 
 import zmq
 
+from tapd.clients import emitter_socket
+from tapd.clients.emitter_socket import EmitterSocket
 from tapd.errors import ProtocolError, TapdError
-from tapd.protocol import decode, encode
-from tapd.protocol.link import EmitterLink, heartbeats
-from tapd.security import secure_client
+from tapd.protocol import encode
 from tapd.tools.recording import RecordedTap, read_recording
 
 logger = logging.getLogger("tapd.replay")
@@ -65,18 +65,12 @@ def replay(
         raise ValueError(f"speed must be positive, got {speed}")
     stop = stop or threading.Event()
     context: zmq.Context[Any] = zmq.Context.instance()
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)
-    sock.setsockopt(zmq.SNDHWM, 0)  # the credit window bounds what is in flight
-    heartbeats(sock)
+    sock = emitter_socket.connect(context, endpoint)
     result = ReplayResult()
     started = time.monotonic()
+    identity = {"role": "emitter", "pid": os.getpid(), "host": socket.gethostname(), "process": 0}
+    link = _Link(EmitterSocket(sock, identity, time.monotonic()), result)
     try:
-        secure_client(sock, endpoint)
-        sock.connect(endpoint)
-        identity = {"role": "emitter", "pid": os.getpid(), "host": socket.gethostname(),
-                    "process": 0}  # fmt: skip
-        link = _Link(sock, EmitterLink(identity, time.monotonic()), result)
         first: tuple[float, int] | None = None  # (monotonic, recorded time ns)
         for tap in read_recording(directory):
             if stop.is_set():
@@ -92,97 +86,91 @@ def replay(
             link.wait_for_room(nbytes, stop)
             if stop.is_set():
                 break
-            link.send(frames, nbytes)
+            link.connection.send(frames, nbytes)
             result.sent += 1
             result.bytes += nbytes
             if progress is not None:
                 progress(result)
         link.barrier(barrier_timeout)
     finally:
-        try:
-            sock.send_multipart(encode("bye", {}), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        link.connection.bye()
         sock.close(linger=1000)
         result.seconds = time.monotonic() - started
     return result
 
 
 def _matches(patterns: Sequence[str], consumer: str) -> bool:
-    return any(consumer == p or (p.endswith("*") and consumer.startswith(p[:-1]))
-               for p in patterns)  # fmt: skip
+    return any(consumer == p or (p.endswith("*") and consumer.startswith(p[:-1])) for p in patterns)
+
+
+# A recorded tap's fields that are sent as they were recorded (meta is amended).
+_REPLAYED_FIELDS = (
+    "consumer",
+    "seq",
+    "step",
+    "device",
+    "process",
+    "host",
+    "pid",
+    "time",
+    "transforms",
+    "tree",
+)
 
 
 def _encode(tap: RecordedTap) -> tuple[list[Any], int]:
     header = tap.header
-    fields = {name: header[name] for name in (
-        "consumer", "seq", "step", "device", "process", "host", "pid", "time", "transforms",
-        "tree",
-    )}  # fmt: skip
-    fields["meta"] = {**header["meta"], "replayed": True,
-                      "recorded_emitter": header.get("emitter")}  # fmt: skip
+    fields = {name: header[name] for name in _REPLAYED_FIELDS}
+    fields["meta"] = {**header["meta"], "replayed": True, "recorded_emitter": header.get("emitter")}
     if header.get("shard") is not None:
         fields["shard"] = header["shard"]
     return encode("tap", fields, tap.arrays), sum(a.nbytes for a in tap.arrays)
 
 
 class _Link:
-    """The replayer's socket and its emitter link: credit, hellos, errors, the barrier."""
+    """The replayer's connection (tapd/clients/emitter_socket.py) and what it waits for:
+    credit, the daemon's hello answered, handlers' errors, the final barrier."""
 
-    def __init__(self, sock: zmq.Socket[Any], link: EmitterLink, result: ReplayResult) -> None:
-        self.sock = sock
-        self.link = link
+    def __init__(self, connection: EmitterSocket, result: ReplayResult) -> None:
+        self.connection = connection
         self.result = result
         self.barrier_reply: dict[str, Any] | None = None
-        self._flush()
-
-    def _flush(self) -> None:
-        for frames in self.link.outgoing():
-            self.sock.send_multipart(frames)
-
-    def send(self, frames: list[Any], nbytes: int) -> None:
-        self.sock.send_multipart(frames, copy=False)
-        self.link.sent(nbytes)
 
     def wait_for_room(self, nbytes: int, stop: threading.Event) -> None:
         waited = time.monotonic()
-        while not self.link.may_send(nbytes) and not stop.is_set():
+        while not self.connection.may_send(nbytes) and not stop.is_set():
             self.service(0.1)
-            if time.monotonic() - waited > 10 and self.link.daemon is None:
+            if time.monotonic() - waited > 10 and self.connection.link.daemon is None:
                 raise TimeoutError("no tapd daemon answered the replayer's hello in 10 s")
 
     def service(self, timeout: float) -> None:
         """Wait up to `timeout` s for the daemon; take what it says."""
-        if self.sock.poll(int(timeout * 1000)):
-            while True:
-                try:
-                    raw = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                try:
-                    header = decode(raw).header
-                except ProtocolError as exc:
-                    logger.error("ignoring a malformed message from the daemon: %s", exc)
-                    continue
-                self.link.received(header, time.monotonic())
+        if self.connection.sock.poll(int(timeout * 1000)):
+            for message, _ in self.connection.receive(time.monotonic(), _malformed):
+                header = message.header
                 if header["kind"] == "error":
                     text = f"{header['consumer']}#{header['seq']}: {header['error']}"
                     logger.error("a tap function raised in %s: %s", header["subscriber"], text)
                     self.result.errors.append(text)
                 elif header["kind"] == "barrier_done":
                     self.barrier_reply = header
-        self.link.tick(time.monotonic(), waiting=True)
-        self._flush()
+        self.connection.tick(time.monotonic(), waiting=True)
 
     def barrier(self, timeout: float) -> None:
-        self.sock.send_multipart(encode("barrier", {"id": 0}))
+        self.connection.send_barrier(0)
         deadline = time.monotonic() + timeout
         while self.barrier_reply is None:
             if time.monotonic() > deadline:
-                raise TapdError(f"replay: the daemon did not confirm the replayed taps within "
-                                f"{timeout} s (are its subscribers keeping up?)")  # fmt: skip
+                raise TapdError(
+                    f"replay: the daemon did not confirm the replayed taps within {timeout} s "
+                    "(are its subscribers keeping up?)"
+                )
             self.service(0.1)
         reply = self.barrier_reply
         self.result.delivered = reply["delivered"]
         self.result.dropped = reply["dropped"]
         self.result.unrouted = reply["unrouted"]
+
+
+def _malformed(exc: ProtocolError) -> None:
+    logger.error("ignoring a malformed message from the daemon: %s", exc)

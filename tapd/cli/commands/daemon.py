@@ -125,7 +125,7 @@ def run_daemon(config: config_module.Config) -> int:
 
 
 def _start_detached(config: config_module.Config, argv: list[str]) -> int:
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.daemon.rings import pid_alive
 
     try:
@@ -184,7 +184,7 @@ def _read_pid(path: Path) -> int | None:
 def cmd_stop(args: argparse.Namespace) -> int:
     """Stop the daemon that answers at the endpoint, by the pid it gives. The pidfile is
     only compared with it: after a kill -9 its pid may have gone to another process."""
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.daemon.rings import pid_alive
 
     address = endpoint(args)

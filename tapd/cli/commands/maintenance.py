@@ -58,7 +58,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import importlib.metadata
     import platform
 
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.native import library
     from tapd.runtime import ring_dir_for, runtime_dir
 

@@ -43,7 +43,7 @@ def register(commands: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.daemon.router import summarize
 
     address = endpoint(args)
@@ -62,7 +62,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.tools.top import run
 
     address = endpoint(args)
@@ -84,7 +84,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from tapd.daemon import control
+    from tapd.clients import control
 
     try:
         control.stats(endpoint(args), timeout=args.timeout)

@@ -65,7 +65,7 @@ def _stderr(text: str) -> None:
 
 
 def cmd_record(args: argparse.Namespace) -> int:
-    from tapd.daemon import control
+    from tapd.clients import control
     from tapd.tools.record import Progress, Recorder
     from tapd_client import Subscriber
 

@@ -1,0 +1,161 @@
+"""The emitter's end of a connection to a daemon, with its socket: written once for the
+three parts of tapd that speak to a daemon as an emitter, the sender thread
+(tapd/emitter/sender.py), the forwarder (tapd/daemon/forward.py) and the replayer
+(tapd/tools/replay.py).
+
+`connect` makes the DEALER socket as every emitter's is; `EmitterSocket` drives it with
+the sans-I/O link (tapd/protocol/link.py: hello and welcome, the credit window,
+rehello), sends what the link wants sent before anything of the owner's, and keeps the
+barriers sent and not yet answered, so that an owner can say them again to a daemon
+that may have lost them. One thread owns a socket and everything here: the owner's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import zmq
+
+from tapd.errors import ProtocolError
+from tapd.protocol import Limits, Message, decode, encode
+from tapd.protocol.link import (
+    HEARTBEAT_IVL_MS,
+    HEARTBEAT_TIMEOUT_MS,
+    HEARTBEAT_TTL_MS,
+    REHELLO_AFTER,
+    EmitterLink,
+    LinkEvent,
+)
+from tapd.security import secure_client
+
+Secure = Callable[[zmq.Socket[Any]], None]
+
+
+def heartbeats(sock: zmq.Socket[Any]) -> None:
+    """ZeroMQ heartbeats on a connecting socket: a connection that died unseen is closed
+    and made again (tapd/protocol/link.py, "connections that die unseen")."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
+
+
+def connect(
+    context: zmq.Context[Any],
+    endpoint: str,
+    *,
+    secure: Secure | None = None,
+    routing_id: bytes | None = None,
+) -> zmq.Socket[Any]:
+    """A DEALER connected to the daemon at `endpoint`, secured by `secure` (by default
+    `secure_client`: a private ipc directory, CurveZMQ keys from the environment on
+    tcp). Raises what connecting raises (ConfigError, zmq.ZMQError), the socket closed."""
+    sock: zmq.Socket[Any] = context.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 1000)
+        # The credit window bounds what is in flight, in bytes; a message-count
+        # high-water mark would only make the owner block on many small taps.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        heartbeats(sock)  # a tcp:// daemon's connection may die unseen
+        if secure is None:
+            secure_client(sock, endpoint)
+        else:
+            secure(sock)
+        sock.connect(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+class EmitterSocket:
+    """One emitter's socket towards one daemon and the link that paces it."""
+
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        identity: Mapping[str, Any],
+        now: float,
+        *,
+        rehello_after: float = REHELLO_AFTER,
+        rehello_max: float | None = None,
+        self_id: str | None = None,
+        limits: Limits | None = None,
+    ) -> None:
+        self.sock = sock
+        self.limits = limits or Limits()
+        self.link = EmitterLink(
+            identity, now, rehello_after=rehello_after, rehello_max=rehello_max, self_id=self_id
+        )
+        # Barriers sent and not answered: id -> their other fields. A daemon answers an
+        # emitter's barriers in order, so an answer settles every one before it too.
+        self.barriers: dict[int, dict[str, Any]] = {}
+        self.flush()
+
+    def flush(self) -> None:
+        """Send what the link wants sent (hellos), in order."""
+        for frames in self.link.outgoing():
+            self.sock.send_multipart(frames)
+
+    def may_send(self, nbytes: int) -> bool:
+        return self.link.may_send(nbytes)
+
+    def send(self, frames: list[Any], nbytes: int) -> None:
+        """Send one tap of `nbytes` payload bytes (counted against the credit window)."""
+        self.sock.send_multipart(frames, copy=False)
+        self.link.sent(nbytes)
+
+    def send_barrier(self, barrier_id: int, fields: Mapping[str, Any] | None = None) -> None:
+        self.barriers[barrier_id] = dict(fields or {})
+        self.sock.send_multipart(encode("barrier", {**self.barriers[barrier_id], "id": barrier_id}))
+
+    def resend_barriers(self, *, last_only: bool = False) -> None:
+        """Say the unanswered barriers again (all, or the last), in order: the daemon
+        may have lost them with a restart or a dropped connection."""
+        ids = sorted(self.barriers)
+        for barrier_id in ids[-1:] if last_only else ids:
+            self.sock.send_multipart(
+                encode("barrier", {**self.barriers[barrier_id], "id": barrier_id})
+            )
+
+    def receive(
+        self, now: float, malformed: Callable[[ProtocolError], None]
+    ) -> Iterator[tuple[Message, LinkEvent | None]]:
+        """Each message the daemon has sent, as long as one waits (never blocking), with
+        what the link made of it (None: the owner's to handle). The link has had it, and
+        what it answered is sent, before it is yielded; one that does not decode goes to
+        `malformed` instead."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = decode(frames, self.limits)
+            except ProtocolError as exc:
+                malformed(exc)
+                continue
+            event = self.link.received(message.header, now)
+            self.flush()
+            if message.kind == "barrier_done":
+                answered = message.header["id"]
+                for barrier_id in [b for b in self.barriers if b <= answered]:
+                    del self.barriers[barrier_id]
+            yield message, event
+
+    def tick(self, now: float, waiting: bool) -> bool:
+        """The link's rehello timer (tapd/protocol/link.py, EmitterLink.tick); True if it
+        said hello again."""
+        hello = self.link.tick(now, waiting)
+        self.flush()
+        return hello
+
+    def bye(self) -> None:
+        """Tell the daemon we are gone, if the socket takes it now."""
+        try:
+            self.sock.send_multipart(encode("bye", {}), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass

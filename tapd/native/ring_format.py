@@ -1,0 +1,65 @@
+"""The shared-memory ring's file format, as Python reads it: the one Python copy of what
+tapd/native/ring.h defines (docs/PROTOCOL.md, "Shared-memory ring").
+
+Everything in Python that reads ring bytes itself takes its offsets, sizes and values
+from here: the ring binding (ring.py), the checks of a ring file before it is mapped
+(tapd/protocol/schema.py) and the daemon's sweep of stale rings (tapd/daemon/rings.py).
+tests/test_ring_format.py checks that this module and ring.h agree. Imports only numpy.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+MAGIC = 0x31474E4952504154  # kMagic: "TAPRING1", little-endian
+VERSION = 3  # kVersion: the format the native library maps
+# The control page fields checked before mapping (CONTROL) lead it in every version
+# since 2; which versions it can map exactly is the native library's to say.
+MIN_CHECKED_VERSION = 2
+
+# The control page: 4096 bytes, or one page where pages are larger (ring.cc).
+CONTROL_BYTES = 4096
+# RingControl's leading fields: magic, version, policy, capacity, writer_pid.
+CONTROL = struct.Struct("<QIIQq")
+WRITER_PID_OFFSET = 24  # offsetof(RingControl, writer_pid)
+READER_PID_OFFSET = 280  # offsetof(RingControl, reader_pid)
+READER_PID = struct.Struct("<q")
+
+POLICIES = {"block": 0, "drop_newest": 1}  # kPolicyBlock, kPolicyDropNewest
+NO_STEP = -(2**63)  # kNoStep: a record without a step
+
+# Commit tag states: the low bits of a record's `commit` word (Tag() in ring.h).
+TAG_RESERVED = 1
+TAG_COMMITTED = 2
+TAG_ABANDONED = 3
+TAG_STATE_MASK = 7
+
+# RecordHeader: one record, 8-byte aligned, followed by its leaves, each padded to 8.
+RECORD_HEADER = np.dtype(
+    [
+        ("length", "<u4"),
+        ("nleaves", "<u4"),
+        ("site", "<u8"),
+        ("seq", "<u8"),
+        ("step", "<i8"),
+        ("time_ns", "<i8"),
+        ("device", "<i4"),
+        ("flags", "<u4"),
+        ("commit", "<u8"),
+    ]
+)
+# The fields a reader uses, unpacked without numpy (the daemon's per-record path):
+# length, nleaves, site, seq, step, time_ns, device, commit (flags skipped: zero once
+# committed).
+RECORD_HEADER_STRUCT = struct.Struct("<IIQQqqi4xQ")
+
+# The `.sites` file beside a ring: entries, each a u32 length then that many bytes of
+# msgpack (tapd/native/sites.py writes them, tapd/protocol/schema.py reads them).
+SITE_ENTRY_LENGTH = struct.Struct("<I")
+
+
+def commit_tag(position: int, nonce: int, state: int) -> int:
+    """The commit word of the record at ring `position` in `state` (Tag() in ring.h)."""
+    return ((position ^ nonce) & ~TAG_STATE_MASK) | state

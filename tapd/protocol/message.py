@@ -1,0 +1,130 @@
+"""A decoded message (`Message`), and the taps a `taps` message carries: runs of one
+static entry (`SiteRun`). What `decode` (wire.py) and `read_runs` (batch.py) return,
+already checked (schema.py); the framing both ends share (`MAGIC`, `encode_header`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from tapd.protocol.dtypes import dtype_from_name
+from tapd.protocol.tree import LEAF, unflatten
+
+VERSION = 1
+MAGIC = b"TAPD" + bytes([VERSION])
+
+Frame = bytes | memoryview
+
+
+def encode_header(header: Mapping[str, Any]) -> bytes:
+    """Pack a header (the daemon also uses it to stamp delivery ids on forwarded taps)."""
+    packed: bytes = msgpack.packb(dict(header), use_bin_type=True)
+    return packed
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """A decoded message: its header and, for taps, the raw array frames."""
+
+    header: dict[str, Any]
+    frames: Sequence[Frame] = ()
+    runs: Sequence[SiteRun] = ()  # a `taps` message's taps, checked, by static entry
+    site: Hashable | None = None  # equal for taps of one site: static fields equal too
+
+    @functools.cached_property
+    def batch(self) -> list[Message]:
+        """A `taps` message's taps, each a `tap` Message viewing a body frame."""
+        return [run.message(i) for run in self.runs for i in range(len(run))]
+
+    @property
+    def kind(self) -> str:
+        return str(self.header["kind"])
+
+    def arrays(self) -> list[np.ndarray]:
+        """The tap's leaves as read-only numpy arrays viewing the frames."""
+        out = []
+        for (name, shape, _), frame in zip(self.header["leaves"], self.frames, strict=True):
+            array = np.frombuffer(frame, dtype=dtype_from_name(name)).reshape(shape)
+            array.flags.writeable = False  # it views the message's frame
+            out.append(array)
+        return out
+
+    def value(self) -> Any:
+        """The tapped value, rebuilt with its pytree structure."""
+        arrays = self.arrays()
+        if self.header["tree"] == LEAF:  # the common case: one array, nothing to rebuild
+            return arrays[0]
+        return unflatten(self.header["tree"], arrays)
+
+
+class StaticEntry:
+    """A `taps` message's static entry, checked (schema.check_batch_static): its
+    fields, where each leaf lies from a tap's offset, and its shard axes' sizes."""
+
+    def __init__(self, fields: dict[str, Any], sizes: Sequence[int]) -> None:
+        self.fields = fields
+        self.sizes = list(sizes)
+        # Each leaf's (start, size) from the tap's offset, padded to 8; and the whole.
+        self.layout: list[tuple[int, int]] = []
+        self.extent = 0
+        for nbytes in self.sizes:
+            self.layout.append((self.extent, nbytes))
+            self.extent += nbytes + (-nbytes % 8)
+        shard = fields.get("shard")
+        self.shard_sizes: list[int] | None = None if shard is None else list(shard["sizes"])
+
+    def tap_header(self, row: list[Any]) -> dict[str, Any]:
+        """The full header of the tap a (checked) row describes."""
+        _, tid, seq, step, device, time, coords, _, _ = row
+        header = {
+            **self.fields,
+            "kind": "tap",
+            "tid": tid,
+            "seq": seq,
+            "step": step,
+            "device": device,
+            "time": time,
+        }
+        if coords is not None:
+            header["shard"] = {**self.fields["shard"], "coords": coords}
+        return header
+
+
+class SiteRun:
+    """Consecutive taps of a `taps` message that share one static entry and one body
+    frame, checked: what a batch handler gets as columns (tapd_client.TapBatch) and a
+    per-tap handler as one `tap` Message each."""
+
+    __slots__ = ("body", "rows", "static")
+
+    def __init__(self, static: StaticEntry, body: memoryview, rows: list[list[Any]]) -> None:
+        self.static = static
+        self.body = body
+        self.rows = rows  # [static, tid, seq, step, device, time, coords, frame, offset]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The static fields every tap of the run shares (consumer, tree, leaves, ...)."""
+        return self.static.fields
+
+    @property
+    def layout(self) -> list[tuple[int, int]]:
+        """Each leaf's (start, size) in bytes, from a tap's offset in `body`."""
+        return self.static.layout
+
+    def header(self, i: int) -> dict[str, Any]:
+        return self.static.tap_header(self.rows[i])
+
+    def message(self, i: int) -> Message:
+        offset, body = self.rows[i][8], self.body
+        frames = [body[offset + start : offset + start + n] for start, n in self.static.layout]
+        return Message(self.header(i), frames, site=self.static)

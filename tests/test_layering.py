@@ -1,0 +1,149 @@
+"""How tapd's packages may import each other, read from the source (AST) rather than
+trusted to review: nothing the emitter imports, however indirectly, is the daemon's
+(it reaches the daemon through sockets and shared memory only), and tapd/protocol/ has
+no import circle and no import inside a function (the way circles were dodged), with
+schema.py at its bottom."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+PACKAGE = ROOT / "tapd"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imports(path: Path) -> Iterator[tuple[ast.stmt, str]]:
+    """Every import statement in `path` (at any depth: in functions, under
+    TYPE_CHECKING) and each tapd module it names."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, `level - 1` packages up
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                # `from tapd.clients import control` names a module; `from x import f` x.
+                yield node, f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+
+
+def edges(name: str, *, packages: bool) -> set[str]:
+    """The tapd modules `name` imports; with `packages`, each with the packages above it
+    (importing a.b.c runs a/__init__.py and a/b/__init__.py too)."""
+    found = set()
+    for _, target in imports(MODULES[name]):
+        parts = target.split(".")
+        for end in range(1 if packages else len(parts), len(parts) + 1):
+            prefix = ".".join(parts[:end])
+            if prefix in MODULES and prefix != name:
+                found.add(prefix)
+    return found
+
+
+# What loading a module loads (with its packages' __init__), and what its own source
+# imports (the graph in which a circle is a circle: every package's __init__ imports
+# its own modules, and runs before them).
+LOADS = {name: edges(name, packages=True) for name in MODULES}
+IMPORTS = {name: edges(name, packages=False) for name in MODULES}
+
+
+def reachable(start: str, graph: dict[str, set[str]] = LOADS) -> dict[str, str]:
+    """Every module `start` imports, however indirectly: module -> the one it came from."""
+    came_from = {start: ""}
+    todo = [start]
+    while todo:
+        current = todo.pop()
+        for target in graph[current]:
+            if target not in came_from:
+                came_from[target] = current
+                todo.append(target)
+    return came_from
+
+
+def chain(came_from: dict[str, str], end: str) -> str:
+    steps = [end]
+    while came_from[steps[-1]]:
+        steps.append(came_from[steps[-1]])
+    return " -> ".join(reversed(steps))
+
+
+def test_the_graph_sees_the_imports_it_must() -> None:
+    """(So that the checks below cannot pass on a graph that reads nothing.)"""
+    assert "tapd.protocol.schema" in IMPORTS["tapd.protocol.wire"]
+    assert "tapd.clients.control" in IMPORTS["tapd.emitter.sender"]
+    assert "tapd.daemon.router" in IMPORTS["tapd.daemon.forward"]
+    assert "tapd.daemon" in reachable("tapd.daemon.forward")
+    assert "tapd.daemon" not in reachable("tapd.daemon.forward", IMPORTS)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("tapd.emitter")))
+def test_nothing_the_emitter_imports_is_the_daemon_s(module: str) -> None:
+    came_from = reachable(module)
+    daemon = sorted(m for m in came_from if m == "tapd.daemon" or m.startswith("tapd.daemon."))
+    assert not daemon, f"the emitter imports the daemon: {chain(came_from, daemon[0])}"
+
+
+def test_an_emitting_process_loads_no_daemon_module() -> None:
+    """The same at run time, in a fresh interpreter: the sender and the tap API."""
+    code = (
+        "import sys, tapd.emitter.sender, tapd.emitter.tapping\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tapd.daemon')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
+
+
+PROTOCOL = sorted(m for m in MODULES if m.startswith("tapd.protocol."))
+
+
+@pytest.mark.parametrize("module", PROTOCOL)
+def test_protocol_has_no_import_circle(module: str) -> None:
+    for target in sorted(IMPORTS[module] & set(PROTOCOL)):
+        back = reachable(target, IMPORTS)  # a way back from what it imports: a circle
+        assert module not in back, f"import circle: {module} -> {chain(back, module)}"
+
+
+def test_schema_is_the_bottom_of_protocol() -> None:
+    below = reachable("tapd.protocol.schema", IMPORTS)
+    assert {m for m in below if m.startswith("tapd.protocol.")} <= {
+        "tapd.protocol.schema",
+        "tapd.protocol.rules",
+        "tapd.protocol.dtypes",
+        "tapd.protocol.tree",
+    }, f"schema.py imports {sorted(below)}"
+
+
+def test_protocol_imports_nothing_inside_a_function() -> None:
+    for module, path in MODULES.items():
+        if not module.startswith("tapd.protocol"):
+            continue
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                assert not isinstance(node, ast.Import | ast.ImportFrom), (
+                    f"{path.relative_to(ROOT)}:{node.lineno}: an import inside "
+                    f"{function.name}() (tapd/protocol/ imports at the top, in layers)"
+                )
