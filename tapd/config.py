@@ -33,6 +33,8 @@ class Config(DaemonFields):
         for name in ("subscriber_timeout", "drain_timeout", "startup_grace"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.idle_exit is not None and self.idle_exit <= 0:
+            raise ConfigError(f"idle_exit must be positive, got {self.idle_exit}")
         if not self.endpoint.startswith(("ipc://", "tcp://", "inproc://")):
             raise ConfigError(f"endpoint {self.endpoint!r} must start with ipc:// or tcp://")
         check_ipc_endpoint(self.endpoint)
@@ -55,6 +57,14 @@ class Config(DaemonFields):
             self._check_forward(self.forward)
         if self.metrics is not None:
             metrics_address(self.metrics)
+
+    @property
+    def idle_limit(self) -> float | None:
+        """Seconds without clients after which the daemon stops, or None: never. Only a
+        daemon started on demand has one unless asked (systemd's, Slurm's never idle)."""
+        if self.idle_exit is not None:
+            return self.idle_exit
+        return ON_DEMAND_IDLE_EXIT if self.started_by is not None else None
 
     def _check_forward(self, forward: str) -> None:
         if forward.startswith("ipc://"):
@@ -85,6 +95,8 @@ class Config(DaemonFields):
                 "or pass --insecure to forward unauthenticated and unencrypted"
             )
 
+
+ON_DEMAND_IDLE_EXIT = 600.0
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

@@ -6,6 +6,7 @@
     ├── TapDefinitionError         a tap site cannot be served (raised at trace time)
     ├── BarrierTimeout             also a TimeoutError: `barrier_wait` gave up
     ├── DaemonAlreadyRunning       also an OSError: another daemon holds this endpoint
+    ├── DaemonUnreachable          also a ConnectionError: no daemon, and none could be started
     └── CallbackException          a tap function or handler raised (surfaces at the barrier);
                                    `TapFunctionException` is the same class, as in host_callback
 
@@ -20,6 +21,7 @@ __all__ = [
     "CallbackException",
     "ConfigError",
     "DaemonAlreadyRunning",
+    "DaemonUnreachable",
     "ProtocolError",
     "TapDefinitionError",
     "TapFunctionException",
@@ -56,6 +58,12 @@ class BarrierTimeout(TapdError, TimeoutError):
 class DaemonAlreadyRunning(TapdError, OSError):
     """Another tapd daemon serves (or holds the lock of) the endpoint a daemon was to
     bind; `tapd start` exits with ExitCode.ALREADY_RUNNING."""
+
+
+class DaemonUnreachable(TapdError, ConnectionError):
+    """No daemon answers at the endpoint a client needs, and none was started for it
+    (autostart is off, or the daemon it started did not become ready: the message says
+    which, and where its log is)."""
 
 
 class CallbackException(TapdError):

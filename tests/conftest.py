@@ -26,6 +26,10 @@ import zmq
 from tapd.clients import control
 from tapd.runtime import ring_dir_for
 
+# Every test starts the daemons it uses; none is started on demand behind its back
+# (tests/test_autostart.py turns autostart on for its own runtime directories).
+os.environ["TAPD_AUTOSTART"] = "0"
+
 APPS = Path(__file__).parent / "apps"
 READY_PREFIX = "tapd ready:"
 PROCESS_TIMEOUT = 60.0

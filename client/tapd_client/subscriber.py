@@ -35,6 +35,7 @@ from typing import Any, cast
 import msgpack
 import zmq
 
+from tapd.autostart import ensure_daemon
 from tapd.errors import ProtocolError, TapdError
 from tapd.protocol import Message, decode, encode
 from tapd.protocol.batch import SiteRun
@@ -301,6 +302,7 @@ class Subscriber:
             raise ValueError("no handlers: register some with @subscriber.on(name) first")
         if not self._links:
             for endpoint in self.endpoints:
+                ensure_daemon(endpoint)  # this user's default endpoint: start one if none
                 sock = self._context.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 1000)
                 sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a daemon not there

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from tapd.autostart import ensure_daemon
 from tapd.emitter.native_backend import NativeEmitter, registered_platforms
 from tapd.emitter.sender import Sender
 from tapd.emitter.settings import EmitterSettings, from_environment
@@ -48,6 +49,7 @@ def get_sender() -> Sender:
                 if _settings is None:
                     _settings = from_environment()
                 check_endpoint_dir(_settings.endpoint)  # no squatter's daemon gets our taps
+                ensure_daemon(_settings.endpoint, required=False)
                 _sender = Sender(
                     _settings,
                     process_index=jax.process_index(),

@@ -55,7 +55,7 @@ from typing import Any
 import jax
 
 from tapd.emitter import lifecycle
-from tapd.errors import TapDefinitionError
+from tapd.errors import DaemonUnreachable, TapDefinitionError
 from tapd.settings import CONNECT_TIMEOUT, LOCAL_FALLBACK
 from tapd.settings.setting import Setting
 from tapd_client.meta import TapMeta
@@ -133,6 +133,11 @@ class LocalReceiver:
         """Connect; return once the daemon has confirmed the subscription."""
         self._thread.start()
         self._connected.wait(self.timeout + 5)
+        if isinstance(self._failure, DaemonUnreachable):  # none, and none was started
+            raise TapDefinitionError(
+                f"tapd runs this process's own tap functions on a receiver that a daemon "
+                f"feeds: {self._failure}"
+            ) from self._failure
         if self._failure is not None or not self._connected.is_set():
             raise TapDefinitionError(
                 f"tapd runs this process's own tap functions (lambdas, closures, bound "

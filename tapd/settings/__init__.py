@@ -171,6 +171,20 @@ class DaemonFields:
     pidfile: Path | None = daemon(
         None, "where the daemon writes its pid", default_text="<runtime dir>/tapd.pid"
     )
+    idle_exit: float | None = daemon(
+        None,
+        "stop (draining first, as `tapd stop` does) once there have been no emitters and "
+        "no subscribers for this many seconds",
+        default_text="600 for a daemon started on demand, else never",
+    )
+    # Set by tapd.autostart on the daemon it launches; `tapd status` shows it.
+    started_by: int | None = daemon(
+        None,
+        "the pid of the client that started this daemon on demand (tapd sets it; such a "
+        "daemon stops after --idle-exit seconds without clients)",
+        variable=None,
+        metavar="PID",
+    )
     log_level: str = daemon(
         "info",
         "debug, info, warning or error",
@@ -244,6 +258,16 @@ CONNECT_TIMEOUT = Setting(
     ("emitter",),
     variable="TAPD_CONNECT_TIMEOUT",
     default=10.0,
+)
+AUTOSTART = Setting(
+    "autostart",
+    bool,
+    "start a daemon on demand when the first emitter, subscriber, `tapd tail`, `subscribe` "
+    "or `sink` finds none at the default endpoint (0: never; a missing daemon is then an "
+    "error at once, as managed hosts want)",
+    CLIENTS,
+    variable="TAPD_AUTOSTART",
+    default=True,
 )
 LOCAL_FALLBACK = Setting(
     "local_fallback",
@@ -322,6 +346,7 @@ def _every_setting() -> tuple[Setting, ...]:
         RUNTIME_DIR,
         *EMITTER_SETTINGS,
         CONNECT_TIMEOUT,
+        AUTOSTART,
         LOCAL_FALLBACK,
         CURVE_SERVER_KEY,
         CURVE_SECRET,

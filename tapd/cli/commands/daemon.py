@@ -10,17 +10,17 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from tapd import autostart
 from tapd import config as config_module
 from tapd.cli.exit_codes import ExitCode
 from tapd.cli.logs import set_log_level
 from tapd.cli.options import add_endpoint, add_setting, endpoint
-from tapd.errors import DaemonAlreadyRunning
+from tapd.errors import DaemonAlreadyRunning, DaemonUnreachable
 from tapd.runtime import default_pidfile
 from tapd.settings import CONFIG, DAEMON_SETTINGS, LOG_LEVEL
 
@@ -125,53 +125,18 @@ def run_daemon(config: config_module.Config) -> int:
 
 
 def _start_detached(config: config_module.Config, argv: list[str]) -> int:
-    from tapd.clients import control
-    from tapd.daemon.rings import pid_alive
-
-    try:
-        control.stats(config.endpoint, timeout=0.5)
+    if autostart.answers(config.endpoint, timeout=0.5):
         logger.error("a tapd daemon already answers at %s", config.endpoint)
         return ExitCode.ALREADY_RUNNING
-    except TimeoutError:
-        pass
-    log_path = (config.pidfile or default_pidfile()).with_suffix(".log")
-    log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        # Started by a short-lived launcher, so that the daemon is nobody's child here:
-        # a caller that goes on running (main() in-process) is left no zombie to reap.
-        launcher = subprocess.run(
-            [sys.executable, "-c", _LAUNCHER, *argv],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            check=False,
-        )
+    log = autostart.log_path(config.pidfile)
     try:
-        pid = int(launcher.stdout)
-    except ValueError:
-        logger.error("could not start the daemon; see %s", log_path)
+        pid = autostart.launch_detached(argv, log)
+        autostart.wait_ready(config.endpoint, pid, log, autostart.READY_TIMEOUT)
+    except DaemonUnreachable as exc:
+        logger.error("%s", exc)
         return ExitCode.FAILURE
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            logger.error("the daemon (pid %d) exited; see %s", pid, log_path)
-            return ExitCode.FAILURE
-        try:
-            control.stats(config.endpoint, timeout=0.2)
-        except TimeoutError:
-            continue
-        print(f"tapd daemon started (pid {pid}, log {log_path})")
-        return ExitCode.OK
-    logger.error("the daemon did not become ready in 15 s; see %s", log_path)
-    return ExitCode.FAILURE
-
-
-_LAUNCHER = """\
-import subprocess, sys
-child = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=sys.stderr,
-                         stderr=sys.stderr, start_new_session=True)
-print(child.pid)
-"""
+    print(f"tapd daemon started (pid {pid}, log {log})")
+    return ExitCode.OK
 
 
 def _read_pid(path: Path) -> int | None:

@@ -1,0 +1,146 @@
+"""Start this user's daemon when the first client needs it, as W&B's and Ray's clients do.
+
+Only the default endpoint (the ipc socket in this user's private runtime directory) is
+started on demand: a daemon at any other address was configured by someone (systemd,
+Kubernetes, Slurm, a job script), who starts it. `TAPD_AUTOSTART=0` turns it off; a
+missing daemon is then an error at once, not after a timeout.
+
+Races need no lock of their own. Several processes that find no daemon may each launch
+one; the daemon's endpoint lock lets one bind, the others exit with "already running",
+and every caller waits for whichever daemon answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tapd.clients import control
+from tapd.errors import DaemonUnreachable
+from tapd.runtime import default_endpoint, default_pidfile, ensure_private_dir, runtime_dir
+from tapd.settings import AUTOSTART
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT = 15.0  # a cold daemon imports numpy and zmq; a loaded CI box is slow
+_PROBE_TIMEOUT = 0.3  # how long a live socket may take to answer before we launch
+
+# Run by a short-lived launcher, so that the daemon is nobody's child: a caller that
+# goes on running is left no zombie to reap, and the daemon has a session of its own.
+_LAUNCHER = """\
+import subprocess, sys
+child = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=sys.stderr,
+                         stderr=sys.stderr, start_new_session=True)
+print(child.pid)
+"""
+
+
+def log_path(pidfile: Path | None = None) -> Path:
+    """Where a detached daemon writes its log: beside its pidfile."""
+    return (pidfile or default_pidfile()).with_suffix(".log")
+
+
+def launch_detached(argv: list[str], log: Path) -> int:
+    """Start `argv` (a `tapd start` command line) in a session of its own, its output
+    appended to `log`; return its pid. Does not wait for it to be ready."""
+    ensure_private_dir(log.parent)
+    with open(log, "ab") as log_file:
+        launcher = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            check=False,
+        )
+    try:
+        return int(launcher.stdout)
+    except ValueError:
+        raise DaemonUnreachable(f"could not launch `{' '.join(argv)}`; see {log}") from None
+
+
+def answers(endpoint: str, timeout: float) -> bool:
+    try:
+        control.stats(endpoint, timeout=timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
+def ensure_daemon(
+    endpoint: str, *, required: bool = True, timeout: float = READY_TIMEOUT
+) -> int | None:
+    """Make sure a daemon answers at `endpoint` before a client goes on.
+
+    Returns the pid of a daemon this call launched, None if one already answered or the
+    endpoint is not the default one (then the caller's own timeout applies). Raises
+    DaemonUnreachable when the daemon it launched did not become ready (naming its log),
+    and when autostart is off and there is no daemon, if the caller is `required` to have
+    one now (a subscriber; an emitter's ring can wait for a daemon that starts later)."""
+    if endpoint != default_endpoint():
+        return None
+    ensure_private_dir(runtime_dir())  # no squatter's socket is probed, nor started beside
+    socket_path = Path(endpoint.removeprefix("ipc://"))
+    if socket_path.exists() and answers(endpoint, _PROBE_TIMEOUT):
+        return None
+    if not AUTOSTART.read():
+        if required and not socket_path.exists():
+            raise DaemonUnreachable(
+                f"no tapd daemon at {endpoint} (no socket file) and TAPD_AUTOSTART=0: "
+                "start one with `tapd start --detach`, or unset TAPD_AUTOSTART"
+            )
+        return None  # a socket file: the caller's own wait decides
+    log = log_path()
+    pidfile = default_pidfile()
+    argv = [sys.executable, "-m", "tapd", "start", "--pidfile", str(pidfile)]
+    argv += ["--started-by", str(os.getpid())]
+    pid = launch_detached(argv, log)
+    logger.info("started a tapd daemon on demand (pid %d, log %s)", pid, log)
+    wait_ready(endpoint, pid, log, timeout)
+    return pid
+
+
+def wait_ready(endpoint: str, pid: int, log: Path, timeout: float) -> None:
+    """Wait until a daemon answers at `endpoint`: the one launched as `pid`, or another
+    that won the endpoint lock (then `pid` exits "already running", which is fine)."""
+    deadline = time.monotonic() + timeout
+    ours_gone_at: float | None = None
+    while time.monotonic() < deadline:
+        if answers(endpoint, 0.2):
+            return
+        if ours_gone_at is None and not _alive(pid):
+            ours_gone_at = time.monotonic()
+        # Ours is gone and nobody else answered within a few seconds: it failed.
+        if ours_gone_at is not None and time.monotonic() - ours_gone_at > 3.0:
+            raise DaemonUnreachable(
+                f"the tapd daemon started on demand (pid {pid}) exited without serving "
+                f"{endpoint}: {_last_line(log)} (log: {log})"
+            )
+    raise DaemonUnreachable(
+        f"the tapd daemon started on demand (pid {pid}) did not answer at {endpoint} "
+        f"within {timeout:g} s; see {log}"
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = log.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return lines[-1] if lines else "empty log"
+
+
+__all__ = ["answers", "ensure_daemon", "launch_detached", "log_path"]
