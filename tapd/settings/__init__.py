@@ -182,7 +182,6 @@ class DaemonFields:
         None,
         "the pid of the client that started this daemon on demand (tapd sets it; such a "
         "daemon stops after --idle-exit seconds without clients)",
-        variable=None,
         metavar="PID",
     )
     log_level: str = daemon(
