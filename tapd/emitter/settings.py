@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any, Literal
 
 from tapd.errors import ConfigError
@@ -27,6 +28,9 @@ class EmitterSettings:
     exit_timeout: float = 10.0
     # Under `block`, warn when one tap has waited this long for buffer space.
     block_warning_after: float = 5.0
+    # Taps keep program order (an ordering token); False: lowered without one, order per
+    # site rebuilt from seq (README, "Unordered taps"). `tap(..., ordered=)` overrides it.
+    ordered: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -39,12 +43,23 @@ class EmitterSettings:
             raise ConfigError(f"exit_timeout must be >= 0, got {self.exit_timeout}")
 
 
-_ENV = {
+def _flag(raw: str) -> bool:
+    """1/true/yes/on or 0/false/no/off."""
+    word = raw.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+_ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "TAPD_ENDPOINT": ("endpoint", str),
     "TAPD_POLICY": ("policy", str),
     "TAPD_BACKEND": ("backend", str),
     "TAPD_BUFFER_BYTES": ("buffer_bytes", int),
     "TAPD_EXIT_TIMEOUT": ("exit_timeout", float),
+    "TAPD_ORDERED": ("ordered", _flag),
 }
 
 
