@@ -47,6 +47,7 @@ __all__ = [
     "configure",
     "id_print",
     "id_tap",
+    "install_host_callback",
     "stats",
     "tap",
 ]
@@ -135,6 +136,16 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.
         if cause is not None and exc.__cause__ is None:
             exc.__cause__ = cause
         raise
+
+
+def install_host_callback() -> None:
+    """Make `from jax.experimental import host_callback` (and `import
+    jax.experimental.host_callback as hcb`) give tapd's host_callback API, `tapd.hcb`,
+    in this process from now on: for libraries that import host_callback themselves.
+    `python -m tapd.hcb script.py [args]` does it with no code changed."""
+    from tapd import hcb
+
+    hcb.install()
 
 
 def configure(**settings: Any) -> Any:
