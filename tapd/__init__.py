@@ -67,7 +67,8 @@ def tap(
 
 class CallbackFlavor(enum.Enum):
     """host_callback's choice of JAX callback (`callback_flavor=`). Accepted for
-    compatibility, with no effect: tapd taps are always ordered and asynchronous."""
+    compatibility, with no effect: tapd taps are asynchronous, and ordered unless
+    TAPD_ORDERED=0."""
 
     IO_CALLBACK = 1
     PURE = 2
