@@ -150,7 +150,8 @@ def install_host_callback() -> None:
 
 
 def configure(**settings: Any) -> Any:
-    """Emitter settings (endpoint, policy, buffer_bytes, exit_timeout) before the first tap."""
+    """Emitter settings (endpoint, policy, buffer_bytes, exit_timeout, ordered) before
+    the first tap."""
     from tapd.emitter import lifecycle
 
     return lifecycle.configure(**settings)
