@@ -11,13 +11,17 @@ version number:
 | `callback.emit_python_callback`  | `returns_token=` keyword                  | 0.8.2  |
 | `mlir.set_sharding`              | takes the module context first (3 args)   | 0.10.1 |
 
+One difference is in C++ instead: jaxlib 0.8 passes an ordered tap's token result to
+the FFI handler, where 0.10 does not, so the handlers bind `RemainingRets()`
+(tapd/native/ffi_cpu.cc, ffi_cuda.cc).
+
 It also holds the workaround for one JAX bug (docs/UPSTREAM.md): an executable
 compiled ahead of time (`jax.jit(f).lower(x).compile()`) takes a C++ fast path from its
 second call on, which is turned off for host callbacks and unordered effects but not
 for ordered ones, and then runs without the ordering token (`MeshExecutable.
 create_cpp_call` in `jax/_src/interpreters/pxla.py`). `tap_effects` gives every ordered
 tap an unordered effect as well, which turns that fast path off; the regular `jit` path
-already runs ordered effects without it, so nothing else changes.
+already keeps ordered effects off its own fast path, so nothing else changes.
 
 The range (`SUPPORTED`) is what CI tests (.ci/run): its oldest end on Python 3.11,
 the newest jax pip gives on Python 3.12. Outside it, `import tapd` warns once and taps
