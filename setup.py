@@ -46,9 +46,14 @@ def _native_build() -> Any:
 class OptionalBuildExt(build_ext):
     """A failed native build is a warning, not a failed install. Always a fresh build:
     what goes in (the handlers, the jaxlib headers) depends on the build environment,
-    which setuptools' up-to-date check on the sources alone does not see."""
+    which setuptools' up-to-date check on the sources alone does not see.
+
+    What the libraries hold is decided here, when they are built, not when setup.py is
+    loaded: pip also loads it to ask for the build requirements, before jaxlib is in the
+    build environment, and nothing is to be said about the headers then."""
 
     def finalize_options(self) -> None:
+        self.distribution.ext_modules = extensions()  # in place of PLACEHOLDER
         super().finalize_options()
         self.force = True
 
@@ -79,7 +84,7 @@ def jaxlib_build_requirement() -> list[str]:
     # Which one: a handler built against XLA FFI API 0.N runs on every jaxlib whose API
     # is 0.M, M >= N (tapd.native.library checks). Prebuilt wheels take the oldest
     # jaxlib tapd supports (TAPD_BUILD_JAXLIB, see [tool.cibuildwheel]) to serve them all.
-    requirement = os.environ.get("TAPD_BUILD_JAXLIB") or "jaxlib>=0.6"
+    requirement = os.environ.get("TAPD_BUILD_JAXLIB") or "jaxlib>=0.8.0,<0.13"
     choice = os.environ.get("TAPD_BUILD_WITH_JAXLIB", "")
     if choice in ("0", "1"):
         return [requirement] if choice == "1" else []
@@ -135,8 +140,12 @@ def extensions() -> list[Extension]:
     return built
 
 
+# A stand-in, so that setuptools knows there are extensions to build (a platform wheel);
+# build_ext puts the real ones in its place (OptionalBuildExt.finalize_options).
+PLACEHOLDER = Extension("tapd.native._tapd_native", sources=["tapd/native/ring.cc"], optional=True)
+
 setup(
-    ext_modules=extensions(),
+    ext_modules=[PLACEHOLDER],
     setup_requires=jaxlib_build_requirement(),
     cmdclass={"build_ext": OptionalBuildExt},
     # The sources, so that tapd can compile what the install could not.

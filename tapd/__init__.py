@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from tapd.emitter import jax_compat
 from tapd.errors import (
     BarrierTimeout,
     CallbackException,
@@ -46,21 +47,28 @@ __all__ = [
     "configure",
     "id_print",
     "id_tap",
+    "install_host_callback",
     "stats",
     "tap",
 ]
 
 
-def tap(arg: Any, name: str, *, step: Any = None, **static_meta: Any) -> Any:
-    """Send `arg` to the subscribers of `name`; return `arg` unchanged."""
+def tap(
+    arg: Any, name: str, *, step: Any = None, ordered: bool | None = None, **static_meta: Any
+) -> Any:
+    """Send `arg` to the subscribers of `name`; return `arg` unchanged. `ordered=False`
+    (or TAPD_ORDERED=0) lowers it without the ordering token: see README, "Unordered
+    taps"."""
+    jax_compat.require_supported()
     from tapd.emitter import tapping
 
-    return tapping.tap(arg, name, step=step, **static_meta)
+    return tapping.tap(arg, name, step=step, ordered=ordered, **static_meta)
 
 
 class CallbackFlavor(enum.Enum):
     """host_callback's choice of JAX callback (`callback_flavor=`). Accepted for
-    compatibility, with no effect: tapd taps are always ordered and asynchronous."""
+    compatibility, with no effect: tapd taps are asynchronous, and ordered unless
+    TAPD_ORDERED=0."""
 
     IO_CALLBACK = 1
     PURE = 2
@@ -80,6 +88,7 @@ def id_tap(
     """host_callback.id_tap: `tap_func(arg, transforms)` runs in a subscriber process that
     takes it, else in this process, on tapd's receiver thread; returns `arg` (or
     `result`). Lambdas, closures and bound methods always run in this process."""
+    jax_compat.require_supported()
     from tapd.emitter import host_callback
 
     return host_callback.id_tap(tap_func, arg, result=result, tap_with_device=tap_with_device,
@@ -101,6 +110,7 @@ def id_print(
     """host_callback.id_print: prints `kwargs` (`what: ...`) then `arg`, as host_callback
     did: to `output_stream` or stdout in this process, or in `tapd subscribe
     tapd.printing` / `tapd tail` where one runs."""
+    jax_compat.require_supported()
     from tapd.emitter import host_callback
 
     return host_callback.id_print(arg, result=result, tap_with_device=tap_with_device,
@@ -129,8 +139,19 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.
         raise
 
 
+def install_host_callback() -> None:
+    """Make `from jax.experimental import host_callback` (and `import
+    jax.experimental.host_callback as hcb`) give tapd's host_callback API, `tapd.hcb`,
+    in this process from now on: for libraries that import host_callback themselves.
+    `python -m tapd.hcb script.py [args]` does it with no code changed."""
+    from tapd import hcb
+
+    hcb.install()
+
+
 def configure(**settings: Any) -> Any:
-    """Emitter settings (endpoint, policy, buffer_bytes, exit_timeout) before the first tap."""
+    """Emitter settings (endpoint, policy, buffer_bytes, exit_timeout, ordered) before
+    the first tap."""
     from tapd.emitter import lifecycle
 
     return lifecycle.configure(**settings)
@@ -160,6 +181,9 @@ _NOT_HERE = {
     "stop_outfeed_receiver": "tapd uses no outfeed, so there is no outfeed receiver to "
     "stop before using lax.outfeed: delete the call; see docs/MIGRATING.md",
 }
+
+
+jax_compat.warn_if_unsupported()
 
 
 def __getattr__(name: str) -> Any:

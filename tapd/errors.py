@@ -74,7 +74,12 @@ class CallbackException(TapdError):
     def __init__(self, errors: list[str]) -> None:
         shown = "\n  ".join(errors[:10])
         more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
-        super().__init__(f"{len(errors)} tap function call(s) raised:\n  {shown}{more}")
+        # host_callback's first words, which code and tests matched on; then tapd's list.
+        last = errors[-1] if errors else "none"
+        super().__init__(
+            "There were exceptions during callback processing. Last one was: "
+            f"{last}\n{len(errors)} tap function call(s) raised:\n  {shown}{more}"
+        )
         self.errors = errors
 
 

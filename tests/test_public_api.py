@@ -29,7 +29,7 @@ def test_exported_members() -> None:
         "BarrierTimeout", "CallbackException", "CallbackFlavor", "ConfigError",
         "ProtocolError", "TapDefinitionError", "TapFunctionException", "TapdError",
         "__version__", "backend", "barrier_wait",
-        "configure", "id_print", "id_tap", "stats", "tap",
+        "configure", "id_print", "id_tap", "install_host_callback", "stats", "tap",
     ])  # fmt: skip
     assert sorted(tapd_client.__all__) == [
         "Assembler",
@@ -86,6 +86,15 @@ def test_id_tap_names_importable_functions() -> None:
 def test_callback_exception_is_host_callbacks_name_and_tap_function_exception_its_alias() -> None:
     assert tapd.CallbackException is tapd.TapFunctionException
     assert issubclass(tapd.CallbackException, tapd.TapdError)
+
+
+def test_callback_exception_begins_with_host_callbacks_words_then_lists_every_call() -> None:
+    # host_callback's own test matched these words (CallbackException's message).
+    error = tapd.CallbackException(["loss#3: ValueError('a')", "loss#4: KeyError('b')"])
+    assert str(error).startswith(
+        "There were exceptions during callback processing. Last one was: loss#4: KeyError('b')\n"
+    )
+    assert "2 tap function call(s) raised:\n  loss#3: ValueError('a')\n  loss#4:" in str(error)
 
 
 def test_id_tap_keywords_are_refused_pointing_to_functools_partial() -> None:

@@ -60,8 +60,8 @@ def id_tap(
 
     `device_index` picks the device whose tap runs the function where the computation
     taps a value once for all devices; `callback_flavor` (host_callback's choice of JAX
-    callback) is accepted and has no effect: tapd taps are always ordered and
-    asynchronous."""
+    callback) is accepted and has no effect: tapd taps are asynchronous, and ordered
+    unless TAPD_ORDERED=0."""
     if kwargs:
         raise TypeError(_KWARGS_REMOVED)
     if not callable(tap_func):

@@ -41,6 +41,15 @@ def configure(**settings: Any) -> EmitterSettings:
         return _settings
 
 
+def settings() -> EmitterSettings:
+    """The emitter's settings: `configure`'s, else from the environment."""
+    global _settings
+    with _state_lock:
+        if _settings is None:
+            _settings = from_environment()
+        return _settings
+
+
 def get_sender() -> Sender:
     global _sender, _settings
     if _sender is None:

@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import callback as jax_callback
 from jax._src import core, ffi, sharding_impls
 from jax._src import mesh as mesh_lib
 from jax._src.interpreters import mlir
@@ -33,7 +32,7 @@ from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from tapd.emitter import lifecycle, primitive
+from tapd.emitter import jax_compat, lifecycle, primitive
 from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter
 from tapd.emitter.primitive import ORDERED, TapSiteParams
 from tapd.emitter.sender import TapSite
@@ -96,11 +95,11 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         ]
         # The callback's custom call is laid out from its context's avals: ours.
         callback_ctx = dataclasses.replace(ctx, avals_in=callback_avals, avals_out=[])
-        _, new_token, _ = jax_callback.emit_python_callback(
-            callback_ctx, host_function, token, operand_values, callback_avals, [],
-            has_side_effect=True, returns_token=True,
-            sharding=jax_callback._callback_op_sharding(
-                axis_context, _single_device(axis_context, where), []
+        new_token = jax_compat.emit_python_callback(
+            callback_ctx, host_function, token, operand_values, callback_avals,
+            returns_token=site.ordered,
+            sharding=jax_compat.callback_op_sharding(
+                axis_context, _single_device(axis_context, where)
             ),
         )  # fmt: skip
     if token is not None:
@@ -139,9 +138,9 @@ def _emit_ffi_call(
         *operands,
         **{name: np.int64(value) for name, value in attributes.items()},
     )
-    sharding = jax_callback._callback_op_sharding(ctx.module_context.axis_context, None, [])
+    sharding = jax_compat.callback_op_sharding(ctx.module_context.axis_context, None)
     if sharding is not None:
-        mlir.set_sharding(ctx.module_context, op, sharding)
+        jax_compat.set_sharding(ctx.module_context, op, sharding)
     return op.results[0] if with_token else None
 
 

@@ -28,8 +28,9 @@ from typing import Any
 import msgpack
 import numpy as np
 from jax._src import core, dispatch, effects
-from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import ad, batching
 
+from tapd.emitter import jax_compat
 from tapd.errors import TapDefinitionError
 
 # One transform entry: ("batch", (dims...)) or ("transpose", None).
@@ -37,7 +38,8 @@ Transform = tuple[str, tuple[int | None, ...] | None]
 
 
 class TapEffect(effects.Effect):
-    """A tap whose order among other taps is not kept (where JAX refuses ordered ones)."""
+    """A tap whose order among other taps is not kept (`ordered=False`): no token; the
+    daemon still numbers its records per site (seq)."""
 
     __str__ = lambda _: "tapd.tap"  # noqa: E731
 
@@ -131,7 +133,9 @@ def _abstract_eval(
     *avals: core.AbstractValue, site: TapSiteParams
 ) -> tuple[list[core.AbstractValue], set[effects.Effect]]:
     leaves, _ = _split(avals, site)
-    return leaves, {site.effect}
+    # An ordered tap carries the unordered effect too: JAX's AOT fast path would drop
+    # its token otherwise (tapd.emitter.jax_compat.tap_effects, docs/UPSTREAM.md).
+    return leaves, jax_compat.tap_effects(site.effect, UNORDERED)
 
 
 def _jvp(
@@ -211,7 +215,7 @@ def leaf_descriptions(avals: Sequence[Any]) -> list[list[Any]]:
 
 
 def register_lowering(rule: Any) -> None:
-    mlir.register_lowering(tap_p, rule, cacheable=False)
+    jax_compat.register_lowering(tap_p, rule)
 
 
 # ---- while loops whose condition taps, under vmap ------------------------------------

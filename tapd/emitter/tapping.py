@@ -20,7 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from tapd.emitter import lowering, primitive, sharding  # noqa: F401  (lowering: registers the rule)
+from tapd.emitter import (
+    jax_compat,
+    lifecycle,
+    lowering,  # noqa: F401  (registers the rule)
+    primitive,
+    sharding,
+)
 from tapd.errors import TapDefinitionError
 from tapd.protocol import flatten
 from tapd.protocol.dtypes import dtype_name
@@ -30,24 +36,36 @@ logger = logging.getLogger("tapd.emitter")
 
 _META_TYPES = (str, int, float, bool, type(None))
 _MAX_CONSUMER_LENGTH = 256
-# Taps keep program order (an ordered effect); bench/overhead_probe.py turns this off
-# for one variant, to measure what the order costs. Read when a tap is traced.
-ordered_taps = True
+# Whether taps keep program order (an ordered effect) when `tap` is not told: None is the
+# emitter setting (TAPD_ORDERED, default on). bench/overhead_probe.py sets it for one
+# variant, to measure what the order costs. Read when a tap is traced.
+ordered_taps: bool | None = None
 
 
 def tap(
-    arg: Any, name: str, *, step: Any = None, spec: PartitionSpec | None = None, **static_meta: Any
+    arg: Any,
+    name: str,
+    *,
+    step: Any = None,
+    spec: PartitionSpec | None = None,
+    ordered: bool | None = None,
+    **static_meta: Any,
 ) -> Any:
     """Send `arg` (any pytree of arrays) to the subscribers of consumer `name`; return it.
 
     `step` may be a traced integer. Inside `shard_map`/`pmap`, `spec` says how this
     device's block tiles the global value, as shard_map's `out_specs` would (default:
     blocks stacked along new leading axes, as pmap stacks them); one spec serves every
-    leaf of `arg`; see `tapd.emitter.sharding`. Other keywords are static metadata (str, int, float,
-    bool, None) handed to the handler in `meta.meta`.
+    leaf of `arg`; see `tapd.emitter.sharding`. `ordered=False` lowers the tap without
+    the ordering token (default: TAPD_ORDERED, on): XLA may then run it before or after
+    the site's neighbours, and the subscriber orders its records by `meta.seq`. Other
+    keywords are static metadata (str, int, float, bool, None) handed to the handler in
+    `meta.meta`.
     """
     _check_consumer(name)
-    return emit(name, arg, step, static_meta, spec)
+    if ordered is not None and not isinstance(ordered, bool):
+        raise TapDefinitionError(f"tap {name!r}: ordered={ordered!r} must be True or False")
+    return emit(name, arg, step, static_meta, spec, ordered=ordered)
 
 
 def _check_consumer(name: object) -> None:
@@ -72,9 +90,14 @@ def emit(
     step: Any,
     static_meta: dict[str, Any],
     spec: PartitionSpec | None = None,
+    *,
+    ordered: bool | None = None,
 ) -> Any:
     """Tap `arg` for `consumer`; returns `arg` as the tap's output (same tree), so that
     later uses of it come after the tap."""
+    jax_compat.require_supported()
+    if ordered is None:
+        ordered = lifecycle.settings().ordered if ordered_taps is None else ordered_taps
     for key, value in static_meta.items():
         if not isinstance(value, _META_TYPES):
             raise TapDefinitionError(
@@ -87,24 +110,28 @@ def emit(
     fields = {"tree": tree, "meta": static_meta}
     check_static_size(consumer, fields)  # what subscribers accept (tapd/protocol/schema.py)
     if sharding.manual_axes():
-        tapped = _bind_per_device(consumer, fields, arrays, step_operand, [spec] * len(arrays))
+        tapped = _bind_per_device(
+            consumer, fields, arrays, step_operand, [spec] * len(arrays), ordered=ordered
+        )
     elif spec is not None:
         raise TapDefinitionError(
             f"tap {consumer!r}: spec= describes a block of a sharded value, so it applies "
             "inside shard_map or pmap only"
         )
     else:
-        tapped = _bind_placed(consumer, fields, arrays, step_operand)
+        tapped = _bind_placed(consumer, fields, arrays, step_operand, ordered=ordered)
     return _rebuild(arg, leaves, [wrap(out) for wrap, out in zip(rewrap, tapped, strict=True)])
 
 
-def _bind_placed(consumer: str, fields: dict[str, Any], arrays: list[Any], step: Any) -> list[Any]:
+def _bind_placed(
+    consumer: str, fields: dict[str, Any], arrays: list[Any], step: Any, *, ordered: bool
+) -> list[Any]:
     """A tap outside shard_map/pmap. Over an Explicit mesh each shard is tapped where it
     lives; otherwise the whole value is tapped once (where the compiler partitions the
     jit, on the gathered value, as `jax.debug.callback` does)."""
     placed = sharding.trace_mesh(arrays)
     if placed is None or not any(map(sharding.splits, placed[1])):
-        site = _site(consumer, fields, step is not None, has_coords=False)
+        site = _site(consumer, fields, step is not None, has_coords=False, ordered=ordered)
         return primitive.bind(arrays, step, None, site)
     mesh, specs = placed
     operands = (tuple(arrays),) if step is None else (tuple(arrays), step)
@@ -112,7 +139,9 @@ def _bind_placed(consumer: str, fields: dict[str, Any], arrays: list[Any], step:
 
     def per_shard(leaves: tuple[Any, ...], *step_local: Any) -> tuple[Any, ...]:
         step_value = step_local[0] if step_local else None
-        return tuple(_bind_per_device(consumer, fields, list(leaves), step_value, specs))
+        return tuple(
+            _bind_per_device(consumer, fields, list(leaves), step_value, specs, ordered=ordered)
+        )
 
     out = jax.shard_map(per_shard, mesh=mesh, in_specs=in_specs, out_specs=tuple(specs))(*operands)
     return list(out)
@@ -124,6 +153,8 @@ def _bind_per_device(
     arrays: list[Any],
     step: Any,
     specs: Sequence[PartitionSpec | None],
+    *,
+    ordered: bool,
 ) -> list[Any]:
     """A tap inside pmap/shard_map: each device taps its block with its coordinates."""
     axes = sharding.manual_axes()
@@ -133,19 +164,21 @@ def _bind_per_device(
     ]
     shard = {"axes": [name for name, _ in axes], "sizes": [size for _, size in axes],
              "layout": layouts}  # fmt: skip
-    site = _site(consumer, {**fields, "shard": shard}, step is not None, has_coords=True)
+    site = _site(
+        consumer, {**fields, "shard": shard}, step is not None, has_coords=True, ordered=ordered
+    )
     return primitive.bind(arrays, step, sharding.coordinates(axes), site)
 
 
 def _site(
-    consumer: str, fields: dict[str, Any], has_step: bool, *, has_coords: bool
+    consumer: str, fields: dict[str, Any], has_step: bool, *, has_coords: bool, ordered: bool
 ) -> primitive.TapSiteParams:
     return primitive.TapSiteParams(
         consumer=consumer,
         fields=primitive.pack_fields(fields),
         has_step=has_step,
         has_coords=has_coords,
-        ordered=ordered_taps,
+        ordered=ordered,
     )
 
 

@@ -14,8 +14,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, int64_t site, int64_t consumer,
-                   int64_t has_step) {
+ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets /*token*/,
+                   int64_t site, int64_t consumer, int64_t has_step) {
   tapd::Ring* ring = tapd::InstalledRing();
   if (ring == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
@@ -68,6 +68,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTap, TapImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
+                                  .RemainingRets()  // an ordered tap's token (jaxlib < 0.10 passes it)
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("consumer")
                                   .Attr<int64_t>("has_step"));

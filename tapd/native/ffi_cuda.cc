@@ -136,7 +136,8 @@ void AbandonOnHost(void* data) {
 }
 
 ffi::Error TapCudaImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
-                       int64_t site, int64_t consumer, int64_t has_step) {
+                       ffi::RemainingRets /*token*/, int64_t site, int64_t consumer,
+                       int64_t has_step) {
   if (g_api == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "tapd: the CUDA tap handler was not attached to the ring library");
@@ -228,6 +229,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTapCuda, TapCudaImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
+                                  .RemainingRets()  // an ordered tap's token (jaxlib < 0.10 passes it)
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("consumer")
                                   .Attr<int64_t>("has_step"));

@@ -186,10 +186,11 @@ def _load_ring(allow_build: bool) -> ctypes.CDLL:
         raise _Unavailable(
             str(exc) if isinstance(exc, build.BuildError) else _describe(exc)
         ) from exc
-    if hasattr(lib, "TapdTap"):
+    incompatible = _incompatible(lib, "cpu", include)
+    if hasattr(lib, "TapdTap") and incompatible is None:
         return _with_cpu_handler(lib)
     _handler_reasons.setdefault(
-        "cpu", "jaxlib's XLA FFI headers were not found (is jaxlib installed?)"
+        "cpu", incompatible or "jaxlib's XLA FFI headers were not found (is jaxlib installed?)"
     )
     return lib
 
@@ -202,7 +203,10 @@ def _incompatible(lib: ctypes.CDLL, platform: str, include: Path | None) -> str 
         return None
     function.restype = ctypes.c_uint32
     built = int(function())
-    runtime = build.ffi_api_version(include)
+    # The API of the jaxlib that runs, from its own headers: $TAPD_XLA_FFI_INCLUDE may
+    # name another jaxlib's, to build against (a refused handler downs JAX's CPU backend).
+    versions = [build.ffi_api_version(p / "include") for p in build._package_dirs("jaxlib")]
+    runtime = next((v for v in versions if v is not None), build.ffi_api_version(include))
     if build.ffi_compatible(built, runtime):
         return None
     assert runtime is not None

@@ -248,6 +248,11 @@ class EmitterFields:
     block_warning_after: float = emitter(
         5.0, "under block, warn when one tap has waited this long for buffer space", variable=None
     )
+    ordered: bool = emitter(
+        True,
+        "taps keep program order (an ordering token); 0: lowered without one, order per "
+        'site rebuilt from seq (README, "Unordered taps"); `tap(..., ordered=)` overrides it',
+    )
 
 
 CONNECT_TIMEOUT = Setting(

@@ -218,6 +218,39 @@ def taps_then_hang(count: str) -> dict[str, Any]:
     return {}
 
 
+def ahead_of_time(calls: str, ordered: str = "1") -> dict[str, Any]:
+    """A loop that taps (`ordered` "1" or "0"), compiled ahead of time (`jit(f).lower(x)
+    .compile()`), called `calls` times: JAX's C++ fast path would serve every call after
+    the first (docs/UPSTREAM.md)."""
+
+    def loop(x: jax.Array) -> jax.Array:
+        def body(i: jax.Array, x: jax.Array) -> jax.Array:
+            tapd.tap(x, "aot", step=i, ordered=ordered == "1")
+            return x + 1
+
+        return lax.fori_loop(0, 3, body, x)
+
+    compiled = jax.jit(loop).lower(jnp.int32(0)).compile()
+    results = [int(compiled(jnp.int32(10 * call))) for call in range(int(calls))]
+    tapd.barrier_wait()
+    return {"results": results, "backend": tapd.backend(), "stats": tapd.stats()}
+
+
+def unordered(count: str) -> dict[str, Any]:
+    """`count` steps, each tapping two sites without the ordering token (TAPD_ORDERED
+    decides the second, the first says ordered=False itself)."""
+
+    @jax.jit
+    def step(i: jax.Array) -> jax.Array:
+        x = tapd.tap(i * 2, "unordered.a", step=i, ordered=False)
+        return tapd.tap(x + 1, "unordered.b", step=i)
+
+    outs = [int(step(jnp.int32(i))) for i in range(int(count))]
+    tapd.barrier_wait()
+    text = jax.jit(step.__wrapped__).lower(jnp.int32(0)).as_text()
+    return {"outs": outs, "stats": tapd.stats(), "tokens_in_hlo": text.count("!stablehlo.token")}
+
+
 if __name__ == "__main__":
     result = globals()[sys.argv[1]](*sys.argv[2:])
     print(json.dumps(result), flush=True)
