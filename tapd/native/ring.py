@@ -32,8 +32,14 @@ RECORD_HEADER = np.dtype([
     ("step", "<i8"), ("time_ns", "<i8"), ("device", "<i4"), ("flags", "<u4"),
     ("commit", "<u8"),
 ])  # fmt: skip
-_HEADER = struct.Struct("<IIQQqqi4xQ")  # the same fields, unpacked without numpy (hot path)
+_HEADER = struct.Struct("<IIQQqqiIQ")  # the same fields, unpacked without numpy (hot path)
 _COMMITTED, _ABANDONED = 2, 3  # commit tag states (ring.h)
+# A record a CUDA stream committed keeps this flag: its step is the int32 in the low
+# half of `step` (ring.h, kFlagStep32), sign-extended here.
+_FLAG_STEP32 = 1
+# Why the daemon holds the oldest record it has not released (ring.h, kHeld*).
+HELD_REASONS = {"not_read": 1, "unacked": 2, "grace": 3, "queue_full": 4,
+                "site_unknown": 5, "detached": 6, "nothing": 7}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +196,15 @@ class Ring:
     def set_reader(self, pid: int) -> None:
         self._lib.tapd_ring_set_reader(self.handle, pid)
 
+    def set_held_reason(self, reason: str) -> None:
+        """The daemon: why it holds the oldest record it has not released (a key of
+        HELD_REASONS); a writer waiting for space says so."""
+        self._lib.tapd_ring_set_held(self.handle, HELD_REASONS[reason])
+
+    def held_reason(self) -> str | None:
+        code = int(self._lib.tapd_ring_held(self.handle))
+        return next((name for name, value in HELD_REASONS.items() if value == code), None)
+
     def write(
         self,
         site: int,
@@ -248,6 +263,18 @@ class Ring:
     def abandon_for_test(self, position: int) -> None:
         self._lib.tapd_ring_abandon_for_test(self.handle, position)
 
+    def device_enqueue_for_test(self, position: int, *, step32: int | None = None) -> None:
+        """The host half of a commit a CUDA stream writes (ffi_cuda.cc): the reserved
+        record marked so, an int32 `step32` put in the low half of its step as the
+        device copies it, the tap counted, a sleeping reader woken."""
+        self._lib.tapd_ring_device_enqueue_for_test(
+            self.handle, position, step32 is not None, step32 or 0
+        )
+
+    def device_store_for_test(self, position: int) -> None:
+        """The device half: the commit tag's low 32 bits stored, nothing else."""
+        self._lib.tapd_ring_device_store_for_test(self.handle, position)
+
     def reserve_bare_for_test(self, length: int) -> int | None:
         """Reserve `length` bytes and write nothing, not even a header (a writer that
         dies right after reserving). The position, or None if dropped."""
@@ -285,7 +312,11 @@ class Ring:
         while offset < available and len(records.starts) < max_records:
             if available - offset < self.header_bytes:
                 raise RingError(f"ring {self.path}: truncated record header at {position + offset}")
-            length, _, site, seq, step, time_ns, device, tag = _HEADER.unpack_from(view, offset)
+            length, _, site, seq, step, time_ns, device, flags, tag = _HEADER.unpack_from(
+                view, offset
+            )
+            if flags & _FLAG_STEP32:
+                step = (step & 0xFFFFFFFF) - ((step & 0x80000000) << 1)
             if length < self.header_bytes or length % 8 or offset + length > available:
                 raise RingError(
                     f"ring {self.path}: bad record length {length} at {position + offset}"
@@ -331,7 +362,12 @@ class Ring:
         records.ends = (starts + length).tolist()
         records.sites = headers["site"].tolist()
         records.seqs = headers["seq"].tolist()
-        records.steps = [None if step == NO_STEP else step for step in headers["step"].tolist()]
+        steps = headers["step"]
+        step32 = (headers["flags"] & _FLAG_STEP32) != 0
+        if step32.any():  # committed by a CUDA stream: an int32 step, to sign-extend
+            low = (steps & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
+            steps = np.where(step32, low, steps)
+        records.steps = [None if step == NO_STEP else step for step in steps.tolist()]
         records.times = headers["time_ns"].tolist()
         records.devices = headers["device"].tolist()
         return records
