@@ -369,7 +369,7 @@ void ExplainWait(Ring* ring, uint64_t length, int64_t waited_ns) {
                   HeldReason(c->held_reason.load(std::memory_order_acquire)));
   }
   std::fprintf(stderr,
-               "tapd: a tap of %llu bytes has waited %.0f s for ring space (policy "
+               "tapd: a tap of %llu bytes has waited %.1f s for ring space (policy "
                "block). Ring: %llu bytes, head %llu, committed %llu, tail %llu (%llu "
                "bytes unreleased). The oldest unreleased record, at %llu (%s), is held: "
                "%s\n",
