@@ -127,6 +127,30 @@ def test_close_waits_for_a_tag_a_device_will_still_write(rings: Callable[..., Ri
     assert not closing.is_alive()
 
 
+def test_a_barrier_position_covers_commits_still_on_their_way(
+    rings: Callable[..., Ring], capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A CUDA commit (a side stream's host function, a device's tag) can land after the
+    computation's token is ready: the position a barrier covers waits for every record
+    reserved before it, and, past its timeout, says which one it gave up on."""
+    ring = rings()
+    first = ring.reserve_for_test(1, b"a" * 8)
+    assert first is not None
+    ring.device_enqueue_for_test(first)
+    timer = threading.Timer(0.3, ring.device_store_for_test, args=(first,))
+    timer.start()
+    try:
+        assert ring.settled(timeout=20) == 64  # the whole record: 56 + 8 bytes
+    finally:
+        timer.join()
+    second = ring.reserve_for_test(1, b"b" * 8)
+    assert second is not None
+    assert ring.settled(timeout=0.2) == 64  # not committed: not covered, and said
+    assert "a barrier waited 200 ms for the record at ring position 64" in capfd.readouterr().err
+    ring.commit_for_test(second)
+    assert ring.settled(timeout=0.2) == 128
+
+
 # ---- a tap waiting for ring space explains itself ------------------------------------
 
 

@@ -349,6 +349,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                                None),
         "tapd_ring_device_store_for_test": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_set_held": ([c.c_void_p, c.c_uint32], None),
+        "tapd_ring_settled": ([c.c_void_p, c.c_uint32], c.c_uint64),
         "tapd_ring_held": ([c.c_void_p], c.c_uint32),
     }  # fmt: skip
     for name, (argtypes, restype) in signatures.items():

@@ -742,6 +742,50 @@ uint32_t tapd_ring_held(void* handle) {
   return static_cast<Ring*>(handle)->control->held_reason.load(std::memory_order_acquire);
 }
 
+// The writer, for a barrier: `committed` once every record reserved before this call
+// is committed or abandoned. Commits on their way from a CUDA side stream, or written by
+// a device, may land after the computation's token is ready: a barrier must cover them.
+// After `timeout_ms`, says which record holds it back and returns `committed` as it is.
+uint64_t tapd_ring_settled(void* handle, uint32_t timeout_ms) {
+  auto* ring = static_cast<Ring*>(handle);
+  RingControl* c = ring->control;
+  uint64_t head = c->head.load(std::memory_order_acquire);
+  int64_t deadline = tapd::NowNs(CLOCK_MONOTONIC) + int64_t{timeout_ms} * 1000000;
+  for (int spins = 0;; ++spins) {
+    uint64_t committed = tapd::Advance(ring, false);
+    // (Advance stops before trailing abandoned records: they settle too.)
+    uint64_t p = committed;
+    while (p < head) {
+      const tapd::RecordHeader* h = tapd::HeaderAt(ring, p);
+      uint64_t length = __atomic_load_n(&h->length, __ATOMIC_RELAXED);
+      if (tapd::LoadTag(h) != tapd::Tag(c, p, tapd::kTagAbandoned) ||
+          !tapd::Sane(length, p, head)) {
+        break;
+      }
+      p += length;
+    }
+    if (p >= head) return committed;
+    if (tapd::NowNs(CLOCK_MONOTONIC) > deadline) {
+      const tapd::RecordHeader* h = tapd::HeaderAt(ring, p);
+      std::fprintf(stderr,
+                   "tapd: a barrier waited %u ms for the record at ring position %llu (site "
+                   "%llu, seq %llu) to be committed; it still is not (a CUDA stream that "
+                   "has not reached the tap?): the barrier covers the %llu bytes before it\n",
+                   timeout_ms, static_cast<unsigned long long>(p),
+                   static_cast<unsigned long long>(h->site),
+                   static_cast<unsigned long long>(h->seq),
+                   static_cast<unsigned long long>(committed));
+      return committed;
+    }
+    if (spins < 64) {
+      sched_yield();
+    } else {
+      timespec pause{0, 50000};
+      nanosleep(&pause, nullptr);
+    }
+  }
+}
+
 // Reader: every record below `position` has been delivered; writers may reuse it.
 void tapd_ring_release(void* handle, uint64_t position) {
   RingControl* c = static_cast<Ring*>(handle)->control;

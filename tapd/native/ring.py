@@ -193,6 +193,12 @@ class Ring:
         self._lib.tapd_ring_counters(self.handle, out)
         return Counters(*[int(v) for v in out])
 
+    def settled(self, timeout: float = 10.0) -> int:
+        """The writer, for a barrier: `committed` once every record reserved so far is
+        committed or abandoned (CUDA commits may land after the computation's token is
+        ready); after `timeout` seconds, as it is (saying which record holds it)."""
+        return int(self._lib.tapd_ring_settled(self.handle, int(timeout * 1000)))
+
     def set_reader(self, pid: int) -> None:
         self._lib.tapd_ring_set_reader(self.handle, pid)
 
