@@ -9,6 +9,7 @@ oldest unreleased record and who holds it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -266,3 +267,26 @@ def test_a_tap_waiting_on_a_subscriber_that_has_not_acked_says_so(
     assert any("held for a subscriber that has not acknowledged it" in line
                for line in explained), explained  # fmt: skip
     wait_until(lambda: len(subscriber.records()) >= 8, "every tap to be handled", 60)
+
+
+def test_the_gpu_benchmark_setup_that_hung_runs_through_on_cpu(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """The setup bench/gpu_bench.py hung in on the first GPU run (1 MiB taps, the
+    native tap, portable tap and callback loops interleaved, no subscriber, a barrier
+    after each tapped run), on the CPU with a ring of the benchmark's shape (its runs
+    fill 80 % of it): it must run through without a tap waiting 2 s for space."""
+    daemon = start_daemon("--policy", "block")
+    ring = 64 * 2**20
+    steps = min(200, int(ring * 0.8) // (2**20 + 64))
+    app = Path(__file__).parent / "gpu" / "gpu_emitter_app.py"
+    env = {**os.environ, "TAPD_ENDPOINT": daemon.endpoint, "JAX_PLATFORMS": "cpu",
+           "TAPD_BUFFER_BYTES": str(ring), "TAPD_RING_WAIT_WARNING_S": "2"}  # fmt: skip
+    result = subprocess.run([sys.executable, str(app), "interleaved", str(steps)], env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "for ring space" not in result.stderr, result.stderr
+    output = json.loads(result.stdout.splitlines()[-1])
+    assert output["backend"] == "native" and output["stats"]["dropped"] == 0, output
+    # every tap of the native and portable loops went into the ring: 1 + 3 runs each
+    assert output["stats"]["sent"] == 2 * 4 * steps, output["stats"]

@@ -278,7 +278,16 @@ Registration Registered(void* ring) {
   return *slot;
 }
 
-void RegisterInstalled(void* ring) { Registered(ring); }
+// The install hook: register now, where there is a device to register it for (a
+// process that loaded this library without a GPU, `tapd doctor` say, does nothing).
+void RegisterInstalled(void* ring) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    return;
+  }
+  Registered(ring);
+}
 
 // Copy `size` bytes from the device to ring position `position` on `stream`, split in
 // two where it would cross the end of the ring.
