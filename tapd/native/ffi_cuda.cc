@@ -508,11 +508,14 @@ int tapd_cuda_commit_variant(int device, char* why, uint64_t why_size) {
 const char* tapd_cuda_commit_name(int variant) { return VariantName(variant); }
 
 // The installed ring's registration: 0 and the bytes pinned, whether mapped for the
-// devices, and how long cudaHostRegister took; 1 if no ring is installed.
+// devices, and how long cudaHostRegister took; 1 if no ring is installed or registered.
 int tapd_cuda_ring_registration(uint64_t* bytes, int* mapped, double* seconds) {
   void* ring = g_api != nullptr ? g_api->installed() : nullptr;
   if (ring == nullptr) return 1;
-  Registration r = Registered(ring);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto found = g_registered.find(ring);
+  if (found == g_registered.end() || found->second == nullptr) return 1;  // (not yet)
+  const Registration& r = *found->second;
   *bytes = r.registered;
   *mapped = r.device_base != 0;
   *seconds = r.seconds;
