@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -327,11 +328,14 @@ def _machine_line(rows: list[tuple[str, str]]) -> str:
     return "; ".join(found[k] for k in ("GPU (nvidia-smi)", "CPU", "cores") if k in found)
 
 
-def _explain_on_sigterm(procs: Processes) -> None:
-    """At the section's time limit: where the ring and the daemon stood, then exit."""
+def _explain_before(limit: float, procs: Processes) -> None:
+    """Shortly before the section's time limit: where the ring and the daemon stood,
+    then exit. From a thread, so that it runs even while the main thread is stuck in
+    XLA (a tap waiting for ring space holds it there); SIGTERM dumps the tracebacks."""
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
 
-    def explain(signum: int, frame: Any) -> None:
-        print("\n== gpu_bench: stopped by its time limit; where it stood:", flush=True)
+    def explain() -> None:
+        print(f"\n== gpu_bench: {limit:.0f} s limit nearly reached; where it stood:", flush=True)
         faulthandler.dump_traceback(all_threads=True)
         sender = lifecycle._sender
         if sender is not None and sender.native is not None:
@@ -340,9 +344,13 @@ def _explain_on_sigterm(procs: Processes) -> None:
         with contextlib.suppress(Exception):
             print(f"daemon rings: {procs.daemon_stats().get('rings')}")
         print("daemon log (end):\n" + procs.daemon_log_text()[-4000:], flush=True)
+        procs.stop_all()
         os._exit(124)
 
-    signal.signal(signal.SIGTERM, explain)
+    if limit > 0:
+        timer = threading.Timer(max(1.0, limit - 8), explain)
+        timer.daemon = True
+        timer.start()
 
 
 def run_section(section: str, args: argparse.Namespace) -> int:
@@ -357,7 +365,7 @@ def run_section(section: str, args: argparse.Namespace) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="tapd-gpu-", dir="/tmp"))
     workdir.chmod(0o700)
     procs = Processes(workdir)
-    _explain_on_sigterm(procs)
+    _explain_before(args.limit, procs)
     name = section + (f"-{args.label}" if args.label else "")
     out = Path(args.results) / f"{name}.json"
     result: dict[str, Any] = {"section": section, "label": args.label,
@@ -634,6 +642,9 @@ def main() -> int:
     parser.add_argument("--results", required=True, help="directory of the sections' JSON")
     parser.add_argument("--label", default="", help="names this run's JSON (SECTION-LABEL)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--limit", type=float, default=0,
+                        help="seconds this section may take (gpu-check's limit for it): "
+                        "shortly before, it says where it stood and exits 124")  # fmt: skip
     parser.add_argument("--smoke-on-cpu", action="store_true",
                         help="run the section's code on CPU (no bare copy): checks the "
                         "script where there is no GPU; its figures mean nothing")  # fmt: skip

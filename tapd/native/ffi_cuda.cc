@@ -260,7 +260,13 @@ Registration Registered(void* ring) {
         r->device_base = reinterpret_cast<CUdeviceptr>(device);
       }
       cudaGetLastError();
-    } else if (!Pin(r.get(), r->capacity, cudaHostRegisterPortable, &err)) {
+    } else if (cudaError_t mapping = err;
+               Pin(r.get(), r->capacity, cudaHostRegisterPortable, &err)) {
+      std::fprintf(stderr,
+                   "tapd: the tap ring could not be mapped for the GPU (%s): its taps "
+                   "commit with a side-stream host function, not from the stream\n",
+                   cudaGetErrorString(mapping));
+    } else {
       std::fprintf(stderr,
                    "tapd: cudaHostRegister of the tap ring failed (%s); device copies "
                    "into it will not be asynchronous\n",
