@@ -208,7 +208,7 @@ struct Registration {
   void* ring;
   uint8_t* base;
   uint64_t capacity;
-  uint64_t registered;      // bytes pinned from `base`: 2 * capacity, capacity, or 0
+  uint64_t registered;      // bytes pinned from `base`: capacity, or 0
   CUdeviceptr device_base;  // `base` as the device sees it (mapped), or 0
   double seconds;           // how long cudaHostRegister took
 };
@@ -240,9 +240,10 @@ bool Pin(Registration* r, uint64_t bytes, unsigned int flags, cudaError_t* err) 
   return true;
 }
 
-// Pin the ring's record area, mapped for the devices, both mappings in one
-// registration if the driver takes it, else the first one alone (copies and tags
-// never use the second); unmapped if mapped is refused. Once per ring.
+// Pin the ring's record area, mapped for the devices; unmapped if mapped is refused.
+// Its first mapping only: copies and tags never target the second, and pinning both
+// (the same pages twice over) doubles what is pinned, and what a sandboxed kernel's
+// GPU proxy has to make of aliased pages. Once per ring.
 Registration Registered(void* ring) {
   Registration* last = g_last.load(std::memory_order_acquire);
   if (last != nullptr && last->ring == ring) return *last;
@@ -254,7 +255,7 @@ Registration Registered(void* ring) {
     auto started = std::chrono::steady_clock::now();
     const unsigned int mapped = cudaHostRegisterPortable | cudaHostRegisterMapped;
     cudaError_t err = cudaSuccess;
-    if (Pin(r.get(), 2 * r->capacity, mapped, &err) || Pin(r.get(), r->capacity, mapped, &err)) {
+    if (Pin(r.get(), r->capacity, mapped, &err)) {
       void* device = nullptr;
       if (cudaHostGetDevicePointer(&device, r->base, 0) == cudaSuccess) {
         r->device_base = reinterpret_cast<CUdeviceptr>(device);
