@@ -89,7 +89,9 @@ def build_baseline(workdir: Path) -> ctypes.CDLL:
         return [build.compiler(), *build.FLAGS, "-shared", *includes, str(source),
                 "-o", str(output), *build.cuda_link_args(cuda)]  # fmt: skip
 
-    path = build.compile_with(command, workdir / "libbaseline.so")
+    path = workdir / "libbaseline.so"
+    if not path.exists():  # (the cost sections of one run share it)
+        build.compile_with(command, path)
     lib = ctypes.CDLL(str(path))
     lib.baseline_init.argtypes = [ctypes.c_uint64]
     if lib.baseline_init(256 * MiB) != 0:
@@ -136,9 +138,13 @@ def timed(function: Callable[[jax.Array], jax.Array], x: jax.Array) -> float:
     return time.perf_counter() - started
 
 
-def per_tap_cost(repeats: int, modes: list[str], ring_bytes: int) -> list[dict[str, Any]]:
+def per_tap_cost(
+    repeats: int, modes: list[str], ring_bytes: int, sizes: list[int]
+) -> list[dict[str, Any]]:
     rows = []
     for size, steps in COST_STEPS.items():
+        if size not in sizes:
+            continue
         steps = max(2, min(steps, int(ring_bytes * 0.8) // (size + 64)))  # the ring holds a run
         x = jnp.zeros(size // 4, jnp.float32)
         loops = {mode: cost_loop(size, steps, mode) for mode in ["none", *modes]}
@@ -380,13 +386,16 @@ def run_section(section: str, args: argparse.Namespace) -> int:
             try:
                 if args.smoke_on_cpu:
                     raise RuntimeError("not on CPU")
-                build_baseline(workdir)
+                build_baseline(Path(args.results))
                 modes.append("bare copy")
             except Exception as exc:
                 result["bare_copy_error"] = str(exc)
             log("per-tap cost")
             result["modes"] = modes
-            result["rows"] = per_tap_cost(repeats, modes, ring_bytes)
+            sizes = (
+                [int(size) for size in args.sizes.split(",")] if args.sizes else list(COST_STEPS)
+            )
+            result["rows"] = per_tap_cost(repeats, modes, ring_bytes, sizes)
         elif section == "isolation":
             result.update(isolation(procs, 100, repeats, 128 if args.smoke_on_cpu else 2048))
         elif section == "throughput":
@@ -452,6 +461,20 @@ def graphs(steps: int, repeats: int, side: int) -> dict[str, Any]:
 # ---- the report ---------------------------------------------------------------------------
 
 
+# The sections' result files, in the order the report looks for the environment in.
+SECTIONS = ("cost-64", "cost-1MiB", "cost-64MiB", "isolation", "throughput", "graphs-on")
+
+
+def _environment(results: Path) -> dict[str, Any] | None:
+    """The machine and tapd's state, as the first section that finished saw them."""
+    for name in SECTIONS:
+        found = _load(results, name)
+        if found is not None and "environment" in found:
+            environment: dict[str, Any] = found["environment"]
+            return environment
+    return None
+
+
 def _load(results: Path, name: str) -> dict[str, Any] | None:
     path = results / f"{name}.json"
     try:
@@ -461,13 +484,28 @@ def _load(results: Path, name: str) -> dict[str, Any] | None:
     return loaded
 
 
+def _costs(results: Path) -> dict[str, Any]:
+    """The cost sections' rows together (one section per size, so that one that hangs
+    leaves the others), with the first one's modes; errors kept by label."""
+    merged: dict[str, Any] = {"rows": [], "modes": None, "errors": {}, "bare_copy_error": None}
+    for path in sorted(results.glob("cost*.json")):
+        found = _load(results, path.stem) or {}
+        merged["rows"] += found.get("rows", [])
+        merged["modes"] = merged["modes"] or found.get("modes")
+        merged["bare_copy_error"] = merged["bare_copy_error"] or found.get("bare_copy_error")
+        if "error" in found:
+            merged["errors"][path.stem] = found["error"]
+    merged["rows"].sort(key=lambda row: row["bytes"])
+    return merged
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b is not None and b > 0 else None
 
 
 def figures(results: Path) -> dict[str, Any]:
     """The targets of issue 17 as ratios (None where not measured), and where from."""
-    cost = _load(results, "cost") or {}
+    cost = _costs(results)
     rows = {row["bytes"]: row["added_us"] for row in cost.get("rows", [])}
 
     def added(size: int, mode: str) -> float | None:
@@ -477,9 +515,7 @@ def figures(results: Path) -> dict[str, Any]:
     iso = _load(results, "isolation") or {}
     gpu = {r["bytes"]: r for r in (_load(results, "throughput") or {}).get("rows", [])}
     cpu = {r["bytes"]: r for r in (_load(results, "throughput-cpu") or {}).get("rows", [])}
-    environment = next((found["environment"] for name in ("cost", "isolation", "throughput",
-                        "graphs-on") if (found := _load(results, name)) and "environment" in found),
-                       {})  # fmt: skip
+    environment = _environment(results) or {}
     return {
         "tap_64B_per_bare_copy": _ratio(added(64, "tap"), added(64, "bare copy")),
         "tap_1MiB_per_bare_copy": _ratio(added(MiB, "tap"), added(MiB, "bare copy")),
@@ -519,12 +555,11 @@ def report(results: Path, md: Path, out_json: Path, log_name: str | None) -> Non
         target_rows.append(
             [key, "n/a" if value is None else f"{value:.3f}", f"{sense} {goal}", met]
         )
-    if any((found_ := _load(results, n)) and found_.get("smoke") for n in ("cost", "isolation")):
+    if any((found_ := _load(results, n)) and found_.get("smoke") for n in ("cost-64", "isolation")):
         lines += ["**A smoke run on a CPU (`--smoke`): it checks the script; its figures "
                   "mean nothing.**", ""]  # fmt: skip
     lines += [table(["figure", "value", "goal", ""], target_rows), ""]
-    environment = next((e["environment"] for n in ("cost", "isolation", "throughput", "graphs-on")
-                        if (e := _load(results, n)) and "environment" in e), None)  # fmt: skip
+    environment = _environment(results)
     if environment:
         lines += [table(["what", "value"], [[k, str(v)] for k, v in environment["rows"]]), ""]
     lines += _baseline_section(results) + _tests_section(results) + _cost_section(results)
@@ -562,15 +597,18 @@ def _tests_section(results: Path) -> list[str]:
 
 
 def _cost_section(results: Path) -> list[str]:
-    found = _load(results, "cost")
+    found = _costs(results)
     lines = ["## 3. Per-tap cost", ""]
-    if found is None or "rows" not in found:
-        return [*lines, *_failed("cost", found)]
+    for label, error in found["errors"].items():
+        lines += [f"`{label}` failed:", "", "```", error.strip()[-3000:], "```", ""]
+    if not found["rows"]:
+        return [*lines, "Not measured: no cost section finished (see the raw log).", ""]
     if found.get("bare_copy_error"):
         lines += [f"The bare copy could not be built: `{found['bare_copy_error']}`", ""]
     return [
         *lines,
-        "Added µs per step over the untapped loop.",
+        "Added µs per step over the untapped loop; sizes not listed did not "
+        "finish (see the raw log).",
         "",
         cost_table(found["rows"], found["modes"]),
         "",
@@ -642,6 +680,7 @@ def main() -> int:
     parser.add_argument("--results", required=True, help="directory of the sections' JSON")
     parser.add_argument("--label", default="", help="names this run's JSON (SECTION-LABEL)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--sizes", default="", help="cost: the tap sizes (bytes, comma-separated)")
     parser.add_argument("--limit", type=float, default=0,
                         help="seconds this section may take (gpu-check's limit for it): "
                         "shortly before, it says where it stood and exits 124")  # fmt: skip
