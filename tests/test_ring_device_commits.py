@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, SubscriberProcess, run_emitter, wait_until
+from conftest import Daemon, SubscriberProcess, run_emitter, tapd_cmd, wait_until
 from tapd.native import library
 from tapd.native.ring import Ring
 
@@ -290,3 +290,19 @@ def test_the_gpu_benchmark_setup_that_hung_runs_through_on_cpu(
     assert output["backend"] == "native" and output["stats"]["dropped"] == 0, output
     # every tap of the native and portable loops went into the ring: 1 + 3 runs each
     assert output["stats"]["sent"] == 2 * 4 * steps, output["stats"]
+
+
+def test_doctor_says_which_commit_cuda_taps_get(runtime_dir: Path) -> None:
+    """`tapd doctor` names the CUDA commit (ffi_cuda.cc) and why: here, without a GPU,
+    none, and that there is no device; library.cuda_commit() says the same."""
+    if not library.has_handler("cuda"):
+        pytest.skip(f"no CUDA handler built here: {library.handler_reason('cuda')}")
+    variant, why = library.cuda_commit(0)
+    result = tapd_cmd("doctor", "--endpoint", f"ipc://{runtime_dir}/none.sock")
+    assert result.returncode == 0, result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if line.startswith("CUDA commit")]
+    assert f"{variant} ({why})" in line
+    if variant == "none":
+        assert "no CUDA device" in why
+    else:  # a GPU here: one of the three, with the reason
+        assert variant in ("stream write", "side-stream host function", "host function"), line
