@@ -74,8 +74,9 @@ def log(message: str) -> None:
 # ---- the bare-copy baseline -------------------------------------------------------------
 
 
-def build_baseline(workdir: Path) -> ctypes.CDLL:
-    """Compile bench/gpu_bare_copy.cc as tapd's CUDA handler is compiled, register it."""
+def compile_bare_copy(directory: Path) -> Path:
+    """Compile bench/gpu_bare_copy.cc as tapd's CUDA handler is compiled (no GPU needed),
+    into `directory`, once."""
     include = build.ffi_include_dir()
     cuda = build.cuda_runtime()
     if include is None or cuda is None:
@@ -89,9 +90,15 @@ def build_baseline(workdir: Path) -> ctypes.CDLL:
         return [build.compiler(), *build.FLAGS, "-shared", *includes, str(source),
                 "-o", str(output), *build.cuda_link_args(cuda)]  # fmt: skip
 
-    path = workdir / "libbaseline.so"
+    path = directory / "libbaseline.so"
     if not path.exists():  # (the cost sections of one run share it)
         build.compile_with(command, path)
+    return path
+
+
+def build_baseline(workdir: Path) -> ctypes.CDLL:
+    """The bare copy, compiled (compile_bare_copy), loaded and registered with XLA."""
+    path = compile_bare_copy(workdir)
     lib = ctypes.CDLL(str(path))
     lib.baseline_init.argtypes = [ctypes.c_uint64]
     if lib.baseline_init(256 * MiB) != 0:
@@ -676,7 +683,9 @@ def _graphs_section(results: Path) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("section", choices=["cost", "isolation", "throughput", "graphs", "report"])
+    parser.add_argument(
+        "section", choices=["cost", "isolation", "throughput", "graphs", "bare-copy", "report"]
+    )
     parser.add_argument("--results", required=True, help="directory of the sections' JSON")
     parser.add_argument("--label", default="", help="names this run's JSON (SECTION-LABEL)")
     parser.add_argument("--quick", action="store_true", help="fewer repeats")
@@ -691,6 +700,9 @@ def main() -> int:
     parser.add_argument("--json", help="report: the JSON of the figures to write")
     parser.add_argument("--log", help="report: the raw log's path, named in the report")
     args = parser.parse_args()
+    if args.section == "bare-copy":
+        log(f"compiled {compile_bare_copy(Path(args.results))}")
+        return 0
     if args.section == "report":
         if not (args.md and args.json):
             parser.error("report needs --md and --json")
