@@ -111,7 +111,7 @@ const char* VariantName(int variant) {
 
 struct DeviceCommit {
   std::once_flag chosen;
-  int variant = kCommitHost;
+  std::atomic<int> variant{kCommitHost};  // (a refused stream write turns it to kCommitSide)
   std::string why;
   // kCommitSide: the side stream and the event it waits on, made at the first tap.
   std::mutex mutex;  // an event record and the wait on it go together
@@ -155,20 +155,23 @@ void Choose(int device, DeviceCommit* d) {
     return;
   }
   CUdevice handle = 0;
-  int supported = -1;
+  int attribute_value = -1;
   CUresult got = get(&handle, device);
-  CUresult queried = got == 0 ? attribute(&supported, kAttrCanUseStreamMemOps, handle) : got;
-  if (queried != 0) {
-    // The attribute is deprecated since CUDA 12, whose drivers always have the ops.
-    supported = driver >= 12000 ? 1 : 0;
+  CUresult queried = got == 0 ? attribute(&attribute_value, kAttrCanUseStreamMemOps, handle) : got;
+  // Since CUDA 12 the (v2) stream memory operations are always there, and the attribute
+  // only speaks of the v1 API; before, it says. (A write the device still refuses
+  // turns the device to the side stream at its first tap: EnqueueCommit.)
+  bool supported = driver >= 12000 || (queried == 0 && attribute_value == 1);
+  if (queried == 0) {
     std::snprintf(detail, sizeof(detail),
-                  "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS not answered (error %d), "
-                  "driver %d.%d", queried, driver / 1000, driver % 1000 / 10);
+                  "driver %d.%d, CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS=%d",
+                  driver / 1000, driver % 1000 / 10, attribute_value);
   } else {
-    std::snprintf(detail, sizeof(detail), "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS=%d, driver %d.%d",
-                  supported, driver / 1000, driver % 1000 / 10);
+    std::snprintf(detail, sizeof(detail),
+                  "driver %d.%d, CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS not answered "
+                  "(error %d)", driver / 1000, driver % 1000 / 10, queried);
   }
-  if (supported != 1) {
+  if (!supported) {
     d->variant = kCommitSide;
     d->why += std::string("stream memory operations not supported (") + detail + ")";
     return;
@@ -341,17 +344,28 @@ cudaError_t EnqueueCommit(void* ring, const Registration& registration, DeviceCo
                           uint64_t position, uint64_t length, cudaStream_t stream) {
   // (A stream write that fails to enqueue leaves its record to the error path, which
   // abandons it after the copies: it never commits on the host with kFlagDeviceCommit.)
-  int variant = d != nullptr ? d->variant : kCommitHost;
+  int variant = d != nullptr ? d->variant.load(std::memory_order_relaxed) : kCommitHost;
   if (variant == kCommitStream && registration.device_base == 0) variant = kCommitSide;
   if (variant == kCommitStream) {  // (its record was begun with kFlagDeviceCommit)
     uint64_t offset;
     uint64_t tag = g_api->commit_tag(ring, position, &offset);
     CUresult r = g_write32(stream, registration.device_base + offset, uint32_t(tag),
                            kWriteValueDefault);
-    if (r != 0) return cudaErrorUnknown;
-    g_api->device_commit_enqueued(ring, position, length);
-    g_api->unhold(ring);  // (close now waits on the tag itself)
-    return cudaSuccess;
+    if (r == 0) {
+      g_api->device_commit_enqueued(ring, position, length);
+      g_api->unhold(ring);  // (close now waits on the tag itself)
+      return cudaSuccess;
+    }
+    // Refused (CUDA_ERROR_NOT_SUPPORTED, say): nothing was enqueued. This record and
+    // the device's next ones commit from a side stream (a host commit clears the flag).
+    if (d->variant.exchange(kCommitSide) == kCommitStream) {
+      std::fprintf(stderr,
+                   "tapd: cuStreamWriteValue32 into the tap ring failed (CUresult %d): "
+                   "CUDA taps commit with a side-stream host function from now on\n", r);
+      std::lock_guard<std::mutex> lock(d->mutex);
+      d->why += "; but the device refused the write (CUresult " + std::to_string(r) + ")";
+    }
+    variant = kCommitSide;
   }
   auto* pending = new Pending{ring, position};
   cudaError_t err = cudaErrorNotReady;
@@ -503,6 +517,7 @@ int tapd_cuda_commit_variant(int device, char* why, uint64_t why_size) {
              " devices)";
   } else {
     DeviceCommit* d = Device(device);
+    std::lock_guard<std::mutex> lock(d->mutex);
     variant = d->variant;
     reason = d->why;
   }
