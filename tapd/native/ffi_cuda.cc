@@ -35,7 +35,9 @@
 // ring library's table (tapd_ring_internal_api), handed over by tapd_cuda_attach.
 
 #include <cuda_runtime_api.h>
+#include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -123,6 +125,54 @@ struct DeviceCommit {
 constexpr int kMaxDevices = 64;
 DeviceCommit g_devices[kMaxDevices];
 
+// Whether a stream write into shared memory registered as the ring is (a MAP_SHARED
+// page, pinned and mapped) lands where the host reads it: a sandboxed kernel's GPU proxy
+// might not carry it, and a ring whose tags never land would stall for good. Once per
+// device, on the thread whose current device it is; a few hundred microseconds.
+bool StreamWriteLands(StreamWriteValue32 write32, std::string* why) {
+  const size_t kPage = 4096;
+  int fd = memfd_create("tapd-probe", MFD_CLOEXEC);
+  void* page = MAP_FAILED;
+  if (fd >= 0 && ftruncate(fd, off_t(kPage)) == 0) {
+    page = mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  if (fd >= 0) close(fd);
+  if (page == MAP_FAILED) {
+    page = mmap(nullptr, kPage, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  }
+  if (page == MAP_FAILED) {
+    *why = "no page to test the stream write on";
+    return false;
+  }
+  auto* word = static_cast<volatile uint32_t*>(page);
+  *word = 0;
+  constexpr uint32_t kValue = 0x7a9d0001;
+  bool landed = false;
+  void* device = nullptr;
+  cudaStream_t stream = nullptr;
+  cudaError_t err = cudaHostRegister(page, kPage, cudaHostRegisterPortable | cudaHostRegisterMapped);
+  if (err == cudaSuccess) {
+    if ((err = cudaHostGetDevicePointer(&device, page, 0)) == cudaSuccess &&
+        (err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking)) == cudaSuccess) {
+      CUresult r = write32(stream, reinterpret_cast<CUdeviceptr>(device), kValue,
+                           kWriteValueDefault);
+      err = cudaStreamSynchronize(stream);
+      for (int i = 0; r == 0 && err == cudaSuccess && i < 1000 && !landed; ++i) {
+        landed = *word == kValue;
+        if (!landed) usleep(100);
+      }
+      if (r != 0) *why = "the test write was refused (CUresult " + std::to_string(r) + ")";
+      else if (!landed && err == cudaSuccess) *why = "the test write did not land in 100 ms";
+      cudaStreamDestroy(stream);
+    }
+    cudaHostUnregister(page);
+  }
+  if (err != cudaSuccess) *why = std::string("cannot test the stream write: ") + cudaGetErrorString(err);
+  cudaGetLastError();
+  munmap(page, kPage);
+  return landed;
+}
+
 // What `device` supports, and what TAPD_CUDA_COMMIT asks for: the variant, and why.
 void Choose(int device, DeviceCommit* d) {
   const char* asked = std::getenv("TAPD_CUDA_COMMIT");
@@ -176,9 +226,16 @@ void Choose(int device, DeviceCommit* d) {
     d->why += std::string("stream memory operations not supported (") + detail + ")";
     return;
   }
+  std::string refused;
+  if (!StreamWriteLands(write32, &refused)) {
+    d->variant = kCommitSide;
+    d->why += "a stream write into mapped shared memory does not work here: " + refused +
+              " (" + detail + ")";
+    return;
+  }
   g_write32 = write32;
   d->variant = kCommitStream;
-  d->why += std::string("cuStreamWriteValue32 into the mapped ring (") + detail + ")";
+  d->why += std::string("cuStreamWriteValue32 into the mapped ring, tested (") + detail + ")";
 }
 
 DeviceCommit* Device(int device) {
