@@ -270,26 +270,31 @@ def _load_cuda() -> Any:
         except OSError:
             pass  # then the library's own rpath, or the system's
     path = _packaged("_tapd_cuda")
+    buildable = include is not None and cuda is not None
     if path is not None:
         try:
-            incompatible = _incompatible(ctypes.CDLL(str(path)), "cuda", include)
-        except OSError:
-            incompatible = None  # (said below, when loading it for real)
-        if incompatible is not None:
-            if include is None or cuda is None:
-                raise _Unavailable(incompatible)
-            path = None  # build one for this jaxlib
-    if path is None:
-        if include is None:
-            raise _Unavailable("jaxlib's XLA FFI headers were not found (is jaxlib installed?)")
-        if cuda is None:
-            raise _Unavailable(build.cuda_missing())
-        found = cuda
-        try:
-            path = _cached(build.cuda_key(include, cuda), True,
-                           lambda out: build.compile_cuda(out, include, found))  # fmt: skip
-        except build.BuildError as exc:
-            raise _Unavailable(str(exc)) from exc
+            return _open_cuda(path, ring, include)
+        except _Unavailable as exc:
+            if not buildable:  # (an older build, or another jaxlib's: build one if we can)
+                raise
+            logger.info("not using %s: %s", path, exc)
+    if include is None:
+        raise _Unavailable("jaxlib's XLA FFI headers were not found (is jaxlib installed?)")
+    if cuda is None:
+        raise _Unavailable(build.cuda_missing())
+    found = cuda
+    try:
+        path = _cached(build.cuda_key(include, cuda), True,
+                       lambda out: build.compile_cuda(out, include, found))  # fmt: skip
+    except build.BuildError as exc:
+        raise _Unavailable(str(exc)) from exc
+    return _open_cuda(path, ring, include)
+
+
+def _open_cuda(path: Path, ring: ctypes.CDLL, include: Path | None) -> Any:
+    """Load the CUDA handler library at `path`, check it, attach it to the ring library;
+    its handler function. Raises _Unavailable saying why not."""
+    global _cuda
     try:
         lib = ctypes.CDLL(str(path))
         function = lib.TapdTapCuda
@@ -312,7 +317,6 @@ def _load_cuda() -> Any:
         raise _Unavailable(incompatible)
     if lib.tapd_cuda_attach(ring.tapd_ring_internal_api(API_VERSION)) != 0:
         raise _Unavailable(f"{path} was built from other sources than the ring library")
-    global _cuda
     _cuda = lib
     return function
 
