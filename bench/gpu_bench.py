@@ -1,23 +1,31 @@
-"""tapd on an NVIDIA GPU: per-tap cost, isolation, throughput. Writes bench/RESULTS-gpu.md.
+"""tapd on an NVIDIA GPU, one section per process: `bench/gpu-check` runs each with its
+own time limit (a section that fails or hangs leaves the others' figures), then
+`report` turns what they wrote into bench/RESULTS-gpu.md and bench/RESULTS-gpu.json.
 
-    python bench/gpu_bench.py [--out bench/RESULTS-gpu.md] [--quick]
+    python bench/gpu_bench.py SECTION --results DIR [--quick] [--smoke-on-cpu] [--label L]
+    python bench/gpu_bench.py report --results DIR --md OUT.md --json OUT.json
 
-Run by bench/gpu-check (which installs jax[cuda12], builds tapd's CUDA handler and runs
-tests/gpu first). This process is the JAX emitter, on the first GPU; it starts its own
-daemon and subscriber sinks (bench/processes.py). Every figure is the median of
-interleaved repeats.
+Each section is its own JAX emitter on the first GPU, with its own daemon and
+subscriber sinks (bench/processes.py), and writes DIR/SECTION[-LABEL].json. Every
+figure is the median of interleaved repeats.
 
-1. Per-tap cost for 64 B, 1 MiB and 64 MiB: a jitted `fori_loop` whose body updates a
-   float32 vector of that size on the GPU, untapped; with `tapd.tap` (the CUDA handler);
-   with `tapd.tap` lowered as the portable backend (a host callback writing the ring,
-   what a GPU without the handler gets); with a no-op `jax.debug.callback`; and with a
-   bare `cudaMemcpyAsync` of the vector into pinned host memory (bench/gpu_baseline.cc,
-   an FFI handler that does only that). The added µs per step is each one's cost.
-   Goals: tapd ≤ 1.2 times the bare copy; portable ≤ 1.1 times the callback at 64 B.
-2. Isolation: a ~0.5 ms step (eight 2048² matmuls) untapped, tapped into a subscriber
-   that sleeps 10 ms a tap, and with a no-op `jax.debug.callback` in the tap's place.
-   Goal: tapped ≤ 1.1 times the callback variant.
-3. Throughput to a subscriber: taps/s and MB/s from the first tap to `barrier_wait()`.
+- cost: per-tap cost for 64 B, 1 MiB and 64 MiB in a jitted `fori_loop` whose body
+  updates a float32 vector of that size: untapped; `tapd.tap` (the CUDA handler); the
+  portable backend (a host callback writing the ring); a no-op `jax.debug.callback`; a
+  bare `cudaMemcpyAsync` into pinned host memory (bench/gpu_bare_copy.cc, an FFI handler
+  that does only that). The ring is the one the first GPU run hung on: up to 1 GiB, half
+  of /dev/shm, policy block, no subscriber for these taps.
+- isolation: a ~0.5 ms step (eight 2048x2048 matmuls) untapped, tapped into a
+  subscriber that sleeps 10 ms a tap, and with a no-op `jax.debug.callback` instead.
+- throughput: taps/s and MB/s to a subscriber, from the first tap to `barrier_wait()`
+  (run again with JAX_PLATFORMS=cpu, label "cpu", for the same daemon on that CPU).
+- graphs: a body of six matmul+tanh steps untapped, tapped and with a no-op callback:
+  what a tap costs the step where XLA captures command buffers (CUDA graphs), run with
+  them on (label "on", XLA's default) and off (label "off",
+  XLA_FLAGS=--xla_gpu_enable_command_buffer=).
+
+On SIGTERM (the section's time limit) a section prints where it stood: its ring's
+counters, the daemon's ring stats and the end of the daemon's log.
 """
 
 from __future__ import annotations
@@ -26,10 +34,15 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import faulthandler
+import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -61,13 +74,14 @@ def log(message: str) -> None:
 # ---- the bare-copy baseline -------------------------------------------------------------
 
 
-def build_baseline(workdir: Path) -> ctypes.CDLL:
-    """Compile bench/gpu_baseline.cc as tapd's CUDA handler is compiled, register it."""
+def compile_bare_copy(directory: Path) -> Path:
+    """Compile bench/gpu_bare_copy.cc as tapd's CUDA handler is compiled (no GPU needed),
+    into `directory`, once."""
     include = build.ffi_include_dir()
     cuda = build.cuda_runtime()
     if include is None or cuda is None:
         raise RuntimeError("the baseline needs jaxlib's FFI headers and the CUDA runtime wheels")
-    source = BENCH_DIR / "gpu_baseline.cc"
+    source = BENCH_DIR / "gpu_bare_copy.cc"
 
     def command(output: Path) -> list[str]:
         includes = ["-isystem", str(include)]
@@ -76,7 +90,15 @@ def build_baseline(workdir: Path) -> ctypes.CDLL:
         return [build.compiler(), *build.FLAGS, "-shared", *includes, str(source),
                 "-o", str(output), *build.cuda_link_args(cuda)]  # fmt: skip
 
-    path = build.compile_with(command, workdir / "libbaseline.so")
+    path = directory / "libbaseline.so"
+    if not path.exists():  # (the cost sections of one run share it)
+        build.compile_with(command, path)
+    return path
+
+
+def build_baseline(workdir: Path) -> ctypes.CDLL:
+    """The bare copy, compiled (compile_bare_copy), loaded and registered with XLA."""
+    path = compile_bare_copy(workdir)
     lib = ctypes.CDLL(str(path))
     lib.baseline_init.argtypes = [ctypes.c_uint64]
     if lib.baseline_init(256 * MiB) != 0:
@@ -123,9 +145,13 @@ def timed(function: Callable[[jax.Array], jax.Array], x: jax.Array) -> float:
     return time.perf_counter() - started
 
 
-def per_tap_cost(repeats: int, modes: list[str], ring_bytes: int) -> list[dict[str, Any]]:
+def per_tap_cost(
+    repeats: int, modes: list[str], ring_bytes: int, sizes: list[int]
+) -> list[dict[str, Any]]:
     rows = []
     for size, steps in COST_STEPS.items():
+        if size not in sizes:
+            continue
         steps = max(2, min(steps, int(ring_bytes * 0.8) // (size + 64)))  # the ring holds a run
         x = jnp.zeros(size // 4, jnp.float32)
         loops = {mode: cost_loop(size, steps, mode) for mode in ["none", *modes]}
@@ -153,7 +179,7 @@ def cost_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
     ratios = [(a, b, title) for a, b, title in (
         ("tap", "callback", "tap ÷ callback"),
         ("tap", "bare copy", "tap ÷ bare copy (goal ≤ 1.2)"),
-        ("portable tap", "callback", "portable ÷ callback (goal ≤ 1.1 at 64 B)"),
+        ("portable tap", "callback", "portable ÷ callback (goal ≤ 0.3 at 64 B)"),
     ) if a in modes and b in modes]  # fmt: skip
     header += [title for _, _, title in ratios]
     lines = []
@@ -286,101 +312,403 @@ def _cuda_runtime_version() -> int | None:
     return version.value
 
 
-def write_report(out: Path, sections: list[str], header: list[tuple[str, str]]) -> None:
-    lines = [
-        "# tapd on a GPU",
-        "",
-        "Written by `bench/gpu-check` (`bench/gpu_bench.py`); the figures are medians of "
-        "interleaved repeats in one run. Compare ratios within this run.",
-        "",
-        table(["what", "value"], [[k, v] for k, v in header]),
-        "",
-        *sections,
-    ]
-    out.write_text("\n".join(lines) + "\n")
-    log(f"wrote {out}")
+def ring_bytes_here() -> int:
+    """The benchmark's ring: half of /dev/shm's free space, 16 MiB to 1 GiB."""
+    free = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 2**30
+    return max(16 * MiB, min(2**30, int(free * 0.5)) // 4096 * 4096)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=str(BENCH_DIR / "RESULTS-gpu.md"))
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
-    parser.add_argument("--tests-status", default="not run", help="what tests/gpu said")
-    parser.add_argument("--smoke-on-cpu", action="store_true",
-                        help="run this script's code on CPU (no bare copy): checks the "
-                        "script where there is no GPU; its figures mean nothing")  # fmt: skip
-    args = parser.parse_args()
+def environment(ring_bytes: int) -> dict[str, Any]:
+    rows = [*machine_description(), *gpu_description(),
+            ("code", code_revision(BENCH_DIR.parent)),
+            ("ring", f"{ring_bytes // MiB} MiB, policy block")]  # fmt: skip
+    rows.append(("tapd backend", tapd.backend()))
+    rows += [(f"tapd {name}", value) for name, value in library.status().items()]
+    registration = library.cuda_ring_registration()
+    if registration is not None:
+        rows.append(("ring registration with CUDA", f"{registration['bytes'] // MiB} MiB pinned, "
+                     f"{'mapped' if registration['mapped'] else 'not mapped'}, "
+                     f"{registration['seconds']:.2f} s"))  # fmt: skip
+    return {
+        "rows": rows,
+        "machine": _machine_line(rows),
+        "revision": code_revision(BENCH_DIR.parent),
+    }
+
+
+def _machine_line(rows: list[tuple[str, str]]) -> str:
+    found = dict(rows)
+    return "; ".join(found[k] for k in ("GPU (nvidia-smi)", "CPU", "cores") if k in found)
+
+
+def _explain_before(limit: float, procs: Processes) -> None:
+    """Shortly before the section's time limit: where the ring and the daemon stood,
+    then exit. From a thread, so that it runs even while the main thread is stuck in
+    XLA (a tap waiting for ring space holds it there); SIGTERM dumps the tracebacks."""
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+
+    def explain() -> None:
+        print(f"\n== gpu_bench: {limit:.0f} s limit nearly reached; where it stood:", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        sender = lifecycle._sender
+        if sender is not None and sender.native is not None:
+            ring = sender.native.ring
+            print(f"emitter ring: {ring.counters()}, daemon says: {ring.held_reason()}")
+        with contextlib.suppress(Exception):
+            print(f"daemon rings: {procs.daemon_stats().get('rings')}")
+        print("daemon log (end):\n" + procs.daemon_log_text()[-4000:], flush=True)
+        procs.stop_all()
+        os._exit(124)
+
+    if limit > 0:
+        timer = threading.Timer(max(1.0, limit - 8), explain)
+        timer.daemon = True
+        timer.start()
+
+
+def run_section(section: str, args: argparse.Namespace) -> int:
     repeats = 2 if args.quick else 5
     if args.smoke_on_cpu:
         COST_STEPS.update({64: 50, MiB: 10, 64 * MiB: 2})
         THROUGHPUT_COUNTS.update({64: 200, MiB: 10, 64 * MiB: 2})
-    elif jax.default_backend() != "gpu":
+    elif jax.default_backend() != "gpu" and args.label != "cpu":
         print(f"gpu_bench: JAX's default backend is {jax.default_backend()}, not gpu")
         return 2
-    free = shutil.disk_usage("/dev/shm").free if Path("/dev/shm").is_dir() else 2**30
-    ring_bytes = max(16 * MiB, min(2**30, int(free * 0.5)) // 4096 * 4096)
+    ring_bytes = ring_bytes_here()
     workdir = Path(tempfile.mkdtemp(prefix="tapd-gpu-", dir="/tmp"))
     workdir.chmod(0o700)
     procs = Processes(workdir)
-    sections: list[str] = []
-    header = [*machine_description(), *gpu_description(),
-              ("code", code_revision(BENCH_DIR.parent)),
-              ("tests/gpu", args.tests_status),
-              ("ring", f"{ring_bytes // MiB} MiB, policy block")]  # fmt: skip
+    _explain_before(args.limit, procs)
+    name = section + (f"-{args.label}" if args.label else "")
+    out = Path(args.results) / f"{name}.json"
+    result: dict[str, Any] = {"section": section, "label": args.label,
+                              "smoke": args.smoke_on_cpu}  # fmt: skip
     try:
         procs.start_daemon()
         tapd.configure(endpoint=procs.endpoint, backend="native", policy="block",
                        buffer_bytes=ring_bytes)  # fmt: skip
-        backend = tapd.backend()
-        header.append(("tapd backend on the GPU", backend))
-        header += [(f"tapd {name}", value) for name, value in library.status().items()]
-        if backend != "native":
-            sections += [
-                f"**The taps below did not go through tapd's CUDA handler** (backend "
-                f"{backend}): their figures are not the handler's.",
-                "",
-            ]
-        modes = ["tap", "portable tap", "callback"]
-        try:
-            if args.smoke_on_cpu:
-                raise RuntimeError("not on CPU")
-            build_baseline(workdir)
-            modes.append("bare copy")
-        except Exception as exc:
-            sections += [f"The bare-copy baseline could not be built: `{exc}`", ""]
-        log("1. per-tap cost")
-        rows = per_tap_cost(repeats, modes, ring_bytes)
-        sections += ["## 1. Per-tap cost", "",
-                     "Added µs per step over the untapped loop (median of "
-                     f"{repeats} interleaved runs).", "", cost_table(rows, modes), ""]  # fmt: skip
-        log("2. isolation")
-        iso = isolation(procs, 100, repeats, 128 if args.smoke_on_cpu else 2048)
-        sections += ["## 2. Isolation (a subscriber sleeping 10 ms per tap)", "", table(
-            ["steps", "untapped µs/step", "tapped µs/step", "callback µs/step",
-             "tapped ÷ untapped", "tapped ÷ callback (goal ≤ 1.1)", "barrier after (s)",
-             "handled"],
-            [[str(iso["steps"]), number(iso["untapped_us"]), number(iso["tapped_us"]),
-              number(iso["callback_us"]), f"{iso['vs_untapped']:.3f}",
-              f"{iso['vs_callback']:.3f}", f"{iso['barrier_s']:.2f}", str(iso["handled"])]],
-        ), ""]  # fmt: skip
-        log("3. throughput")
-        tp = throughput(procs, max(2, repeats // 2), ring_bytes)
-        sections += ["## 3. Throughput to a subscriber", "", table(
-            ["payload", "taps", "taps/s", "MB/s", "handled / expected"],
-            [[size_name(r["bytes"]), str(r["count"]), number(r["taps_per_s"], 0),
-              number(r["mb_per_s"], 1), f"{r['handled']} / {r['expected']}"] for r in tp],
-        ), ""]  # fmt: skip
-        stats = tapd.stats()
-        sections += ["## tapd's counters at the end", "", f"`{stats}`", ""]
+        result["backend"] = tapd.backend()
+        if section == "cost":
+            modes = ["tap", "portable tap", "callback"]
+            try:
+                if args.smoke_on_cpu:
+                    raise RuntimeError("not on CPU")
+                build_baseline(Path(args.results))
+                modes.append("bare copy")
+            except Exception as exc:
+                result["bare_copy_error"] = str(exc)
+            log("per-tap cost")
+            result["modes"] = modes
+            sizes = (
+                [int(size) for size in args.sizes.split(",")] if args.sizes else list(COST_STEPS)
+            )
+            result["rows"] = per_tap_cost(repeats, modes, ring_bytes, sizes)
+        elif section == "isolation":
+            result.update(isolation(procs, 100, repeats, 128 if args.smoke_on_cpu else 2048))
+        elif section == "throughput":
+            result["rows"] = throughput(procs, max(2, repeats // 2), ring_bytes)
+        elif section == "graphs":
+            result.update(graphs(50 if args.smoke_on_cpu else 200, repeats,
+                                 64 if args.smoke_on_cpu else 1024))  # fmt: skip
+        else:
+            raise ValueError(f"unknown section {section!r}")
+        result["environment"] = environment(ring_bytes)
+        result["stats"] = tapd.stats()
         status = 0
     except Exception:
-        sections += ["## The run failed", "", "```", traceback.format_exc(), "```", ""]
+        result["error"] = traceback.format_exc()
+        print(result["error"], file=sys.stderr)
         status = 1
     finally:
         procs.stop_all()
-        write_report(Path(args.out), sections, header)
         shutil.rmtree(workdir, ignore_errors=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    log(f"wrote {out}")
     return status
+
+
+# ---- the command-buffer figure ------------------------------------------------------------
+
+
+def graphs(steps: int, repeats: int, side: int) -> dict[str, Any]:
+    """µs per step of six matmul+tanh steps (at least six fusions), untapped, tapped and
+    with a no-op callback, under this process's XLA_FLAGS (command buffers on or off)."""
+    weights = jnp.full((side, side), 0.0001, jnp.float32)
+
+    def make(mode: str) -> Callable[[jax.Array], jax.Array]:
+        def body(i: jax.Array, x: jax.Array) -> jax.Array:
+            for _ in range(6):
+                x = jnp.tanh(x @ weights)
+            if mode == "tap":
+                tapd.tap(x[0, :4], "gpu.graphs")
+            elif mode == "callback":
+                jax.debug.callback(lambda v: None, x[0, :4])
+            return x
+
+        return jax.jit(lambda x: lax.fori_loop(0, steps, body, x))
+
+    x = jnp.ones((side, side), jnp.float32)
+    variants = {mode: make(mode) for mode in ("none", "tap", "callback")}
+    for function in variants.values():
+        timed(function, x)
+    tapd.barrier_wait(timeout=BARRIER_TIMEOUT)
+    samples: dict[str, list[float]] = {mode: [] for mode in variants}
+    for _ in range(repeats):
+        for mode, function in variants.items():
+            samples[mode].append(timed(function, x) / steps * 1e6)
+    tapd.barrier_wait(timeout=BARRIER_TIMEOUT)
+    us = {mode: median(v) for mode, v in samples.items()}
+    flags = os.environ.get("XLA_FLAGS", "")
+    result = {"steps": steps, "side": side, "us_per_step": us, "xla_flags": flags,
+              "command_buffers": "--xla_gpu_enable_command_buffer=" not in flags}  # fmt: skip
+    log(f"graphs: {result}")
+    return result
+
+
+# ---- the report ---------------------------------------------------------------------------
+
+
+# The sections' result files, in the order the report looks for the environment in.
+SECTIONS = ("cost-64", "cost-1MiB", "cost-64MiB", "isolation", "throughput", "graphs-on")
+
+
+def _environment(results: Path) -> dict[str, Any] | None:
+    """The machine and tapd's state, as the first section that finished saw them."""
+    for name in SECTIONS:
+        found = _load(results, name)
+        if found is not None and "environment" in found:
+            environment: dict[str, Any] = found["environment"]
+            return environment
+    return None
+
+
+def _load(results: Path, name: str) -> dict[str, Any] | None:
+    path = results / f"{name}.json"
+    try:
+        loaded: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return loaded
+
+
+def _costs(results: Path) -> dict[str, Any]:
+    """The cost sections' rows together (one section per size, so that one that hangs
+    leaves the others), with the first one's modes; errors kept by label."""
+    merged: dict[str, Any] = {"rows": [], "modes": None, "errors": {}, "bare_copy_error": None}
+    for path in sorted(results.glob("cost*.json")):
+        found = _load(results, path.stem) or {}
+        merged["rows"] += found.get("rows", [])
+        merged["modes"] = merged["modes"] or found.get("modes")
+        merged["bare_copy_error"] = merged["bare_copy_error"] or found.get("bare_copy_error")
+        if "error" in found:
+            merged["errors"][path.stem] = found["error"]
+    merged["rows"].sort(key=lambda row: row["bytes"])
+    return merged
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b is not None and b > 0 else None
+
+
+def figures(results: Path) -> dict[str, Any]:
+    """The targets of issue 17 as ratios (None where not measured), and where from."""
+    cost = _costs(results)
+    rows = {row["bytes"]: row["added_us"] for row in cost.get("rows", [])}
+
+    def added(size: int, mode: str) -> float | None:
+        value = rows.get(size, {}).get(mode)
+        return float(value) if value is not None else None
+
+    iso = _load(results, "isolation") or {}
+    gpu = {r["bytes"]: r for r in (_load(results, "throughput") or {}).get("rows", [])}
+    cpu = {r["bytes"]: r for r in (_load(results, "throughput-cpu") or {}).get("rows", [])}
+    environment = _environment(results) or {}
+    return {
+        "tap_64B_per_bare_copy": _ratio(added(64, "tap"), added(64, "bare copy")),
+        "tap_1MiB_per_bare_copy": _ratio(added(MiB, "tap"), added(MiB, "bare copy")),
+        "tap_64MiB_per_bare_copy": _ratio(added(64 * MiB, "tap"), added(64 * MiB, "bare copy")),
+        "portable_64B_per_callback": _ratio(added(64, "portable tap"), added(64, "callback")),
+        "isolation_tapped_per_untapped": iso.get("vs_untapped"),
+        "throughput_1MiB_gpu_per_cpu": _ratio(
+            gpu.get(MiB, {}).get("mb_per_s"), cpu.get(MiB, {}).get("mb_per_s")
+        ),
+        "revision": environment.get("revision") or code_revision(BENCH_DIR.parent),
+        "machine": environment.get("machine", "unknown"),
+    }
+
+
+TARGETS = {
+    "tap_64B_per_bare_copy": ("≤", 1.2), "tap_1MiB_per_bare_copy": ("≤", 1.2),
+    "tap_64MiB_per_bare_copy": ("≤", 1.2), "portable_64B_per_callback": ("≤", 0.3),
+    "isolation_tapped_per_untapped": ("≤", 1.1), "throughput_1MiB_gpu_per_cpu": ("≥", 0.8),
+}  # fmt: skip
+
+
+def report(results: Path, md: Path, out_json: Path, log_name: str | None) -> None:
+    found = figures(results)
+    out_json.write_text(json.dumps(found, indent=1) + "\n")
+    lines = ["# tapd on a GPU", "",
+             "Written by `bench/gpu-check` (`bench/gpu_bench.py report`) from one run; raw log: "
+             f"`{log_name or 'bench/gpu-logs/'}`. Ratios compare figures of this run only; "
+             "`bench/RESULTS-gpu.json` has the same ratios.", ""]  # fmt: skip
+    target_rows = []
+    for key, (sense, goal) in TARGETS.items():
+        value = found[key]
+        met = (
+            "not measured"
+            if value is None
+            else ("met" if (value <= goal if sense == "≤" else value >= goal) else "missed")
+        )
+        target_rows.append(
+            [key, "n/a" if value is None else f"{value:.3f}", f"{sense} {goal}", met]
+        )
+    if any((found_ := _load(results, n)) and found_.get("smoke") for n in ("cost-64", "isolation")):
+        lines += ["**A smoke run on a CPU (`--smoke`): it checks the script; its figures "
+                  "mean nothing.**", ""]  # fmt: skip
+    lines += [table(["figure", "value", "goal", ""], target_rows), ""]
+    environment = _environment(results)
+    if environment:
+        lines += [table(["what", "value"], [[k, str(v)] for k, v in environment["rows"]]), ""]
+    lines += _baseline_section(results) + _tests_section(results) + _cost_section(results)
+    lines += _isolation_section(results) + _throughput_section(results)
+    lines += _graphs_section(results)
+    md.write_text("\n".join(lines) + "\n")
+    log(f"wrote {md} and {out_json}")
+
+
+def _failed(name: str, found: dict[str, Any] | None) -> list[str]:
+    if found is None:
+        return ["Not measured: the step did not finish (see the raw log).", ""]
+    if "error" in found:
+        return ["The step failed:", "", "```", found["error"].strip()[-3000:], "```", ""]
+    return []
+
+
+def _baseline_section(results: Path) -> list[str]:
+    lines = ["## 1. Commit variants without JAX (bench/gpu_baseline.cc)", "",
+             "A 1 MiB memset, a 64 B copy into mapped pinned memory, then the commit, per "
+             "iteration.", ""]  # fmt: skip
+    found = _load(results, "baseline")
+    if found is None or not found.get("variants"):
+        return [*lines, *(_failed("baseline", found) or ["No figures.", ""])]
+    rows = [[v["variant"], str(v["iterations"]), number(v["gpu_us_per_iter"]),
+             number(v["wall_us_per_iter"]), str(v["commits_seen"]), str(v["out_of_order"]),
+             str(v["data_after_flag"]), v.get("note", "")] for v in found["variants"]]  # fmt: skip
+    return [*lines, table(["commit", "iterations", "GPU µs/iter", "wall µs/iter", "seen",
+                           "out of order", "data after flag", "note"], rows), ""]  # fmt: skip
+
+
+def _tests_section(results: Path) -> list[str]:
+    found = _load(results, "tests") or {}
+    return ["## 2. tests/gpu", "", f"{found.get('summary', 'not run')}", ""]
+
+
+def _cost_section(results: Path) -> list[str]:
+    found = _costs(results)
+    lines = ["## 3. Per-tap cost", ""]
+    for label, error in found["errors"].items():
+        lines += [f"`{label}` failed:", "", "```", error.strip()[-3000:], "```", ""]
+    if not found["rows"]:
+        return [*lines, "Not measured: no cost section finished (see the raw log).", ""]
+    if found.get("bare_copy_error"):
+        lines += [f"The bare copy could not be built: `{found['bare_copy_error']}`", ""]
+    return [
+        *lines,
+        "Added µs per step over the untapped loop; sizes not listed did not "
+        "finish (see the raw log).",
+        "",
+        cost_table(found["rows"], found["modes"]),
+        "",
+    ]
+
+
+def _isolation_section(results: Path) -> list[str]:
+    iso = _load(results, "isolation")
+    lines = ["## 4. Isolation (a subscriber sleeping 10 ms per tap)", ""]
+    if iso is None or "vs_untapped" not in iso:
+        return [*lines, *_failed("isolation", iso)]
+    return [*lines, table(
+        ["steps", "untapped µs/step", "tapped µs/step", "callback µs/step",
+         "tapped ÷ untapped (goal ≤ 1.1)", "tapped ÷ callback", "barrier after (s)", "handled"],
+        [[str(iso["steps"]), number(iso["untapped_us"]), number(iso["tapped_us"]),
+          number(iso["callback_us"]), f"{iso['vs_untapped']:.3f}", f"{iso['vs_callback']:.3f}",
+          f"{iso['barrier_s']:.2f}", str(iso["handled"])]],
+    ), ""]  # fmt: skip
+
+
+def _throughput_section(results: Path) -> list[str]:
+    lines = ["## 5. Throughput to a subscriber (GPU, and this machine's CPU)", ""]
+    rows = []
+    for label, name in (("GPU", "throughput"), ("CPU", "throughput-cpu")):
+        found = _load(results, name)
+        if found is None or "rows" not in found:
+            lines += [f"{label}:", "", *_failed(name, found)]
+            continue
+        rows += [[label, size_name(r["bytes"]), str(r["count"]), number(r["taps_per_s"], 0),
+                  number(r["mb_per_s"], 1), f"{r['handled']} / {r['expected']}"]
+                 for r in found["rows"]]  # fmt: skip
+    if rows:
+        lines += [
+            table(["on", "payload", "taps", "taps/s", "MB/s", "handled / expected"], rows),
+            "",
+        ]
+    return lines
+
+
+def _graphs_section(results: Path) -> list[str]:
+    lines = ["## 6. Command buffers (CUDA graphs): six matmul+tanh steps a loop step", ""]
+    rows = []
+    for label in ("on", "off"):
+        found = _load(results, f"graphs-{label}")
+        if found is None or "us_per_step" not in found:
+            lines += [f"Command buffers {label}:", "", *_failed(label, found)]
+            continue
+        us = found["us_per_step"]
+        rows.append(
+            [
+                label,
+                number(us["none"]),
+                number(us["tap"]),
+                number(us["callback"]),
+                number(us["tap"] - us["none"]),
+                number(us["callback"] - us["none"]),
+            ]
+        )
+    if rows:
+        header = ["command buffers", "untapped µs/step", "tapped µs/step", "callback µs/step",
+                  "tap adds µs", "callback adds µs"]  # fmt: skip
+        lines += [table(header, rows), ""]
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "section", choices=["cost", "isolation", "throughput", "graphs", "bare-copy", "report"]
+    )
+    parser.add_argument("--results", required=True, help="directory of the sections' JSON")
+    parser.add_argument("--label", default="", help="names this run's JSON (SECTION-LABEL)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats")
+    parser.add_argument("--sizes", default="", help="cost: the tap sizes (bytes, comma-separated)")
+    parser.add_argument("--limit", type=float, default=0,
+                        help="seconds this section may take (gpu-check's limit for it): "
+                        "shortly before, it says where it stood and exits 124")  # fmt: skip
+    parser.add_argument("--smoke-on-cpu", action="store_true",
+                        help="run the section's code on CPU (no bare copy): checks the "
+                        "script where there is no GPU; its figures mean nothing")  # fmt: skip
+    parser.add_argument("--md", help="report: the Markdown to write")
+    parser.add_argument("--json", help="report: the JSON of the figures to write")
+    parser.add_argument("--log", help="report: the raw log's path, named in the report")
+    args = parser.parse_args()
+    if args.section == "bare-copy":
+        log(f"compiled {compile_bare_copy(Path(args.results))}")
+        return 0
+    if args.section == "report":
+        if not (args.md and args.json):
+            parser.error("report needs --md and --json")
+        report(Path(args.results), Path(args.md), Path(args.json), args.log)
+        return 0
+    return run_section(args.section, args)
 
 
 if __name__ == "__main__":

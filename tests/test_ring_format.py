@@ -81,6 +81,11 @@ def test_the_constants_are_ring_h_s() -> None:
     assert integer("kTagAbandoned") == ring_format.TAG_ABANDONED
     assert "& ~uint64_t{7}) | state" in header_text()  # Tag(): the low 3 bits are the state
     assert ring_format.TAG_STATE_MASK == 7
+    assert integer("kFlagStep32") == ring_format.FLAG_STEP32
+    assert integer("kFlagDeviceCommit") == ring_format.FLAG_DEVICE_COMMIT
+    for reason, code in ring_format.HELD_REASONS.items():
+        camel = "".join(word.title() for word in reason.split("_"))
+        assert integer(f"kHeld{camel}") == code, reason
     assert ring_format.commit_tag(0x1238, 0xFF, ring_format.TAG_COMMITTED) == (
         (0x1238 ^ 0xFF) & ~7 | 2
     )
@@ -118,13 +123,13 @@ def test_the_record_header_is_ring_h_s() -> None:
     assert dtype.itemsize == asserted("sizeof(RecordHeader)")
     assert header["step"][0] == asserted("offsetof(RecordHeader, step)")
     assert header["commit"][0] == asserted("offsetof(RecordHeader, commit)")
-    # The struct the daemon unpacks headers with reads the same fields, flags skipped.
+    # The struct the daemon unpacks headers with reads the same fields.
     assert ring_format.RECORD_HEADER_STRUCT.size == dtype.itemsize
     record = np.zeros(1, dtype)
     for number, name in enumerate(dtype.names or ()):
         record[name] = number + 1
     unpacked = ring_format.RECORD_HEADER_STRUCT.unpack(record.tobytes())
-    assert list(unpacked) == [n + 1 for n, name in enumerate(dtype.names or ()) if name != "flags"]
+    assert list(unpacked) == [n + 1 for n, _ in enumerate(dtype.names or ())]
 
 
 def test_the_sites_framing_is_a_little_endian_u32_length() -> None:

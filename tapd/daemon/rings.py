@@ -97,6 +97,8 @@ class RingSource:
         self._in_router: collections.deque[tuple[int, int]] = collections.deque()  # (index, end)
         self._barriers: list[tuple[int, int]] = []  # (barrier id, ring position)
         self.writer_gone = False
+        self._held: str | None = None  # the reason last written to the ring (say_held)
+        self._waiting_for_site = False
 
     @property
     def path(self) -> Path:
@@ -175,7 +177,8 @@ class RingSource:
         while first < len(records):
             record = records[first]
             site = self._site(record.site)
-            if site is None and not self.writer_gone:
+            self._waiting_for_site = site is None and not self.writer_gone
+            if self._waiting_for_site:
                 break  # its site entry is still being written: read it next time
             if isinstance(site, Site):
                 try:
@@ -210,6 +213,24 @@ class RingSource:
                 break
         self._release_barriers(router)
         return taken
+
+    def say_held(self, router: Router, reason: str | None = None) -> None:
+        """Tell a writer that waits for ring space why the oldest record not released
+        is held (written to the ring's control page when it changes; ring.h, kHeld*)."""
+        if reason is None:
+            emitter = router.emitters.get(self.key)
+            if emitter is None:
+                reason = "not_read"
+            elif emitter.parked:
+                in_grace = router.hold_unrouted_until > time.monotonic()
+                reason = "grace" if in_grace else "queue_full"
+            elif self._in_router:
+                reason = "unacked"
+            else:
+                reason = "site_unknown" if self._waiting_for_site else "nothing"
+        if reason != self._held:
+            self._held = reason
+            self.ring.set_held_reason(reason)
 
     def _refuse(self, router: Router, record: Record, why: ProtocolError) -> None:
         """A record the daemon cannot pass on: counted by reason, reported to the
@@ -313,6 +334,8 @@ class RingSet:
             router.reject("bad_ring", str(exc))
             return
         self.sources[key] = source
+        in_grace = router.hold_unrouted_until > time.monotonic()  # (no ring is read until then)
+        source.say_held(router, "grace" if in_grace else "not_read")
         logger.info(
             "draining ring %s of emitter pid %d from position %d",
             ring_path,
@@ -380,6 +403,7 @@ class RingSet:
         for source in list(self.sources.values()):
             moved += source.drain(router)
             source.release_delivered(router)
+            source.say_held(router)
         return moved
 
     def check_writers(self, router: Router) -> None:
@@ -391,6 +415,7 @@ class RingSet:
                 # Large taps went to ZeroMQ as views of the ring: keep it mapped a while,
                 # so that a message still queued for a slow peer never reads unmapped
                 # memory.
+                source.say_held(router, "detached")  # (a writer still there would say so)
                 source.remove_files()
                 self._retired.append((time.monotonic(), source))
                 del self.sources[key]

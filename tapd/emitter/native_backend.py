@@ -66,7 +66,7 @@ class NativeEmitter:
         return {"ring": str(self.ring_path), "sites": str(self.sites_path)}
 
     def committed(self) -> int:
-        return self.ring.counters().committed
+        return self.ring.settled()  # (commits still on their way from a CUDA stream too)
 
     def remove_files(self) -> None:
         self._sites_file.close()

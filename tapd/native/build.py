@@ -264,10 +264,25 @@ def compile_with(command_for: Callable[[Path], list[str]], output: Path) -> Path
     return output
 
 
+def cuda_program_args(cuda: CudaRuntime) -> list[str]:
+    """g++ arguments for a standalone CUDA runtime program (bench/gpu_baseline.cc):
+    the runtime's headers, and its libcudart with an rpath to it."""
+    includes = [arg for path in cuda.includes for arg in ("-isystem", str(path))]
+    return [*includes, "-L", str(cuda.lib_dir), f"-l:{cuda.soname}",
+            f"-Wl,-rpath,{cuda.lib_dir}", "-lpthread"]  # fmt: skip
+
+
 def main() -> int:
-    """`python -m tapd.native.build`: what would be built here, and with what."""
+    """`python -m tapd.native.build`: what would be built here, and with what.
+    `--cuda-program-args`: cuda_program_args, one a line (exit 1 without a runtime)."""
     include = ffi_include_dir()
     cuda = cuda_runtime()
+    if sys.argv[1:] == ["--cuda-program-args"]:
+        if cuda is None:
+            print(cuda_missing(), file=sys.stderr)
+            return 1
+        print("\n".join([compiler(), *cuda_program_args(cuda)]))
+        return 0
     print(f"compiler: {os.environ.get('CXX') or shutil.which('c++') or 'none'}")
     print(f"XLA FFI headers: {include or 'not found (the ring builds without the CPU handler)'}")
     print(f"CUDA runtime: {cuda or cuda_missing()}")

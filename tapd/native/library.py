@@ -27,7 +27,7 @@ from tapd.native import build
 
 logger = logging.getLogger("tapd.native")
 
-API_VERSION = 1  # tapd::kApiVersion in ring.h: the table the CUDA library writes through
+API_VERSION = 2  # tapd::kApiVersion in ring.h: the table the CUDA library writes through
 PLATFORMS = ("cpu", "cuda")
 
 _lock = threading.Lock()
@@ -36,6 +36,7 @@ _reason: str | None = None
 _loaded = False
 _handlers: dict[str, Any] = {}  # platform -> the handler's ctypes function
 _handler_reasons: dict[str, str] = {}
+_cuda: ctypes.CDLL | None = None  # the CUDA handler's library, once loaded
 
 
 class _Unavailable(Exception):
@@ -111,7 +112,8 @@ def handler_reason(platform: str) -> str | None:
 
 
 def status() -> dict[str, str]:
-    """One line each on the ring library and the handlers (for `tapd doctor`)."""
+    """One line each on the ring library, the handlers and, where the CUDA handler is
+    built, the commit its taps get on the first GPU (for `tapd doctor`)."""
     lib = load()
     lines = {"ring library": str(lib._name) if lib is not None else f"unavailable: {_reason}"}
     for platform in PLATFORMS:
@@ -119,7 +121,34 @@ def status() -> dict[str, str]:
         lines[f"{platform.upper()} handler"] = (
             "built" if function is not None else f"unavailable: {handler_reason(platform)}"
         )
+    if _cuda is not None:
+        variant, why = cuda_commit(0)
+        lines["CUDA commit"] = f"{variant} ({why})"
     return lines
+
+
+def cuda_commit(device: int = 0) -> tuple[str, str]:
+    """The commit a CUDA tap on `device` gets (ffi_cuda.cc): "stream write", "side-stream
+    host function", "host function", or "none" (no CUDA handler, or no such device), and
+    why. It asks CUDA, so it initialises the CUDA runtime."""
+    if not has_handler("cuda") or _cuda is None:
+        return "none", f"no CUDA handler: {handler_reason('cuda')}"
+    why = ctypes.create_string_buffer(512)
+    variant = int(_cuda.tapd_cuda_commit_variant(device, why, len(why)))
+    name = _cuda.tapd_cuda_commit_name(variant).decode()
+    return name, why.value.decode(errors="replace")
+
+
+def cuda_ring_registration() -> dict[str, Any] | None:
+    """How this process's ring was registered with CUDA (bytes pinned, whether mapped
+    for the devices, seconds it took), or None (no CUDA handler or no ring)."""
+    if _cuda is None:
+        return None
+    pinned, mapped, seconds = ctypes.c_uint64(), ctypes.c_int(), ctypes.c_double()
+    if _cuda.tapd_cuda_ring_registration(ctypes.byref(pinned), ctypes.byref(mapped),
+                                         ctypes.byref(seconds)) != 0:  # fmt: skip
+        return None
+    return {"bytes": pinned.value, "mapped": bool(mapped.value), "seconds": seconds.value}
 
 
 # ---- finding, building, loading --------------------------------------------------------
@@ -245,32 +274,46 @@ def _load_cuda() -> Any:
         except OSError:
             pass  # then the library's own rpath, or the system's
     path = _packaged("_tapd_cuda")
+    buildable = include is not None and cuda is not None
     if path is not None:
         try:
-            incompatible = _incompatible(ctypes.CDLL(str(path)), "cuda", include)
-        except OSError:
-            incompatible = None  # (said below, when loading it for real)
-        if incompatible is not None:
-            if include is None or cuda is None:
-                raise _Unavailable(incompatible)
-            path = None  # build one for this jaxlib
-    if path is None:
-        if include is None:
-            raise _Unavailable("jaxlib's XLA FFI headers were not found (is jaxlib installed?)")
-        if cuda is None:
-            raise _Unavailable(build.cuda_missing())
-        found = cuda
-        try:
-            path = _cached(build.cuda_key(include, cuda), True,
-                           lambda out: build.compile_cuda(out, include, found))  # fmt: skip
-        except build.BuildError as exc:
-            raise _Unavailable(str(exc)) from exc
+            return _open_cuda(path, ring, include)
+        except _Unavailable as exc:
+            if not buildable:  # (an older build, or another jaxlib's: build one if we can)
+                raise
+            logger.info("not using %s: %s", path, exc)
+    if include is None:
+        raise _Unavailable("jaxlib's XLA FFI headers were not found (is jaxlib installed?)")
+    if cuda is None:
+        raise _Unavailable(build.cuda_missing())
+    found = cuda
+    try:
+        path = _cached(build.cuda_key(include, cuda), True,
+                       lambda out: build.compile_cuda(out, include, found))  # fmt: skip
+    except build.BuildError as exc:
+        raise _Unavailable(str(exc)) from exc
+    return _open_cuda(path, ring, include)
+
+
+def _open_cuda(path: Path, ring: ctypes.CDLL, include: Path | None) -> Any:
+    """Load the CUDA handler library at `path`, check it, attach it to the ring library;
+    its handler function. Raises _Unavailable saying why not."""
+    global _cuda
     try:
         lib = ctypes.CDLL(str(path))
         function = lib.TapdTapCuda
         lib.tapd_cuda_attach.argtypes = [ctypes.c_void_p]
         lib.tapd_cuda_attach.restype = ctypes.c_int
         lib.tapd_cuda_runtime_version.restype = ctypes.c_int
+        lib.tapd_cuda_commit_variant.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint64]
+        lib.tapd_cuda_commit_variant.restype = ctypes.c_int
+        lib.tapd_cuda_commit_name.argtypes = [ctypes.c_int]
+        lib.tapd_cuda_commit_name.restype = ctypes.c_char_p
+        lib.tapd_cuda_ring_registration.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int),
+            ctypes.POINTER(ctypes.c_double),
+        ]  # fmt: skip
+        lib.tapd_cuda_ring_registration.restype = ctypes.c_int
         incompatible = _incompatible(lib, "cuda", include)
     except (OSError, AttributeError) as exc:
         raise _Unavailable(f"cannot load {path}: {exc}") from exc
@@ -278,6 +321,7 @@ def _load_cuda() -> Any:
         raise _Unavailable(incompatible)
     if lib.tapd_cuda_attach(ring.tapd_ring_internal_api(API_VERSION)) != 0:
         raise _Unavailable(f"{path} was built from other sources than the ring library")
+    _cuda = lib
     return function
 
 
@@ -309,6 +353,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_commit_for_test": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_abandon_for_test": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_reserve_bare_for_test": ([c.c_void_p, c.c_uint64], c.c_uint64),
+        "tapd_ring_device_enqueue_for_test": ([c.c_void_p, c.c_uint64, c.c_int, c.c_int32],
+                                               None),
+        "tapd_ring_device_store_for_test": ([c.c_void_p, c.c_uint64], None),
+        "tapd_ring_set_held": ([c.c_void_p, c.c_uint32], None),
+        "tapd_ring_settled": ([c.c_void_p, c.c_uint32], c.c_uint64),
+        "tapd_ring_held": ([c.c_void_p], c.c_uint32),
     }  # fmt: skip
     for name, (argtypes, restype) in signatures.items():
         function = getattr(lib, name)

@@ -5,6 +5,7 @@
 #include "ring.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sched.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -13,6 +14,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -100,6 +102,8 @@ void CopyToRing(uint8_t* dst, const void* source, size_t size) {
   if (size) std::memcpy(dst, src, size);  // all of a small leaf; the tail of a large one
 }
 
+void ExplainWait(Ring* ring, uint64_t length, int64_t waited_ns);
+
 // Reserve `length` bytes; returns the position or UINT64_MAX if dropped.
 uint64_t Reserve(Ring* ring, uint64_t length) {
   RingControl* c = ring->control;
@@ -136,11 +140,9 @@ uint64_t Reserve(Ring* ring, uint64_t length) {
       timespec pause{0, 50000};
       nanosleep(&pause, nullptr);
     }
-    if (!warned && NowNs(CLOCK_MONOTONIC) - waiting_since > 5000000000LL) {
+    if (!warned && NowNs(CLOCK_MONOTONIC) - waiting_since > ring->wait_warning_ns) {
       warned = true;
-      std::fprintf(stderr,
-                   "tapd: a tap has waited 5 s for ring space (policy block); is the tapd "
-                   "daemon running and draining? (`tapd status`)\n");
+      ExplainWait(ring, length, NowNs(CLOCK_MONOTONIC) - waiting_since);
     }
     head = c->head.load(std::memory_order_relaxed);
   }
@@ -301,6 +303,106 @@ void Published(Ring* ring) {
   Wake(ring);
 }
 
+const char* HeldReason(uint32_t code) {
+  switch (code) {
+    case kHeldNotRead:
+      return "committed, not yet read by the daemon (is it busy, or stopped?)";
+    case kHeldUnacked:
+      return "read by the daemon, held for a subscriber that has not acknowledged it";
+    case kHeldGrace:
+      return "held by the daemon during its startup grace (no subscriber wants it yet)";
+    case kHeldQueueFull:
+      return "waiting in the daemon for room in a subscriber's queue (policy block)";
+    case kHeldSiteUnknown:
+      return "waiting in the daemon for its site's entry in the .sites file";
+    case kHeldDetached:
+      return "the daemon let go of this ring (it took this process for gone): nothing "
+             "drains it";
+    case kHeldNothing:
+      return "the daemon says it holds nothing: it should release it at its next poll";
+    default:
+      return "held by the daemon, which does not say why (an older tapd?)";
+  }
+}
+
+// A tap has waited `waited_ns` for `length` bytes: say where the ring stands and why
+// its oldest unreleased record (at `tail`) is held, so that whoever reads it knows
+// whom to look at (tapd/native/ring.h: kHeld*).
+void ExplainWait(Ring* ring, uint64_t length, int64_t waited_ns) {
+  RingControl* c = ring->control;
+  uint64_t committed = Advance(ring, false);
+  uint64_t head = c->head.load(std::memory_order_acquire);
+  uint64_t tail = c->tail.load(std::memory_order_acquire);
+  int64_t reader = c->reader_pid.load(std::memory_order_acquire);
+  char record[160];
+  char why[200];
+  const RecordHeader* h = HeaderAt(ring, tail);
+  uint64_t tag = LoadTag(h);
+  uint64_t state = tag & 7;
+  uint64_t size = __atomic_load_n(&h->length, __ATOMIC_RELAXED);
+  bool known = tail < head && state >= kTagReserved && state <= kTagAbandoned &&
+               tag == Tag(c, tail, state) && Sane(size, tail, head);
+  if (known) {
+    std::snprintf(record, sizeof(record), "%llu bytes, site %llu, seq %llu, %s",
+                  static_cast<unsigned long long>(size),
+                  static_cast<unsigned long long>(h->site),
+                  static_cast<unsigned long long>(h->seq),
+                  state == kTagCommitted ? "committed"
+                  : state == kTagReserved ? "reserved, not committed"
+                                          : "abandoned");
+  } else {
+    std::snprintf(record, sizeof(record), "no record header yet");
+  }
+  if (tail >= committed) {
+    std::snprintf(why, sizeof(why),
+                  "its writer in this process has not committed it yet (a CUDA stream "
+                  "that has not reached the tap's commit, or a copy still running)");
+  } else if (reader <= 0) {
+    std::snprintf(why, sizeof(why),
+                  "no daemon attached to this ring (is `tapd start` running? `tapd "
+                  "status`)");
+  } else if (kill(pid_t(reader), 0) != 0 && errno == ESRCH) {
+    std::snprintf(why, sizeof(why), "its daemon (pid %lld) is gone",
+                  static_cast<long long>(reader));
+  } else {
+    std::snprintf(why, sizeof(why), "daemon pid %lld: %s", static_cast<long long>(reader),
+                  HeldReason(c->held_reason.load(std::memory_order_acquire)));
+  }
+  std::fprintf(stderr,
+               "tapd: a tap of %llu bytes has waited %.1f s for ring space (policy "
+               "block). Ring: %llu bytes, head %llu, committed %llu, tail %llu (%llu "
+               "bytes unreleased). The oldest unreleased record, at %llu (%s), is held: "
+               "%s\n",
+               static_cast<unsigned long long>(length), double(waited_ns) / 1e9,
+               static_cast<unsigned long long>(ring->capacity),
+               static_cast<unsigned long long>(head),
+               static_cast<unsigned long long>(committed),
+               static_cast<unsigned long long>(tail),
+               static_cast<unsigned long long>(head - tail),
+               static_cast<unsigned long long>(tail), record, why);
+}
+
+// Whether the first record at or after `committed` (stepping over abandoned ones) is
+// reserved with its commit to be written by a device (kFlagDeviceCommit), which wakes
+// no reader. (One reserved by host code wakes the reader when it commits.)
+bool DeviceCommitPending(Ring* ring, uint64_t committed) {
+  RingControl* c = ring->control;
+  uint64_t head = c->head.load(std::memory_order_acquire);
+  for (uint64_t p = committed; p < head;) {
+    const RecordHeader* h = HeaderAt(ring, p);
+    uint64_t tag = LoadTag(h);
+    uint64_t length = __atomic_load_n(&h->length, __ATOMIC_RELAXED);
+    if (!Sane(length, p, head)) return false;
+    if (tag == Tag(c, p, kTagAbandoned)) {
+      p += length;
+      continue;
+    }
+    return tag == Tag(c, p, kTagReserved) &&
+           (__atomic_load_n(&h->flags, __ATOMIC_RELAXED) & kFlagDeviceCommit) != 0;
+  }
+  return false;
+}
+
 }  // namespace
 
 Ring* InstalledRing() { return g_ring.load(std::memory_order_acquire); }
@@ -423,9 +525,38 @@ void ApiSetCloseHook(void* handle, void (*hook)(void*)) {
   ring->close_hook = hook;
 }
 
+std::atomic<void (*)(void*)> g_install_hook{nullptr};
+
+void ApiSetInstallHook(void (*hook)(void*)) {
+  g_install_hook.store(hook, std::memory_order_release);
+  if (hook != nullptr) {
+    if (Ring* ring = InstalledRing()) hook(ring);
+  }
+}
+
+uint64_t ApiCommitTag(void* handle, uint64_t position, uint64_t* offset) {
+  auto* ring = static_cast<Ring*>(handle);
+  *offset = (position + offsetof(RecordHeader, commit)) % ring->capacity;
+  return Tag(ring->control, position, kTagCommitted);
+}
+
+// (`length` from the caller: once the device has written the tag, the record may be
+// read, released and its space reused before this runs.)
+void ApiDeviceCommitEnqueued(void* handle, uint64_t position, uint64_t length) {
+  auto* ring = static_cast<Ring*>(handle);
+  uint64_t end = position + length;
+  uint64_t seen = ring->device_end.load(std::memory_order_relaxed);
+  while (seen < end && !ring->device_end.compare_exchange_weak(seen, end)) {
+  }
+  ring->control->taps.fetch_add(1, std::memory_order_relaxed);
+  Wake(ring);  // a sleeping reader then polls until the tag lands (tapd_ring_sleep)
+}
+
 const RingApi kApi = {
-    kApiVersion, sizeof(RingApi), ApiInstalled, ApiBegin,   ApiCommit,
-    ApiAbandon,  ApiHold,         ApiUnhold,    ApiRecords, ApiSetCloseHook,
+    kApiVersion,       sizeof(RingApi), ApiInstalled, ApiBegin,
+    ApiCommit,         ApiAbandon,      ApiHold,      ApiUnhold,
+    ApiRecords,        ApiSetCloseHook, ApiSetInstallHook, ApiCommitTag,
+    ApiDeviceCommitEnqueued,
 };
 
 }  // namespace
@@ -470,6 +601,11 @@ void* tapd_ring_create(const char* path, uint64_t capacity, uint32_t policy) {
   }
   ring->fd = fd;
   ring->writer = true;
+  if (const char* seconds = std::getenv("TAPD_RING_WAIT_WARNING_S")) {
+    char* end = nullptr;
+    double value = std::strtod(seconds, &end);
+    if (end != seconds && value >= 0 && value < 1e6) ring->wait_warning_ns = int64_t(value * 1e9);
+  }
   RingControl* c = new (ring->control) RingControl();
   c->version = tapd::kVersion;
   c->policy = policy == tapd::kPolicyDropNewest ? tapd::kPolicyDropNewest : tapd::kPolicyBlock;
@@ -527,13 +663,20 @@ void tapd_ring_close(void* handle) {
   tapd::g_ring.compare_exchange_strong(expected, nullptr);
   // Device copies still on their way land in this memory, and their commits read it:
   // wait for them (a stream runs them in order), or leave it mapped.
-  for (int waited_ms = 0; ring->async_pending.load(std::memory_order_acquire) > 0;
+  // (Commits a stream writes itself run no host code: wait until `committed` is past
+  // the last of them.)
+  for (int waited_ms = 0;
+       ring->async_pending.load(std::memory_order_acquire) > 0 ||
+       tapd::Advance(ring, false) < ring->device_end.load(std::memory_order_acquire);
        ++waited_ms) {
     if (waited_ms == 10000) {
       std::fprintf(stderr,
-                   "tapd: closing a ring with %lld device copies still pending after 10 s; "
-                   "leaving it mapped\n",
-                   static_cast<long long>(ring->async_pending.load()));
+                   "tapd: closing a ring with device copies or commits still pending after "
+                   "10 s (%lld host commits; committed %llu, the last device commit ends at "
+                   "%llu); leaving it mapped\n",
+                   static_cast<long long>(ring->async_pending.load()),
+                   static_cast<unsigned long long>(ring->control->committed.load()),
+                   static_cast<unsigned long long>(ring->device_end.load()));
       return;
     }
     timespec pause{0, 1000000};
@@ -553,8 +696,13 @@ void tapd_ring_close(void* handle) {
   delete ring;
 }
 
-// Make `handle` the ring this process's taps write to.
-void tapd_ring_install(void* handle) { tapd::g_ring.store(static_cast<Ring*>(handle)); }
+// Make `handle` the ring this process's taps write to (and tell the CUDA library, if
+// it is attached: it registers the ring with CUDA now).
+void tapd_ring_install(void* handle) {
+  tapd::g_ring.store(static_cast<Ring*>(handle));
+  void (*hook)(void*) = tapd::g_install_hook.load(std::memory_order_acquire);
+  if (hook != nullptr && handle != nullptr) hook(handle);
+}
 
 // Reader: the committed bytes not yet consumed start at *data; returns their length.
 // The region is contiguous (double mapping); it holds whole records, some of which may
@@ -569,17 +717,73 @@ uint64_t tapd_ring_readable(void* handle, uint64_t from, const uint8_t** data) {
 }
 
 // Reader, about to sleep: ask writers for a wake-up datagram. Returns 1, and asks
-// nothing, if records from `from` on are already readable (then there is work now).
+// nothing, if records from `from` on are already readable (then there is work now), or
+// if the next record's commit is to be written by a CUDA stream, which sends no
+// datagram: the reader must keep polling (docs/PROTOCOL.md).
 int tapd_ring_sleep(void* handle, uint64_t from) {
   auto* ring = static_cast<Ring*>(handle);
   RingControl* c = ring->control;
   c->reader_sleeping.store(1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the one in Wake
-  if (tapd::Advance(ring, !ring->writer) > from) {
+  uint64_t committed = tapd::Advance(ring, !ring->writer);
+  if (committed > from || tapd::DeviceCommitPending(ring, committed)) {
     c->reader_sleeping.store(0, std::memory_order_relaxed);
     return 1;
   }
   return 0;
+}
+
+// The daemon: why it holds the oldest record it has not released (tapd::kHeld*).
+void tapd_ring_set_held(void* handle, uint32_t reason) {
+  static_cast<Ring*>(handle)->control->held_reason.store(reason, std::memory_order_release);
+}
+
+uint32_t tapd_ring_held(void* handle) {
+  return static_cast<Ring*>(handle)->control->held_reason.load(std::memory_order_acquire);
+}
+
+// The writer, for a barrier: `committed` once every record reserved before this call
+// is committed or abandoned. Commits on their way from a CUDA side stream, or written by
+// a device, may land after the computation's token is ready: a barrier must cover them.
+// After `timeout_ms`, says which record holds it back and returns `committed` as it is.
+uint64_t tapd_ring_settled(void* handle, uint32_t timeout_ms) {
+  auto* ring = static_cast<Ring*>(handle);
+  RingControl* c = ring->control;
+  uint64_t head = c->head.load(std::memory_order_acquire);
+  int64_t deadline = tapd::NowNs(CLOCK_MONOTONIC) + int64_t{timeout_ms} * 1000000;
+  for (int spins = 0;; ++spins) {
+    uint64_t committed = tapd::Advance(ring, false);
+    // (Advance stops before trailing abandoned records: they settle too.)
+    uint64_t p = committed;
+    while (p < head) {
+      const tapd::RecordHeader* h = tapd::HeaderAt(ring, p);
+      uint64_t length = __atomic_load_n(&h->length, __ATOMIC_RELAXED);
+      if (tapd::LoadTag(h) != tapd::Tag(c, p, tapd::kTagAbandoned) ||
+          !tapd::Sane(length, p, head)) {
+        break;
+      }
+      p += length;
+    }
+    if (p >= head) return committed;
+    if (tapd::NowNs(CLOCK_MONOTONIC) > deadline) {
+      const tapd::RecordHeader* h = tapd::HeaderAt(ring, p);
+      std::fprintf(stderr,
+                   "tapd: a barrier waited %u ms for the record at ring position %llu (site "
+                   "%llu, seq %llu) to be committed; it still is not (a CUDA stream that "
+                   "has not reached the tap?): the barrier covers the %llu bytes before it\n",
+                   timeout_ms, static_cast<unsigned long long>(p),
+                   static_cast<unsigned long long>(h->site),
+                   static_cast<unsigned long long>(h->seq),
+                   static_cast<unsigned long long>(committed));
+      return committed;
+    }
+    if (spins < 64) {
+      sched_yield();
+    } else {
+      timespec pause{0, 50000};
+      nanosleep(&pause, nullptr);
+    }
+  }
 }
 
 // Reader: every record below `position` has been delivered; writers may reuse it.
@@ -661,6 +865,31 @@ void tapd_ring_commit_for_test(void* handle, uint64_t position) {
 
 void tapd_ring_abandon_for_test(void* handle, uint64_t position) {
   tapd::AbandonRecord(static_cast<Ring*>(handle), position);
+}
+
+// A CUDA stream's commit (ffi_cuda.cc), in its two halves. Enqueue: what the handler
+// does on the host (the record marked kFlagDeviceCommit, and kFlagStep32 with the
+// int32 `step` in the low half of `step` if `step32`; the tap counted; a sleeping
+// reader woken). Store: what the device does, the low 32 bits of the commit tag and
+// nothing else.
+void tapd_ring_device_enqueue_for_test(void* handle, uint64_t position, int step32,
+                                       int32_t step) {
+  auto* ring = static_cast<Ring*>(handle);
+  tapd::RecordHeader* h = tapd::HeaderAt(ring, position);
+  h->flags |= tapd::kFlagDeviceCommit;
+  if (step32) {
+    h->flags |= tapd::kFlagStep32;
+    h->step = int64_t(uint64_t(uint32_t(step)));
+  }
+  tapd::ApiDeviceCommitEnqueued(ring, position, h->length);
+}
+
+void tapd_ring_device_store_for_test(void* handle, uint64_t position) {
+  auto* ring = static_cast<Ring*>(handle);
+  uint64_t offset;
+  uint64_t tag = tapd::ApiCommitTag(ring, position, &offset);
+  __atomic_store_n(reinterpret_cast<uint32_t*>(ring->data + offset), uint32_t(tag),
+                   __ATOMIC_RELEASE);
 }
 
 uint64_t tapd_ring_reserve_bare_for_test(void* handle, uint64_t length) {

@@ -10,9 +10,10 @@
 // Writers (XLA threads, CUDA host functions, the portable backend's callbacks; all in
 // the one process that created the ring) reserve space with a CAS on `head`, mark the
 // record reserved, fill it, and commit it by storing its commit tag with release order.
-// Records commit in any order. Committers and readers then move `committed` over every
-// consecutive committed record (a CAS), so a record is readable once it and every
-// record before it is committed. The reader (the daemon) consumes [tail, committed) and
+// Records commit in any order; a CUDA stream may store the tag itself (ffi_cuda.cc),
+// with no host code running at the commit. Committers and readers then move
+// `committed` over every consecutive committed record (a CAS), so a record is readable
+// once it and every record before it is committed. The reader (the daemon) consumes [tail, committed) and
 // advances `tail` only once the taps were delivered, so a daemon that dies loses
 // nothing: its successor starts again from `tail`.
 
@@ -40,8 +41,12 @@ constexpr uint32_t kPolicyBlock = 0;
 constexpr uint32_t kPolicyDropNewest = 1;
 
 // Record header `flags`. Set by a writer while the record is being filled, cleared by
-// the commit: a reader never sees them.
+// a host commit. A commit written by a CUDA stream cannot clear them: a reader then sees
+// kFlagStep32 and sign-extends the step itself (docs/PROTOCOL.md).
 constexpr uint32_t kFlagStep32 = 1;  // `step` holds an int32 in its low 4 bytes
+// Its commit tag is written by a CUDA stream, which wakes no reader: a reader that
+// finds the record reserved polls for it instead of sleeping.
+constexpr uint32_t kFlagDeviceCommit = 2;
 
 // Commit tag states (the low 3 bits of a record's `commit` word; see Tag()).
 constexpr uint64_t kTagReserved = 1;   // length valid; the rest is being written
@@ -66,12 +71,27 @@ struct RingControl {
   // Set by an idle daemon before it sleeps; a writer that commits and finds it set
   // clears it and sends a datagram to `wake.sock` beside the ring (see Wake).
   alignas(64) std::atomic<uint32_t> reader_sleeping;
+  // Why the daemon holds the oldest record it has not released (kHeld*), written by
+  // the daemon when it changes (tapd/daemon/rings.py); a writer waiting for space says
+  // it. 0 from a daemon that does not say. (Added within format 3: older readers and
+  // writers ignore it.)
+  alignas(64) std::atomic<uint32_t> held_reason;
 };
 static_assert(sizeof(RingControl) <= 4096, "control block must fit its page");
 // Read without mapping the ring: the first 32 bytes by tapd/protocol/schema.py
 // (check_ring_control), reader_pid by tapd/daemon/rings.py (sweep_stale_rings).
 static_assert(offsetof(RingControl, writer_pid) == 24, "");
 static_assert(offsetof(RingControl, reader_pid) == 280, "");
+
+// RingControl::held_reason: what the daemon is waiting for before it releases `tail`.
+constexpr uint32_t kHeldUnknown = 0;      // no daemon has said
+constexpr uint32_t kHeldNotRead = 1;      // committed records not yet read by the daemon
+constexpr uint32_t kHeldUnacked = 2;      // read, held for a subscriber that has not acked
+constexpr uint32_t kHeldGrace = 3;        // held in the daemon's startup grace (no subscriber)
+constexpr uint32_t kHeldQueueFull = 4;    // waiting for room in a subscriber's queue (block)
+constexpr uint32_t kHeldSiteUnknown = 5;  // its site entry is not in the .sites file yet
+constexpr uint32_t kHeldDetached = 6;     // the daemon let go of the ring (writer gone?)
+constexpr uint32_t kHeldNothing = 7;      // everything read was delivered and released
 
 // One record; 8-byte aligned; followed by the leaves' bytes, each padded to 8.
 struct RecordHeader {
@@ -110,8 +130,13 @@ struct Ring {
   // Records begun by asynchronous writers (CUDA streams) whose commit has not run yet;
   // close waits for them. And what to do before unmapping (unregister pinned memory).
   std::atomic<int64_t> async_pending{0};
+  // The end of the last record whose tag a CUDA stream writes (commit_tag): close
+  // waits until `committed` passes it, as no host code runs at those commits.
+  std::atomic<uint64_t> device_end{0};
   std::mutex hook_mutex;
   void (*close_hook)(void* ring) = nullptr;
+  // How long a tap waits for space before it explains itself (TAPD_RING_WAIT_WARNING_S).
+  int64_t wait_warning_ns = 5000000000LL;
 };
 
 inline uint64_t Align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
@@ -158,7 +183,8 @@ Ring* InstalledRing();
 // ---- The interface a separately built handler library (ffi_cuda.cc) writes through.
 // It gets this table from tapd_ring_internal_api(), so that it uses this library's
 // installed ring and seq counters rather than copies of its own.
-constexpr uint32_t kApiVersion = 1;
+// 2: set_install_hook, commit_tag, device_commit_enqueued (commits written by a stream).
+constexpr uint32_t kApiVersion = 2;
 struct RingApi {
   uint32_t version;  // kApiVersion
   uint32_t size;     // sizeof(RingApi)
@@ -176,6 +202,17 @@ struct RingApi {
   uint8_t* (*records)(void* ring, uint64_t* capacity);
   // Called once, before the ring is unmapped.
   void (*set_close_hook)(void* ring, void (*hook)(void* ring));
+  // Called with each ring tapd_ring_install installs (and at once with the one
+  // installed now, if any): so that the CUDA library registers a ring when it is
+  // attached, never inside a tap.
+  void (*set_install_hook)(void (*hook)(void* ring));
+  // A commit the device writes: the value whose low 32 bits, stored at the record's
+  // `commit` word (`*offset` bytes into the record area, in its first mapping), commit
+  // the record at `position` (its high 32 bits are already there: the reserved tag's).
+  uint64_t (*commit_tag)(void* ring, uint64_t position, uint64_t* offset);
+  // After the device's commit was enqueued: count the tap, note the record for close,
+  // and wake a sleeping reader, which then polls until the tag lands.
+  void (*device_commit_enqueued)(void* ring, uint64_t position, uint64_t length);
 };
 
 }  // namespace tapd

@@ -21,6 +21,8 @@ import numpy as np
 from tapd.errors import TapdError
 from tapd.native import library
 from tapd.native.ring_format import (
+    FLAG_STEP32,
+    HELD_REASONS,
     NO_STEP,
     POLICIES,
     RECORD_HEADER,
@@ -223,8 +225,23 @@ class Ring:
         self._lib.tapd_ring_counters(self.handle, out)
         return Counters(*[int(v) for v in out])
 
+    def settled(self, timeout: float = 10.0) -> int:
+        """The writer, for a barrier: `committed` once every record reserved so far is
+        committed or abandoned (CUDA commits may land after the computation's token is
+        ready); after `timeout` seconds, as it is (saying which record holds it)."""
+        return int(self._lib.tapd_ring_settled(self.handle, int(timeout * 1000)))
+
     def set_reader(self, pid: int) -> None:
         self._lib.tapd_ring_set_reader(self.handle, pid)
+
+    def set_held_reason(self, reason: str) -> None:
+        """The daemon: why it holds the oldest record it has not released (a key of
+        HELD_REASONS); a writer waiting for space says so."""
+        self._lib.tapd_ring_set_held(self.handle, HELD_REASONS[reason])
+
+    def held_reason(self) -> str | None:
+        code = int(self._lib.tapd_ring_held(self.handle))
+        return next((name for name, value in HELD_REASONS.items() if value == code), None)
 
     def write(
         self,
@@ -290,6 +307,18 @@ class Ring:
     def abandon_for_test(self, position: int) -> None:
         self._lib.tapd_ring_abandon_for_test(self.handle, position)
 
+    def device_enqueue_for_test(self, position: int, *, step32: int | None = None) -> None:
+        """The host half of a commit a CUDA stream writes (ffi_cuda.cc): the reserved
+        record marked so, an int32 `step32` put in the low half of its step as the
+        device copies it, the tap counted, a sleeping reader woken."""
+        self._lib.tapd_ring_device_enqueue_for_test(
+            self.handle, position, step32 is not None, step32 or 0
+        )
+
+    def device_store_for_test(self, position: int) -> None:
+        """The device half: the commit tag's low 32 bits stored, nothing else."""
+        self._lib.tapd_ring_device_store_for_test(self.handle, position)
+
     def reserve_bare_for_test(self, length: int) -> int | None:
         """Reserve `length` bytes and write nothing, not even a header (a writer that
         dies right after reserving). The position, or None if dropped."""
@@ -327,9 +356,11 @@ class Ring:
         while offset < available and len(records.starts) < max_records:
             if available - offset < self.header_bytes:
                 raise RingError(f"ring {self.path}: truncated record header at {position + offset}")
-            length, _, site, seq, step, time_ns, device, tag = RECORD_HEADER_STRUCT.unpack_from(
-                view, offset
+            length, _, site, seq, step, time_ns, device, flags, tag = (
+                RECORD_HEADER_STRUCT.unpack_from(view, offset)
             )
+            if flags & FLAG_STEP32:
+                step = (step & 0xFFFFFFFF) - ((step & 0x80000000) << 1)
             if length < self.header_bytes or length % 8 or offset + length > available:
                 raise RingError(
                     f"ring {self.path}: bad record length {length} at {position + offset}"
@@ -378,7 +409,12 @@ class Ring:
         records.ends = (starts + length).tolist()
         records.sites = headers["site"].tolist()
         records.seqs = headers["seq"].tolist()
-        records.steps = [None if step == NO_STEP else step for step in headers["step"].tolist()]
+        steps = headers["step"]
+        step32 = (headers["flags"] & FLAG_STEP32) != 0
+        if step32.any():  # committed by a CUDA stream: an int32 step, to sign-extend
+            low = (steps & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
+            steps = np.where(step32, low, steps)
+        records.steps = [None if step == NO_STEP else step for step in steps.tolist()]
         records.times = headers["time_ns"].tolist()
         records.devices = headers["device"].tolist()
         return records

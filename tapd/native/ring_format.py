@@ -50,10 +50,25 @@ RECORD_HEADER = np.dtype(
         ("commit", "<u8"),
     ]
 )
-# The fields a reader uses, unpacked without numpy (the daemon's per-record path):
-# length, nleaves, site, seq, step, time_ns, device, commit (flags skipped: zero once
-# committed).
-RECORD_HEADER_STRUCT = struct.Struct("<IIQQqqi4xQ")
+# The same fields, unpacked without numpy (the daemon's per-record path).
+RECORD_HEADER_STRUCT = struct.Struct("<IIQQqqiIQ")
+
+# Record header `flags` (kFlag*). A host commit clears them; a commit a CUDA stream
+# writes cannot, so a reader sees them on such records.
+FLAG_STEP32 = 1  # `step` holds an int32 in its low half: sign-extend it
+FLAG_DEVICE_COMMIT = 2  # the tag is written by a device: poll for it, never sleep
+
+# RingControl::held_reason (kHeld*): why the daemon holds the oldest record it has not
+# released; the daemon writes it, a writer waiting for space says it. 0: not said.
+HELD_REASONS = {
+    "not_read": 1,
+    "unacked": 2,
+    "grace": 3,
+    "queue_full": 4,
+    "site_unknown": 5,
+    "detached": 6,
+    "nothing": 7,
+}
 
 # The `.sites` file beside a ring: entries, each a u32 length then that many bytes of
 # msgpack (tapd/native/sites.py writes them, tapd/protocol/schema.py reads them).

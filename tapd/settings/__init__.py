@@ -283,6 +283,27 @@ LOCAL_FALLBACK = Setting(
     default=True,
 )
 
+# The native library reads these two itself (ring.cc, ffi_cuda.cc), in the JAX process.
+CUDA_COMMIT = Setting(
+    "cuda_commit",
+    Literal["stream", "side", "host"] | None,
+    "how a CUDA tap commits its ring record: stream (the stream writes the tag), side (a host "
+    "function on a side stream), host (a host function on the computation's stream); for "
+    "comparisons: `tapd doctor` says which one the GPU here gets, and why",
+    ("emitter",),
+    variable="TAPD_CUDA_COMMIT",
+    default_text="stream where the driver has stream writes, else side",
+)
+RING_WAIT_WARNING = Setting(
+    "ring_wait_warning",
+    float,
+    "seconds a tap waits for ring space before it says why the ring is full (head, tail, "
+    "the oldest unreleased record and what holds it)",
+    ("emitter",),
+    variable="TAPD_RING_WAIT_WARNING_S",
+    default=5.0,
+)
+
 # ---- clients of a tcp:// daemon ---------------------------------------------------------------
 
 CURVE_SERVER_KEY = Setting(
@@ -352,6 +373,8 @@ def _every_setting() -> tuple[Setting, ...]:
         CONNECT_TIMEOUT,
         AUTOSTART,
         LOCAL_FALLBACK,
+        CUDA_COMMIT,
+        RING_WAIT_WARNING,
         CURVE_SERVER_KEY,
         CURVE_SECRET,
         XLA_FFI_INCLUDE,

@@ -1,6 +1,9 @@
 """A subscriber for the GPU tests: one JSON line per tap with its metadata and, per
 leaf, dtype, shape, sum, first and last element (whole values of MiB-sized leaves would
-make the record file huge). `--sleep-ms` makes the handler slow."""
+make the record file huge). `--sleep-ms` makes the handler slow. `--verify`: for the
+checksum scenario (uint32 k * (step + 1) for k < n), no line per tap but a running
+tally per consumer, written every 5,000 taps and at exit: taps, sums that did not
+match, seqs out of order."""
 
 from __future__ import annotations
 
@@ -33,9 +36,28 @@ def main() -> None:
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--record", required=True)
     parser.add_argument("--sleep-ms", type=float, default=0)
+    parser.add_argument("--verify", action="store_true")
     args = parser.parse_args()
-    subscriber = Subscriber([args.endpoint], window=64, heartbeat=0.2)
+    subscriber = Subscriber([args.endpoint], window=256 if args.verify else 64, heartbeat=0.2)
     out = open(args.record, "a", buffering=1)  # noqa: SIM115 (closed at exit)
+    tally = {"taps": 0, "bad_sums": 0, "out_of_order": 0, "bad": []}
+    next_seq: dict[tuple[str, int], int] = {}
+
+    def verify(arg: Any, meta: TapMeta) -> None:
+        values = np.asarray(arg)
+        n = values.size
+        expected = (meta.step + 1) * (n * (n - 1) // 2) % 2**32
+        if int(values.astype(np.uint64).sum()) % 2**32 != expected or values.dtype != np.uint32:
+            tally["bad_sums"] += 1
+            if len(tally["bad"]) < 10:
+                tally["bad"].append([meta.consumer, meta.seq, meta.step])
+        key = (meta.consumer, meta.device)
+        if meta.seq != next_seq.get(key, 0):
+            tally["out_of_order"] += 1
+        next_seq[key] = meta.seq + 1
+        tally["taps"] += 1
+        if tally["taps"] % 5000 == 0:
+            out.write(json.dumps(tally) + "\n")
 
     def handle(arg: Any, meta: TapMeta) -> None:
         if args.sleep_ms:
@@ -46,10 +68,12 @@ def main() -> None:
         out.write(json.dumps(line) + "\n")
 
     for consumer in args.consumers:
-        subscriber.add_handler(consumer, handle)
+        subscriber.add_handler(consumer, verify if args.verify else handle)
     signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
     with subscriber:
         subscriber.run()
+    if args.verify:
+        out.write(json.dumps(tally) + "\n")
     out.close()
 
 

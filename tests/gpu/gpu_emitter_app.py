@@ -3,6 +3,7 @@ taps into the daemon at $TAPD_ENDPOINT and prints one JSON line of results last.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -86,6 +87,69 @@ def isolation(steps: str) -> dict[str, Any]:
     return {**environment(), "untapped_s": min(timings["untapped"]),
             "tapped_s": min(timings["tapped"]), "barrier_s": time.perf_counter() - started,
             "stats": tapd.stats()}  # fmt: skip
+
+
+# The checksum scenario: each step taps four sites of odd sizes (records of 56 + 8 to
+# 16,392 bytes, so they often cross the ring's end), uint32 values k * (i + 1) for
+# k < n: the subscriber checks every record's sum against that.
+CHECKSUM_SIZES = (1, 65, 1025, 4097)  # uint32s per site
+
+
+def checksums(steps: str) -> dict[str, Any]:
+    count = int(steps)
+    ramps = [jnp.arange(n, dtype=jnp.uint32) for n in CHECKSUM_SIZES]
+
+    def body(i: jax.Array, carry: jax.Array) -> jax.Array:
+        scale = (i + 1).astype(jnp.uint32)
+        for n, ramp in zip(CHECKSUM_SIZES, ramps, strict=True):
+            tapd.tap(ramp * scale, f"gpu.checksum.{n}", step=i)
+        return carry + 1
+
+    started = time.perf_counter()
+    total = jax.jit(lambda: lax.fori_loop(0, count, body, jnp.int32(0)))()
+    total.block_until_ready()
+    loop_s = time.perf_counter() - started
+    tapd.barrier_wait(timeout=300)
+    return {**environment(), "loop_s": loop_s, "stats": tapd.stats(),
+            "commit": library.cuda_commit(0)}  # fmt: skip
+
+
+def interleaved(steps: str) -> dict[str, Any]:
+    """The benchmark setup the first GPU run hung in (bench/gpu_bench.py cost): 1 MiB
+    taps with no subscriber, the native tap, portable tap and callback loops
+    interleaved, a barrier after each tapped run, into this process's ring (its size
+    from TAPD_BUFFER_BYTES). Any platform."""
+    count = int(steps)
+    settings = tapd.configure()  # (from TAPD_*)
+
+    def loop(mode: str) -> Any:
+        def body(i: jax.Array, x: jax.Array) -> jax.Array:
+            x = x * 0.999 + 0.001
+            if mode == "callback":
+                jax.debug.callback(lambda v: None, x)
+            elif mode != "none":
+                tapd.tap(x, "gpu.interleaved")
+            return x
+
+        return jax.jit(lambda x: lax.fori_loop(0, count, body, x))
+
+    x = jnp.zeros(2**18, jnp.float32)  # 1 MiB
+    loops = {}
+    for mode in ("none", "tap", "portable", "callback"):
+        # A loop keeps the backend it was lowered (first run) with: as bench/gpu_bench.py.
+        backend = "portable" if mode == "portable" else settings.backend
+        lifecycle._settings = dataclasses.replace(settings, backend=backend)
+        loops[mode] = loop(mode)
+        loops[mode](x).block_until_ready()
+    lifecycle._settings = settings
+    started = time.perf_counter()
+    for _ in range(3):
+        for mode, function in loops.items():
+            function(x).block_until_ready()
+            jax.effects_barrier()
+            if mode in ("tap", "portable"):
+                tapd.barrier_wait(timeout=60)
+    return {**environment(), "seconds": time.perf_counter() - started, "stats": tapd.stats()}
 
 
 if __name__ == "__main__":
