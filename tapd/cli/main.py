@@ -567,8 +567,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from tapd.cli.summary import summarize
     from tapd.daemon import control
-    from tapd.daemon.router import summarize
 
     endpoint = _endpoint(args)
     try:

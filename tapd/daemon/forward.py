@@ -150,7 +150,7 @@ class Forwarder:
 
     def flush(self, now: float) -> None:
         """Send what the upstream's credit allows, then a barrier behind it."""
-        if self.key not in self.router.subscribers:
+        if not self.router.has_subscriber(self.key):
             return  # stopped: forwarding to ourselves, or shut down
         link = self.link
         batch: list[_Forwarded] = []
@@ -197,7 +197,7 @@ class Forwarder:
         self.socket.send_multipart(encode("barrier", {"id": barrier}))
         self._last_sent = time.monotonic()
         self.unconfirmed.append((barrier, batch))
-        self.router.counters["forward_sent"] += len(batch)
+        self.router.count("forward_sent", len(batch))
 
     def _send_link(self) -> None:
         for frames in self.link.outgoing():
@@ -276,7 +276,7 @@ class Forwarder:
             return
         self.outbox = collections.deque(sorted([*again, *self.outbox], key=lambda i: i.tid))
         self.outbox_bytes += sum(item.nbytes for item in again)
-        self.router.counters["forward_resent"] += len(again)
+        self.router.count("forward_resent", len(again))
 
     def _confirmed(self, header: dict[str, Any], now: float) -> None:
         """The upstream finished every tap it received before barrier `id`, and says
@@ -334,14 +334,14 @@ class Forwarder:
                 "in %s, not logged (the emitters' barriers count them as %s)",
                 self.endpoint, what, counter, "unrouted" if outcome == "unrouted" else "dropped",
             )  # fmt: skip
-        self.router.counters[counter] += taps
+        self.router.count(counter, taps)
         if outcome != "lost":
-            self.router.counters["forward_confirmed"] += taps
+            self.router.count("forward_confirmed", taps)
 
     def _acknowledge(self, now: float) -> None:
         """Acknowledge to the router, in tid order, every tap whose fate is known; with
         handler errors, and which ones the upstream dropped or had no subscriber for."""
-        if self.key not in self.router.subscribers:
+        if not self.router.has_subscriber(self.key):
             return
         held = self._held
         finished = []

@@ -160,8 +160,7 @@ class RingSource:
 
     def drain(self, router: Router) -> int:
         """Hand committed records to the router, in order, while it can take them."""
-        emitter = router.emitters.get(self.key)
-        if emitter is None or emitter.parked:
+        if not router.takes_from(self.key):
             return 0  # under "block", a full subscriber queue stops us here
         try:
             span, records = self.ring.read_span(self.read_position, _RECORDS_PER_POLL)
@@ -206,7 +205,7 @@ class RingSource:
             self.read_position = last_end
             taken += end - first
             first = end
-            if emitter.parked:
+            if not router.takes_from(self.key):
                 break
         self._release_barriers(router)
         return taken
@@ -236,10 +235,9 @@ class RingSource:
 
     def release_delivered(self, router: Router) -> None:
         """Give writers back the space of every tap the router has finished."""
-        emitter = router.emitters.get(self.key)
         # (under the spool policy, also taps copied to the spools of the subscribers
         # that still have them: `Router.safe_low`)
-        low = router.safe_low(emitter) if emitter is not None else None
+        low = router.safe_low(self.key)
         end = None
         while self._in_router and (low is None or self._in_router[0][0] < low):
             end = self._in_router.popleft()[1]

@@ -237,8 +237,9 @@ class Daemon:
                         monitor.handle()
                 if self.zap is not None:
                     refused = self.zap.refused + sum(m.refused for m in self.handshakes)
-                    if refused:
-                        self.router.counters["auth_refused"] = refused
+                    more = refused - self.router.counters["auth_refused"]
+                    if more > 0:  # (a running total of the handlers')
+                        self.router.count("auth_refused", more)
                 now = time.monotonic()
                 if forwarder is not None and forwarder.socket in events:
                     forwarder.receive(now)
@@ -282,13 +283,12 @@ class Daemon:
 
     def _report_undelivered(self) -> None:
         self.router.close_spools()  # what is spooled stays for the next daemon
-        for key in list(self.router.subscribers):
-            self.router.drop_subscriber(key, "was still connected at shutdown", shutdown=True)
+        self.router.drop_all_subscribers("was still connected at shutdown")
         try:  # emitters learn the final totals (they outlive this daemon, maybe)
             self.router.flush_credit(final=True)
         except zmq.ZMQError:
             pass
-        parked = sum(len(e.parked) for e in self.router.emitters.values())
+        parked = self.router.parked_taps()
         if parked:
             logger.error(
                 "%d taps were still waiting for queue room at shutdown and are lost", parked
@@ -368,7 +368,7 @@ class Daemon:
         tell it (as an `error`, which its barrier_wait raises) and credit back the
         array bytes it spent on it, so that its window does not shrink for good."""
         self.router.reject(exc.reason, str(exc))
-        if key not in self.router.emitters:
+        if not self.router.knows_emitter(key):
             return
         consumer, seq, is_tap = "?", -1, False
         if len(frames) >= 2 and len(frames[1]) <= 4 * self.limits.max_header_bytes:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from tapd.consumers import MAX_NAME
 from tapd.emitter import lowering, primitive, sharding  # noqa: F401  (lowering: registers the rule)
 from tapd.errors import TapDefinitionError
 from tapd.protocol import flatten
@@ -29,7 +30,7 @@ from tapd.protocol.schema import check_static_size
 logger = logging.getLogger("tapd.emitter")
 
 _META_TYPES = (str, int, float, bool, type(None))
-_MAX_CONSUMER_LENGTH = 256
+_MAX_CONSUMER_LENGTH = MAX_NAME
 # Taps keep program order (an ordered effect); bench/overhead_probe.py turns this off
 # for one variant, to measure what the order costs. Read when a tap is traced.
 ordered_taps = True

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgpack
 
+from tapd.consumers import MAX_NAME
 from tapd.errors import ProtocolError, TapDefinitionError
 
 
@@ -37,7 +38,7 @@ class Limits:
     max_ndim: int = 32
     max_message_bytes: int = 1 << 30
     max_batch: int = 4096  # taps in one `taps` message
-    max_name: int = 256  # consumer names and patterns, host and subscriber names
+    max_name: int = MAX_NAME  # consumer names and patterns, host and subscriber names
     max_id: int = 512  # daemon ids, emitter names ("host:pid"), forwarder ids
     max_text: int = 8192  # an error's text
     max_patterns: int = 1024  # consumer patterns in a subscriber's hello

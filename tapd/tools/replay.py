@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from tapd.consumers import matches_any
 from tapd.errors import ProtocolError, TapdError
 from tapd.protocol import decode, encode
 from tapd.protocol.link import EmitterLink, heartbeats
@@ -81,7 +82,7 @@ def replay(
         for tap in read_recording(directory):
             if stop.is_set():
                 break
-            if names and not _matches(names, tap.header["consumer"]):
+            if names and not matches_any(names, tap.header["consumer"]):
                 continue
             if speed is not None:
                 first = first or (time.monotonic(), tap.header["time"])
@@ -106,11 +107,6 @@ def replay(
         sock.close(linger=1000)
         result.seconds = time.monotonic() - started
     return result
-
-
-def _matches(patterns: Sequence[str], consumer: str) -> bool:
-    return any(consumer == p or (p.endswith("*") and consumer.startswith(p[:-1]))
-               for p in patterns)  # fmt: skip
 
 
 def _encode(tap: RecordedTap) -> tuple[list[Any], int]:
