@@ -80,6 +80,12 @@ class Emitter:
     # Under the spool policy: routed units still pending whose bytes some target holds
     # in memory (not copied to its spool), in index order (`Router.safe_low`).
     unsafe: dict[int, None] = dataclasses.field(default_factory=dict)
+    # An emitter whose taps come from a ring (`Router.watch_ring`): `give_back` returns
+    # the ring space of its finished units. What it is told it finished counts only
+    # those (`released`): the others a daemon after this one reads again, and counts.
+    give_back: Callable[[], None] | None = None
+    unreleased: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    released: tuple[int, int, int] = (0, 0, 0)  # delivered, dropped, unrouted
 
     @property
     def held_bytes(self) -> int:

@@ -10,6 +10,7 @@ kind of target (tapd/daemon/targets/) report here; the ledger knows neither.
 from __future__ import annotations
 
 import collections
+import heapq
 from typing import Any
 
 from tapd.daemon.deliveries import Delivery, Emitter, PeerKey, Send
@@ -23,6 +24,9 @@ class Ledger:
         self.emitters: dict[PeerKey, Emitter] = {}
         self.counters: collections.Counter[str] = collections.Counter()
         self._next_tid = 0  # delivery ids, one per tap, for every target
+        # Whether finished ring units give their space back (`advance`): not once the
+        # daemon stops, so that what it could not deliver stays for the next one.
+        self.releasing = True
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
@@ -91,13 +95,41 @@ class Ledger:
         count = pending.count
         dropped = count if pending.lost else pending.dropped
         unrouted = min(pending.unrouted or 0, count - dropped)
-        emitter.dropped += dropped
-        emitter.unrouted += unrouted
-        emitter.delivered += count - dropped - unrouted
+        self.outcomes(emitter, index, count - dropped - unrouted, dropped, unrouted)
         # (a forwarder's taps are single taps: one of the three)
         outcome = "dropped" if dropped else "unrouted" if unrouted else "delivered"
         self.outcome(emitter, index, outcome)
         self.advance(emitter)
+
+    def outcomes(
+        self, emitter: Emitter, index: int, delivered: int, dropped: int, unrouted: int
+    ) -> None:
+        """Count what became of the taps of unit `index`, finished."""
+        emitter.delivered += delivered
+        emitter.dropped += dropped
+        emitter.unrouted += unrouted
+        if emitter.give_back is not None:  # told once its ring space is given back
+            heapq.heappush(emitter.unreleased, (index, delivered, dropped, unrouted))
+
+    def totals(self, emitter: Emitter) -> tuple[int, int, int]:
+        """What the emitter is told this daemon finished (delivered, dropped, unrouted):
+        of a ring's taps, only those whose space went back to the ring, which no daemon
+        reads again. So after a restart each tap is in one daemon's totals only."""
+        if emitter.give_back is None:
+            return emitter.delivered, emitter.dropped, emitter.unrouted
+        return emitter.released
+
+    def released(self, emitter: Emitter, bound: int) -> None:
+        """The ring space of every finished unit of `emitter` below index `bound` went
+        back to its ring."""
+        heap = emitter.unreleased
+        delivered, dropped, unrouted = emitter.released
+        while heap and heap[0][0] < bound:
+            _, more_delivered, more_dropped, more_unrouted = heapq.heappop(heap)
+            delivered += more_delivered
+            dropped += more_dropped
+            unrouted += more_unrouted
+        emitter.released = (delivered, dropped, unrouted)
 
     def outcome(self, emitter: Emitter, index: int, outcome: str) -> None:
         fid = emitter.fids.pop(index, None) if emitter.fids else None
@@ -109,13 +141,16 @@ class Ledger:
         # `pending` is keyed by index in insertion order, which is index order: its first
         # key is the oldest unit not yet finished.
         emitter.low = next(iter(emitter.pending), emitter.next_index)
+        if emitter.give_back is not None and self.releasing:
+            emitter.give_back()  # (before the totals below are told)
         while emitter.barriers and emitter.barriers[0][1] <= emitter.low:
             barrier_id, bound = emitter.barriers.popleft()
+            delivered, dropped, unrouted = self.totals(emitter)
             fields: dict[str, Any] = {
                 "id": barrier_id,
-                "delivered": emitter.delivered,
-                "dropped": emitter.dropped,
-                "unrouted": emitter.unrouted,
+                "delivered": delivered,
+                "dropped": dropped,
+                "unrouted": unrouted,
             }
             if emitter.forwarder:  # what became of each tap it sent before the barrier
                 fields["outcomes"] = _outcomes_before(emitter, bound)

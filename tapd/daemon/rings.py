@@ -13,6 +13,7 @@ import bisect
 import collections
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -243,6 +244,8 @@ class RingSource:
             end = self._in_router.popleft()[1]
         if end is not None:
             self.ring.release(end)
+        # (finished units below the first one it still holds: none in the ring any more)
+        router.released(self.key, self._in_router[0][0] if self._in_router else None)
 
     def finished(self) -> bool:
         """The writer is gone and everything it committed was read and delivered."""
@@ -304,6 +307,7 @@ class RingSet:
                     del self.sources[source.key]
                     source.key = key
                     self.sources[key] = source
+                router.watch_ring(key, functools.partial(source.release_delivered, router))
                 return
         try:
             source = RingSource(key, ring_path, sites_path, identity)
@@ -311,6 +315,7 @@ class RingSet:
             router.reject("bad_ring", str(exc))
             return
         self.sources[key] = source
+        router.watch_ring(key, functools.partial(source.release_delivered, router))
         logger.info(
             "draining ring %s of emitter pid %d from position %d",
             ring_path,
@@ -342,6 +347,7 @@ class RingSet:
                 continue
             source.writer_gone = True
             router.adopt(key, f"dead emitter pid {source.writer_pid}")
+            router.watch_ring(key, functools.partial(source.release_delivered, router))
             self.sources[key] = source
             logger.warning(
                 "found the ring of dead emitter pid %d: draining %d bytes, then removing it",

@@ -212,7 +212,7 @@ class Router:
         if tap:
             emitter.next_index += 1
             emitter.received += 1
-            emitter.dropped += 1
+            self.ledger.outcomes(emitter, index, 0, 1, 0)
             self.count("taps_refused")
         emitter.credit_due += credit_bytes
         if not emitter.gone:
@@ -244,7 +244,7 @@ class Router:
         restarts still knows what the old one finished (docs/PROTOCOL.md, `credit`)."""
         now = time.monotonic() if now is None else now
         for emitter in list(self.emitters.values()):
-            totals = (emitter.delivered, emitter.dropped, emitter.unrouted)
+            totals = self.ledger.totals(emitter)
             due = totals != emitter.reported and (
                 final or now - emitter.reported_at >= _TOTALS_EVERY
             )
@@ -255,6 +255,27 @@ class Router:
                     emitter.reported, emitter.reported_at = totals, now
                 self._send(emitter.key, encode("credit", fields))
                 emitter.credit_due = 0
+
+    def watch_ring(self, key: PeerKey, give_back: Callable[[], None]) -> None:
+        """Emitter `key`'s taps come from a ring: `give_back()` returns the ring space
+        of its finished units (and says so: `released`). It is called as they finish,
+        and its emitter is told only of taps whose space went back (`Ledger.totals`)."""
+        emitter = self.ledger.emitters.get(key)
+        if emitter is not None:
+            emitter.give_back = give_back
+
+    def released(self, key: PeerKey, first_held: int | None) -> None:
+        """The ring of emitter `key` holds no finished unit below index `first_held`
+        (None: none at all) any more."""
+        emitter = self.ledger.emitters.get(key)
+        if emitter is not None:
+            bound = emitter.next_index if first_held is None else first_held
+            self.ledger.released(emitter, bound)
+
+    def stop_releasing(self) -> None:
+        """The daemon stops: ring space stays with what it holds, for the next daemon,
+        which delivers and counts those taps (this one tells no one of them)."""
+        self.ledger.releasing = False
 
     def safe_low(self, key: PeerKey) -> int | None:
         """Every unit of emitter `key` below this index is finished, or copied to the
@@ -322,7 +343,7 @@ class Router:
         targets = self._targets_of(tap.header["consumer"], emitter)
         count = unit_count(tap)
         if not targets:
-            emitter.unrouted += count
+            self.ledger.outcomes(emitter, index, 0, 0, count)
             self.count("taps_unrouted", count)
             emitter.pending.pop(index, None)
             self.ledger.outcome(emitter, index, "unrouted")

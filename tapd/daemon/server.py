@@ -282,6 +282,7 @@ class Daemon:
         return _IDLE_POLL_MS if self.rings.sleep() else 1
 
     def _report_undelivered(self) -> None:
+        self.router.stop_releasing()  # what rings still hold stays for the next daemon
         self.router.close_spools()  # what is spooled stays for the next daemon
         self.router.drop_all_subscribers("was still connected at shutdown")
         try:  # emitters learn the final totals (they outlive this daemon, maybe)
