@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 
 from tapd.config import Config
+from tapd.daemon.channel import Channel
 from tapd.daemon.router import Router
 from tapd.errors import ConfigError, ProtocolError
 from tapd.protocol import MAGIC, Limits, Message, decode, encode
@@ -112,6 +113,7 @@ class Forwarder:
         except zmq.ZMQError as exc:
             self.socket.close(linger=0)
             raise ConfigError(f"--forward {self.endpoint}: cannot connect: {exc}") from exc
+        self._channel = Channel(self.socket, f"--forward {self.endpoint}")  # sends, receives
         identity = {"role": "emitter", "host": socket.gethostname(), "pid": os.getpid(),
                     "forwarder": daemon_id}  # fmt: skip
         now = time.monotonic()
@@ -157,7 +159,7 @@ class Forwarder:
         while self.outbox and link.may_send(self.outbox[0].nbytes):
             item = self.outbox.popleft()
             self.outbox_bytes -= item.nbytes
-            self.socket.send_multipart(item.frames, copy=False)
+            self._channel.send(item.frames, copy=False)
             link.sent(item.nbytes)
             item.sends += 1
             self._sent[item.tid] = item
@@ -181,7 +183,7 @@ class Forwarder:
             self._send_link()
             if self.unconfirmed:
                 last = self.unconfirmed[-1][0]
-                self.socket.send_multipart(encode("barrier", {"id": last}))
+                self._channel.send(encode("barrier", {"id": last}))
         if now - max(link.last_heard, self._last_warning) > _WARN_AFTER:
             self._last_warning = now
             logger.warning(
@@ -194,21 +196,17 @@ class Forwarder:
 
     def _barrier(self, batch: list[_Forwarded]) -> None:
         barrier = next(self._barrier_ids)
-        self.socket.send_multipart(encode("barrier", {"id": barrier}))
+        self._channel.send(encode("barrier", {"id": barrier}))
         self._last_sent = time.monotonic()
         self.unconfirmed.append((barrier, batch))
         self.router.count("forward_sent", len(batch))
 
     def _send_link(self) -> None:
         for frames in self.link.outgoing():
-            self.socket.send_multipart(frames)
+            self._channel.send(frames)
 
     def receive(self, now: float) -> None:
-        while True:
-            try:
-                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        while (frames := self._channel.recv()) is not None:
             try:
                 message = decode(frames, self.limits)
             except ProtocolError as exc:
@@ -400,8 +398,8 @@ class Forwarder:
                 "it never answered" if self.link.daemon is None else f"it is {self.link.daemon}",
             )
         try:
-            self.socket.send_multipart(encode("bye", {}), zmq.NOBLOCK)
+            self._channel.send(encode("bye", {}), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         # Taps counted lost are not sent on after all; otherwise a bounded linger.
-        self.socket.close(linger=0 if unsent else 1000)
+        self._channel.close(linger=0 if unsent else 1000)

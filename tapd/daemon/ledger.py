@@ -87,6 +87,41 @@ class Ledger:
         if emitter.last_handled_ns is None or when > emitter.last_handled_ns:
             emitter.last_handled_ns = when
 
+    def refused(
+        self,
+        emitter: Emitter,
+        consumer: str,
+        seq: int,
+        error: str,
+        *,
+        credit_bytes: int = 0,
+        tap: bool = True,
+    ) -> int:
+        """A tap of `emitter` that this daemon refused (malformed, too large for its
+        subscribers): reported to the emitter as an `error`, so that its barrier_wait
+        raises, counted dropped, and finished at once; its bytes are credited back.
+        Returns its index (ring records are released by index). `tap=False`: another
+        message of the emitter's, refused: only reported."""
+        index = emitter.next_index
+        if tap:
+            emitter.next_index += 1
+            emitter.received += 1
+            self.outcomes(emitter, index, 0, 1, 0)
+            self.count("taps_refused")
+        emitter.credit_due += credit_bytes
+        if not emitter.gone:
+            fields = {
+                "consumer": consumer,
+                "seq": seq,
+                "error": error,
+                "subscriber": "tapd daemon",
+                "emitter": emitter.name,
+                "device": None,
+            }
+            self.send(emitter.key, encode("error", fields))
+        self.advance(emitter)
+        return index
+
     # ---- finishing --------------------------------------------------------------------
 
     def finish(self, emitter: Emitter, index: int) -> None:

@@ -200,33 +200,14 @@ class Router:
         credit_bytes: int = 0,
         tap: bool = True,
     ) -> int:
-        """A tap of emitter `key` that this daemon refused (malformed, too large for its
-        subscribers): reported to the emitter as an `error`, so that its barrier_wait
-        raises, counted dropped, and finished at once; its bytes are credited back.
-        Returns its index (ring records are released by index). `tap=False`: another
-        message of the emitter's, refused: only reported."""
+        """A tap (`tap=False`: another message) of emitter `key` that this daemon refused:
+        `Ledger.refused`. Its index, or -1 for an emitter not known."""
         emitter = self.emitters.get(key)
         if emitter is None:
             return -1
-        index = emitter.next_index
-        if tap:
-            emitter.next_index += 1
-            emitter.received += 1
-            self.ledger.outcomes(emitter, index, 0, 1, 0)
-            self.count("taps_refused")
-        emitter.credit_due += credit_bytes
-        if not emitter.gone:
-            fields = {
-                "consumer": consumer,
-                "seq": seq,
-                "error": error,
-                "subscriber": "tapd daemon",
-                "emitter": emitter.name,
-                "device": None,
-            }
-            self._send(key, encode("error", fields))
-        self.ledger.advance(emitter)
-        return index
+        return self.ledger.refused(
+            emitter, consumer, seq, error, credit_bytes=credit_bytes, tap=tap
+        )
 
     def forget_dead_emitters(self, alive: Callable[[int], bool], skip: Container[Any]) -> None:
         """Emitters on this host that died without saying bye (kill -9) leave their

@@ -25,6 +25,7 @@ import zmq
 
 from tapd import security
 from tapd.config import Config
+from tapd.daemon.channel import Channel
 from tapd.daemon.forward import Forwarder
 from tapd.daemon.metrics import MetricsServer, Snapshots
 from tapd.daemon.rings import RingSet, pid_alive, sweep_stale_rings
@@ -46,7 +47,7 @@ class Daemon:
         self.config = config
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._context = zmq.Context()
-        self._sockets: list[zmq.Socket[Any]] = []
+        self._channels: list[Channel] = []  # the bound sockets, by index (peer keys)
         self._stop = threading.Event()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -112,7 +113,7 @@ class Daemon:
                 sock.close(linger=0)
                 self.close()
                 raise OSError(f"cannot bind {endpoint}: {exc}") from exc
-            self._sockets.append(sock)
+            self._channels.append(Channel(sock, endpoint))
             self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         if self.config.tcp and self.config.insecure:
             logger.warning(
@@ -180,7 +181,7 @@ class Daemon:
         return stats
 
     def serve(self, on_ready: Callable[[list[str]], None] | None = None) -> None:
-        if not self._sockets:
+        if not self._channels:
             self.bind()
         logger.info(
             "tapd daemon %s serving on %s (policy %s)",
@@ -191,8 +192,8 @@ class Daemon:
         if on_ready is not None:
             on_ready(self.endpoints)
         poller = zmq.Poller()
-        for sock in self._sockets:
-            poller.register(sock, zmq.POLLIN)
+        for channel in self._channels:
+            poller.register(channel.socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         if self.zap is not None:
             poller.register(self.zap.socket, zmq.POLLIN)
@@ -223,9 +224,9 @@ class Daemon:
         try:
             while True:
                 events = dict(poller.poll(timeout=self._poll_timeout(quiet_rounds)))
-                for index, sock in enumerate(self._sockets):
-                    if sock in events:
-                        self._read(index, sock)
+                for index, channel in enumerate(self._channels):
+                    if channel.socket in events:
+                        self._read(index, channel)
                 if self._wake_read in events:
                     _drain_pipe(self._wake_read)
                 if wake is not None and wake.fileno() in events:
@@ -309,9 +310,9 @@ class Daemon:
         for monitor in self.handshakes:
             monitor.close()
         self.handshakes.clear()
-        for sock in self._sockets:
-            sock.close(linger=1000)
-        self._sockets.clear()
+        for channel in self._channels:
+            channel.close(linger=1000)
+        self._channels.clear()
         for endpoint in self.endpoints:
             if endpoint.startswith("ipc://"):  # libzmq leaves the socket file behind
                 Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
@@ -336,19 +337,18 @@ class Daemon:
         if not isinstance(index, int):  # an orphaned ring's emitter: no peer to tell
             return False
         try:
-            self._sockets[index].send_multipart([identity, *frames], copy=False)
+            self._channels[index].send([identity, *frames], copy=False)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
             raise
         return True
 
-    def _read(self, index: int, sock: zmq.Socket[Any]) -> None:
+    def _read(self, index: int, channel: Channel) -> None:
         now = time.monotonic()
         for _ in range(_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = channel.recv()
+            if frames is None:
                 return
             key = (index, frames[0].bytes)
             try:
