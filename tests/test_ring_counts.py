@@ -60,13 +60,18 @@ def told(box: InProcessRouter) -> tuple[int, int, int]:
     return (h["delivered"], h["dropped"], h["unrouted"])
 
 
+def ring_emitter(make: MakeRouter) -> tuple[InProcessRouter, Ring]:
+    """A subscriber "sub" of "x" and an emitter "em" whose taps come from a ring."""
+    box = make()
+    box.subscribe("sub", ["x"], window=1)
+    box.emitter("em")
+    return box, Ring(box, "em")
+
+
 def test_only_taps_given_back_to_the_ring_are_counted_to_the_emitter(
     in_process_router: MakeRouter,
 ) -> None:
-    box = in_process_router()
-    box.subscribe("sub", ["x"], window=1)
-    box.emitter("em")
-    ring = Ring(box, "em")
+    box, ring = ring_emitter(in_process_router)
     for seq in range(3):
         ring.tap(seq)
     assert box.handle_all() == [0, 1, 2]
@@ -91,10 +96,7 @@ def test_only_taps_given_back_to_the_ring_are_counted_to_the_emitter(
 def test_a_stopping_daemon_tells_nothing_of_what_it_leaves_in_the_ring(
     in_process_router: MakeRouter,
 ) -> None:
-    box = in_process_router()
-    box.subscribe("sub", ["x"], window=1)
-    box.emitter("em")
-    ring = Ring(box, "em")
+    box, ring = ring_emitter(in_process_router)
     ring.tap(0)
     assert box.handle_all() == [0]
     ring.tap(1)  # in flight when the daemon stops

@@ -89,7 +89,7 @@ class Ledger:
 
     def refused(
         self,
-        emitter: Emitter,
+        key: PeerKey,
         consumer: str,
         seq: int,
         error: str,
@@ -97,11 +97,14 @@ class Ledger:
         credit_bytes: int = 0,
         tap: bool = True,
     ) -> int:
-        """A tap of `emitter` that this daemon refused (malformed, too large for its
+        """A tap of emitter `key` that this daemon refused (malformed, too large for its
         subscribers): reported to the emitter as an `error`, so that its barrier_wait
         raises, counted dropped, and finished at once; its bytes are credited back.
         Returns its index (ring records are released by index). `tap=False`: another
-        message of the emitter's, refused: only reported."""
+        message of the emitter's, refused: only reported. -1: an emitter not known."""
+        emitter = self.emitters.get(key)
+        if emitter is None:
+            return -1
         index = emitter.next_index
         if tap:
             emitter.next_index += 1

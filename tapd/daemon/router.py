@@ -42,6 +42,7 @@ class Router:
     ) -> None:
         self._send = send
         self.ledger = Ledger(send)
+        self.refused = self.ledger.refused  # a tap or message refused: told and counted
         self.policy = policy
         self.queue_bytes = queue_bytes
         self.window_bytes = window_bytes
@@ -189,25 +190,6 @@ class Router:
             emitter.gone = True
             logger.info("emitter %r disconnected", emitter.name)
             self.ledger.advance(emitter)
-
-    def refused(
-        self,
-        key: PeerKey,
-        consumer: str,
-        seq: int,
-        error: str,
-        *,
-        credit_bytes: int = 0,
-        tap: bool = True,
-    ) -> int:
-        """A tap (`tap=False`: another message) of emitter `key` that this daemon refused:
-        `Ledger.refused`. Its index, or -1 for an emitter not known."""
-        emitter = self.emitters.get(key)
-        if emitter is None:
-            return -1
-        return self.ledger.refused(
-            emitter, consumer, seq, error, credit_bytes=credit_bytes, tap=tap
-        )
 
     def forget_dead_emitters(self, alive: Callable[[int], bool], skip: Container[Any]) -> None:
         """Emitters on this host that died without saying bye (kill -9) leave their
