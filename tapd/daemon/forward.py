@@ -129,7 +129,7 @@ class Forwarder:
         self._held: dict[int, _Forwarded] = {}
         self._barrier_ids = itertools.count()
         self._last_warning = self._last_sent = now
-        router.add_local_subscriber(self.key, self.name, ["*"], self._take, now)
+        router.add_local_subscriber(self.key, self.name, ["*"], self._take)
         self._send_link()
         what = "with CurveZMQ" if keys else "unauthenticated" if config.insecure else "over ipc"
         logger.info("forwarding every tap to %s (%s)", self.endpoint, what)

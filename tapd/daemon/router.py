@@ -354,9 +354,9 @@ class Router:
         self._subscribers.hello(key, header, now)
 
     def add_local_subscriber(
-        self, key: PeerKey, name: str, patterns: Sequence[str], deliver: Deliver, now: float
+        self, key: PeerKey, name: str, patterns: Sequence[str], deliver: Deliver
     ) -> None:
-        self._subscribers.add_local(key, name, patterns, deliver, now)
+        self._subscribers.add_local(key, name, patterns, deliver)
 
     def ack(self, key: PeerKey, header: dict[str, Any], now: float) -> None:
         self._subscribers.ack(key, header, now)

@@ -18,7 +18,7 @@ from tapd.daemon.deliveries import Emitter, PeerKey
 from tapd.daemon.ledger import Ledger
 from tapd.daemon.spool import Spool, find_spools
 from tapd.daemon.subscriptions import Hello
-from tapd.daemon.targets.base import Queued, Subscription, Target
+from tapd.daemon.targets.base import Queued, Subscription, Target, Terms
 from tapd.daemon.targets.local import Deliver, LocalTarget
 from tapd.daemon.targets.peer import Peer
 from tapd.daemon.targets.pool import Pool
@@ -35,7 +35,7 @@ class Subscribers:
     ) -> None:
         self.ledger = ledger
         self._send = ledger.send
-        self.queue_bytes = queue_bytes
+        self.terms = Terms(ledger, queue_bytes)
         self.daemon_id = daemon_id
         self._changed = changed  # the router's table is stale
         # Every peer that acknowledges, by key (pool members too); the routing target of
@@ -88,7 +88,7 @@ class Subscribers:
             logger.info("subscriber %r now wants %r", known.name, hello.consumers)
             self._welcome_subscriber(key)
             return
-        if isinstance(known, SocketSubscriber) and hello.same_as(known):
+        if isinstance(known, SocketSubscriber) and known.same_subscription(hello):
             # The same subscription again (it answered two rehellos, say): it starts its
             # delivery ids afresh, so what it had in flight goes to it again, same seq.
             again = known.deliver_again()
@@ -105,24 +105,13 @@ class Subscribers:
             return
         if known is not None:
             self.drop(key, "said hello again")
-        name = hello.name or repr(key)
         self._changed()
-        subscriber = SocketSubscriber(
-            key,
-            name,
-            hello.subscription,
-            self.ledger,
-            self.queue_bytes,
-            window=hello.window,
-            batch=hello.batch,
-            now=now,
-            group=hello.group,
-        )
+        subscriber = SocketSubscriber(key, hello, self.terms, now)
         self.peers[key] = subscriber
         if hello.group is not None:
             self._join(subscriber, hello.group)
         else:
-            logger.info("subscriber %r connected for %r", name, hello.consumers)
+            logger.info("subscriber %r connected for %r", subscriber.name, hello.consumers)
             self._targets[key] = self._spooled(subscriber)
         self._welcome_subscriber(key)
 
@@ -134,7 +123,7 @@ class Subscribers:
         patterns = member.subscription.patterns
         pool = self._pools.get((group, patterns))
         if pool is None:
-            pool = Pool(group, patterns, self.ledger, self.queue_bytes, self.drop)
+            pool = Pool(group, patterns, self.terms, self.drop)
             self._pools[pool.key] = pool
             self._pool_targets[pool.key] = self._spooled(pool)
         self._pool_of[member.key] = pool
@@ -147,14 +136,10 @@ class Subscribers:
             list(patterns),
         )
 
-    def add_local(
-        self, key: PeerKey, name: str, patterns: Sequence[str], deliver: Deliver, now: float
-    ) -> None:
+    def add_local(self, key: PeerKey, name: str, patterns: Sequence[str], deliver: Deliver) -> None:
         """An in-process subscriber (tapd/daemon/targets/local.py)."""
         self._changed()
-        target = LocalTarget(
-            key, name, Subscription(tuple(patterns)), self.ledger, self.queue_bytes, deliver, now
-        )
+        target = LocalTarget(key, name, Subscription(tuple(patterns)), self.terms, deliver)
         self.peers[key] = target
         self._targets[key] = self._spooled(target)
 

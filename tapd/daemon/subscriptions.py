@@ -11,7 +11,6 @@ import dataclasses
 from typing import Any
 
 from tapd.daemon.targets.base import Subscription
-from tapd.daemon.targets.socket import SocketSubscriber
 from tapd.protocol.wire import DEFAULT_LIMITS
 
 
@@ -52,12 +51,3 @@ class Hello:
     @property
     def patterns(self) -> tuple[str, ...]:
         return self.subscription.patterns
-
-    def same_as(self, known: SocketSubscriber) -> bool:
-        """The subscription `known` has already (its fallback patterns aside)."""
-        mine, its = self.subscription, known.subscription
-        return (
-            its.patterns == mine.patterns
-            and its.fallback_for == mine.fallback_for
-            and known.group == self.group
-        )

@@ -54,6 +54,15 @@ class Subscription:
         return self.fallback_for == emitter and matches_any(self.fallback, consumer)
 
 
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """What every target works under: the ledger it reports to, and the byte bound of
+    its queue (`--queue-bytes`)."""
+
+    ledger: Ledger
+    bound: int
+
+
 @dataclasses.dataclass
 class Hold:
     """The bytes a target holds (queued and in flight), bounded by the queue bound: a
@@ -115,12 +124,12 @@ class Queued(ABC):
     a unit that does not fit (dropped, counted: under `block` none is offered then).
     The rest of `Target` each kind says for itself."""
 
-    def __init__(self, name: str, subscription: Subscription, ledger: Ledger, bound: int) -> None:
+    def __init__(self, name: str, subscription: Subscription, terms: Terms) -> None:
         self.name = name
         self.subscription = subscription
-        self.ledger = ledger
+        self.ledger = terms.ledger
         self.queue: collections.deque[Delivery] = collections.deque()
-        self.hold = Hold(bound)
+        self.hold = Hold(terms.bound)
         self.dropped = 0
 
     def room_for(self, nbytes: int) -> bool:

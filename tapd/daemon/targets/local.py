@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tapd.daemon.deliveries import PeerKey
-from tapd.daemon.ledger import Ledger
-from tapd.daemon.targets.base import UNLIMITED, Subscription
+from tapd.daemon.targets.base import UNLIMITED, Subscription, Terms
 from tapd.daemon.targets.peer import Peer
 from tapd.protocol import Message
 
@@ -22,16 +21,9 @@ Deliver = Callable[[int, Message, str, int], None]
 
 class LocalTarget(Peer):
     def __init__(
-        self,
-        key: PeerKey,
-        name: str,
-        subscription: Subscription,
-        ledger: Ledger,
-        bound: int,
-        deliver: Deliver,
-        now: float,
+        self, key: PeerKey, name: str, wants: Subscription, terms: Terms, deliver: Deliver
     ) -> None:
-        super().__init__(key, name, subscription, ledger, bound, now)
+        super().__init__(key, name, wants, terms)
         self.window = UNLIMITED
         self.deliver = deliver
         self.takes_outcomes = True

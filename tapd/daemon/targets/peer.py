@@ -9,25 +9,16 @@ from abc import abstractmethod
 from typing import Any
 
 from tapd.daemon.deliveries import Delivery, PeerKey
-from tapd.daemon.ledger import Ledger
-from tapd.daemon.targets.base import IN_FLIGHT_BYTES, Hold, Queued, Subscription
+from tapd.daemon.targets.base import IN_FLIGHT_BYTES, Hold, Queued, Subscription, Terms
 
 
 class Peer(Queued):
     window: int  # taps in flight at most
 
-    def __init__(
-        self,
-        key: PeerKey,
-        name: str,
-        subscription: Subscription,
-        ledger: Ledger,
-        bound: int,
-        now: float,
-    ) -> None:
-        super().__init__(name, subscription, ledger, bound)
+    def __init__(self, key: PeerKey, name: str, wants: Subscription, terms: Terms) -> None:
+        super().__init__(name, wants, terms)
         self.key = key
-        self.last_seen = now  # its last message
+        self.last_seen = 0.0  # when its last message came (time.monotonic())
         self.in_flight: collections.deque[Delivery] = collections.deque()
         self.in_flight_taps = 0  # what `window` bounds
         self.in_flight_bytes = 0  # bounded by IN_FLIGHT_BYTES

@@ -14,8 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tapd.daemon.deliveries import Delivery, PeerKey
-from tapd.daemon.ledger import Ledger
-from tapd.daemon.targets.base import IN_FLIGHT_BYTES, Queued, Subscription
+from tapd.daemon.targets.base import IN_FLIGHT_BYTES, Queued, Subscription, Terms
 from tapd.daemon.targets.socket import SocketSubscriber
 
 logger = logging.getLogger("tapd.daemon")
@@ -26,15 +25,12 @@ class Pool(Queued):
         self,
         group: str,
         patterns: tuple[str, ...],
-        ledger: Ledger,
-        bound: int,
+        terms: Terms,
         drop_member: Callable[[PeerKey, str], None],
     ) -> None:
         # Named with its consumers: it is also the name of its spool, which another
         # group of this name but other consumers must not share.
-        super().__init__(
-            f"group {group} ({', '.join(patterns)})", Subscription(patterns), ledger, bound
-        )
+        super().__init__(f"group {group} ({', '.join(patterns)})", Subscription(patterns), terms)
         self.key = (group, patterns)
         self.group = group
         self.members: list[SocketSubscriber] = []

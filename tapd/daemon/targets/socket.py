@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from tapd.daemon.deliveries import Delivery, PeerKey, Send
-from tapd.daemon.ledger import Ledger
-from tapd.daemon.targets.base import Subscription
+from tapd.daemon.subscriptions import Hello
+from tapd.daemon.targets.base import Terms
 from tapd.daemon.targets.peer import Peer
 from tapd.protocol import MAGIC
 from tapd.protocol.batch import encode_batch
@@ -21,23 +21,21 @@ _BATCH_HEADER_BYTES = DEFAULT_LIMITS.max_header_bytes // 4  # well within what d
 
 
 class SocketSubscriber(Peer):
-    def __init__(
-        self,
-        key: PeerKey,
-        name: str,
-        subscription: Subscription,
-        ledger: Ledger,
-        bound: int,
-        *,
-        window: int,
-        batch: bool,
-        now: float,
-        group: str | None = None,
-    ) -> None:
-        super().__init__(key, name, subscription, ledger, bound, now)
-        self.window = window
-        self.batch = batch  # takes `taps` messages (several small taps in one)
-        self.group = group  # the worker pool it is a member of, by name
+    def __init__(self, key: PeerKey, hello: Hello, terms: Terms, now: float) -> None:
+        super().__init__(key, hello.name or repr(key), hello.subscription, terms)
+        self.last_seen = now
+        self.window = hello.window
+        self.batch = hello.batch  # takes `taps` messages (several small taps in one)
+        self.group = hello.group  # the worker pool it is a member of, by name
+
+    def same_subscription(self, hello: Hello) -> bool:
+        """Whether `hello` asks for what it has already (its fallback patterns aside)."""
+        mine, asked = self.subscription, hello.subscription
+        return (
+            mine.patterns == asked.patterns
+            and mine.fallback_for == asked.fallback_for
+            and self.group == hello.group
+        )
 
     @property
     def send(self) -> Send:
