@@ -24,6 +24,8 @@ import pytest
 import zmq
 
 from tapd.clients import control
+from tapd.daemon.router import Router
+from tapd.protocol import Message, decode
 from tapd.runtime import ring_dir_for
 
 # Every test starts the daemons it uses; none is started on demand behind its back
@@ -317,3 +319,97 @@ def raw_peer() -> Iterator[Callable[[str], zmq.Socket[bytes]]]:
     for sock in sockets:
         sock.close(linger=1000)
     context.term()
+
+
+# ---- a Router without sockets ---------------------------------------------------------
+
+
+class InProcessRouter:
+    """A daemon's Router with no sockets and no process: what it sends, to whom, is
+    recorded (`sent`, `to`). The tests play its emitters and subscribers by calling it."""
+
+    def __init__(
+        self,
+        *,
+        policy: str = "block",
+        queue_bytes: int = 1 << 20,
+        daemon_id: str = "d",
+        spool: tuple[Path, int, str] | None = None,
+    ) -> None:
+        self.sent: list[tuple[Any, list[Any]]] = []
+        self.router = Router(
+            self._record,
+            policy=policy,
+            queue_bytes=queue_bytes,
+            window_bytes=1 << 20,
+            daemon_id=daemon_id,
+        )
+        if spool is not None:  # (directory, limit, fallback)
+            self.router.configure_spool(*spool)
+        self._seen: dict[Any, int] = {}  # taps each subscriber was sent and handled
+        self._closed = False
+
+    def _record(self, key: Any, frames: list[Any]) -> bool:
+        self.sent.append((key, frames))
+        return True
+
+    def emitter(self, key: str = "em", pid: int = 1) -> None:
+        self.router.emitter_hello(key, {"host": "h", "pid": pid, "process": 0})
+
+    def subscribe(self, key: str, consumers: list[str], **fields: Any) -> None:
+        """A subscriber's hello (window 64, named `key`, unless `fields` say otherwise)."""
+        hello = {"consumers": consumers, "window": 64, "name": key, **fields}
+        self.router.subscriber_hello(key, hello, now=0.0)
+
+    def to(self, peer: Any, kind: str | None = None) -> list[Message]:
+        """Decoded messages sent to `peer` (of `kind`, if given), in order."""
+        messages = [decode(frames) for key, frames in self.sent if key == peer]
+        return [m for m in messages if kind is None or m.kind == kind]
+
+    def taken(self) -> list[tuple[Any, str]]:
+        """(subscriber, consumer) of every tap sent since the last call."""
+        out = []
+        for key, frames in self.sent:
+            message = decode(frames)
+            if message.kind == "tap":
+                out.append((key, message.header["consumer"]))
+        self.sent.clear()
+        return out
+
+    def handle_all(self, peer: Any = "sub") -> list[int]:
+        """Play subscriber `peer` (window 1 or more, no batches): ack each tap as it
+        comes until no more come; their seqs, in arrival order."""
+        seqs: list[int] = []
+        for _ in range(1000):
+            self.router.pump()
+            taps = self.to(peer, "tap")[self._seen.get(peer, 0) :]
+            if not taps:
+                return seqs
+            for message in taps:
+                self._seen[peer] = self._seen.get(peer, 0) + 1
+                seqs.append(message.header["seq"])
+                self.router.ack(peer, {"upto": message.header["tid"], "errors": []}, 0.0)
+        raise AssertionError(f"{peer!r} is still sent taps after 1000 rounds")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.router.close_spools()
+
+
+MakeRouter = Callable[..., InProcessRouter]
+
+
+@pytest.fixture
+def in_process_router() -> Iterator[MakeRouter]:
+    """Makes `InProcessRouter`s (keywords: policy, queue_bytes, daemon_id, spool); their
+    spools are closed after the test."""
+    made: list[InProcessRouter] = []
+
+    def make(**options: Any) -> InProcessRouter:
+        made.append(InProcessRouter(**options))
+        return made[-1]
+
+    yield make
+    for box in made:
+        box.close()

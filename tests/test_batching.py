@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import BackgroundEmitter, Daemon, native_unavailable
-from tapd.daemon.router import Router
+from conftest import BackgroundEmitter, Daemon, InProcessRouter, MakeRouter, native_unavailable
 from tapd.daemon.runs import Site, TapRun
 from tapd.native.ring import Record, Records
 from tapd.protocol import decode, encode
@@ -88,30 +87,21 @@ def test_large_taps_travel_alone_even_to_a_batching_subscriber(
     assert [m.arrays()[0].nbytes for m in messages] == [128 * 1024] * 5
 
 
-class InProcessRouter:
-    """A Router with one emitter ("em") and one subscriber ("sub") of consumer "x",
-    recording what it sends to each."""
-
-    def __init__(self, *, window: int = 64, batch: bool = True) -> None:
-        self.sent: list[tuple[Any, list[Any]]] = []
-        self.router = Router(lambda key, frames: self.sent.append((key, frames)) or True,
-                             policy="block", queue_bytes=1 << 20, window_bytes=1 << 20,
-                             daemon_id="d")  # fmt: skip
-        hello = {"consumers": ["x"], "window": window, "name": "s", "batch": batch}
-        self.router.subscriber_hello("sub", hello, now=0.0)
-        self.router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
-
-    def to(self, peer: str, kind: str | None = None) -> list[Any]:
-        """Decoded messages sent to `peer` (of `kind`, if given), in order."""
-        messages = [decode(frames) for key, frames in self.sent if key == peer]
-        return [m for m in messages if kind is None or m.kind == kind]
+def one_subscriber(make: MakeRouter, *, window: int = 64, batch: bool = True) -> InProcessRouter:
+    """A Router with one subscriber ("sub") of consumer "x" and one emitter ("em")."""
+    peers = make()
+    peers.subscribe("sub", ["x"], window=window, name="s", batch=batch)
+    peers.emitter("em")
+    return peers
 
 
-def test_a_batch_never_exceeds_what_a_subscriber_accepts_whatever_its_window() -> None:
+def test_a_batch_never_exceeds_what_a_subscriber_accepts_whatever_its_window(
+    in_process_router: MakeRouter,
+) -> None:
     """In-process Router: a subscriber with a huge window still gets batches that
     decode (at most `max_batch` taps each), and a non-forwarding emitter cannot pass
     itself off as another through the tap's `emitter` field."""
-    peers = InProcessRouter(window=3 * DEFAULT_LIMITS.max_batch)
+    peers = one_subscriber(in_process_router, window=3 * DEFAULT_LIMITS.max_batch)
     router = peers.router
     fields = {"consumer": "x", "step": None, "device": None, "process": 0, "host": "h",
               "pid": 1, "time": 0, "transforms": [], "meta": {}, "tree": ["*"],
@@ -142,8 +132,10 @@ def ring_run(count: int) -> tuple[TapRun, list[np.ndarray]]:
     return TapRun(site, records, span, header_bytes=48), values
 
 
-def test_a_run_is_one_unit_for_the_router_and_count_taps_for_everyone_else() -> None:
-    peers = InProcessRouter()
+def test_a_run_is_one_unit_for_the_router_and_count_taps_for_everyone_else(
+    in_process_router: MakeRouter,
+) -> None:
+    peers = one_subscriber(in_process_router)
     router = peers.router
     run, values = ring_run(5)
     router.tap("em", run, credit=False, nbytes=5 * 8)
@@ -166,8 +158,10 @@ def test_a_run_is_one_unit_for_the_router_and_count_taps_for_everyone_else() -> 
     assert router.counters["deliveries_acked"] == 5 and router.counters["handler_errors"] == 1
 
 
-def test_a_run_goes_tap_by_tap_to_a_subscriber_that_does_not_batch() -> None:
-    peers = InProcessRouter(batch=False)
+def test_a_run_goes_tap_by_tap_to_a_subscriber_that_does_not_batch(
+    in_process_router: MakeRouter,
+) -> None:
+    peers = one_subscriber(in_process_router, batch=False)
     router = peers.router
     assert router.run_limit("x", 8) == 1  # so the drain makes no runs for it...
     run, values = ring_run(3)
@@ -178,8 +172,10 @@ def test_a_run_goes_tap_by_tap_to_a_subscriber_that_does_not_batch() -> None:
     assert [t.header["tid"] for t in taps] == [0, 1, 2]
 
 
-def test_an_error_acked_inside_a_run_reaches_the_emitter_before_the_run_completes() -> None:
-    peers = InProcessRouter()
+def test_an_error_acked_inside_a_run_reaches_the_emitter_before_the_run_completes(
+    in_process_router: MakeRouter,
+) -> None:
+    peers = one_subscriber(in_process_router)
     router = peers.router
     run, _ = ring_run(5)
     router.tap("em", run, credit=False, nbytes=5 * 8)

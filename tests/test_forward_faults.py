@@ -15,7 +15,7 @@ import pytest
 from faultproxy import FaultProxy
 from tally import Tally, finish, start_emitter
 
-from conftest import Daemon, SubscriberProcess, wait_until
+from conftest import Daemon, MakeRouter, SubscriberProcess, wait_until
 
 StartDaemon = Callable[..., Daemon]
 StartSubscriber = Callable[..., SubscriberProcess]
@@ -255,7 +255,10 @@ def test_the_upstream_forgets_a_forwarding_daemon_that_died(
 
 
 def test_the_outage_warning_counts_the_taps_sent_and_not_confirmed(
-    start_daemon: StartDaemon, caplog: pytest.LogCaptureFixture, tmp_path: Path
+    start_daemon: StartDaemon,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    in_process_router: MakeRouter,
 ) -> None:
     """In-process forwarder, an upstream that welcomes it and then falls silent: the
     warning counts what waits unsent and what was sent but not confirmed."""
@@ -263,15 +266,13 @@ def test_the_outage_warning_counts_the_taps_sent_and_not_confirmed(
 
     from tapd.config import Config
     from tapd.daemon.forward import Forwarder
-    from tapd.daemon.router import Router
     from tapd.protocol import decode, encode
 
     context = zmq.Context()
     upstream = context.socket(zmq.ROUTER)
     endpoint = f"ipc://{tmp_path}/up.sock"
     upstream.bind(endpoint)
-    router = Router(lambda key, frames: True, policy="block", queue_bytes=1 << 20,
-                    window_bytes=1 << 20, daemon_id="here")  # fmt: skip
+    router = in_process_router(daemon_id="here").router
     forwarder = Forwarder(context, Config(forward=endpoint), router, "here")
     try:
         assert upstream.poll(5000)

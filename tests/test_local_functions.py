@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 
 import tapd
-from conftest import APPS, PROCESS_TIMEOUT, Daemon, SubscriberProcess, wait_until
-from tapd.daemon.router import Router
+from conftest import APPS, PROCESS_TIMEOUT, Daemon, MakeRouter, SubscriberProcess, wait_until
 from tapd.emitter.host_callback import importable_form
 from tapd.protocol import decode, encode
 
@@ -249,19 +248,19 @@ def test_partial_keywords_and_device_index_travel_as_metadata_not_as_keywords() 
 
 
 class Peers:
-    """An in-process Router; what it sent to each peer, decoded."""
+    """Two emitters, "em" (pid 1) and "other" (pid 2), of host "h", at an in-process
+    Router (tests/conftest.py); subscribers come as the test says."""
 
-    def __init__(self) -> None:
-        self.sent: list[tuple[Any, list[Any]]] = []
-        self.router = Router(lambda key, frames: self.sent.append((key, frames)) or True,
-                             policy="block", queue_bytes=1 << 20, window_bytes=1 << 20,
-                             daemon_id="d")  # fmt: skip
+    def __init__(self, make: MakeRouter) -> None:
+        self.box = make()
+        self.router = self.box.router
+        self.sent = self.box.sent
+        self.taken = self.box.taken
         for key, pid in (("em", 1), ("other", 2)):
-            self.router.emitter_hello(key, {"host": "h", "pid": pid, "process": 0})
+            self.box.emitter(key, pid)
 
     def subscribe(self, key: str, consumers: list[str], **fields: Any) -> None:
-        hello = {"consumers": consumers, "window": 64, "name": key, "batch": False, **fields}
-        self.router.subscriber_hello(key, hello, now=0.0)
+        self.box.subscribe(key, consumers, **fields)
 
     def tap(self, emitter: str, consumer: str) -> None:
         pid = 1 if emitter == "em" else 2
@@ -271,19 +270,11 @@ class Peers:
         self.router.tap(emitter, decode(encode("tap", fields, [np.zeros(1, np.int8)])))
         self.router.pump()
 
-    def taken(self) -> list[tuple[str, str]]:
-        """(subscriber, consumer) of every tap delivered since the last call."""
-        out = []
-        for key, frames in self.sent:
-            message = decode(frames)
-            if message.kind == "tap":
-                out.append((key, message.header["consumer"]))
-        self.sent.clear()
-        return out
 
-
-def test_a_fallback_gets_its_own_emitters_taps_that_nobody_else_takes() -> None:
-    peers = Peers()
+def test_a_fallback_gets_its_own_emitters_taps_that_nobody_else_takes(
+    in_process_router: MakeRouter,
+) -> None:
+    peers = Peers(in_process_router)
     peers.subscribe("receiver", ["local/h:1/x/*", "m:f"], fallback=["m:f"], fallback_for="h:1")
     peers.sent.clear()
     peers.tap("em", "m:f")
@@ -310,8 +301,10 @@ def test_a_fallback_gets_its_own_emitters_taps_that_nobody_else_takes() -> None:
     assert sorted(peers.taken()) == [("receiver", "m:f"), ("watcher", "m:f")]
 
 
-def test_a_subscriber_adds_consumers_without_losing_what_it_holds() -> None:
-    peers = Peers()
+def test_a_subscriber_adds_consumers_without_losing_what_it_holds(
+    in_process_router: MakeRouter,
+) -> None:
+    peers = Peers(in_process_router)
     peers.subscribe("receiver", ["local/h:1/x/*"], fallback_for="h:1")
     peers.tap("em", "local/h:1/x/0/f")  # in flight, not acknowledged
     peers.sent.clear()

@@ -10,14 +10,12 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from tally import Tally, finish, start_emitter
 
-from conftest import Daemon, SubscriberProcess, wait_until
-from tapd.daemon.router import Router
+from conftest import Daemon, InProcessRouter, MakeRouter, SubscriberProcess, wait_until
 from tapd.daemon.spool import Spool, SpoolFull, find_spools
 from tapd.protocol import Message, decode, encode
 
@@ -78,46 +76,26 @@ def test_a_daemon_restarted_finds_the_log_without_what_was_acknowledged(
 # ---- in the router ---------------------------------------------------------------------
 
 
-class SpoolingRouter:
+def spooling(
+    make: MakeRouter,
+    directory: Path,
+    *,
+    limit: int = 1 << 20,
+    fallback: str = "block",
+    queue_bytes: int = 10,
+) -> InProcessRouter:
     """A Router under the spool policy (queues of `queue_bytes`), one emitter "em" and one
-    subscriber "sub" of "x" with a window of one tap, recording what it sends."""
-
-    def __init__(self, directory: Path, *, limit: int = 1 << 20, fallback: str = "block",
-                 queue_bytes: int = 10) -> None:  # fmt: skip
-        self.sent: list[tuple[Any, list[Any]]] = []
-        self.router = Router(lambda key, frames: self.sent.append((key, frames)) or True,
-                             policy="spool", queue_bytes=queue_bytes, window_bytes=1 << 20,
-                             daemon_id="d")  # fmt: skip
-        self.router.configure_spool(directory, limit, fallback)
-        hello = {"consumers": ["x"], "window": 1, "name": "slow"}
-        self.router.subscriber_hello("sub", hello, now=0.0)
-        self.router.emitter_hello("em", {"host": "h", "pid": 1, "process": 0})
-        self.seen = 0  # taps sent to "sub" and handled
-
-    def close(self) -> None:
-        self.router.close_spools()
-
-    def to(self, peer: str, kind: str) -> list[Message]:
-        messages = [decode(frames) for key, frames in self.sent if key == peer]
-        return [m for m in messages if m.kind == kind]
-
-    def handle_all(self) -> list[int]:
-        """Play the subscriber: ack each tap as it comes; the seqs, in arrival order."""
-        seqs: list[int] = []
-        for _ in range(1000):
-            self.router.pump()
-            taps = self.to("sub", "tap")[self.seen :]
-            if not taps:
-                return seqs
-            for message in taps:
-                self.seen += 1
-                seqs.append(message.header["seq"])
-                self.router.ack("sub", {"upto": message.header["tid"], "errors": []}, 0.0)
-        raise AssertionError("no end")
+    subscriber "sub" of "x" with a window of one tap."""
+    box = make(policy="spool", queue_bytes=queue_bytes, spool=(directory, limit, fallback))
+    box.subscribe("sub", ["x"], window=1, name="slow")
+    box.emitter("em")
+    return box
 
 
-def test_a_full_queue_spills_to_the_spool_and_comes_back_in_order(tmp_path: Path) -> None:
-    box = SpoolingRouter(tmp_path)
+def test_a_full_queue_spills_to_the_spool_and_comes_back_in_order(
+    in_process_router: MakeRouter, tmp_path: Path
+) -> None:
+    box = spooling(in_process_router, tmp_path)
     for seq in range(20):
         box.router.tap("em", tap(seq))
     box.router.barrier("em", 0)
@@ -134,8 +112,10 @@ def test_a_full_queue_spills_to_the_spool_and_comes_back_in_order(tmp_path: Path
     box.close()
 
 
-def test_a_full_spool_falls_back_to_drop_newest_and_counts(tmp_path: Path) -> None:
-    box = SpoolingRouter(tmp_path, limit=600, fallback="drop_newest")
+def test_a_full_spool_falls_back_to_drop_newest_and_counts(
+    in_process_router: MakeRouter, tmp_path: Path
+) -> None:
+    box = spooling(in_process_router, tmp_path, limit=600, fallback="drop_newest")
     for seq in range(40):
         box.router.tap("em", tap(seq))
     box.router.barrier("em", 0)
@@ -148,8 +128,10 @@ def test_a_full_spool_falls_back_to_drop_newest_and_counts(tmp_path: Path) -> No
     box.close()
 
 
-def test_a_full_spool_falls_back_to_block_withholding_credit(tmp_path: Path) -> None:
-    box = SpoolingRouter(tmp_path, limit=600, fallback="block")
+def test_a_full_spool_falls_back_to_block_withholding_credit(
+    in_process_router: MakeRouter, tmp_path: Path
+) -> None:
+    box = spooling(in_process_router, tmp_path, limit=600, fallback="block")
     for seq in range(40):
         box.router.tap("em", tap(seq))
     box.router.barrier("em", 0)

@@ -36,6 +36,7 @@ import msgpack
 import zmq
 
 from tapd.autostart import ensure_daemon
+from tapd.consumers import MAX_NAME, first_match
 from tapd.errors import ProtocolError, TapdError
 from tapd.protocol import Message, decode, encode
 from tapd.protocol.batch import SiteRun
@@ -194,8 +195,8 @@ class Subscriber:
     ) -> None:
         if window is not None and window <= 0:
             raise ValueError(f"window must be positive, got {window}")
-        if group is not None and not 0 < len(group) <= 256:  # the protocol's name bound
-            raise ValueError(f"a group name has 1 to 256 characters, got {group!r:.300}")
+        if group is not None and not 0 < len(group) <= MAX_NAME:  # the protocol's name bound
+            raise ValueError(f"a group name has 1 to {MAX_NAME} characters, got {group!r:.300}")
         if isinstance(endpoint, str) or endpoint is None:
             endpoints = [endpoint or ENDPOINT.read() or default_endpoint()]
         else:
@@ -498,9 +499,4 @@ class Subscriber:
 
     def _pattern_for(self, consumer: str) -> str | None:
         """The registered name (exact, else a `prefix*` pattern) that takes `consumer`."""
-        if consumer in self._handlers:
-            return consumer
-        for pattern in self._handlers:
-            if pattern.endswith("*") and consumer.startswith(pattern[:-1]):
-                return pattern
-        return None
+        return consumer if consumer in self._handlers else first_match(self._handlers, consumer)

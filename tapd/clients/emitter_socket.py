@@ -17,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from tapd.channel import Channel
 from tapd.errors import ProtocolError
 from tapd.protocol import Limits, Message, decode, encode
 from tapd.protocol.link import (
@@ -85,7 +86,8 @@ class EmitterSocket:
         self_id: str | None = None,
         limits: Limits | None = None,
     ) -> None:
-        self.sock = sock
+        self.sock = sock  # (for polling and options: messages go through the channel)
+        self.channel = Channel(sock, "emitter")
         self.limits = limits or Limits()
         self.link = EmitterLink(
             identity, now, rehello_after=rehello_after, rehello_max=rehello_max, self_id=self_id
@@ -98,28 +100,26 @@ class EmitterSocket:
     def flush(self) -> None:
         """Send what the link wants sent (hellos), in order."""
         for frames in self.link.outgoing():
-            self.sock.send_multipart(frames)
+            self.channel.send(frames)
 
     def may_send(self, nbytes: int) -> bool:
         return self.link.may_send(nbytes)
 
     def send(self, frames: list[Any], nbytes: int) -> None:
         """Send one tap of `nbytes` payload bytes (counted against the credit window)."""
-        self.sock.send_multipart(frames, copy=False)
+        self.channel.send(frames, copy=False)
         self.link.sent(nbytes)
 
     def send_barrier(self, barrier_id: int, fields: Mapping[str, Any] | None = None) -> None:
         self.barriers[barrier_id] = dict(fields or {})
-        self.sock.send_multipart(encode("barrier", {**self.barriers[barrier_id], "id": barrier_id}))
+        self.channel.send(encode("barrier", {**self.barriers[barrier_id], "id": barrier_id}))
 
     def resend_barriers(self, *, last_only: bool = False) -> None:
         """Say the unanswered barriers again (all, or the last), in order: the daemon
         may have lost them with a restart or a dropped connection."""
         ids = sorted(self.barriers)
         for barrier_id in ids[-1:] if last_only else ids:
-            self.sock.send_multipart(
-                encode("barrier", {**self.barriers[barrier_id], "id": barrier_id})
-            )
+            self.channel.send(encode("barrier", {**self.barriers[barrier_id], "id": barrier_id}))
 
     def receive(
         self, now: float, malformed: Callable[[ProtocolError], None]
@@ -128,11 +128,7 @@ class EmitterSocket:
         what the link made of it (None: the owner's to handle). The link has had it, and
         what it answered is sent, before it is yielded; one that does not decode goes to
         `malformed` instead."""
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        while (frames := self.channel.recv()) is not None:
             try:
                 message = decode(frames, self.limits)
             except ProtocolError as exc:
@@ -156,6 +152,6 @@ class EmitterSocket:
     def bye(self) -> None:
         """Tell the daemon we are gone, if the socket takes it now."""
         try:
-            self.sock.send_multipart(encode("bye", {}), zmq.NOBLOCK)
+            self.channel.send(encode("bye", {}), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass

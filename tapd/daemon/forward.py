@@ -131,7 +131,7 @@ class Forwarder:
         self._held: dict[int, _Forwarded] = {}
         self._barrier_ids = itertools.count()
         self._last_warning = self._last_sent = now
-        router.add_local_subscriber(self.key, self.name, ["*"], self._take, now)
+        router.add_local_subscriber(self.key, self.name, ["*"], self._take)
         what = "with CurveZMQ" if keys else "unauthenticated" if config.insecure else "over ipc"
         logger.info("forwarding every tap to %s (%s)", self.endpoint, what)
 
@@ -153,7 +153,7 @@ class Forwarder:
 
     def flush(self, now: float) -> None:
         """Send what the upstream's credit allows, then a barrier behind it."""
-        if self.key not in self.router.subscribers:
+        if not self.router.has_subscriber(self.key):
             return  # stopped: forwarding to ourselves, or shut down
         link = self.link
         batch: list[_Forwarded] = []
@@ -196,7 +196,7 @@ class Forwarder:
         self.connection.send_barrier(barrier)
         self._last_sent = time.monotonic()
         self.unconfirmed.append((barrier, batch))
-        self.router.counters["forward_sent"] += len(batch)
+        self.router.count("forward_sent", len(batch))
 
     def _malformed(self, exc: ProtocolError) -> None:
         self.router.reject(exc.reason, f"from the upstream at {self.endpoint}: {exc}")
@@ -263,7 +263,7 @@ class Forwarder:
             return
         self.outbox = collections.deque(sorted([*again, *self.outbox], key=lambda i: i.tid))
         self.outbox_bytes += sum(item.nbytes for item in again)
-        self.router.counters["forward_resent"] += len(again)
+        self.router.count("forward_resent", len(again))
 
     def _confirmed(self, header: dict[str, Any], now: float) -> None:
         """The upstream finished every tap it received before barrier `id`, and says
@@ -321,14 +321,14 @@ class Forwarder:
                 "in %s, not logged (the emitters' barriers count them as %s)",
                 self.endpoint, what, counter, "unrouted" if outcome == "unrouted" else "dropped",
             )  # fmt: skip
-        self.router.counters[counter] += taps
+        self.router.count(counter, taps)
         if outcome != "lost":
-            self.router.counters["forward_confirmed"] += taps
+            self.router.count("forward_confirmed", taps)
 
     def _acknowledge(self, now: float) -> None:
         """Acknowledge to the router, in tid order, every tap whose fate is known; with
         handler errors, and which ones the upstream dropped or had no subscriber for."""
-        if self.key not in self.router.subscribers:
+        if not self.router.has_subscriber(self.key):
             return
         held = self._held
         finished = []
@@ -388,4 +388,4 @@ class Forwarder:
             )
         self.connection.bye()
         # Taps counted lost are not sent on after all; otherwise a bounded linger.
-        self.socket.close(linger=0 if unsent else 1000)
+        self.connection.channel.close(linger=0 if unsent else 1000)

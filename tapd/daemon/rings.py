@@ -13,6 +13,7 @@ import bisect
 import collections
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -162,8 +163,7 @@ class RingSource:
 
     def drain(self, router: Router) -> int:
         """Hand committed records to the router, in order, while it can take them."""
-        emitter = router.emitters.get(self.key)
-        if emitter is None or emitter.parked:
+        if not router.takes_from(self.key):
             return 0  # under "block", a full subscriber queue stops us here
         try:
             span, records = self.ring.read_span(self.read_position, _RECORDS_PER_POLL)
@@ -209,7 +209,7 @@ class RingSource:
             self.read_position = last_end
             taken += end - first
             first = end
-            if emitter.parked:
+            if not router.takes_from(self.key):
                 break
         self._release_barriers(router)
         return taken
@@ -218,12 +218,10 @@ class RingSource:
         """Tell a writer that waits for ring space why the oldest record not released
         is held (written to the ring's control page when it changes; ring.h, kHeld*)."""
         if reason is None:
-            emitter = router.emitters.get(self.key)
-            if emitter is None:
+            if not router.knows_emitter(self.key):
                 reason = "not_read"
-            elif emitter.parked:
-                in_grace = router.hold_unrouted_until > time.monotonic()
-                reason = "grace" if in_grace else "queue_full"
+            elif not router.takes_from(self.key):  # its taps wait for queue room
+                reason = "grace" if router.in_grace() else "queue_full"
             elif self._in_router:
                 reason = "unacked"
             else:
@@ -257,15 +255,16 @@ class RingSource:
 
     def release_delivered(self, router: Router) -> None:
         """Give writers back the space of every tap the router has finished."""
-        emitter = router.emitters.get(self.key)
         # (under the spool policy, also taps copied to the spools of the subscribers
         # that still have them: `Router.safe_low`)
-        low = router.safe_low(emitter) if emitter is not None else None
+        low = router.safe_low(self.key)
         end = None
         while self._in_router and (low is None or self._in_router[0][0] < low):
             end = self._in_router.popleft()[1]
         if end is not None:
             self.ring.release(end)
+        # (finished units below the first one it still holds: none in the ring any more)
+        router.released(self.key, self._in_router[0][0] if self._in_router else None)
 
     def finished(self) -> bool:
         """The writer is gone and everything it committed was read and delivered."""
@@ -327,6 +326,7 @@ class RingSet:
                     del self.sources[source.key]
                     source.key = key
                     self.sources[key] = source
+                router.watch_ring(key, functools.partial(source.release_delivered, router))
                 return
         try:
             source = RingSource(key, ring_path, sites_path, identity)
@@ -334,8 +334,9 @@ class RingSet:
             router.reject("bad_ring", str(exc))
             return
         self.sources[key] = source
-        in_grace = router.hold_unrouted_until > time.monotonic()  # (no ring is read until then)
-        source.say_held(router, "grace" if in_grace else "not_read")
+        router.watch_ring(key, functools.partial(source.release_delivered, router))
+        # (No ring is read in the grace.)
+        source.say_held(router, "grace" if router.in_grace() else "not_read")
         logger.info(
             "draining ring %s of emitter pid %d from position %d",
             ring_path,
@@ -367,6 +368,7 @@ class RingSet:
                 continue
             source.writer_gone = True
             router.adopt(key, f"dead emitter pid {source.writer_pid}")
+            router.watch_ring(key, functools.partial(source.release_delivered, router))
             self.sources[key] = source
             logger.warning(
                 "found the ring of dead emitter pid %d: draining %d bytes, then removing it",

@@ -24,6 +24,7 @@ import msgpack
 import zmq
 
 from tapd import security
+from tapd.channel import Channel
 from tapd.config import Config
 from tapd.daemon.forward import Forwarder
 from tapd.daemon.metrics import MetricsServer, Snapshots
@@ -46,7 +47,7 @@ class Daemon:
         self.config = config
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._context = zmq.Context()
-        self._sockets: list[zmq.Socket[Any]] = []
+        self._channels: list[Channel] = []  # the bound sockets, by index (peer keys)
         self._stop = threading.Event()
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -112,7 +113,7 @@ class Daemon:
                 sock.close(linger=0)
                 self.close()
                 raise OSError(f"cannot bind {endpoint}: {exc}") from exc
-            self._sockets.append(sock)
+            self._channels.append(Channel(sock, endpoint))
             self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         if self.config.tcp and self.config.insecure:
             logger.warning(
@@ -180,7 +181,7 @@ class Daemon:
         return stats
 
     def serve(self, on_ready: Callable[[list[str]], None] | None = None) -> None:
-        if not self._sockets:
+        if not self._channels:
             self.bind()
         logger.info(
             "tapd daemon %s serving on %s (policy %s)",
@@ -191,8 +192,8 @@ class Daemon:
         if on_ready is not None:
             on_ready(self.endpoints)
         poller = zmq.Poller()
-        for sock in self._sockets:
-            poller.register(sock, zmq.POLLIN)
+        for channel in self._channels:
+            poller.register(channel.socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
         if self.zap is not None:
             poller.register(self.zap.socket, zmq.POLLIN)
@@ -223,9 +224,9 @@ class Daemon:
         try:
             while True:
                 events = dict(poller.poll(timeout=self._poll_timeout(quiet_rounds)))
-                for index, sock in enumerate(self._sockets):
-                    if sock in events:
-                        self._read(index, sock)
+                for index, channel in enumerate(self._channels):
+                    if channel.socket in events:
+                        self._read(index, channel)
                 if self._wake_read in events:
                     _drain_pipe(self._wake_read)
                 if wake is not None and wake.fileno() in events:
@@ -237,8 +238,9 @@ class Daemon:
                         monitor.handle()
                 if self.zap is not None:
                     refused = self.zap.refused + sum(m.refused for m in self.handshakes)
-                    if refused:
-                        self.router.counters["auth_refused"] = refused
+                    more = refused - self.router.counters["auth_refused"]
+                    if more > 0:  # (a running total of the handlers')
+                        self.router.count("auth_refused", more)
                 now = time.monotonic()
                 if forwarder is not None and forwarder.socket in events:
                     forwarder.receive(now)
@@ -281,14 +283,14 @@ class Daemon:
         return _IDLE_POLL_MS if self.rings.sleep() else 1
 
     def _report_undelivered(self) -> None:
+        self.router.stop_releasing()  # what rings still hold stays for the next daemon
         self.router.close_spools()  # what is spooled stays for the next daemon
-        for key in list(self.router.subscribers):
-            self.router.drop_subscriber(key, "was still connected at shutdown", shutdown=True)
+        self.router.drop_all_subscribers("was still connected at shutdown")
         try:  # emitters learn the final totals (they outlive this daemon, maybe)
             self.router.flush_credit(final=True)
         except zmq.ZMQError:
             pass
-        parked = sum(len(e.parked) for e in self.router.emitters.values())
+        parked = self.router.parked_taps()
         if parked:
             logger.error(
                 "%d taps were still waiting for queue room at shutdown and are lost", parked
@@ -308,9 +310,9 @@ class Daemon:
         for monitor in self.handshakes:
             monitor.close()
         self.handshakes.clear()
-        for sock in self._sockets:
-            sock.close(linger=1000)
-        self._sockets.clear()
+        for channel in self._channels:
+            channel.close(linger=1000)
+        self._channels.clear()
         for endpoint in self.endpoints:
             if endpoint.startswith("ipc://"):  # libzmq leaves the socket file behind
                 Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
@@ -335,19 +337,18 @@ class Daemon:
         if not isinstance(index, int):  # an orphaned ring's emitter: no peer to tell
             return False
         try:
-            self._sockets[index].send_multipart([identity, *frames], copy=False)
+            self._channels[index].send([identity, *frames], copy=False)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 return False
             raise
         return True
 
-    def _read(self, index: int, sock: zmq.Socket[Any]) -> None:
+    def _read(self, index: int, channel: Channel) -> None:
         now = time.monotonic()
         for _ in range(_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = channel.recv()
+            if frames is None:
                 return
             key = (index, frames[0].bytes)
             try:
@@ -368,7 +369,7 @@ class Daemon:
         tell it (as an `error`, which its barrier_wait raises) and credit back the
         array bytes it spent on it, so that its window does not shrink for good."""
         self.router.reject(exc.reason, str(exc))
-        if key not in self.router.emitters:
+        if not self.router.knows_emitter(key):
             return
         consumer, seq, is_tap = "?", -1, False
         if len(frames) >= 2 and len(frames[1]) <= 4 * self.limits.max_header_bytes:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from tapd.consumers import MAX_NAME
 from tapd.emitter import (
     jax_compat,
     lifecycle,
@@ -35,7 +36,7 @@ from tapd.protocol.schema import check_static_size
 logger = logging.getLogger("tapd.emitter")
 
 _META_TYPES = (str, int, float, bool, type(None))
-_MAX_CONSUMER_LENGTH = 256
+_MAX_CONSUMER_LENGTH = MAX_NAME
 # Whether taps keep program order (an ordered effect) when `tap` is not told: None is the
 # emitter setting (TAPD_ORDERED, default on). bench/overhead_probe.py sets it for one
 # variant, to measure what the order costs. Read when a tap is traced.

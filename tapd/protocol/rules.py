@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tapd.consumers import MAX_NAME
 from tapd.errors import ProtocolError
 
 
@@ -23,7 +24,7 @@ class Limits:
     max_ndim: int = 32
     max_message_bytes: int = 1 << 30
     max_batch: int = 4096  # taps in one `taps` message
-    max_name: int = 256  # consumer names and patterns, host and subscriber names
+    max_name: int = MAX_NAME  # consumer names and patterns, host and subscriber names
     max_id: int = 512  # daemon ids, emitter names ("host:pid"), forwarder ids
     max_text: int = 8192  # an error's text
     max_patterns: int = 1024  # consumer patterns in a subscriber's hello

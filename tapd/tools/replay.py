@@ -29,6 +29,7 @@ import zmq
 
 from tapd.clients import emitter_socket
 from tapd.clients.emitter_socket import EmitterSocket
+from tapd.consumers import matches_any
 from tapd.errors import ProtocolError, TapdError
 from tapd.protocol import encode
 from tapd.tools.recording import RecordedTap, read_recording
@@ -75,7 +76,7 @@ def replay(
         for tap in read_recording(directory):
             if stop.is_set():
                 break
-            if names and not _matches(names, tap.header["consumer"]):
+            if names and not matches_any(names, tap.header["consumer"]):
                 continue
             if speed is not None:
                 first = first or (time.monotonic(), tap.header["time"])
@@ -97,10 +98,6 @@ def replay(
         sock.close(linger=1000)
         result.seconds = time.monotonic() - started
     return result
-
-
-def _matches(patterns: Sequence[str], consumer: str) -> bool:
-    return any(consumer == p or (p.endswith("*") and consumer.startswith(p[:-1])) for p in patterns)
 
 
 # A recorded tap's fields that are sent as they were recorded (meta is amended).

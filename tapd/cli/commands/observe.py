@@ -43,8 +43,8 @@ def register(commands: Any) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from tapd.cli.summary import summarize
     from tapd.clients import control
-    from tapd.daemon.router import summarize
 
     address = endpoint(args)
     try:

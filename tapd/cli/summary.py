@@ -1,0 +1,21 @@
+"""`tapd status`: a daemon's stats (its `stats_reply`) as lines for people."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def summarize(stats: dict[str, Any]) -> Sequence[str]:
+    """Human-readable lines for `tapd status`."""
+    counters = stats["counters"]
+    lines = [", ".join(f"{k}={v}" for k, v in sorted(counters.items())) or "no traffic yet"]
+    lines += [f"emitter {e['name']}: {e}" for e in stats["emitters"]]
+    lines += [f"subscriber {s['name']}: {s}" for s in stats["subscribers"]]
+    lines += [f"{g['name']}: {g}" for g in stats.get("groups", [])]
+    lines += [f"ring {r['path']}: {r}" for r in stats.get("rings", [])]
+    if forward := stats.get("forward"):
+        lines.append(f"forward to {forward['endpoint']}: {forward}")
+    if metrics := stats.get("metrics"):
+        lines.append(f"Prometheus metrics at {metrics}")
+    return lines
