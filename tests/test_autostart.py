@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import native_unavailable, tapd_cmd, wait_until
+from conftest import native_unavailable, tapd_cmd, wait_until
 
 PY = sys.executable
 
@@ -120,7 +120,7 @@ def test_eight_processes_that_start_at_once_share_one_daemon(
 ) -> None:
     probe = (
         "from tapd.autostart import ensure_daemon; from tapd.runtime import "
-        "default_endpoint; from tapd import control; ensure_daemon(default_endpoint()); "
+        "default_endpoint; from tapd.clients import control; ensure_daemon(default_endpoint()); "
         "print(control.stats(default_endpoint())['pid'])"
     )
     processes = [

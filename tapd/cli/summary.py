@@ -10,6 +10,13 @@ def summarize(stats: dict[str, Any]) -> Sequence[str]:
     """Human-readable lines for `tapd status`."""
     counters = stats["counters"]
     lines = [", ".join(f"{k}={v}" for k, v in sorted(counters.items())) or "no traffic yet"]
+    started = stats.get("started") or {}
+    idle = started.get("idle_exit")
+    leaves = f"; stops after {idle:g} s without clients" if idle is not None else ""
+    if started.get("on_demand"):
+        lines.insert(0, f"started on demand by pid {started.get('by')}{leaves}")
+    elif leaves:
+        lines.insert(0, f"started by hand{leaves}")
     lines += [f"emitter {e['name']}: {e}" for e in stats["emitters"]]
     lines += [f"subscriber {s['name']}: {s}" for s in stats["subscribers"]]
     lines += [f"{g['name']}: {g}" for g in stats.get("groups", [])]

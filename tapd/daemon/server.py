@@ -27,6 +27,7 @@ from tapd import security
 from tapd.channel import Channel
 from tapd.config import Config
 from tapd.daemon.forward import Forwarder
+from tapd.daemon.idle import IdleExit
 from tapd.daemon.metrics import MetricsServer, Snapshots
 from tapd.daemon.rings import RingSet, pid_alive, sweep_stale_rings
 from tapd.daemon.router import Router
@@ -174,6 +175,11 @@ class Daemon:
         """What `tapd status --json` shows (on the loop's thread only)."""
         stats = {**self.router.stats(), "rings": self.rings.stats(), "daemon": self.id,
                  "pid": os.getpid()}  # fmt: skip
+        stats["started"] = {
+            "on_demand": self.config.started_by is not None,
+            "by": self.config.started_by,
+            "idle_exit": self.config.idle_limit,
+        }
         if self.forwarder is not None:
             stats["forward"] = self.forwarder.stats()
         if self.metrics is not None:
@@ -220,6 +226,7 @@ class Daemon:
         # down reconnect, and forwarders send what they held for it (docs/PROTOCOL.md).
         self.router.hold_unrouted_until = rings_from
         drain_deadline: float | None = None
+        idle_exit = IdleExit(self.config.idle_limit, last_check)
         quiet_rounds = 0
         try:
             while True:
@@ -257,6 +264,11 @@ class Daemon:
                     forwarder.flush(now)
                 self.router.flush_credit()
                 self.snapshots.answer(self.stats)  # scrapes of --metrics, if any wait
+                if not self._stop.is_set() and idle_exit.due(self._has_clients(), now):
+                    logger.info(
+                        "no emitters and no subscribers for %g s: stopping", idle_exit.limit
+                    )
+                    self._stop.set()
                 if self._stop.is_set():
                     if drain_deadline is None:
                         drain_deadline = now + self.config.drain_timeout
@@ -266,6 +278,12 @@ class Daemon:
         finally:
             self._report_undelivered()
             self.close()
+
+    def _has_clients(self) -> bool:
+        router = self.router
+        return (
+            bool(router.emitters or router.subscribers or self.rings.sources) or not router.idle()
+        )
 
     def _poll_timeout(self, quiet_rounds: int) -> int:
         """Milliseconds to wait for a socket. Rings have no file descriptor to wait on:
