@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 
 from tapd.config import Config
+from tapd.daemon.bounds import bound_upstream
 from tapd.daemon.router import Router
 from tapd.errors import ConfigError, ProtocolError
 from tapd.protocol import MAGIC, Limits, Message, decode, encode
@@ -99,6 +100,7 @@ class Forwarder:
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # bounded by the upstream's credit window
         self.socket.setsockopt(zmq.RCVHWM, 0)
+        bound_upstream(self.socket, self.limits)  # only headers come back from upstream
         # One identity for this daemon's lifetime, so that after a reconnection the
         # upstream still knows us (it keys its emitters by identity, and lets a new
         # connection take the identity over from a dead one); heartbeats find a

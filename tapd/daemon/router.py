@@ -463,12 +463,14 @@ class Router:
         *,
         credit_bytes: int = 0,
         tap: bool = True,
+        report: bool = True,
     ) -> int:
         """A tap of emitter `key` that this daemon refused (malformed, too large for its
         subscribers): reported to the emitter as an `error`, so that its barrier_wait
         raises, counted dropped, and finished at once; its bytes are credited back.
         Returns its index (ring records are released by index). `tap=False`: another
-        message of the emitter's, refused: only reported."""
+        message of the emitter's, refused: only reported. `report=False`: counted, not
+        reported (the peer had its share of errors: tapd/daemon/bounds.py)."""
         emitter = self.emitters.get(key)
         if emitter is None:
             return -1
@@ -479,7 +481,9 @@ class Router:
             emitter.dropped += 1
             self.counters["taps_refused"] += 1
         emitter.credit_due += credit_bytes
-        if not emitter.gone:
+        if not report:
+            self.counters["refusals_unreported"] += 1
+        elif not emitter.gone:
             self._send(key, encode("error", {
                 "consumer": consumer, "seq": seq, "error": error, "subscriber": "tapd daemon",
                 "emitter": emitter.name, "device": None,

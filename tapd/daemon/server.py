@@ -25,6 +25,7 @@ import zmq
 
 from tapd import security
 from tapd.config import Config
+from tapd.daemon.bounds import DepartedEmitters, ReplyBudget, bound_listener
 from tapd.daemon.forward import Forwarder
 from tapd.daemon.metrics import MetricsServer, Snapshots
 from tapd.daemon.rings import RingSet, pid_alive, sweep_stale_rings
@@ -72,6 +73,8 @@ class Daemon:
         self.forwarder: Forwarder | None = None
         self.metrics: MetricsServer | None = None  # --metrics
         self.snapshots = Snapshots(self._wake_for_scrape)
+        self.replies = ReplyBudget()  # errors sent back for refused messages, per peer
+        self.departed = DepartedEmitters(self._send)
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -99,10 +102,7 @@ class Daemon:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 0)  # bounded by credit windows, not message counts
-            sock.setsockopt(zmq.RCVHWM, 0)
-            # A hard ceiling far above the protocol limit, so a runaway peer cannot make
-            # us allocate without bound; the protocol limit itself is checked and counted.
-            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes + (1 << 20))
+            bound_listener(sock, self.limits)  # largest frame, messages read ahead
             if endpoint.startswith("tcp://") and not self.config.insecure:
                 self._secure(sock)
                 self.handshakes.append(security.HandshakeMonitor(sock))
@@ -173,6 +173,8 @@ class Daemon:
         """What `tapd status --json` shows (on the loop's thread only)."""
         stats = {**self.router.stats(), "rings": self.rings.stats(), "daemon": self.id,
                  "pid": os.getpid()}  # fmt: skip
+        stats["bounds"] = {"reply_budgets": len(self.replies),
+                           "departed_emitters": self.departed.forgotten}  # fmt: skip
         if self.forwarder is not None:
             stats["forward"] = self.forwarder.stats()
         if self.metrics is not None:
@@ -246,6 +248,8 @@ class Daemon:
                     self.router.expire(now, self.config.subscriber_timeout)
                     self.rings.check_writers(self.router)
                     self.router.forget_dead_emitters(pid_alive, self.rings.sources)
+                    self.departed.check(self.router, self.rings.sources, now)
+                    self.replies.forget(self.router.emitters)
                     last_check = now
                 self.router.unpark()
                 moved = self.rings.poll(self.router) if now >= rings_from else 0
@@ -384,7 +388,8 @@ class Daemon:
                     seq = header["seq"]
         error = f"the tapd daemon rejected a message from this emitter: {exc}"[:4000]
         credit = sum(len(f) for f in frames[2:]) if is_tap else 0
-        self.router.refused(key, consumer, seq, error, credit_bytes=credit, tap=is_tap)
+        self.router.refused(key, consumer, seq, error, credit_bytes=credit, tap=is_tap,
+                            report=self.replies.allow(key, time.monotonic()))
 
     def _dispatch(self, key: Any, index: int, message: Any, now: float) -> None:
         router = self.router
