@@ -175,9 +175,9 @@ def test_a_long_hostile_run_leaves_memory_and_peer_tables_where_they_were(
     # Unbounded, libzmq queued the unread frames and every answer to the rogues that
     # never read them: +60 MiB at the peak here, and for as long as they stay connected.
     peak = status_kib(daemon, "VmHWM") / 1024 - start_mib
-    assert peak < 16, f"the peak RSS grew by {peak:.0f} MiB ({start_mib:.0f} MiB before)"
+    assert peak < 24, f"the peak RSS grew by {peak:.0f} MiB ({start_mib:.0f} MiB before)"
     grown = status_kib(daemon, "VmRSS") / 1024 - start_mib
-    assert grown < 8, f"RSS grew by {grown:.0f} MiB over the run ({start_mib:.0f} MiB before)"
+    assert grown < 16, f"RSS grew by {grown:.0f} MiB over the run ({start_mib:.0f} MiB before)"
     counters = daemon.counters()
     assert counters["taps_refused"] >= 1000 + 50_000
     assert counters["refusals_unreported"] > 0  # the rogue emitter had its share of errors
