@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from test_hostile_input import TAP_FIELDS, Probe, a_normal_tap_arrives
@@ -184,3 +185,29 @@ def test_a_long_hostile_run_leaves_memory_and_peer_tables_where_they_were(
     assert daemon.stats()["bounds"]["departed_emitters"] >= 1000
     normal_tap_arrives(daemon, raw_peer, 4.0)
     assert time.monotonic() - started < 120
+
+
+def test_taps_of_ever_new_names_leave_no_table_behind(
+    start_daemon: Callable[..., Daemon], raw_peer: Callable[[str], zmq.Socket[bytes]]
+) -> None:
+    """Valid taps, each of a consumer name never seen before (no subscriber wants them):
+    what the router memoizes per name stays bounded."""
+    daemon = start_daemon()
+    emitter = raw_peer(daemon.endpoint)
+    emitter.setsockopt(zmq.SNDHWM, 0)
+    emitter.send_multipart(EMITTER_HELLO)
+    arrays = [np.zeros(1, np.float32)]
+
+    def send(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            name = f"n{i:06d}" + "x" * 200
+            emitter.send_multipart(encode("tap", {**TAP_FIELDS, "consumer": name}, arrays))
+        wait_until(lambda: daemon.counters().get("taps_unrouted", 0) >= first + count,
+                   f"{first + count} taps unrouted", timeout=60)  # fmt: skip
+
+    send(0, 5000)  # the allocator's pools, warmed
+    start_mib = status_kib(daemon, "VmRSS") / 1024
+    send(5000, 50_000)
+    grown = status_kib(daemon, "VmRSS") / 1024 - start_mib
+    # One memo entry per name, unbounded: +21 MiB here.
+    assert grown < 10, f"RSS grew by {grown:.0f} MiB over 50,000 names"

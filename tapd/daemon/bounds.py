@@ -12,7 +12,8 @@ that matter are set on the sockets, before a byte is read:
 - what the daemon sends back to a peer that does not read: the errors for its refused
   messages come in a burst, then a few a second (`ReplyBudget`), the rest only counted;
 - emitters whose connection is gone without a `bye` (another host's emitter, killed)
-  are found by a probe that ZeroMQ cannot deliver (`DepartedEmitters`), and forgotten.
+  are found by a probe that ZeroMQ cannot deliver (`DepartedEmitters`), and forgotten;
+- what the router memoizes per consumer and emitter name (router.py, `_TARGETS_CACHED`).
 """
 
 from __future__ import annotations

@@ -46,6 +46,9 @@ _IN_FLIGHT_BYTES = 64 * 2**20
 _FORWARDER_SILENCE_MIN = 5.0  # seconds; forwarders send a barrier every second
 _SPOOL_OVERHEAD = 4096  # bytes a spool record takes beyond its arrays (headers), roughly
 _SPOOL_RETRY = 5.0  # seconds after a spool write error (a full disk) before trying again
+# Consumer and emitter names whose routing targets are memoized: a peer may send taps of
+# a million distinct names; past this many the memo starts again (tapd/daemon/bounds.py).
+_TARGETS_CACHED = 4096
 
 
 _NO_TAP = Message({"kind": "tap", "consumer": ""})  # a spooled unit counted lost unread
@@ -312,6 +315,8 @@ class Router:
                 targets += [s for s in self.subscribers.values() if s not in targets
                             and s.fallback_for == emitter.name
                             and _matches(s.fallback, consumer)]  # fmt: skip
+            if len(self._targets_cache) >= _TARGETS_CACHED:  # (names are the peers' to pick)
+                self._targets_cache.clear()
             self._targets_cache[key] = targets
         return targets
 
