@@ -173,8 +173,8 @@ class Daemon:
         """What `tapd status --json` shows (on the loop's thread only)."""
         stats = {**self.router.stats(), "rings": self.rings.stats(), "daemon": self.id,
                  "pid": os.getpid()}  # fmt: skip
-        stats["bounds"] = {"reply_budgets": len(self.replies),
-                           "departed_emitters": self.departed.forgotten}  # fmt: skip
+        bounds = {"reply_budgets": len(self.replies), "departed_emitters": self.departed.forgotten}
+        stats["bounds"] = bounds  # per-peer tables beside the router's (tapd/daemon/bounds.py)
         if self.forwarder is not None:
             stats["forward"] = self.forwarder.stats()
         if self.metrics is not None:
@@ -388,8 +388,10 @@ class Daemon:
                     seq = header["seq"]
         error = f"the tapd daemon rejected a message from this emitter: {exc}"[:4000]
         credit = sum(len(f) for f in frames[2:]) if is_tap else 0
-        self.router.refused(key, consumer, seq, error, credit_bytes=credit, tap=is_tap,
-                            report=self.replies.allow(key, time.monotonic()))
+        report = self.replies.allow(key, time.monotonic())  # past its share: only counted
+        self.router.refused(
+            key, consumer, seq, error, credit_bytes=credit, tap=is_tap, report=report
+        )
 
     def _dispatch(self, key: Any, index: int, message: Any, now: float) -> None:
         router = self.router
