@@ -70,3 +70,32 @@ def test_kubernetes_pod_shares_its_process_namespace() -> None:
     documents = yaml.safe_load_all((ROOT / "deploy/k8s/tapd-job.yaml").read_text())
     [job] = [d for d in documents if d["kind"] == "Job"]
     assert job["spec"]["template"]["spec"]["shareProcessNamespace"] is True
+
+
+def unit_settings(text: str) -> dict[str, list[str]]:
+    settings: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", ";", "[")) and "=" in line:
+            key, value = line.split("=", 1)
+            settings.setdefault(key.strip(), []).append(value.strip())
+    return settings
+
+
+def test_systemd_unit_leaves_dev_shm_to_the_daemon() -> None:
+    """The rings are in /dev/shm; the daemon there must see and remove the jobs' files.
+    PrivateDevices=yes keeps the host's /dev/shm, writable (systemd.exec(5): only the
+    new /dev itself is read-only; src/core/namespace.c bind-mounts /dev/shm into it and
+    leaves submounts like it writable); these settings would take it away."""
+    from tapd.runtime import SHM_DIR, ring_dir_for
+
+    settings = unit_settings((ROOT / "deploy/systemd/tapd.service").read_text())
+    [runtime] = [v for v in settings["Environment"] if v.startswith("TAPD_RUNTIME_DIR=")]
+    if SHM_DIR.is_dir():  # where the daemon of the unit's endpoint looks for rings
+        ring_dir = ring_dir_for(f"ipc://{runtime.split('=', 1)[1]}/tapd.sock")
+        assert ring_dir is not None and ring_dir.parent == SHM_DIR
+    assert settings.get("RemoveIPC", ["no"]) == ["no"]
+    for key in ("InaccessiblePaths", "ReadOnlyPaths", "TemporaryFileSystem", "BindReadOnlyPaths"):
+        for value in settings.get(key, []):
+            paths = [p.lstrip("-+").split(":")[0] for p in value.split()]
+            assert not any(p in ("/dev", "/dev/shm", "/dev/shm/") for p in paths), (key, value)

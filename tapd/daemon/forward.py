@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -37,6 +38,7 @@ import zmq
 from tapd.clients import emitter_socket
 from tapd.clients.emitter_socket import EmitterSocket
 from tapd.config import Config
+from tapd.daemon.bounds import bound_upstream
 from tapd.daemon.router import Router
 from tapd.errors import ConfigError, ProtocolError
 from tapd.protocol import MAGIC, Limits, Message
@@ -103,7 +105,7 @@ class Forwarder:
             self.socket = emitter_socket.connect(
                 context,
                 self.endpoint,
-                secure=keys.apply if keys is not None else lambda sock: None,
+                secure=functools.partial(_prepare_upstream, keys=keys, limits=self.limits),
                 routing_id=f"tapd-forward:{daemon_id}".encode(),
             )
         except zmq.ZMQError as exc:
@@ -389,3 +391,11 @@ class Forwarder:
         self.connection.bye()
         # Taps counted lost are not sent on after all; otherwise a bounded linger.
         self.connection.channel.close(linger=0 if unsent else 1000)
+
+
+def _prepare_upstream(sock: zmq.Socket[Any], *, keys: ClientKeys | None, limits: Limits) -> None:
+    """Before the forwarder's socket connects: only headers come back from upstream,
+    so it takes header-sized frames; and the keys of a tcp:// upstream."""
+    bound_upstream(sock, limits)
+    if keys is not None:
+        keys.apply(sock)

@@ -96,12 +96,15 @@ class Ledger:
         *,
         credit_bytes: int = 0,
         tap: bool = True,
+        report: bool = True,
     ) -> int:
         """A tap of emitter `key` that this daemon refused (malformed, too large for its
         subscribers): reported to the emitter as an `error`, so that its barrier_wait
         raises, counted dropped, and finished at once; its bytes are credited back.
         Returns its index (ring records are released by index). `tap=False`: another
-        message of the emitter's, refused: only reported. -1: an emitter not known."""
+        message of the emitter's, refused: only reported. `report=False`: counted, not
+        reported (the peer had its share of errors: tapd/daemon/bounds.py). -1: an
+        emitter not known."""
         emitter = self.emitters.get(key)
         if emitter is None:
             return -1
@@ -112,7 +115,9 @@ class Ledger:
             self.outcomes(emitter, index, 0, 1, 0)
             self.count("taps_refused")
         emitter.credit_due += credit_bytes
-        if not emitter.gone:
+        if not report:
+            self.count("refusals_unreported")
+        elif not emitter.gone:
             fields = {
                 "consumer": consumer,
                 "seq": seq,

@@ -30,6 +30,9 @@ from tapd.protocol import Message, encode
 from tapd.protocol.wire import DEFAULT_LIMITS
 
 logger = logging.getLogger("tapd.daemon")
+# Consumer and emitter names whose routing targets are memoized: a peer may send taps of
+# a million distinct names; past this many the memo starts again (tapd/daemon/bounds.py).
+_TARGETS_CACHED = 4096
 
 _HOSTNAME = socket.gethostname()  # emitters that say this host are local: pids checkable
 _FORWARDER_SILENCE_MIN = 5.0  # seconds; forwarders send a barrier every second
@@ -274,6 +277,8 @@ class Router:
                     for t in every
                     if t not in targets and t.subscription.falls_back(consumer, emitter.name)
                 ]
+            if len(self._table) >= _TARGETS_CACHED:  # (names are the peers' to pick)
+                self._table.clear()
             self._table[key] = targets
         return targets
 

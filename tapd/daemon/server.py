@@ -26,6 +26,7 @@ import zmq
 from tapd import security
 from tapd.channel import Channel
 from tapd.config import Config
+from tapd.daemon.bounds import DepartedEmitters, ReplyBudget, bound_listener
 from tapd.daemon.forward import Forwarder
 from tapd.daemon.idle import IdleExit
 from tapd.daemon.metrics import MetricsServer, Snapshots
@@ -74,6 +75,8 @@ class Daemon:
         self.forwarder: Forwarder | None = None
         self.metrics: MetricsServer | None = None  # --metrics
         self.snapshots = Snapshots(self._wake_for_scrape)
+        self.replies = ReplyBudget()  # errors sent back for refused messages, per peer
+        self.departed = DepartedEmitters(self._send)
 
     # ---- lifecycle ------------------------------------------------------------------
 
@@ -101,10 +104,7 @@ class Daemon:
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 0)  # bounded by credit windows, not message counts
-            sock.setsockopt(zmq.RCVHWM, 0)
-            # A hard ceiling far above the protocol limit, so a runaway peer cannot make
-            # us allocate without bound; the protocol limit itself is checked and counted.
-            sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.config.max_message_bytes + (1 << 20))
+            bound_listener(sock, self.limits)  # largest frame, messages read ahead
             if endpoint.startswith("tcp://") and not self.config.insecure:
                 self._secure(sock)
                 self.handshakes.append(security.HandshakeMonitor(sock))
@@ -180,6 +180,8 @@ class Daemon:
             "by": self.config.started_by,
             "idle_exit": self.config.idle_limit,
         }
+        bounds = {"reply_budgets": len(self.replies), "departed_emitters": self.departed.forgotten}
+        stats["bounds"] = bounds  # per-peer tables beside the router's (tapd/daemon/bounds.py)
         if self.forwarder is not None:
             stats["forward"] = self.forwarder.stats()
         if self.metrics is not None:
@@ -255,6 +257,8 @@ class Daemon:
                     self.router.expire(now, self.config.subscriber_timeout)
                     self.rings.check_writers(self.router)
                     self.router.forget_dead_emitters(pid_alive, self.rings.sources)
+                    self.departed.check(self.router, self.rings.sources, now)
+                    self.replies.forget(self.router.emitters)
                     last_check = now
                 self.router.unpark()
                 moved = self.rings.poll(self.router) if now >= rings_from else 0
@@ -403,7 +407,10 @@ class Daemon:
                     seq = header["seq"]
         error = f"the tapd daemon rejected a message from this emitter: {exc}"[:4000]
         credit = sum(len(f) for f in frames[2:]) if is_tap else 0
-        self.router.refused(key, consumer, seq, error, credit_bytes=credit, tap=is_tap)
+        report = self.replies.allow(key, time.monotonic())  # past its share: only counted
+        self.router.refused(
+            key, consumer, seq, error, credit_bytes=credit, tap=is_tap, report=report
+        )
 
     def _dispatch(self, key: Any, index: int, message: Any, now: float) -> None:
         router = self.router

@@ -171,6 +171,15 @@ def _drain_at_exit() -> None:
     sender.close(timeout=2.0)
     if sender.native is not None and sender.all_confirmed():
         sender.native.remove_files()  # all delivered; otherwise a daemon drains it later
-    undelivered = counts["sent"] - counts["delivered"] - counts["unrouted"]
+    # What no daemon confirmed delivered or unrouted: dropped (here or by a daemon), never
+    # confirmed (the barrier did not pass), or with a daemon that stopped before saying.
+    undelivered = counts["sent"] - counts["delivered"] - counts["unrouted"] - counts["unknown"]
     if counts["dropped"] or counts["daemon_dropped"] or undelivered > 0:
-        logger.error("tapd at exit: %s", counts)
+        logger.error("tapd at exit: not every tap was delivered: %s", counts)
+    elif counts["unknown"]:
+        logger.warning(
+            "tapd: at exit, %d taps went to a tapd daemon that stopped (killed?) before it "
+            "said whether they were delivered; its subscribers may have handled them: %s",
+            counts["unknown"],
+            counts,
+        )

@@ -71,7 +71,10 @@ class _Barrier:
 @dataclasses.dataclass
 class SenderStats:
     """Counts of this emitter's taps. `delivered`/`unrouted`/`daemon_dropped` are the
-    daemon's figures as of the last barrier."""
+    daemons' figures as of their last report (each tap counted once: never more than
+    were sent). `unknown`: once every tap sent is confirmed, those that no daemon
+    reported on: they were with a daemon that stopped (killed, crashed) before it said
+    what became of them, so they may have been delivered or lost."""
 
     submitted: int = 0
     sent: int = 0
@@ -79,6 +82,7 @@ class SenderStats:
     delivered: int = 0
     daemon_dropped: int = 0
     unrouted: int = 0
+    unknown: int = 0
     lost_in_flight_bytes: int = 0
     errors: int = 0
     buffered_bytes: int = 0
@@ -223,10 +227,21 @@ class Sender:
             return native["sent"] + native["dropped"]
         return self._stats.submitted
 
+    def _sent_locked(self) -> int:
+        return self.native.stats()["sent"] if self.native is not None else self._stats.sent
+
     def all_confirmed(self) -> bool:
         """True when a barrier has passed since the last tap was submitted."""
         with self._lock:
             return self._confirmed == self._submitted_locked()
+
+    def _unknown_locked(self, sent: int) -> int:
+        """Taps no daemon reported on, once all are confirmed, if a daemon restarted
+        while serving us (with one daemon, its totals cover every tap it confirmed)."""
+        if len(self._totals) < 2 or self._confirmed != self._submitted_locked():
+            return 0
+        known = self._stats.delivered + self._stats.daemon_dropped + self._stats.unrouted
+        return max(0, sent - known)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -239,6 +254,7 @@ class Sender:
                     dropped=native["dropped"],
                     blocked_ns=native["blocked_ns"],
                 )
+            stats["unknown"] = self._unknown_locked(stats["sent"])
             return stats
 
     def close(self, timeout: float) -> None:
@@ -353,8 +369,13 @@ class Sender:
         finished is neither forgotten nor counted again by the new one."""
         with self._lock:
             self._totals[daemon] = (header["delivered"], header["dropped"], header["unrouted"])
-            sums = [sum(column) for column in zip(*self._totals.values(), strict=True)]
-            self._stats.delivered, self._stats.daemon_dropped, self._stats.unrouted = sums
+            columns = zip(*self._totals.values(), strict=True)
+            delivered, dropped, unrouted = (sum(column) for column in columns)
+            # A ring tap one daemon finished but had not yet released is read again by
+            # the next after a restart, and counted by both: a tap is delivered once.
+            sent = self._sent_locked()
+            self._stats.delivered = max(0, min(delivered, sent - dropped - unrouted))
+            self._stats.daemon_dropped, self._stats.unrouted = dropped, unrouted
 
     def _abandon_queue(self) -> None:
         with self._lock:

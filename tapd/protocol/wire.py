@@ -95,9 +95,9 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     """Validate and decode one multipart message; raises ProtocolError."""
     if len(frames) < 2:
         raise ProtocolError("bad_frames", f"expected at least 2 frames, got {len(frames)}")
-    magic = bytes(_buffer(frames[0]))
-    if magic[:4] != MAGIC[:4] or len(magic) != len(MAGIC):
-        raise ProtocolError("bad_magic", f"first frame {magic[:16]!r} is not a tapd magic")
+    magic = _buffer(frames[0])  # (not copied: a peer may send anything here, of any size)
+    if len(magic) != len(MAGIC) or magic[:4] != MAGIC[:4]:
+        raise ProtocolError("bad_magic", f"first frame {bytes(magic[:16])!r} is not a tapd magic")
     if magic[4] != VERSION:
         raise ProtocolError("bad_version", f"protocol version {magic[4]}, expected {VERSION}")
     header = _unpack_header(_buffer(frames[1]), limits)
