@@ -99,3 +99,18 @@ def test_systemd_unit_leaves_dev_shm_to_the_daemon() -> None:
         for value in settings.get(key, []):
             paths = [p.lstrip("-+").split(":")[0] for p in value.split()]
             assert not any(p in ("/dev", "/dev/shm", "/dev/shm/") for p in paths), (key, value)
+
+
+def test_deployed_jobs_never_start_a_daemon_of_their_own() -> None:
+    # The deployment runs the daemon; a job that finds it down must say so (issue 19).
+    import yaml
+
+    documents = yaml.safe_load_all((ROOT / "deploy/k8s/tapd-job.yaml").read_text())
+    pods = [d["spec"]["template"]["spec"] for d in documents if d and d.get("kind") == "Job"]
+    (trainer,) = [c for pod in pods for c in pod["containers"] if c["name"] == "trainer"]
+    assert {"name": "TAPD_AUTOSTART", "value": "0"} in trainer["env"]
+    script = (ROOT / "deploy/slurm/tapd-job.sbatch").read_text()
+    assert "\nexport TAPD_AUTOSTART=0" in script
+    assert script.index("export TAPD_AUTOSTART=0") < script.index(
+        'srun --overlap --nodes="$nodes" --ntasks-per-node=1 "$@"'
+    )
