@@ -91,9 +91,15 @@ def id_tap(
     jax_compat.require_supported()
     from tapd.emitter import host_callback
 
-    return host_callback.id_tap(tap_func, arg, result=result, tap_with_device=tap_with_device,
-                                device_index=device_index, callback_flavor=callback_flavor,
-                                **kwargs)  # fmt: skip
+    return host_callback.id_tap(
+        tap_func,
+        arg,
+        result=result,
+        tap_with_device=tap_with_device,
+        device_index=device_index,
+        callback_flavor=callback_flavor,
+        **kwargs,
+    )
 
 
 def id_print(
@@ -113,10 +119,16 @@ def id_print(
     jax_compat.require_supported()
     from tapd.emitter import host_callback
 
-    return host_callback.id_print(arg, result=result, tap_with_device=tap_with_device,
-                                  device_index=device_index, output_stream=output_stream,
-                                  threshold=threshold, callback_flavor=callback_flavor,
-                                  **kwargs)  # fmt: skip
+    return host_callback.id_print(
+        arg,
+        result=result,
+        tap_with_device=tap_with_device,
+        device_index=device_index,
+        output_stream=output_stream,
+        threshold=threshold,
+        callback_flavor=callback_flavor,
+        **kwargs,
+    )
 
 
 def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.0) -> None:

@@ -21,7 +21,13 @@ from pathlib import Path
 
 from tapd.clients import control
 from tapd.errors import DaemonUnreachable
-from tapd.runtime import default_endpoint, default_pidfile, ensure_private_dir, runtime_dir
+from tapd.runtime import (
+    default_endpoint,
+    default_pidfile,
+    ensure_private_dir,
+    pid_alive,
+    runtime_dir,
+)
 from tapd.settings import AUTOSTART
 
 logger = logging.getLogger(__name__)
@@ -111,7 +117,7 @@ def wait_ready(endpoint: str, pid: int, log: Path, timeout: float) -> None:
     while time.monotonic() < deadline:
         if answers(endpoint, 0.2):
             return
-        if ours_gone_at is None and not _alive(pid):
+        if ours_gone_at is None and not pid_alive(pid):
             ours_gone_at = time.monotonic()
         # Ours is gone and nobody else answered within a few seconds: it failed.
         if ours_gone_at is not None and time.monotonic() - ours_gone_at > 3.0:
@@ -123,16 +129,6 @@ def wait_ready(endpoint: str, pid: int, log: Path, timeout: float) -> None:
         f"the tapd daemon started on demand (pid {pid}) did not answer at {endpoint} "
         f"within {timeout:g} s; see {log}"
     )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _last_line(log: Path) -> str:

@@ -3,6 +3,7 @@
 The default endpoint is `ipc://<runtime dir>/tapd.sock`, where the runtime directory is
 `$TAPD_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR/tapd`, else `/tmp/tapd-<uid>`. Only its
 owner may enter it, which is what keeps other users off the unauthenticated ipc socket.
+Also whether a process named by a pid (a ring's writer, a daemon's pidfile) still lives.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import stat
 from pathlib import Path
 
 from tapd.errors import ConfigError
+from tapd.protocol.rules import PID_MAX
 
 # The runtime directory and the default endpoint are settings' defaults, defined there.
 from tapd.settings import PIDFILE_NAME as PIDFILE_NAME
@@ -117,3 +119,20 @@ def runtime_dir_of_rings(directory: Path) -> Path | None:
     finally:
         os.close(fd)
     return Path(text) if text.startswith("/") and "\0" not in text else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists. A number no process can have (0 and negative ones
+    name process groups to os.kill; over pid_t's range it raises) is not alive."""
+    if not (isinstance(pid, int) and 0 < pid <= PID_MAX):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited: only its parent has not reaped it yet
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -151,9 +151,14 @@ class ZapHandler:
             return [version, request_id, b"200", b"OK", b"", b""]
         self.refused += 1
         log = logger.warning if self.refused <= 20 else logger.debug
-        log("refused a %s peer from %r with public key %r: not in the allowed keys "
-            "(%d refused so far)", mechanism.decode(errors="replace"),
-            address.decode(errors="replace"), key.decode() or "none", self.refused)  # fmt: skip
+        log(
+            "refused a %s peer from %r with public key %r: not in the allowed keys "
+            "(%d refused so far)",
+            mechanism.decode(errors="replace"),
+            address.decode(errors="replace"),
+            key.decode() or "none",
+            self.refused,
+        )
         return [version, request_id, b"400", b"key not allowed", b"", b""]
 
     def close(self) -> None:
@@ -197,8 +202,7 @@ class HandshakeMonitor:
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
                 # An errno, not a protocol error: a client with no key that saw the
                 # mismatch first and hung up makes our next write fail (EPIPE).
-                reason = ("closed_during_handshake" if value in _HUNG_UP
-                          else "bad_handshake")  # fmt: skip
+                reason = "closed_during_handshake" if value in _HUNG_UP else "bad_handshake"
                 detail = f"errno {errno.errorcode.get(value, value)}"
             else:
                 reason = _HANDSHAKE_REASONS.get(value, "bad_handshake")
@@ -206,9 +210,12 @@ class HandshakeMonitor:
             self.refused += 1
             self.by_reason[reason] += 1
             log = logger.warning if self.by_reason[reason] == 1 else logger.debug
-            log("refused a peer on %r: %s (%s; further ones counted in auth_refused, not "
-                "logged)", event["endpoint"].decode(errors="replace"),
-                _REASON_TEXT.get(reason, reason.replace("_", " ")), detail)  # fmt: skip
+            log(
+                "refused a peer on %r: %s (%s; further ones counted in auth_refused, not logged)",
+                event["endpoint"].decode(errors="replace"),
+                _REASON_TEXT.get(reason, reason.replace("_", " ")),
+                detail,
+            )
 
     def close(self) -> None:
         try:

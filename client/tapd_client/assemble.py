@@ -103,8 +103,11 @@ class Assembler:
             return (meta.process, meta.device), self.shards
         self.unplaced += 1
         if self.unplaced == 1:
-            logger.error("cannot assemble %r: its taps carry no shard layout%s", meta.consumer,
-                         "" if self.shards else " and Assembler was given no shards=")  # fmt: skip
+            logger.error(
+                "cannot assemble %r: its taps carry no shard layout%s",
+                meta.consumer,
+                "" if self.shards else " and Assembler was given no shards=",
+            )
         return None
 
     def expire(self) -> None:

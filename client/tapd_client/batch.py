@@ -33,8 +33,20 @@ class TapBatch:
     `(value, TapMeta)` pairs a per-tap handler gets.
     """
 
-    __slots__ = ("_header_of", "_template", "_tree", "device", "leaves", "process", "seq",
-                 "shard_index", "step", "tids", "time", "value")  # fmt: skip
+    __slots__ = (
+        "_header_of",
+        "_template",
+        "_tree",
+        "device",
+        "leaves",
+        "process",
+        "seq",
+        "shard_index",
+        "step",
+        "tids",
+        "time",
+        "value",
+    )
 
     def __init__(
         self,
@@ -109,8 +121,9 @@ def batch_of_runs(runs: Sequence[SiteRun], template: MetaTemplate) -> TapBatch:
         leaves = per_run[0]
     else:
         leaves = [np.concatenate(parts) for parts in zip(*per_run, strict=True)]
-    return TapBatch(template, static.tap_header(rows[0]), rows, leaves,
-                    lambda i: static.tap_header(rows[i]))  # fmt: skip
+    return TapBatch(
+        template, static.tap_header(rows[0]), rows, leaves, lambda i: static.tap_header(rows[i])
+    )
 
 
 def batch_of_tap(message: Message, template: MetaTemplate) -> TapBatch:
@@ -137,8 +150,13 @@ def _stacked(run: SiteRun) -> list[np.ndarray]:
             leaf = np.zeros((count, *shape), dtype)
         elif even:
             inner = np.empty(shape, dtype).strides  # C order
-            leaf = np.ndarray((count, *shape), dtype, buffer=body,
-                              offset=int(offsets[0]) + start, strides=(stride, *inner))  # fmt: skip
+            leaf = np.ndarray(
+                (count, *shape),
+                dtype,
+                buffer=body,
+                offset=int(offsets[0]) + start,
+                strides=(stride, *inner),
+            )
         else:
             raw = np.frombuffer(body, np.uint8)
             where = offsets[:, np.newaxis] + (start + np.arange(size))

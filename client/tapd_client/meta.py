@@ -138,6 +138,17 @@ class MetaTemplate:
         shard = self._shard
         if shard is not None:
             shard = dataclasses.replace(shard, coords=tuple(header["shard"]["coords"]))
-        return TapMeta(self.consumer, header["seq"], header["step"], header["device"], process,
-                       host, pid, emitter, transforms, header["time"] / 1e9, dict(self._meta),
-                       shard)  # fmt: skip
+        return TapMeta(
+            self.consumer,
+            header["seq"],
+            header["step"],
+            header["device"],
+            process,
+            host,
+            pid,
+            emitter,
+            transforms,
+            header["time"] / 1e9,
+            dict(self._meta),
+            shard,
+        )

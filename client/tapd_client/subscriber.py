@@ -123,8 +123,13 @@ class _DaemonLink:
         that the emitter's barrier_wait raises instead of waiting for them for ever."""
         tids = _delivery_ids(frames)
         tids = [t for t in tids if t > self.last_tid]
-        logger.error("refused a malformed message from the daemon at %s (%d taps, "
-                     "acknowledged as failed): %s", self.endpoint, len(tids), exc)  # fmt: skip
+        logger.error(
+            "refused a malformed message from the daemon at %s (%d taps, "
+            "acknowledged as failed): %s",
+            self.endpoint,
+            len(tids),
+            exc,
+        )
         for tid in tids:
             text = f"the subscriber could not decode this tap: {exc}"
             self.errors.append({"tid": tid, "error": text[:_ERROR_CHARS]})
@@ -165,8 +170,9 @@ def _delivery_ids(frames: list[Any]) -> list[int]:
         return [tid] if type(tid) is int else []
     if header.get("kind") == "taps" and isinstance(header.get("taps"), list):
         rows = header["taps"]
-        return sorted({r[1] for r in rows if isinstance(r, list) and len(r) > 1
-                       and type(r[1]) is int})  # fmt: skip
+        return sorted(
+            {r[1] for r in rows if isinstance(r, list) and len(r) > 1 and type(r[1]) is int}
+        )
     return []
 
 
@@ -324,8 +330,9 @@ class Subscriber:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all(link.welcomed for link in self._links):
-                logger.info("subscribed to %s at %s", ", ".join(self._handlers),
-                            ", ".join(self.endpoints))  # fmt: skip
+                logger.info(
+                    "subscribed to %s at %s", ", ".join(self._handlers), ", ".join(self.endpoints)
+                )
                 return
             for link in self._ready(poller, 100):
                 while (message := link.receive()) is not None:
@@ -385,8 +392,13 @@ class Subscriber:
     # ---- internals --------------------------------------------------------------
 
     def _hello_fields(self) -> dict[str, Any]:
-        fields = {"role": "subscriber", "consumers": list(self._handlers),
-                  "window": self.window, "name": self.name, "batch": True}  # fmt: skip
+        fields = {
+            "role": "subscriber",
+            "consumers": list(self._handlers),
+            "window": self.window,
+            "name": self.name,
+            "batch": True,
+        }
         if self._fallback:  # which of `consumers` are fallbacks, and for whom
             fields.update(fallback=sorted(self._fallback), fallback_for=self.fallback_for)
         if self.group is not None:
@@ -442,8 +454,7 @@ class Subscriber:
         header = message.header
         tid = header.get("tid")
         if not isinstance(tid, int):
-            logger.error("tap from the daemon at %s without a delivery id; ignored",
-                         link.endpoint)  # fmt: skip
+            logger.error("tap from the daemon at %s without a delivery id; ignored", link.endpoint)
             return
         link.last_tid = max(link.last_tid, tid)  # (a batch may have handled later ones)
         consumer = header["consumer"]
@@ -461,8 +472,13 @@ class Subscriber:
         except Exception as exc:
             self.failed += 1
             name = getattr(handler, "__qualname__", repr(handler))
-            logger.error("handler %s for %r (seq %s) raised:\n%s", name, consumer,
-                         header["seq"], traceback.format_exc())  # fmt: skip
+            logger.error(
+                "handler %s for %r (seq %s) raised:\n%s",
+                name,
+                consumer,
+                header["seq"],
+                traceback.format_exc(),
+            )
             link.errors.append({"tid": tid, "error": f"{name} raised {exc!r}"[:_ERROR_CHARS]})
 
     def _run_batch(
@@ -484,16 +500,24 @@ class Subscriber:
         try:
             if template is None:
                 template = MetaTemplate(header)  # (raises what made it None)
-            batch = (batch_of_tap(taps, template) if isinstance(taps, Message)
-                     else batch_of_runs(taps, template))  # fmt: skip
+            batch = (
+                batch_of_tap(taps, template)
+                if isinstance(taps, Message)
+                else batch_of_runs(taps, template)
+            )
             handler(batch)
             self.processed += len(tids)
         except Exception as exc:
             self.failed += len(tids)
             name = getattr(handler, "__qualname__", repr(handler))
-            logger.error("batch handler %s for %r (%d taps from seq %s) raised:\n%s", name,
-                         header["consumer"], len(tids), header["seq"],
-                         traceback.format_exc())  # fmt: skip
+            logger.error(
+                "batch handler %s for %r (%d taps from seq %s) raised:\n%s",
+                name,
+                header["consumer"],
+                len(tids),
+                header["seq"],
+                traceback.format_exc(),
+            )
             text = f"{name} raised {exc!r}"[:_ERROR_CHARS]
             link.errors.extend({"tid": tid, "error": text} for tid in tids)
 

@@ -110,8 +110,12 @@ class Forwarder:
             )
         except zmq.ZMQError as exc:
             raise ConfigError(f"--forward {self.endpoint}: cannot connect: {exc}") from exc
-        identity = {"role": "emitter", "host": socket.gethostname(), "pid": os.getpid(),
-                    "forwarder": daemon_id}  # fmt: skip
+        identity = {
+            "role": "emitter",
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "forwarder": daemon_id,
+        }
         now = time.monotonic()
         # hello/welcome, the upstream's credit window, rehello: as any emitter's
         self.connection = EmitterSocket(
@@ -189,9 +193,12 @@ class Forwarder:
                 "no answer from the upstream daemon at %s for %.0f s; %d taps sent to it and "
                 "not confirmed, %d more wait here (%d bytes in all). Is it running, and does "
                 "it admit this daemon's key?",
-                self.endpoint, now - link.last_heard, len(self._sent), len(self.outbox),
+                self.endpoint,
+                now - link.last_heard,
+                len(self._sent),
+                len(self.outbox),
                 sum(item.nbytes for item in self._held.values()),
-            )  # fmt: skip
+            )
 
     def _barrier(self, batch: list[_Forwarded]) -> None:
         barrier = next(self._barrier_ids)
@@ -213,11 +220,13 @@ class Forwarder:
                 elif kind == "error":
                     self._error(header)
                 else:
-                    self.router.reject("bad_header", f"{kind!r} from the upstream at "
-                                       f"{self.endpoint}")  # fmt: skip
+                    self.router.reject(
+                        "bad_header", f"{kind!r} from the upstream at {self.endpoint}"
+                    )
             elif isinstance(event, Refused):
-                self.router.reject(event.reason, f"from the upstream at {self.endpoint}: "
-                                   f"{event.detail}")  # fmt: skip
+                self.router.reject(
+                    event.reason, f"from the upstream at {self.endpoint}: {event.detail}"
+                )
             elif isinstance(event, Welcomed) and event.first:
                 logger.info("upstream daemon %s at %s welcomed us", event.daemon, self.endpoint)
             elif isinstance(event, Restarted):
@@ -229,8 +238,7 @@ class Forwarder:
     # ---- from the upstream ------------------------------------------------------------
 
     def _looped(self) -> None:
-        logger.error("--forward %s leads back to this daemon: forwarding nothing",
-                     self.endpoint)  # fmt: skip
+        logger.error("--forward %s leads back to this daemon: forwarding nothing", self.endpoint)
         self.router.drop_subscriber(self.key, "would forward to itself")
         self.outbox.clear()
         self.unconfirmed.clear()
@@ -250,8 +258,10 @@ class Forwarder:
         logger.warning(
             "the upstream daemon at %s restarted (now %s); sending again the %d taps "
             "it had not confirmed (they may arrive twice, with the same seq)",
-            self.endpoint, event.daemon, len(again),
-        )  # fmt: skip
+            self.endpoint,
+            event.daemon,
+            len(again),
+        )
 
     def _take_back_unconfirmed(self) -> list[_Forwarded]:
         again = [item for _, batch in self.unconfirmed for item in batch if item.outcome is None]
@@ -294,8 +304,10 @@ class Forwarder:
         if again:
             logger.warning(
                 "%d taps sent to the upstream daemon at %s never reached it (a connection "
-                "dropped?); sending them again", len(again), self.endpoint,
-            )  # fmt: skip
+                "dropped?); sending them again",
+                len(again),
+                self.endpoint,
+            )
             self._send_again(again)
         self._acknowledge(now)
 
@@ -316,13 +328,19 @@ class Forwarder:
         tap are logged as well."""
         counter = "forward_lost" if outcome == "lost" else f"forward_upstream_{outcome}"
         if outcome != "delivered" and not self.router.counters[counter]:
-            what = {"dropped": "dropped", "unrouted": "had no subscriber for",
-                    "lost": f"never received (after {_MAX_SENDS} sends)"}[outcome]  # fmt: skip
+            what = {
+                "dropped": "dropped",
+                "unrouted": "had no subscriber for",
+                "lost": f"never received (after {_MAX_SENDS} sends)",
+            }[outcome]
             logger.warning(
                 "the upstream daemon at %s %s forwarded taps; further ones are counted "
                 "in %s, not logged (the emitters' barriers count them as %s)",
-                self.endpoint, what, counter, "unrouted" if outcome == "unrouted" else "dropped",
-            )  # fmt: skip
+                self.endpoint,
+                what,
+                counter,
+                "unrouted" if outcome == "unrouted" else "dropped",
+            )
         self.router.count(counter, taps)
         if outcome != "lost":
             self.router.count("forward_confirmed", taps)
@@ -342,12 +360,18 @@ class Forwarder:
             return
         for item in finished:
             del held[item.tid]
-        self.router.ack(self.key, {
-            "upto": finished[-1].tid,
-            "errors": [{"tid": item.tid, "error": item.error} for item in finished if item.error],
-            "dropped": {item.tid for item in finished if item.outcome in ("dropped", "lost")},
-            "unrouted": {item.tid for item in finished if item.outcome == "unrouted"},
-        }, now)  # fmt: skip
+        self.router.ack(
+            self.key,
+            {
+                "upto": finished[-1].tid,
+                "errors": [
+                    {"tid": item.tid, "error": item.error} for item in finished if item.error
+                ],
+                "dropped": {item.tid for item in finished if item.outcome in ("dropped", "lost")},
+                "unrouted": {item.tid for item in finished if item.outcome == "unrouted"},
+            },
+            now,
+        )
 
     def _error(self, header: dict[str, Any]) -> None:
         """A handler upstream raised: attach the error to our tap, so that the ack

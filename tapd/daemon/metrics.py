@@ -35,127 +35,242 @@ SCRAPE_TIMEOUT = 5.0  # seconds a scrape waits for the loop (which may be draini
 
 # The daemon-wide counters of `stats["counters"]`: metric name (without `_total`), help.
 COUNTERS = {
-    "taps_received": ("tapd_taps_received", "Taps received from emitters, over sockets "
-                      "and from shared-memory rings."),
-    "bytes_received": ("tapd_received_bytes", "Bytes of array payload received from "
-                       "emitters."),
-    "deliveries_acked": ("tapd_deliveries_handled", "Taps that subscribers acknowledged "
-                         "as handled, one per tap per subscriber."),
-    "deliveries_dropped": ("tapd_deliveries_dropped", "Deliveries dropped because a "
-                           "subscriber's queue (or spool) was full (drop_newest)."),
-    "deliveries_lost": ("tapd_deliveries_lost", "Deliveries lost with a subscriber that "
-                        "went away, timed out or was still connected at shutdown."),
-    "deliveries_resent": ("tapd_deliveries_resent", "Deliveries sent again to a "
-                          "subscriber that said hello again with taps in flight."),
+    "taps_received": (
+        "tapd_taps_received",
+        "Taps received from emitters, over sockets and from shared-memory rings.",
+    ),
+    "bytes_received": ("tapd_received_bytes", "Bytes of array payload received from emitters."),
+    "deliveries_acked": (
+        "tapd_deliveries_handled",
+        "Taps that subscribers acknowledged as handled, one per tap per subscriber.",
+    ),
+    "deliveries_dropped": (
+        "tapd_deliveries_dropped",
+        "Deliveries dropped because a subscriber's queue (or spool) was full (drop_newest).",
+    ),
+    "deliveries_lost": (
+        "tapd_deliveries_lost",
+        "Deliveries lost with a subscriber that "
+        "went away, timed out or was still connected at shutdown.",
+    ),
+    "deliveries_resent": (
+        "tapd_deliveries_resent",
+        "Deliveries sent again to a subscriber that said hello again with taps in flight.",
+    ),
     "taps_unrouted": ("tapd_taps_unrouted", "Taps that no subscriber wanted."),
-    "taps_refused": ("tapd_taps_refused", "Taps refused because they broke the protocol "
-                     "(the emitter is told; counted dropped)."),
-    "handler_errors": ("tapd_handler_errors", "Tap functions or handlers that raised, as "
-                       "reported by subscribers."),
-    "taps_spooled": ("tapd_taps_spooled", "Taps written to a subscriber's on-disk spool "
-                     "(policy spool)."),
-    "taps_unspooled": ("tapd_taps_unspooled", "Taps read back from a spool into a "
-                       "subscriber's queue."),
-    "spool_fallback_dropped": ("tapd_spool_fallback_dropped", "Taps dropped because a "
-                               "spool was full and the spool fallback is drop_newest."),
+    "taps_refused": (
+        "tapd_taps_refused",
+        "Taps refused because they broke the protocol (the emitter is told; counted dropped).",
+    ),
+    "handler_errors": (
+        "tapd_handler_errors",
+        "Tap functions or handlers that raised, as reported by subscribers.",
+    ),
+    "taps_spooled": (
+        "tapd_taps_spooled",
+        "Taps written to a subscriber's on-disk spool (policy spool).",
+    ),
+    "taps_unspooled": (
+        "tapd_taps_unspooled",
+        "Taps read back from a spool into a subscriber's queue.",
+    ),
+    "spool_fallback_dropped": (
+        "tapd_spool_fallback_dropped",
+        "Taps dropped because a spool was full and the spool fallback is drop_newest.",
+    ),
     "forward_sent": ("tapd_forward_sent", "Taps sent to the upstream daemon (--forward)."),
-    "forward_resent": ("tapd_forward_resent", "Taps sent to the upstream daemon again, "
-                       "after it restarted or reconnected."),
-    "forward_confirmed": ("tapd_forward_confirmed", "Forwarded taps whose outcome the "
-                          "upstream daemon reported."),
-    "auth_refused": ("tapd_auth_refused", "Peers refused by CurveZMQ authentication on "
-                     "a tcp endpoint."),
-}  # fmt: skip
+    "forward_resent": (
+        "tapd_forward_resent",
+        "Taps sent to the upstream daemon again, after it restarted or reconnected.",
+    ),
+    "forward_confirmed": (
+        "tapd_forward_confirmed",
+        "Forwarded taps whose outcome the upstream daemon reported.",
+    ),
+    "auth_refused": (
+        "tapd_auth_refused",
+        "Peers refused by CurveZMQ authentication on a tcp endpoint.",
+    ),
+}
 REJECTED = "rejected_"  # counters rejected_<reason>: one labelled family
 
 # Per emitter (label `emitter`, host:pid) and per subscriber (labels `subscriber`,
 # `consumers`): stats field -> (metric name, counter?, help).
 EMITTER_METRICS = {
     "taps": ("tapd_emitter_taps_received", True, "Taps received from this emitter."),
-    "bytes": ("tapd_emitter_received_bytes", True, "Bytes of array payload received from "
-              "this emitter."),
-    "delivered": ("tapd_emitter_taps_delivered", True, "Taps of this emitter that every "
-                  "subscriber they were routed to handled."),
-    "dropped": ("tapd_emitter_taps_dropped", True, "Taps of this emitter dropped or "
-                "refused for at least one subscriber."),
-    "unrouted": ("tapd_emitter_taps_unrouted", True, "Taps of this emitter that no "
-                 "subscriber wanted."),
-    "pending": ("tapd_emitter_pending_units", False, "Taps (or runs of ring records) of "
-                "this emitter not yet handled by every subscriber: what barriers wait for."),
-    "parked_bytes": ("tapd_emitter_parked_bytes", False, "Bytes of this emitter's taps "
-                     "waiting for room in a subscriber queue (policy block)."),
-    "last_handled_time": ("tapd_emitter_last_handled_tap_timestamp_seconds", False,
-                          "Emitter time (meta.time, seconds since the epoch) of the newest "
-                          "tap of this emitter that a subscriber handled; lag is time() "
-                          "minus this. Absent until one was handled."),
-}  # fmt: skip
+    "bytes": (
+        "tapd_emitter_received_bytes",
+        True,
+        "Bytes of array payload received from this emitter.",
+    ),
+    "delivered": (
+        "tapd_emitter_taps_delivered",
+        True,
+        "Taps of this emitter that every subscriber they were routed to handled.",
+    ),
+    "dropped": (
+        "tapd_emitter_taps_dropped",
+        True,
+        "Taps of this emitter dropped or refused for at least one subscriber.",
+    ),
+    "unrouted": (
+        "tapd_emitter_taps_unrouted",
+        True,
+        "Taps of this emitter that no subscriber wanted.",
+    ),
+    "pending": (
+        "tapd_emitter_pending_units",
+        False,
+        "Taps (or runs of ring records) of "
+        "this emitter not yet handled by every subscriber: what barriers wait for.",
+    ),
+    "parked_bytes": (
+        "tapd_emitter_parked_bytes",
+        False,
+        "Bytes of this emitter's taps waiting for room in a subscriber queue (policy block).",
+    ),
+    "last_handled_time": (
+        "tapd_emitter_last_handled_tap_timestamp_seconds",
+        False,
+        "Emitter time (meta.time, seconds since the epoch) of the newest "
+        "tap of this emitter that a subscriber handled; lag is time() "
+        "minus this. Absent until one was handled.",
+    ),
+}
 SUBSCRIBER_METRICS = {
-    "delivered": ("tapd_subscriber_taps_handled", True, "Taps this subscriber handled "
-                  "(acknowledged)."),
-    "delivered_bytes": ("tapd_subscriber_handled_bytes", True, "Bytes of array payload "
-                        "this subscriber handled (acknowledged)."),
-    "dropped": ("tapd_subscriber_taps_dropped", True, "Taps for this subscriber dropped "
-                "because its queue was full."),
-    "errors": ("tapd_subscriber_handler_errors", True, "Handler calls of this subscriber "
-               "that raised."),
-    "queued": ("tapd_subscriber_queued_taps", False, "Taps queued for this subscriber, "
-               "not yet sent."),
-    "in_flight": ("tapd_subscriber_in_flight_taps", False, "Taps sent to this subscriber "
-                  "and not yet acknowledged."),
-    "held_bytes": ("tapd_subscriber_held_bytes", False, "Bytes queued and in flight for "
-                   "this subscriber: its queue fill, out of tapd_queue_limit_bytes."),
-    "spooled": ("tapd_subscriber_spooled_taps", False, "Taps waiting in this subscriber's "
-                "on-disk spool."),
-    "spool_bytes": ("tapd_subscriber_spool_bytes", False, "Bytes of this subscriber's "
-                    "on-disk spool."),
-    "last_handled_time": ("tapd_last_handled_tap_timestamp_seconds", False, "Emitter "
-                          "time (meta.time, seconds since the epoch, on the emitter's "
-                          "clock) of the last tap this subscriber handled; lag is "
-                          "time() minus this. Absent until it has handled one."),
-}  # fmt: skip
+    "delivered": (
+        "tapd_subscriber_taps_handled",
+        True,
+        "Taps this subscriber handled (acknowledged).",
+    ),
+    "delivered_bytes": (
+        "tapd_subscriber_handled_bytes",
+        True,
+        "Bytes of array payload this subscriber handled (acknowledged).",
+    ),
+    "dropped": (
+        "tapd_subscriber_taps_dropped",
+        True,
+        "Taps for this subscriber dropped because its queue was full.",
+    ),
+    "errors": (
+        "tapd_subscriber_handler_errors",
+        True,
+        "Handler calls of this subscriber that raised.",
+    ),
+    "queued": (
+        "tapd_subscriber_queued_taps",
+        False,
+        "Taps queued for this subscriber, not yet sent.",
+    ),
+    "in_flight": (
+        "tapd_subscriber_in_flight_taps",
+        False,
+        "Taps sent to this subscriber and not yet acknowledged.",
+    ),
+    "held_bytes": (
+        "tapd_subscriber_held_bytes",
+        False,
+        "Bytes queued and in flight for "
+        "this subscriber: its queue fill, out of tapd_queue_limit_bytes.",
+    ),
+    "spooled": (
+        "tapd_subscriber_spooled_taps",
+        False,
+        "Taps waiting in this subscriber's on-disk spool.",
+    ),
+    "spool_bytes": (
+        "tapd_subscriber_spool_bytes",
+        False,
+        "Bytes of this subscriber's on-disk spool.",
+    ),
+    "last_handled_time": (
+        "tapd_last_handled_tap_timestamp_seconds",
+        False,
+        "Emitter "
+        "time (meta.time, seconds since the epoch, on the emitter's "
+        "clock) of the last tap this subscriber handled; lag is "
+        "time() minus this. Absent until it has handled one.",
+    ),
+}
 # Per worker pool (labels `group`, `consumers`): field -> (name, counter?, help).
 GROUP_METRICS = {
-    "delivered": ("tapd_group_taps_handled", True, "Taps the members of this worker pool "
-                  "handled (acknowledged), each tap once."),
-    "redelivered": ("tapd_group_taps_redelivered", True, "Taps a member of this pool left "
-                    "unacknowledged (it died, or went silent) and another member was given."),
-    "dropped": ("tapd_group_taps_dropped", True, "Taps for this pool dropped because its "
-                "queue was full."),
-    "errors": ("tapd_group_handler_errors", True, "Handler calls of this pool's members "
-               "that raised."),
-    "queued": ("tapd_group_queued_taps", False, "Taps queued for this pool, not yet given "
-               "to a member."),
-    "in_flight": ("tapd_group_in_flight_taps", False, "Taps given to a member of this pool "
-                  "and not yet acknowledged."),
+    "delivered": (
+        "tapd_group_taps_handled",
+        True,
+        "Taps the members of this worker pool handled (acknowledged), each tap once.",
+    ),
+    "redelivered": (
+        "tapd_group_taps_redelivered",
+        True,
+        "Taps a member of this pool left "
+        "unacknowledged (it died, or went silent) and another member was given.",
+    ),
+    "dropped": (
+        "tapd_group_taps_dropped",
+        True,
+        "Taps for this pool dropped because its queue was full.",
+    ),
+    "errors": (
+        "tapd_group_handler_errors",
+        True,
+        "Handler calls of this pool's members that raised.",
+    ),
+    "queued": (
+        "tapd_group_queued_taps",
+        False,
+        "Taps queued for this pool, not yet given to a member.",
+    ),
+    "in_flight": (
+        "tapd_group_in_flight_taps",
+        False,
+        "Taps given to a member of this pool and not yet acknowledged.",
+    ),
     "member_count": ("tapd_group_members", False, "Members of this worker pool."),
-}  # fmt: skip
+}
 # Per shared-memory ring (label `ring`, its file name): field -> (name, counter?, help).
 RING_METRICS = {
     "taps": ("tapd_ring_taps_written", True, "Taps the emitter wrote to this ring."),
-    "dropped": ("tapd_ring_taps_dropped", True, "Taps the emitter dropped because this "
-                "ring was full."),
-    "abandoned": ("tapd_ring_records_abandoned", True, "Records of this ring abandoned "
-                  "unfinished by their writer."),
-    "committed": ("tapd_ring_committed_bytes", True, "Bytes the emitter committed to this "
-                  "ring."),
-    "released": ("tapd_ring_released_bytes", True, "Bytes of this ring the daemon "
-                 "released back to the emitter; committed minus released is its fill."),
+    "dropped": (
+        "tapd_ring_taps_dropped",
+        True,
+        "Taps the emitter dropped because this ring was full.",
+    ),
+    "abandoned": (
+        "tapd_ring_records_abandoned",
+        True,
+        "Records of this ring abandoned unfinished by their writer.",
+    ),
+    "committed": ("tapd_ring_committed_bytes", True, "Bytes the emitter committed to this ring."),
+    "released": (
+        "tapd_ring_released_bytes",
+        True,
+        "Bytes of this ring the daemon "
+        "released back to the emitter; committed minus released is its fill.",
+    ),
     "capacity": ("tapd_ring_capacity_bytes", False, "Size of this ring."),
-}  # fmt: skip
+}
 FORWARD_METRICS = {
-    "window_bytes": ("tapd_forward_window_bytes", "Bytes the upstream daemon lets this "
-                     "one have in flight."),
-    "in_flight_bytes": ("tapd_forward_in_flight_bytes", "Bytes sent upstream and not yet "
-                        "credited back."),
+    "window_bytes": (
+        "tapd_forward_window_bytes",
+        "Bytes the upstream daemon lets this one have in flight.",
+    ),
+    "in_flight_bytes": (
+        "tapd_forward_in_flight_bytes",
+        "Bytes sent upstream and not yet credited back.",
+    ),
     "waiting": ("tapd_forward_waiting_taps", "Taps waiting to be sent upstream."),
-    "waiting_bytes": ("tapd_forward_waiting_bytes", "Bytes of taps waiting to be sent "
-                      "upstream."),
-    "unconfirmed": ("tapd_forward_unconfirmed_taps", "Taps sent upstream whose outcome "
-                    "the upstream has not reported yet."),
+    "waiting_bytes": ("tapd_forward_waiting_bytes", "Bytes of taps waiting to be sent upstream."),
+    "unconfirmed": (
+        "tapd_forward_unconfirmed_taps",
+        "Taps sent upstream whose outcome the upstream has not reported yet.",
+    ),
     "held": ("tapd_forward_held_taps", "Taps kept until the upstream confirms them."),
-    "silent_s": ("tapd_forward_silence_seconds", "Seconds since the upstream daemon was "
-                 "last heard from."),
-}  # fmt: skip
+    "silent_s": (
+        "tapd_forward_silence_seconds",
+        "Seconds since the upstream daemon was last heard from.",
+    ),
+}
 
 
 class Snapshots:
@@ -209,8 +324,11 @@ def families(stats: Stats) -> Iterator[Any]:
     info.add_metric([str(stats.get("daemon", "")), str(stats.get("pid", ""))], 1)
     yield info
     counters = dict(stats.get("counters", {}))
-    rejected = counter("tapd_messages_rejected", "Messages refused because they broke the "
-                       "wire protocol, by reason.", ("reason",))  # fmt: skip
+    rejected = counter(
+        "tapd_messages_rejected",
+        "Messages refused because they broke the wire protocol, by reason.",
+        ("reason",),
+    )
     for key, value in sorted(counters.items()):
         if key.startswith(REJECTED):
             rejected.add_metric([key.removeprefix(REJECTED)], value)
@@ -221,8 +339,9 @@ def families(stats: Stats) -> Iterator[Any]:
         yield family
     for key, value in sorted(counters.items()):  # counters added since this table was
         if key not in COUNTERS and not key.startswith(REJECTED):
-            family = counter(f"tapd_{_metric_name(key)}",
-                             f"The daemon counter {key} of `tapd status --json`.")  # fmt: skip
+            family = counter(
+                f"tapd_{_metric_name(key)}", f"The daemon counter {key} of `tapd status --json`."
+            )
             family.add_metric([], value)
             yield family
     emitters, subscribers = stats.get("emitters", []), stats.get("subscribers", [])
@@ -236,22 +355,35 @@ def families(stats: Stats) -> Iterator[Any]:
     limit = gauge("tapd_queue_limit_bytes", "Bound of each subscriber's queue (--queue-bytes).")
     limit.add_metric([], stats.get("queue_bytes") or 0)
     yield limit
-    yield from _per_peer(EMITTER_METRICS, emitters, ("emitter",),
-                         lambda e: (e["name"],), counter, gauge)  # fmt: skip
     yield from _per_peer(
-        SUBSCRIBER_METRICS, subscribers, ("subscriber", "consumers"),
-        lambda s: (s["name"], ",".join(s["consumers"])), counter, gauge,
-    )  # fmt: skip
+        EMITTER_METRICS, emitters, ("emitter",), lambda e: (e["name"],), counter, gauge
+    )
+    yield from _per_peer(
+        SUBSCRIBER_METRICS,
+        subscribers,
+        ("subscriber", "consumers"),
+        lambda s: (s["name"], ",".join(s["consumers"])),
+        counter,
+        gauge,
+    )
     groups = [{**g, "member_count": len(g["members"])} for g in stats.get("groups", [])]
     yield from _per_peer(
-        GROUP_METRICS, groups, ("group", "consumers"),
-        lambda g: (g["group"], ",".join(g["consumers"])), counter, gauge,
-    )  # fmt: skip
+        GROUP_METRICS,
+        groups,
+        ("group", "consumers"),
+        lambda g: (g["group"], ",".join(g["consumers"])),
+        counter,
+        gauge,
+    )
     rings = stats.get("rings", [])
-    yield from _per_peer(RING_METRICS, rings, ("ring",),
-                         lambda r: (r["path"].rpartition("/")[2],), counter, gauge)  # fmt: skip
-    blocked = counter("tapd_ring_writer_blocked_seconds", "Time the emitter spent waiting "
-                      "for room in this ring.", ("ring",))  # fmt: skip
+    yield from _per_peer(
+        RING_METRICS, rings, ("ring",), lambda r: (r["path"].rpartition("/")[2],), counter, gauge
+    )
+    blocked = counter(
+        "tapd_ring_writer_blocked_seconds",
+        "Time the emitter spent waiting for room in this ring.",
+        ("ring",),
+    )
     for ring in rings:
         blocked.add_metric([ring["path"].rpartition("/")[2]], ring.get("blocked_ns", 0) / 1e9)
     yield blocked

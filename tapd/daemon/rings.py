@@ -33,7 +33,7 @@ from tapd.errors import ProtocolError
 from tapd.native.ring import Record, Records, Ring, RingError
 from tapd.native.ring_format import READER_PID, READER_PID_OFFSET  # (ring.h: RingControl)
 from tapd.protocol import Message
-from tapd.protocol.rules import DEFAULT_LIMITS, PID_MAX
+from tapd.protocol.rules import DEFAULT_LIMITS
 from tapd.protocol.schema import (
     RING_NAME,
     check_record,
@@ -42,7 +42,7 @@ from tapd.protocol.schema import (
     sites_path_of,
     split_site_entries,
 )
-from tapd.runtime import RUNTIME_MARKER, SHM_DIR, ring_dir_prefix, runtime_dir_of_rings
+from tapd.runtime import RUNTIME_MARKER, SHM_DIR, pid_alive, ring_dir_prefix, runtime_dir_of_rings
 
 logger = logging.getLogger("tapd.daemon")
 
@@ -52,28 +52,12 @@ _UNMAP_AFTER = 60.0  # seconds a finished ring stays mapped (see check_writers)
 _RUN_BYTES = 64 * 1024  # the most tap bytes in one run (a run goes out in one message)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists. A number no process can have (0 and negative ones
-    name process groups to os.kill; over pid_t's range it raises) is not alive."""
-    if not (isinstance(pid, int) and 0 < pid <= PID_MAX):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie has exited: only its parent has not reaped it yet
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 class RingSource:
     """One emitter's ring, its sites, and what of it the router still has to finish."""
 
-    def __init__(self, key: Hashable, ring_path: Path, sites_path: Path,
-                 identity: dict[str, Any]) -> None:  # fmt: skip
+    def __init__(
+        self, key: Hashable, ring_path: Path, sites_path: Path, identity: dict[str, Any]
+    ) -> None:
         self.key = key
         self._lock_fd = lock_ring_file(ring_path)
         try:
@@ -113,8 +97,13 @@ class RingSource:
                 self._read_sites()
             except ProtocolError as exc:
                 self._sites_broken = exc
-                logger.error("sites file %s of ring %s refused: %s; the taps of its unknown "
-                             "sites are refused", self.sites_path, self.path, exc)  # fmt: skip
+                logger.error(
+                    "sites file %s of ring %s refused: %s; the taps of its unknown "
+                    "sites are refused",
+                    self.sites_path,
+                    self.path,
+                    exc,
+                )
         found = self._sites.get(site_id)
         return found if found is not None or self._sites_broken is None else self._sites_broken
 
@@ -123,22 +112,28 @@ class RingSource:
         `max_sites_bytes` in all; each entry checked (tapd/protocol/schema.py)."""
         limits = DEFAULT_LIMITS
         try:
-            fd = os.open(self.sites_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                         | os.O_CLOEXEC)  # fmt: skip
+            fd = os.open(
+                self.sites_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            )
         except FileNotFoundError:
             return  # not written yet
         except OSError as exc:
-            raise ProtocolError("bad_ring", f"cannot open sites file {self.sites_path}: "
-                                f"{exc.strerror}") from exc  # fmt: skip
+            raise ProtocolError(
+                "bad_ring", f"cannot open sites file {self.sites_path}: {exc.strerror}"
+            ) from exc
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-                raise ProtocolError("bad_ring", f"sites file {self.sites_path} is not a "
-                                    "regular file of ours")  # fmt: skip
+                raise ProtocolError(
+                    "bad_ring", f"sites file {self.sites_path} is not a regular file of ours"
+                )
             if info.st_size > limits.max_sites_bytes:
-                raise ProtocolError("bad_ring", f"sites file {self.sites_path} has "
-                                    f"{info.st_size} bytes; the limit is "
-                                    f"{limits.max_sites_bytes}")  # fmt: skip
+                raise ProtocolError(
+                    "bad_ring",
+                    f"sites file {self.sites_path} has "
+                    f"{info.st_size} bytes; the limit is "
+                    f"{limits.max_sites_bytes}",
+                )
             data = os.pread(fd, max(0, info.st_size - self._sites_offset), self._sites_offset)
         finally:
             os.close(fd)
@@ -154,8 +149,10 @@ class RingSource:
                 site: Site | ProtocolError = Site(entry, self._identity_fields)
             except ProtocolError as exc:
                 if type(site_id) is not int:
-                    raise ProtocolError("bad_ring", f"sites file {self.sites_path}: an entry "
-                                        f"without a site id: {exc}") from exc  # fmt: skip
+                    raise ProtocolError(
+                        "bad_ring",
+                        f"sites file {self.sites_path}: an entry without a site id: {exc}",
+                    ) from exc
                 site = exc
                 logger.error("ring %s: tap site %d refused: %s", self.path, site_id, exc)
             assert type(site_id) is int
@@ -194,8 +191,10 @@ class RingSource:
             # checked) go to the router as one run.
             most = 1
             if site.nbytes <= _RUN_BYTES // 2:
-                most = min(router.run_limit(site.consumer, site.nbytes),
-                           _RUN_BYTES // site.nbytes if site.nbytes else len(records))  # fmt: skip
+                most = min(
+                    router.run_limit(site.consumer, site.nbytes),
+                    _RUN_BYTES // site.nbytes if site.nbytes else len(records),
+                )
             end = min(ends[bisect.bisect_right(ends, first)], first + max(1, most))
             last_end = records.ends[end - 1]
             unit: Message | TapRun
@@ -529,8 +528,12 @@ def sweep_stale_rings(*, dry_run: bool = False) -> list[tuple[Path, int]]:
             info = directory.lstat()
         except OSError:
             continue
-        if (runtime is None or runtime.exists() or not stat.S_ISDIR(info.st_mode)
-                or info.st_uid != os.getuid()):  # fmt: skip
+        if (
+            runtime is None
+            or runtime.exists()
+            or not stat.S_ISDIR(info.st_mode)
+            or info.st_uid != os.getuid()
+        ):
             continue
         held = _stale_bytes(directory)
         if held is None:
@@ -542,8 +545,13 @@ def sweep_stale_rings(*, dry_run: bool = False) -> list[tuple[Path, int]]:
                 directory.rmdir()
             except OSError:
                 continue
-            logger.warning("removed the rings of %s (%d bytes): its runtime directory %s is "
-                           "gone and no process uses them", directory, held, runtime)  # fmt: skip
+            logger.warning(
+                "removed the rings of %s (%d bytes): its runtime directory %s is "
+                "gone and no process uses them",
+                directory,
+                held,
+                runtime,
+            )
         removed.append((directory, held))
     return removed
 

@@ -35,13 +35,19 @@ class Site:
         self.coords_count = self.all_leaves[-1][2] // 4 if self.shard is not None else 0
         self.consumer: str = entry["consumer"]
         self.static = {
-            "kind": "tap", "consumer": self.consumer, "transforms": entry["transforms"],
-            "meta": entry["meta"], "tree": entry["tree"], "leaves": leaves, **identity,
-        }  # fmt: skip
+            "kind": "tap",
+            "consumer": self.consumer,
+            "transforms": entry["transforms"],
+            "meta": entry["meta"],
+            "tree": entry["tree"],
+            "leaves": leaves,
+            **identity,
+        }
 
         # The static fields of a batch (protocol's statics): the layout without coords.
-        self.batch_static = self.static if self.shard is None else {
-            **self.static, "shard": self.shard}  # fmt: skip
+        self.batch_static = (
+            self.static if self.shard is None else {**self.static, "shard": self.shard}
+        )
 
     def coords(self, payload: memoryview) -> list[int]:
         array = np.frombuffer(payload, "<i4", self.coords_count, self.coords_offset)
@@ -54,8 +60,13 @@ class Site:
         for _, _, nbytes in self.static["leaves"]:
             frames.append(record.payload[offset : offset + nbytes])
             offset += (nbytes + 7) & ~7
-        header = {**self.static, "seq": record.seq, "step": record.step,
-                  "device": record.device, "time": record.time_ns}  # fmt: skip
+        header = {
+            **self.static,
+            "seq": record.seq,
+            "step": record.step,
+            "device": record.device,
+            "time": record.time_ns,
+        }
         if self.shard is not None:
             header["shard"] = {**self.shard, "coords": self.coords(record.payload)}
         return Message(header, frames, site=self)
@@ -65,8 +76,7 @@ class TapRun:
     """Consecutive records of one site, all in `span` (the ring bytes from the first
     record's start to the last one's end): routed as one unit of `count` taps."""
 
-    def __init__(self, site: Site, records: Records, span: memoryview,
-                 header_bytes: int) -> None:  # fmt: skip
+    def __init__(self, site: Site, records: Records, span: memoryview, header_bytes: int) -> None:
         self.site = site
         self.records = records
         self.span = span
@@ -93,9 +103,17 @@ class TapRun:
         # A copy (tens of KB): the frame may sit in a ZeroMQ queue after its taps were
         # counted lost and their ring space reused, or the ring unmapped.
         return BatchRun(
-            site.batch_static, bytes(self.span), self.offsets, first_tid, emitter, site,
-            seqs=records.seqs, steps=records.steps, devices=records.devices,
+            site.batch_static,
+            bytes(self.span),
+            self.offsets,
+            first_tid,
+            emitter,
+            site,
+            seqs=records.seqs,
+            steps=records.steps,
+            devices=records.devices,
             times=records.times,
-            coords=None if site.shard is None else
-            [site.coords(records.payload(i)) for i in range(self.count)],
-        )  # fmt: skip
+            coords=None
+            if site.shard is None
+            else [site.coords(records.payload(i)) for i in range(self.count)],
+        )

@@ -30,12 +30,12 @@ from tapd.daemon.bounds import DepartedEmitters, ReplyBudget, bound_listener
 from tapd.daemon.forward import Forwarder
 from tapd.daemon.idle import IdleExit
 from tapd.daemon.metrics import MetricsServer, Snapshots
-from tapd.daemon.rings import RingSet, pid_alive, sweep_stale_rings
+from tapd.daemon.rings import RingSet, sweep_stale_rings
 from tapd.daemon.router import Router
 from tapd.errors import DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
 from tapd.protocol.link import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
-from tapd.runtime import ensure_private_dir, mark_ring_dir, ring_dir_for
+from tapd.runtime import ensure_private_dir, mark_ring_dir, pid_alive, ring_dir_for
 
 logger = logging.getLogger("tapd.daemon")
 
@@ -124,8 +124,9 @@ class Daemon:
             )
         if self.config.forward:
             if self.config.forward.startswith("tcp://") and self.config.insecure:
-                logger.warning("forwarding to %s WITHOUT authentication or encryption",
-                               self.config.forward)  # fmt: skip
+                logger.warning(
+                    "forwarding to %s WITHOUT authentication or encryption", self.config.forward
+                )
             try:
                 self.forwarder = Forwarder(self._context, self.config, self.router, self.id)
             except Exception:
@@ -173,8 +174,12 @@ class Daemon:
 
     def stats(self) -> dict[str, Any]:
         """What `tapd status --json` shows (on the loop's thread only)."""
-        stats = {**self.router.stats(), "rings": self.rings.stats(), "daemon": self.id,
-                 "pid": os.getpid()}  # fmt: skip
+        stats = {
+            **self.router.stats(),
+            "rings": self.rings.stats(),
+            "daemon": self.id,
+            "pid": os.getpid(),
+        }
         stats["started"] = {
             "on_demand": self.config.started_by is not None,
             "by": self.config.started_by,
@@ -465,8 +470,9 @@ def _lock_endpoint(path: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise DaemonAlreadyRunning(f"another tapd daemon is already running for "
-                                   f"ipc://{path} (it holds {lock_path})") from None  # fmt: skip
+        raise DaemonAlreadyRunning(
+            f"another tapd daemon is already running for ipc://{path} (it holds {lock_path})"
+        ) from None
     return fd
 
 

@@ -115,8 +115,10 @@ class Spool:
         )
         record = _RECORD.pack(len(payload), zlib.crc32(payload)) + payload
         if self.bytes + len(record) > self.limit:
-            raise SpoolFull(f"the spool of {self.name!r} holds {self.bytes} bytes, its bound "
-                            f"is {self.limit} (--spool-bytes)")  # fmt: skip
+            raise SpoolFull(
+                f"the spool of {self.name!r} holds {self.bytes} bytes, its bound "
+                f"is {self.limit} (--spool-bytes)"
+            )
         if self._write is None or self._sizes[self._write_number] >= SEGMENT_BYTES:
             self._new_segment()
         number = self._write_number
@@ -183,8 +185,12 @@ class Spool:
             try:
                 return self._read_entry(entry)
             except (OSError, ValueError, ProtocolError) as exc:
-                logger.error("spool of %r: a record of %d taps cannot be read back and is "
-                             "lost: %s", self.name, entry.count, exc)  # fmt: skip
+                logger.error(
+                    "spool of %r: a record of %d taps cannot be read back and is lost: %s",
+                    self.name,
+                    entry.count,
+                    exc,
+                )
                 self.acknowledge(entry)
         return None
 
@@ -231,8 +237,9 @@ class Spool:
             try:
                 self._segment(number).unlink()
             except OSError as exc:
-                logger.warning("spool of %r: cannot remove %s: %s", self.name,
-                               self._segment(number), exc)  # fmt: skip
+                logger.warning(
+                    "spool of %r: cannot remove %s: %s", self.name, self._segment(number), exc
+                )
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -259,8 +266,12 @@ class Spool:
                 length, crc = _RECORD.unpack_from(data, offset)
                 payload = data[offset + _RECORD.size : offset + _RECORD.size + length]
                 if len(payload) != length or zlib.crc32(payload) != crc:
-                    logger.warning("spool of %r: %s ends in a record cut short (a daemon "
-                                   "killed while writing it)", self.name, path)  # fmt: skip
+                    logger.warning(
+                        "spool of %r: %s ends in a record cut short (a daemon "
+                        "killed while writing it)",
+                        self.name,
+                        path,
+                    )
                     break
                 try:
                     _, nbytes, taps = msgpack.unpackb(payload, raw=False)
@@ -270,8 +281,9 @@ class Spool:
                 if skip:
                     skip -= 1
                 else:
-                    entries.append(SpoolEntry(number, offset, _RECORD.size + length, nbytes,
-                                              len(taps)))  # fmt: skip
+                    entries.append(
+                        SpoolEntry(number, offset, _RECORD.size + length, nbytes, len(taps))
+                    )
                 offset += _RECORD.size + length
             if not entries:
                 path.unlink(missing_ok=True)
@@ -284,8 +296,12 @@ class Spool:
             self.nbytes += sum(e.nbytes for e in entries)
             self.taps += sum(e.count for e in entries)
         if self.entries:
-            logger.info("spool of %r: %d taps (%d bytes) left by an earlier daemon",
-                        self.name, self.taps, self.bytes)  # fmt: skip
+            logger.info(
+                "spool of %r: %d taps (%d bytes) left by an earlier daemon",
+                self.name,
+                self.taps,
+                self.bytes,
+            )
 
     def close(self) -> None:
         """Close the files, leaving what is not acknowledged for the next daemon."""

@@ -93,8 +93,14 @@ def id_print(
     if threshold is not None:
         kwargs["threshold"] = threshold
     printer = functools.partial(print_tap, **kwargs)
-    return id_tap(printer, arg, result=result, tap_with_device=tap_with_device,
-                  device_index=device_index, callback_flavor=callback_flavor)  # fmt: skip
+    return id_tap(
+        printer,
+        arg,
+        result=result,
+        tap_with_device=tap_with_device,
+        device_index=device_index,
+        callback_flavor=callback_flavor,
+    )
 
 
 def consumer_name(tap_func: Callable[..., Any]) -> str:

@@ -167,9 +167,16 @@ def emit_python_callback(
     emit = jax_callback.emit_python_callback
     extra = {"returns_token": returns_token} if _accepts(emit, "returns_token") else {}
     _, new_token, _ = emit(
-        ctx, callback, token, operands, operand_avals, [],
-        has_side_effect=True, sharding=sharding, **extra,
-    )  # fmt: skip
+        ctx,
+        callback,
+        token,
+        operands,
+        operand_avals,
+        [],
+        has_side_effect=True,
+        sharding=sharding,
+        **extra,
+    )
     return new_token
 
 

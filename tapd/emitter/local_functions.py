@@ -106,9 +106,11 @@ class LocalReceiver:
         self.prefix = f"local/{emitter}/{secrets.token_hex(4)}/"
         self.timeout = timeout
         self._subscriber = Subscriber(
-            endpoint, name=f"tapd receiver of {emitter}", heartbeat=_HEARTBEAT,
+            endpoint,
+            name=f"tapd receiver of {emitter}",
+            heartbeat=_HEARTBEAT,
             fallback_for=emitter,
-        )  # fmt: skip
+        )
         self._subscriber.add_handler(self.prefix + "*", _Named(self._run_local, "tap function"))
         self._sites: dict[str, _LocalSite] = {}
         self._names: dict[tuple[int, Any], tuple[Callable[..., Any], str]] = {}
@@ -209,8 +211,9 @@ class LocalReceiver:
                 subscriber.run(until=lambda: self._closing or bool(self._pending))
                 self._subscribe_pending()
         except Exception:
-            logger.exception("tapd receiver thread failed; this process's tap functions "
-                             "no longer run")  # fmt: skip
+            logger.exception(
+                "tapd receiver thread failed; this process's tap functions no longer run"
+            )
         finally:
             subscriber.close()
 

@@ -74,9 +74,14 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         operand_values = [*tapped, *([step] if site.has_step else [])]
         operand_avals = [*tapped_avals, *([step_aval] if site.has_step else [])]
         new_token = _emit_ffi_call(
-            ctx, token, operand_values, operand_avals,
-            site=site_id, consumer=native.consumer_id(site.consumer), has_step=site.has_step,
-        )  # fmt: skip
+            ctx,
+            token,
+            operand_values,
+            operand_avals,
+            site=site_id,
+            consumer=native.consumer_id(site.consumer),
+            has_step=site.has_step,
+        )
     else:
         # A gathered tap in a partitioned jit runs on one device: id_tap's device_index.
         where = int(site.decoded_fields().get("meta", {}).get("device_index", 0))
@@ -96,12 +101,16 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         # The callback's custom call is laid out from its context's avals: ours.
         callback_ctx = dataclasses.replace(ctx, avals_in=callback_avals, avals_out=[])
         new_token = jax_compat.emit_python_callback(
-            callback_ctx, host_function, token, operand_values, callback_avals,
+            callback_ctx,
+            host_function,
+            token,
+            operand_values,
+            callback_avals,
             returns_token=site.ordered,
             sharding=jax_compat.callback_op_sharding(
                 axis_context, _single_device(axis_context, where)
             ),
-        )  # fmt: skip
+        )
     if token is not None:
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: new_token})))
     return leaves
@@ -227,10 +236,15 @@ def _ring_callback(
         index = int(args[-1])
         device = table[index] if index < len(table) else index
         write(
-            None, site_id, consumer_id, device, step, count,
+            None,
+            site_id,
+            consumer_id,
+            device,
+            step,
+            count,
             pointer_array(*[a.ctypes.data for a in arrays]),
             size_array(*[a.nbytes for a in arrays]),
-        )  # fmt: skip
+        )
         return ()
 
     return write_record

@@ -79,8 +79,11 @@ class NativeEmitter:
 
     def stats(self) -> dict[str, int]:
         counters = self.ring.counters()
-        return {"sent": counters.taps, "dropped": counters.dropped,
-                "blocked_ns": counters.blocked_ns}  # fmt: skip
+        return {
+            "sent": counters.taps,
+            "dropped": counters.dropped,
+            "blocked_ns": counters.blocked_ns,
+        }
 
 
 _ffi_registered = False

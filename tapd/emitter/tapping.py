@@ -163,8 +163,11 @@ def _bind_per_device(
         sharding.layout(consumer, axes, array.shape, spec)
         for array, spec in zip(arrays, specs, strict=True)
     ]
-    shard = {"axes": [name for name, _ in axes], "sizes": [size for _, size in axes],
-             "layout": layouts}  # fmt: skip
+    shard = {
+        "axes": [name for name, _ in axes],
+        "sizes": [size for _, size in axes],
+        "layout": layouts,
+    }
     site = _site(
         consumer, {**fields, "shard": shard}, step is not None, has_coords=True, ordered=ordered
     )

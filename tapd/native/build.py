@@ -131,9 +131,14 @@ def _plugin_major() -> int | None:
 def _runtime_candidates() -> list[tuple[Path, Path | None]]:
     """(runtime directory with include/ and lib/, where else crt/ may be), in order."""
     nvidia = _package_dirs("nvidia")
-    nvcc12_crt = next((p / "cuda_nvcc" / "include" for p in nvidia
-                       if (p / "cuda_nvcc" / "include" / "crt" / "host_defines.h").is_file()),
-                      None)  # fmt: skip
+    nvcc12_crt = next(
+        (
+            p / "cuda_nvcc" / "include"
+            for p in nvidia
+            if (p / "cuda_nvcc" / "include" / "crt" / "host_defines.h").is_file()
+        ),
+        None,
+    )
     candidates = [(p / "cuda_runtime", nvcc12_crt) for p in nvidia]  # CUDA 12's wheels
     candidates += [(p / "cu13", None) for p in nvidia]  # CUDA 13's
     for variable in ("CUDA_HOME", "CUDA_PATH"):
@@ -167,8 +172,7 @@ def cuda_runtime() -> CudaRuntime | None:
 def _runtime_at(runtime: Path, crt_elsewhere: Path | None, major: int) -> CudaRuntime | None:
     soname = f"libcudart.so.{major}"
     include = runtime / "include"
-    lib = next((d for d in (runtime / "lib", runtime / "lib64") if (d / soname).is_file()),
-               None)  # fmt: skip
+    lib = next((d for d in (runtime / "lib", runtime / "lib64") if (d / soname).is_file()), None)
     if lib is None or not (include / "cuda_runtime_api.h").is_file():
         return None
     # cuda_runtime_api.h includes crt/host_defines.h: a toolkit and CUDA 13's wheels have
@@ -211,32 +215,52 @@ def ring_key(ffi_include: Path | None) -> str:
 
 def cuda_key(ffi_include: Path, cuda: CudaRuntime) -> str:
     abi = (ffi_include / "xla" / "ffi" / "api" / "c_api.h").read_bytes()
-    return "cuda-" + _digest(HEADERS + CUDA_SOURCES, abi, cuda.version().encode(),
-                             str(cuda.library).encode())  # fmt: skip
+    return "cuda-" + _digest(
+        HEADERS + CUDA_SOURCES, abi, cuda.version().encode(), str(cuda.library).encode()
+    )
 
 
 def ring_command(output: Path, ffi_include: Path | None) -> list[str]:
     sources = RING_SOURCES + (CPU_SOURCES if ffi_include is not None else ())
     includes = ["-isystem", str(ffi_include)] if ffi_include is not None else []
-    return [compiler(), *FLAGS, "-shared", *includes,
-            *[str(SOURCE_DIR / s) for s in sources], "-o", str(output)]  # fmt: skip
+    return [
+        compiler(),
+        *FLAGS,
+        "-shared",
+        *includes,
+        *[str(SOURCE_DIR / s) for s in sources],
+        "-o",
+        str(output),
+    ]
 
 
 def cuda_link_args(cuda: CudaRuntime) -> list[str]:
     # The wheel has no unversioned libcudart.so to link by -lcudart. The rpaths: where
     # it was found, and the same place relative to an installed tapd/native/.
     wheel_lib = "cu13/lib" if cuda.soname.endswith(".13") else "cuda_runtime/lib"
-    return ["-L", str(cuda.lib_dir), f"-l:{cuda.soname}", f"-Wl,-rpath,{cuda.lib_dir}",
-            f"-Wl,-rpath,$ORIGIN/../../nvidia/{wheel_lib}"]  # fmt: skip
+    return [
+        "-L",
+        str(cuda.lib_dir),
+        f"-l:{cuda.soname}",
+        f"-Wl,-rpath,{cuda.lib_dir}",
+        f"-Wl,-rpath,$ORIGIN/../../nvidia/{wheel_lib}",
+    ]
 
 
 def cuda_command(output: Path, ffi_include: Path, cuda: CudaRuntime) -> list[str]:
     includes = ["-isystem", str(ffi_include)]
     for path in cuda.includes:
         includes += ["-isystem", str(path)]
-    return [compiler(), *FLAGS, "-shared", *includes,
-            *[str(SOURCE_DIR / s) for s in CUDA_SOURCES], "-o", str(output),
-            *cuda_link_args(cuda)]  # fmt: skip
+    return [
+        compiler(),
+        *FLAGS,
+        "-shared",
+        *includes,
+        *[str(SOURCE_DIR / s) for s in CUDA_SOURCES],
+        "-o",
+        str(output),
+        *cuda_link_args(cuda),
+    ]
 
 
 def compile_ring(output: Path, ffi_include: Path | None) -> Path:
@@ -268,8 +292,14 @@ def cuda_program_args(cuda: CudaRuntime) -> list[str]:
     """g++ arguments for a standalone CUDA runtime program (bench/gpu_baseline.cc):
     the runtime's headers, and its libcudart with an rpath to it."""
     includes = [arg for path in cuda.includes for arg in ("-isystem", str(path))]
-    return [*includes, "-L", str(cuda.lib_dir), f"-l:{cuda.soname}",
-            f"-Wl,-rpath,{cuda.lib_dir}", "-lpthread"]  # fmt: skip
+    return [
+        *includes,
+        "-L",
+        str(cuda.lib_dir),
+        f"-l:{cuda.soname}",
+        f"-Wl,-rpath,{cuda.lib_dir}",
+        "-lpthread",
+    ]
 
 
 def main() -> int:

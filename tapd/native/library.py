@@ -145,8 +145,12 @@ def cuda_ring_registration() -> dict[str, Any] | None:
     if _cuda is None:
         return None
     pinned, mapped, seconds = ctypes.c_uint64(), ctypes.c_int(), ctypes.c_double()
-    if _cuda.tapd_cuda_ring_registration(ctypes.byref(pinned), ctypes.byref(mapped),
-                                         ctypes.byref(seconds)) != 0:  # fmt: skip
+    if (
+        _cuda.tapd_cuda_ring_registration(
+            ctypes.byref(pinned), ctypes.byref(mapped), ctypes.byref(seconds)
+        )
+        != 0
+    ):
         return None
     return {"bytes": pinned.value, "mapped": bool(mapped.value), "seconds": seconds.value}
 
@@ -196,15 +200,17 @@ def _load_ring(allow_build: bool) -> ctypes.CDLL:
             fallback = lib  # the ring works; try for the handler below
     try:
         try:
-            path = _cached(build.ring_key(include), allow_build,
-                           lambda out: build.compile_ring(out, include))  # fmt: skip
+            path = _cached(
+                build.ring_key(include), allow_build, lambda out: build.compile_ring(out, include)
+            )
         except build.BuildError as exc:
             if include is None or fallback is not None:
                 raise
             # The handler did not compile (headers of an unexpected jaxlib?): the ring alone.
             _handler_reasons["cpu"] = f"the CPU handler did not compile: {exc}"
-            path = _cached(build.ring_key(None), allow_build,
-                           lambda out: build.compile_ring(out, None))  # fmt: skip
+            path = _cached(
+                build.ring_key(None), allow_build, lambda out: build.compile_ring(out, None)
+            )
         lib = _bind(ctypes.CDLL(str(path), use_errno=True))
     except (build.BuildError, OSError, AttributeError, _Unavailable) as exc:
         if fallback is not None:
@@ -288,8 +294,9 @@ def _load_cuda() -> Any:
         raise _Unavailable(build.cuda_missing())
     found = cuda
     try:
-        path = _cached(build.cuda_key(include, cuda), True,
-                       lambda out: build.compile_cuda(out, include, found))  # fmt: skip
+        path = _cached(
+            build.cuda_key(include, cuda), True, lambda out: build.compile_cuda(out, include, found)
+        )
     except build.BuildError as exc:
         raise _Unavailable(str(exc)) from exc
     return _open_cuda(path, ring, include)
@@ -310,9 +317,10 @@ def _open_cuda(path: Path, ring: ctypes.CDLL, include: Path | None) -> Any:
         lib.tapd_cuda_commit_name.argtypes = [ctypes.c_int]
         lib.tapd_cuda_commit_name.restype = ctypes.c_char_p
         lib.tapd_cuda_ring_registration.argtypes = [
-            ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int),
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.POINTER(ctypes.c_int),
             ctypes.POINTER(ctypes.c_double),
-        ]  # fmt: skip
+        ]
         lib.tapd_cuda_ring_registration.restype = ctypes.c_int
         incompatible = _incompatible(lib, "cuda", include)
     except (OSError, AttributeError) as exc:
@@ -339,27 +347,50 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_counters": ([c.c_void_p, u64p], None),
         "tapd_ring_nonce": ([c.c_void_p], c.c_uint64),
         "tapd_ring_set_reader": ([c.c_void_p, c.c_int64], None),
-        "tapd_ring_write": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32, c.c_int64,
-                             c.c_char_p, c.c_uint64], c.c_int),
+        "tapd_ring_write": (
+            [c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32, c.c_int64, c.c_char_p, c.c_uint64],
+            c.c_int,
+        ),
         # (ring or None, site, consumer, device, step, nleaves, data, sizes): the data
         # and sizes arrays as plain pointers, so that a caller passes ctypes arrays or
         # addresses without conversion.
-        "tapd_ring_write_leaves": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32,
-                                    c.c_int64, c.c_uint32, c.c_void_p, c.c_void_p], c.c_int),
+        "tapd_ring_write_leaves": (
+            [
+                c.c_void_p,
+                c.c_uint64,
+                c.c_uint32,
+                c.c_int32,
+                c.c_int64,
+                c.c_uint32,
+                c.c_void_p,
+                c.c_void_p,
+            ],
+            c.c_int,
+        ),
         "tapd_ring_record_header_bytes": ([], c.c_uint64),
         "tapd_ring_internal_api": ([c.c_uint32], c.c_void_p),
-        "tapd_ring_reserve_for_test": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32,
-                                        c.c_int64, c.c_char_p, c.c_uint64, u64p], c.c_int),
+        "tapd_ring_reserve_for_test": (
+            [
+                c.c_void_p,
+                c.c_uint64,
+                c.c_uint32,
+                c.c_int32,
+                c.c_int64,
+                c.c_char_p,
+                c.c_uint64,
+                u64p,
+            ],
+            c.c_int,
+        ),
         "tapd_ring_commit_for_test": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_abandon_for_test": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_reserve_bare_for_test": ([c.c_void_p, c.c_uint64], c.c_uint64),
-        "tapd_ring_device_enqueue_for_test": ([c.c_void_p, c.c_uint64, c.c_int, c.c_int32],
-                                               None),
+        "tapd_ring_device_enqueue_for_test": ([c.c_void_p, c.c_uint64, c.c_int, c.c_int32], None),
         "tapd_ring_device_store_for_test": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_set_held": ([c.c_void_p, c.c_uint32], None),
         "tapd_ring_settled": ([c.c_void_p, c.c_uint32], c.c_uint64),
         "tapd_ring_held": ([c.c_void_p], c.c_uint32),
-    }  # fmt: skip
+    }
     for name, (argtypes, restype) in signatures.items():
         function = getattr(lib, name)
         function.argtypes = argtypes

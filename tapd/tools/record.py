@@ -80,8 +80,9 @@ class Recorder:
         self._accepted_bytes = self.stats.written_bytes  # (stop: array bytes, index aside)
         self._lock = threading.Lock()
         self._writing: queue.Queue[list[Group] | None] = queue.Queue(maxsize=1)
-        self._thread = threading.Thread(target=self._write_chunks, name="tapd-record-writer",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._write_chunks, name="tapd-record-writer", daemon=True
+        )
         self._thread.start()
 
     def __call__(self, batch: TapBatch) -> None:
@@ -109,8 +110,9 @@ class Recorder:
     def _keep(self, batch: TapBatch, count: int, per_tap: int) -> None:
         """Keep the first `count` taps of `batch` in the chunk being filled."""
         emitter, consumer = batch.meta.emitter, batch.consumer
-        for seq, device in zip(batch.seq[:count].tolist(), batch.device[:count].tolist(),
-                               strict=True):  # fmt: skip
+        for seq, device in zip(
+            batch.seq[:count].tolist(), batch.device[:count].tolist(), strict=True
+        ):
             key = (emitter, device, consumer)
             expected = self._next_seq.get(key, seq)
             if seq > expected:
@@ -180,8 +182,10 @@ class Recorder:
         self._writing.put(None)
         self._thread.join()
         if self.error is not None:
-            raise OSError(f"tapd record: {self.stats.failed} taps could not be written to "
-                          f"{self.writer.directory}: {self.error}") from self.error  # fmt: skip
+            raise OSError(
+                f"tapd record: {self.stats.failed} taps could not be written to "
+                f"{self.writer.directory}: {self.error}"
+            ) from self.error
 
 
 class Progress:
@@ -205,9 +209,11 @@ class Progress:
             self._rate = (stats.bytes - self._last_bytes) / (now - self._last)
         self._last, self._last_bytes = now, stats.bytes
         drops = "?" if dropped is None else str(dropped)
-        line = (f"recorded {stats.taps} taps, {stats.bytes / 1e6:.1f} MB "
-                f"({stats.written_bytes / 1e6:.1f} MB on disk, {stats.chunks} chunks), "
-                f"{self._rate / 1e6:.1f} MB/s, dropped {drops}, seq gaps {stats.gaps}")  # fmt: skip
+        line = (
+            f"recorded {stats.taps} taps, {stats.bytes / 1e6:.1f} MB "
+            f"({stats.written_bytes / 1e6:.1f} MB on disk, {stats.chunks} chunks), "
+            f"{self._rate / 1e6:.1f} MB/s, dropped {drops}, seq gaps {stats.gaps}"
+        )
         if stats.rotated_chunks:
             line += f", rotated out {stats.rotated_chunks} chunks"
         if stats.refused:

@@ -37,11 +37,40 @@ INFO_FILE = "recording.json"
 
 # The fields of a tap header that a recording keeps, as the protocol spells them
 # (docs/PROTOCOL.md, `tap`); `time` stays in integer nanoseconds.
-HEADER_FIELDS = ("consumer", "seq", "step", "device", "process", "host", "pid", "emitter",
-                 "time", "transforms", "meta", "tree", "leaves", "shard")  # fmt: skip
-_NUMPY_NATIVE = frozenset(("bool", "int8", "int16", "int32", "int64", "uint8", "uint16",
-                           "uint32", "uint64", "float16", "float32", "float64", "complex64",
-                           "complex128"))  # fmt: skip
+HEADER_FIELDS = (
+    "consumer",
+    "seq",
+    "step",
+    "device",
+    "process",
+    "host",
+    "pid",
+    "emitter",
+    "time",
+    "transforms",
+    "meta",
+    "tree",
+    "leaves",
+    "shard",
+)
+_NUMPY_NATIVE = frozenset(
+    (
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
+)
 
 
 # Taps of one site written together: their headers, and each leaf stacked on axis 0.
@@ -74,10 +103,19 @@ class ChunkWriter:
         self.next_number = existing[-1] + 1 if existing else 0
         info = directory / INFO_FILE
         if not info.exists():
-            _write_atomically(info, json.dumps({
-                "format": FORMAT, "version": FORMAT_VERSION, "consumers": list(consumers),
-                "started": time.time(),
-            }, indent=2).encode() + b"\n")  # fmt: skip
+            _write_atomically(
+                info,
+                json.dumps(
+                    {
+                        "format": FORMAT,
+                        "version": FORMAT_VERSION,
+                        "consumers": list(consumers),
+                        "started": time.time(),
+                    },
+                    indent=2,
+                ).encode()
+                + b"\n",
+            )
 
     def write(self, groups: Sequence[Group]) -> int:
         """Write one chunk of `groups` (headers of taps of one site, and their leaves
@@ -143,8 +181,9 @@ def read_recording(directory: str | os.PathLike[str]) -> Iterator[RecordedTap]:
         raise FileNotFoundError(f"{path} is not a tapd recording (no {INFO_FILE})")
     fields = json.loads(info.read_text())
     if fields.get("format") != FORMAT or fields.get("version") not in (1, FORMAT_VERSION):
-        raise ValueError(f"{path}: not a {FORMAT} of version 1 to {FORMAT_VERSION}: "
-                         f"{fields!r:.200}")  # fmt: skip
+        raise ValueError(
+            f"{path}: not a {FORMAT} of version 1 to {FORMAT_VERSION}: {fields!r:.200}"
+        )
     for number in chunk_numbers(path):
         index = path / f"{number:06d}.jsonl"
         with np.load(index.with_suffix(".npz")) as npz:
@@ -153,8 +192,7 @@ def read_recording(directory: str | os.PathLike[str]) -> Iterator[RecordedTap]:
                 header = json.loads(line)
                 row = header.pop("row", None)  # (None: version 1, an array per leaf)
                 leaves = []
-                for name, (dtype, _, _) in zip(header.pop("arrays"), header["leaves"],
-                                               strict=True):  # fmt: skip
+                for name, (dtype, _, _) in zip(header.pop("arrays"), header["leaves"], strict=True):
                     if name not in arrays:
                         arrays[name] = npz[name]
                     array = arrays[name] if row is None else arrays[name][row, ...]

@@ -47,16 +47,22 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> 
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     out = []
     for row in cells:
-        text = "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(row, widths, strict=True)))  # fmt: skip
+        text = "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
         out.append(text[:width])
     return out
 
 
 def frame(
-    previous: Sample | None, current: Sample, *, endpoint: str, sort: str = "rate",
+    previous: Sample | None,
+    current: Sample,
+    *,
+    endpoint: str,
+    sort: str = "rate",
     width: int = 160,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """The lines of one frame of `tapd top`."""
     stats = current.stats
     seconds = current.at - previous.at if previous is not None else 0.0
@@ -96,12 +102,35 @@ def frame(
         if ring is not None:
             fill = f"{100 * (ring['committed'] - ring['released']) / max(1, ring['capacity']):.0f}%"
             dropped += ring.get("dropped", 0)
-        rows.append((taps, e["name"], dropped, [
-            e["name"], _num(taps), f"{mb:.1f}", fill, f"{e['pending']:,}", f"{e['taps']:,}",
-            f"{dropped:,}", f"{e['unrouted']:,}", _lag(now, e.get("last_handled_time")),
-        ]))  # fmt: skip
-    header = ["name", "taps/s", "MB/s", "ring fill", "pending", "taps", "dropped", "unrouted",
-              "lag"]  # fmt: skip
+        rows.append(
+            (
+                taps,
+                e["name"],
+                dropped,
+                [
+                    e["name"],
+                    _num(taps),
+                    f"{mb:.1f}",
+                    fill,
+                    f"{e['pending']:,}",
+                    f"{e['taps']:,}",
+                    f"{dropped:,}",
+                    f"{e['unrouted']:,}",
+                    _lag(now, e.get("last_handled_time")),
+                ],
+            )
+        )
+    header = [
+        "name",
+        "taps/s",
+        "MB/s",
+        "ring fill",
+        "pending",
+        "taps",
+        "dropped",
+        "unrouted",
+        "lag",
+    ]
     if rows:
         lines += ["EMITTERS", *_table(header, _sorted(rows, sort), width)]
     else:
@@ -110,8 +139,7 @@ def frame(
     queue_bytes = stats.get("queue_bytes") or 0
     # A worker pool is a row of its own (its queue, its members' taps), beside its members.
     peers = [*stats.get("subscribers", []), *stats.get("groups", [])]
-    old_subscribers = {s["name"]: s for s in [*old.get("subscribers", []),
-                                              *old.get("groups", [])]}  # fmt: skip
+    old_subscribers = {s["name"]: s for s in [*old.get("subscribers", []), *old.get("groups", [])]}
     rows = []
     for s in peers:
         before = old_subscribers.get(s["name"], {})
@@ -120,13 +148,39 @@ def frame(
         fill = f"{100 * s['held_bytes'] / queue_bytes:.0f}%" if queue_bytes else "-"
         consumers = ",".join(s["consumers"])
         who = f"pool:{s['group']}[{len(s['members'])}]" if "members" in s else s["name"]
-        rows.append((taps, consumers, s["dropped"], [
-            consumers[:40], who, _num(taps), f"{mb:.1f}", fill, f"{s['queued']:,}",
-            f"{s['in_flight']:,}", f"{s['delivered']:,}", f"{s['dropped']:,}",
-            f"{s['errors']:,}", _lag(now, s.get("last_handled_time")),
-        ]))  # fmt: skip
-    header = ["consumers", "subscriber", "taps/s", "MB/s", "queue fill", "queued",
-              "in flight", "handled", "dropped", "errors", "lag"]  # fmt: skip
+        rows.append(
+            (
+                taps,
+                consumers,
+                s["dropped"],
+                [
+                    consumers[:40],
+                    who,
+                    _num(taps),
+                    f"{mb:.1f}",
+                    fill,
+                    f"{s['queued']:,}",
+                    f"{s['in_flight']:,}",
+                    f"{s['delivered']:,}",
+                    f"{s['dropped']:,}",
+                    f"{s['errors']:,}",
+                    _lag(now, s.get("last_handled_time")),
+                ],
+            )
+        )
+    header = [
+        "consumers",
+        "subscriber",
+        "taps/s",
+        "MB/s",
+        "queue fill",
+        "queued",
+        "in flight",
+        "handled",
+        "dropped",
+        "errors",
+        "lag",
+    ]
     if rows:
         lines += [
             "CONSUMERS (one row per subscriber, and per worker pool)",

@@ -65,8 +65,10 @@ def make_sink(tool: str, target: str | None = None, **options: Any) -> Sink:
         raise ValueError(f"the {tool} sink needs a {kind.target}: {tool}:{kind.target.upper()}")
     unknown = set(options) - set(kind.options) - set(FLAGS)
     if unknown:
-        raise ValueError(f"the {tool} sink has no option {', '.join(sorted(unknown))}; it takes "
-                         f"{', '.join(kind.options + FLAGS)}")  # fmt: skip
+        raise ValueError(
+            f"the {tool} sink has no option {', '.join(sorted(unknown))}; it takes "
+            f"{', '.join(kind.options + FLAGS)}"
+        )
     cls = getattr(importlib.import_module(kind.module), kind.name)
     if target is not None:
         options[kind.target] = target
@@ -83,8 +85,10 @@ def parse_spec(spec: str) -> tuple[str, str | None, dict[str, Any]]:
     if colon and not target:
         raise ValueError(f"sink spec {spec!r}: empty {kind.target} after {tool}:")
     if not colon and kind.target_required:
-        raise ValueError(f"sink spec {spec!r}: the {tool} sink needs a {kind.target}: "
-                         f"{tool}:{kind.target.upper()}")  # fmt: skip
+        raise ValueError(
+            f"sink spec {spec!r}: the {tool} sink needs a {kind.target}: "
+            f"{tool}:{kind.target.upper()}"
+        )
     options: dict[str, Any] = {}
     for item in rest:
         key, equals, value = item.partition("=")
@@ -98,6 +102,8 @@ def parse_spec(spec: str) -> tuple[str, str | None, dict[str, Any]]:
                 raise ValueError(f"sink spec {spec!r}: {key} needs a value ({key}=...)")
             options[key] = value
         else:
-            raise ValueError(f"sink spec {spec!r}: the {tool} sink has no option {key!r}; it "
-                             f"takes {', '.join(kind.options + FLAGS)}")  # fmt: skip
+            raise ValueError(
+                f"sink spec {spec!r}: the {tool} sink has no option {key!r}; it "
+                f"takes {', '.join(kind.options + FLAGS)}"
+            )
     return tool, target or None, options

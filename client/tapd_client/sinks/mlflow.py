@@ -97,13 +97,18 @@ class MlflowSink(Sink):
                 metrics.append(self._metric(tag, point.value, ms, point.step))
             elif point.kind == "histogram":
                 values = point.value
-                stats = {"mean": values.mean(), "min": values.min(), "max": values.max(),
-                         "norm": np.linalg.norm(values)}  # fmt: skip
+                stats = {
+                    "mean": values.mean(),
+                    "min": values.min(),
+                    "max": values.max(),
+                    "norm": np.linalg.norm(values),
+                }
                 for stat, number in stats.items():
                     metrics.append(self._metric(f"{tag}/{stat}", float(number), ms, point.step))
             elif self._keyed_images:
-                self.client.log_image(self.run_id, point.value, key=tag, step=point.step,
-                                      timestamp=ms)  # fmt: skip
+                self.client.log_image(
+                    self.run_id, point.value, key=tag, step=point.step, timestamp=ms
+                )
             else:
                 artifact = f"images/{tag}/step{point.step}.png"
                 self.client.log_image(self.run_id, point.value, artifact_file=artifact)

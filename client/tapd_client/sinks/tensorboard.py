@@ -48,8 +48,9 @@ class TensorBoardSink(Sink):
                 self.writer.add_histogram(point.tag, point.value, point.step, walltime=point.time)
             else:
                 formats = "HW" if point.value.ndim == 2 else "HWC"
-                self.writer.add_image(point.tag, point.value, point.step, walltime=point.time,
-                                      dataformats=formats)  # fmt: skip
+                self.writer.add_image(
+                    point.tag, point.value, point.step, walltime=point.time, dataformats=formats
+                )
 
     def flush(self) -> None:
         self.writer.flush()

@@ -43,9 +43,12 @@ class WandbSink(Sink):
             raise ImportError("the W&B sink logs with wandb: pip install 'tapd[wandb]'") from exc
         self._wandb = wandb
         # console="off": wandb would otherwise take over this process's stdout and stderr.
-        self.run = wandb.init(project=project or "tapd", name=run_name,
-                              dir=None if dir is None else str(dir),
-                              settings=wandb.Settings(console="off"))  # fmt: skip
+        self.run = wandb.init(
+            project=project or "tapd",
+            name=run_name,
+            dir=None if dir is None else str(dir),
+            settings=wandb.Settings(console="off"),
+        )
         self.run.define_metric(STEP)
         self._defined: set[str] = set()
         self.where = f"W&B run {self.run.id} ({self.run.dir})"

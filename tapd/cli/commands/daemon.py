@@ -150,7 +150,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     """Stop the daemon that answers at the endpoint, by the pid it gives. The pidfile is
     only compared with it: after a kill -9 its pid may have gone to another process."""
     from tapd.clients import control
-    from tapd.daemon.rings import pid_alive
+    from tapd.runtime import pid_alive
 
     address = endpoint(args)
     pidfile = args.pidfile or default_pidfile()
