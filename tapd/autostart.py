@@ -92,7 +92,7 @@ def ensure_daemon(
     socket_path = Path(endpoint.removeprefix("ipc://"))
     if socket_path.exists() and answers(endpoint, _PROBE_TIMEOUT):
         return None
-    if not AUTOSTART.read():
+    if not AUTOSTART.value():
         if required and not socket_path.exists():
             raise DaemonUnreachable(
                 f"no tapd daemon at {endpoint} (no socket file) and TAPD_AUTOSTART=0: "

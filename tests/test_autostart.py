@@ -25,9 +25,10 @@ PY = sys.executable
 
 @pytest.fixture
 def home(runtime_dir: Path) -> Iterator[dict[str, str]]:
-    """An environment whose default endpoint lives in `runtime_dir`, autostart on."""
+    """An environment whose default endpoint lives in `runtime_dir`, nothing else set."""
+    # (TAPD_AUTOSTART unset: autostart is the default.)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TAPD_")}
-    env.update(TAPD_RUNTIME_DIR=str(runtime_dir), TAPD_AUTOSTART="1")
+    env.update(TAPD_RUNTIME_DIR=str(runtime_dir))
     yield env
     for pid in _daemon_pids(runtime_dir):
         _stop(pid)

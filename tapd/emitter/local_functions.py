@@ -57,7 +57,6 @@ import jax
 from tapd.emitter import lifecycle
 from tapd.errors import DaemonUnreachable, TapDefinitionError
 from tapd.settings import CONNECT_TIMEOUT, LOCAL_FALLBACK
-from tapd.settings.setting import Setting
 from tapd_client.meta import TapMeta
 from tapd_client.subscriber import Subscriber
 from tapd_client.tap_functions import resolve, tap_function_keywords
@@ -71,16 +70,11 @@ _MAX_QUALNAME = 96  # of the function's name in a local consumer name
 def fallback_enabled() -> bool:
     """Whether importable tap functions that no subscriber takes run here
     (`TAPD_LOCAL_FALLBACK`, default on)."""
-    return bool(_read(LOCAL_FALLBACK))
+    return bool(LOCAL_FALLBACK.value())
 
 
 def _connect_timeout() -> float:
-    return float(_read(CONNECT_TIMEOUT))
-
-
-def _read(setting: Setting) -> Any:
-    found = setting.read()
-    return setting.default if found is None else found
+    return float(CONNECT_TIMEOUT.value())
 
 
 @dataclasses.dataclass(frozen=True)

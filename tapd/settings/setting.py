@@ -117,6 +117,13 @@ class Setting:
             return self._read_legacy(self.legacy, raw)
         return None
 
+    def value(self, environ: Mapping[str, str] | None = None) -> Any:
+        """What the environment sets, else the default."""
+        found = self.read(environ)
+        if found is not None:
+            return found
+        return self.default_factory() if self.default_factory is not None else self.default
+
     def _read_legacy(self, legacy: "Setting", raw: str) -> Any:
         """A deprecated variable that several processes read: it still sets this setting
         where its value is one this setting takes, and is ignored (loudly) where only
