@@ -66,6 +66,11 @@ class Config(DaemonFields):
             return self.idle_exit
         return ON_DEMAND_IDLE_EXIT if self.started_by is not None else None
 
+    def how_started(self) -> dict[str, Any]:
+        """For `tapd status`: on demand (and by which pid) or not, and the idle limit."""
+        by = self.started_by
+        return {"on_demand": by is not None, "by": by, "idle_exit": self.idle_limit}
+
     def _check_forward(self, forward: str) -> None:
         if forward.startswith("ipc://"):
             if not forward.removeprefix("ipc://"):

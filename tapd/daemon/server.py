@@ -180,11 +180,7 @@ class Daemon:
             "daemon": self.id,
             "pid": os.getpid(),
         }
-        stats["started"] = {
-            "on_demand": self.config.started_by is not None,
-            "by": self.config.started_by,
-            "idle_exit": self.config.idle_limit,
-        }
+        stats["started"] = self.config.how_started()
         bounds = {"reply_budgets": len(self.replies), "departed_emitters": self.departed.forgotten}
         stats["bounds"] = bounds  # per-peer tables beside the router's (tapd/daemon/bounds.py)
         if self.forwarder is not None:
@@ -398,18 +394,7 @@ class Daemon:
         self.router.reject(exc.reason, str(exc))
         if not self.router.knows_emitter(key):
             return
-        consumer, seq, is_tap = "?", -1, False
-        if len(frames) >= 2 and len(frames[1]) <= 4 * self.limits.max_header_bytes:
-            try:
-                header = msgpack.unpackb(frames[1].buffer, raw=False, strict_map_key=False)
-            except Exception:  # only a best effort at naming the tap
-                header = None
-            if isinstance(header, dict):
-                is_tap = header.get("kind") == "tap"
-                if isinstance(header.get("consumer"), str):
-                    consumer = header["consumer"][: self.limits.max_name]
-                if type(header.get("seq")) is int:
-                    seq = header["seq"]
+        consumer, seq, is_tap = _named_in(frames, self.limits)
         error = f"the tapd daemon rejected a message from this emitter: {exc}"[:4000]
         credit = sum(len(f) for f in frames[2:]) if is_tap else 0
         report = self.replies.allow(key, time.monotonic())  # past its share: only counted
@@ -504,3 +489,21 @@ def _drain_pipe(fd: int) -> None:
             pass
     except BlockingIOError:
         pass
+
+
+def _named_in(frames: list[Any], limits: Limits) -> tuple[str, int, bool]:
+    """A best effort at naming what a refused message was: its consumer ("?"), seq (-1)
+    and whether it was a tap, from a header that may be anything."""
+    consumer, seq, is_tap = "?", -1, False
+    if len(frames) >= 2 and len(frames[1]) <= 4 * limits.max_header_bytes:
+        try:
+            header = msgpack.unpackb(frames[1].buffer, raw=False, strict_map_key=False)
+        except Exception:  # only a best effort
+            header = None
+        if isinstance(header, dict):
+            is_tap = header.get("kind") == "tap"
+            if isinstance(header.get("consumer"), str):
+                consumer = header["consumer"][: limits.max_name]
+            if type(header.get("seq")) is int:
+                seq = header["seq"]
+    return consumer, seq, is_tap
