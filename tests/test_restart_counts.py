@@ -13,6 +13,15 @@ from collections.abc import Callable
 from conftest import APPS, Daemon, SubscriberProcess, wait_until
 
 
+def _paced_emitter(daemon: Daemon, *, taps: int, interval_ms: int) -> subprocess.Popen[str]:
+    """A JAX process tapping `loss` every `interval_ms` into `daemon` (tests/apps)."""
+    command = [sys.executable, str(APPS / "emitter_app.py"), "paced", str(taps), str(interval_ms)]
+    env = {**os.environ, "TAPD_ENDPOINT": daemon.endpoint}
+    return subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
 def test_delivered_counts_the_taps_of_both_daemons_and_exit_is_quiet(
     start_daemon: Callable[..., Daemon],
     start_subscriber: Callable[..., SubscriberProcess],
@@ -20,10 +29,7 @@ def test_delivered_counts_the_taps_of_both_daemons_and_exit_is_quiet(
 ) -> None:
     first = start_daemon()
     subscriber = start_subscriber(first, "loss")
-    env = {**os.environ, "TAPD_ENDPOINT": first.endpoint}
-    emitter = subprocess.Popen([sys.executable, str(APPS / "emitter_app.py"), "paced", "60",
-                                "20"], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    emitter = _paced_emitter(first, taps=60, interval_ms=20)
     try:
         wait_until(lambda: len(subscriber.records()) >= 20, "taps flowing to the first daemon")
         assert first.stop() == 0  # drains, tells its emitters their totals, exits
@@ -51,10 +57,7 @@ def test_after_a_daemon_is_killed_the_emitter_counts_what_it_knows_and_exit_is_t
 ) -> None:
     first = start_daemon()
     subscriber = start_subscriber(first, "loss")
-    env = {**os.environ, "TAPD_ENDPOINT": first.endpoint}
-    emitter = subprocess.Popen([sys.executable, str(APPS / "emitter_app.py"), "paced", "200",
-                                "10"], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    emitter = _paced_emitter(first, taps=200, interval_ms=10)
     try:
         wait_until(lambda: len(subscriber.records()) >= 40, "taps flowing to the first daemon")
         first.process.kill()
