@@ -40,7 +40,6 @@ from tapd.consumers import MAX_NAME, first_match
 from tapd.errors import ProtocolError, TapdError
 from tapd.protocol import Message, decode, encode
 from tapd.protocol.batch import SiteRun
-from tapd.runtime import default_endpoint
 from tapd.security import ClientKeys, secure_client
 from tapd.settings import ENDPOINT
 from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap
@@ -204,7 +203,7 @@ class Subscriber:
         if group is not None and not 0 < len(group) <= MAX_NAME:  # the protocol's name bound
             raise ValueError(f"a group name has 1 to {MAX_NAME} characters, got {group!r:.300}")
         if isinstance(endpoint, str) or endpoint is None:
-            endpoints = [endpoint or ENDPOINT.read() or default_endpoint()]
+            endpoints = [endpoint or ENDPOINT.value()]
         else:
             endpoints = list(endpoint)
         if not endpoints:

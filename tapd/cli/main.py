@@ -48,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging()
     try:
-        set_log_level(args.log_level or LOG_LEVEL.read() or LOG_LEVEL.default)
+        set_log_level(args.log_level or LOG_LEVEL.value())
         return int(args.run(args))
     except ConfigError as exc:
         logging.getLogger("tapd.cli").error("configuration error: %s", exc)

@@ -25,7 +25,7 @@ def add_endpoint(parser: argparse.ArgumentParser, *, several: bool = False) -> N
 def endpoint(args: argparse.Namespace) -> str:
     """The one endpoint a command talks to: --endpoint, else $TAPD_ENDPOINT, else the
     default."""
-    return str(args.endpoint or ENDPOINT.read() or default_endpoint())
+    return str(args.endpoint or ENDPOINT.value())
 
 
 def add_group(parser: argparse.ArgumentParser) -> None:

@@ -112,14 +112,17 @@ class EmitterSocket:
 
     def send_barrier(self, barrier_id: int, fields: Mapping[str, Any] | None = None) -> None:
         self.barriers[barrier_id] = dict(fields or {})
-        self.channel.send(encode("barrier", {**self.barriers[barrier_id], "id": barrier_id}))
+        self._say_barrier(barrier_id)
 
     def resend_barriers(self, *, last_only: bool = False) -> None:
         """Say the unanswered barriers again (all, or the last), in order: the daemon
         may have lost them with a restart or a dropped connection."""
         ids = sorted(self.barriers)
         for barrier_id in ids[-1:] if last_only else ids:
-            self.channel.send(encode("barrier", {**self.barriers[barrier_id], "id": barrier_id}))
+            self._say_barrier(barrier_id)
+
+    def _say_barrier(self, barrier_id: int) -> None:
+        self.channel.send(encode("barrier", {**self.barriers[barrier_id], "id": barrier_id}))
 
     def receive(
         self, now: float, malformed: Callable[[ProtocolError], None]

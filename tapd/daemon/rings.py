@@ -252,6 +252,10 @@ class RingSource:
         for barrier_id, _ in ready:
             router.barrier(self.key, barrier_id)
 
+    def watched_by(self, router: Router, key: Hashable) -> None:
+        """Have `router` give this ring's space back as it finishes units of `key`."""
+        router.watch_ring(key, functools.partial(self.release_delivered, router))
+
     def release_delivered(self, router: Router) -> None:
         """Give writers back the space of every tap the router has finished."""
         # (under the spool policy, also taps copied to the spools of the subscribers
@@ -325,7 +329,7 @@ class RingSet:
                     del self.sources[source.key]
                     source.key = key
                     self.sources[key] = source
-                router.watch_ring(key, functools.partial(source.release_delivered, router))
+                source.watched_by(router, key)
                 return
         try:
             source = RingSource(key, ring_path, sites_path, identity)
@@ -333,7 +337,7 @@ class RingSet:
             router.reject("bad_ring", str(exc))
             return
         self.sources[key] = source
-        router.watch_ring(key, functools.partial(source.release_delivered, router))
+        source.watched_by(router, key)
         # (No ring is read in the grace.)
         source.say_held(router, "grace" if router.in_grace() else "not_read")
         logger.info(
@@ -367,7 +371,7 @@ class RingSet:
                 continue
             source.writer_gone = True
             router.adopt(key, f"dead emitter pid {source.writer_pid}")
-            router.watch_ring(key, functools.partial(source.release_delivered, router))
+            source.watched_by(router, key)
             self.sources[key] = source
             logger.warning(
                 "found the ring of dead emitter pid %d: draining %d bytes, then removing it",

@@ -304,8 +304,8 @@ class Router:
         """Whether `tap` waits, wanted by no subscriber yet, in the start-up grace."""
         return (
             self.hold_unrouted_until > 0
+            and self.in_grace()
             and not self._targets_of(tap.header["consumer"], emitter)
-            and time.monotonic() < self.hold_unrouted_until
         )
 
     def _route(

@@ -65,8 +65,10 @@ class NativeEmitter:
     def identity(self) -> dict[str, str]:
         return {"ring": str(self.ring_path), "sites": str(self.sites_path)}
 
-    def committed(self) -> int:
-        return self.ring.settled()  # (commits still on their way from a CUDA stream too)
+    def settled_position(self) -> int:
+        """Where the ring's records end once every one reserved so far is committed
+        (commits still on their way from a CUDA stream too; waits for them)."""
+        return self.ring.settled()
 
     def remove_files(self) -> None:
         self._sites_file.close()

@@ -193,10 +193,12 @@ class Sender:
 
     def barrier(self, timeout: float | None) -> dict[str, Any]:
         """Wait until every tap submitted so far is processed; raise handler errors."""
+        # Everything in the ring so far precedes it. (Outside the lock: waiting for a
+        # CUDA stream's commits may take seconds, and submits must not wait for that.)
+        ring_position = self.native.settled_position() if self.native is not None else None
         with self._lock:
             barrier = _Barrier(self._next_barrier, covers=self._submitted_locked())
-            if self.native is not None:  # everything committed so far precedes it
-                barrier.ring_position = self.native.committed()
+            barrier.ring_position = ring_position
             self._next_barrier += 1
             self._barriers[barrier.id] = barrier
             self._queue.append(barrier)
