@@ -81,6 +81,7 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             site=site_id,
             consumer=native.consumer_id(site.consumer),
             has_step=site.has_step,
+            every=1,
         )
     else:
         # A gathered tap in a partitioned jit runs on one device: id_tap's device_index.
@@ -241,6 +242,7 @@ def _ring_callback(
             consumer_id,
             device,
             step,
+            1,
             count,
             pointer_array(*[a.ctypes.data for a in arrays]),
             size_array(*[a.nbytes for a in arrays]),
