@@ -274,7 +274,7 @@ def main() -> int:
     ]
     sections.append(
         f"Load average at the end (1, 5, 15 min): {load_average()}. The machine is shared "
-        "with other work: figures are medians of interleaved repeats, compare them as "
+        "with other work: figures are minima and medians of interleaved repeats, compare them as "
         "ratios within one run, not across runs."
     )
     publish("\n".join(sections) + "\n", args.output)
