@@ -5,7 +5,8 @@ array: (a) no tap; (b) a woken 1 MiB tap (a subscriber takes it); (c) a dormant 
 (no taker: its site's slot says EVERY_DORMANT); (d) a dormant 64 B tap; (e) a 1 MiB tap
 with every=100 (taken). Once per backend (native: the FFI handler; portable: the host
 callback writing the ring), each in its own process, the variants interleaved and
-repeated in one run; the table gives medians and what each adds to (a).
+repeated in one run; the tables give the minimum and the median over repeats, and
+what each adds to (a).
 
     python bench/dormant.py [--quick] [--output bench/DORMANT.md]
 
@@ -270,6 +271,8 @@ def main() -> int:
         "hands the callback its operands (a 1 MiB one costs tens of µs before tapd's "
         "code runs); tapd saves the ring copy and the daemon's work only. Use the native "
         "backend where taps are to cost nothing.",
+        "- sent - delivered: (c)'s and (d)'s warm-up runs, before their sites were made "
+        "dormant (no subscriber takes them).",
         "",
     ]
     sections.append(
