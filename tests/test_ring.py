@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tapd.native import build, library
+from tapd.native import build, library, ring_format
 from tapd.native import ring as ring_module
 from tapd.native.ring import RECORD_HEADER, Record, Ring, RingError
 
@@ -45,7 +45,8 @@ if library.load() is None:
 PAGE = mmap.PAGESIZE
 CAPACITY = 2 * PAGE  # small, so that a few records wrap it
 HEADER = RECORD_HEADER.itemsize
-CONTROL_BYTES = 4096  # the ring file starts with one control page of this size
+# The ring file starts with its header area (control page and site table) of this size.
+CONTROL_BYTES = max(PAGE, ring_format.HEADER_BYTES)
 JOIN_TIMEOUT = 30.0  # only bounds a hang (failing the test then); never decides a pass
 
 # Sequence numbers are kept per (consumer, device) for the whole process, not per ring:
@@ -804,14 +805,14 @@ lib = library.load()
 data = np.arange(3, dtype=np.int32)
 pointers = (ctypes.c_void_p * 1)(data.ctypes.data)
 sizes = (ctypes.c_uint64 * 1)(data.nbytes)
-before = lib.tapd_ring_write_leaves(None, 1, 2, 0, NO_STEP, 1, pointers, sizes)
+before = lib.tapd_ring_write_leaves(None, 1, 2, 0, NO_STEP, 1, 1, pointers, sizes)
 ring = Ring.create(Path(sys.argv[1]), 8192)
 ring.install()
-installed = lib.tapd_ring_write_leaves(None, 1, 2, 0, 9, 1, pointers, sizes)
+installed = lib.tapd_ring_write_leaves(None, 1, 2, 0, 9, 1, 1, pointers, sizes)
 [record] = ring.read(0)
 step, payload = record.step, bytes(record.payload[:12]).hex()
 ring.close()  # (no longer installed)
-after = lib.tapd_ring_write_leaves(None, 1, 2, 0, NO_STEP, 1, pointers, sizes)
+after = lib.tapd_ring_write_leaves(None, 1, 2, 0, NO_STEP, 1, 1, pointers, sizes)
 print(json.dumps([before, installed, after, step, payload]))
 """
 
@@ -845,7 +846,8 @@ leaves = (jnp.arange(5, dtype=jnp.float32), jnp.array([[1, 2], [3, 4]], jnp.int1
 @jax.jit
 def tap(a, b, step):
     jax.ffi.ffi_call("tapd_ring_test_tap", (), has_side_effect=True)(
-        a, b, step, site=np.int64(5), consumer=np.int64(77), has_step=np.int64(1))
+        a, b, step, site=np.int64(5), consumer=np.int64(77), has_step=np.int64(1),
+        every=np.int64(1))
     return a
 
 tap(*leaves, jnp.int32(-3)).block_until_ready()
@@ -1143,7 +1145,7 @@ assert not hasattr(lib, "TapdTap")
 ring = lib.tapd_ring_create(sys.argv[2].encode(), 4096, 0)
 assert ring
 assert lib.tapd_ring_write(ring, 1, 2, 3, 4, b"payload", 7) == 0
-out = (ctypes.c_uint64 * 9)()
+out = (ctypes.c_uint64 * 10)()
 lib.tapd_ring_counters(ring, out)
 print(out[3], out[1])
 """
@@ -1158,7 +1160,7 @@ print(out[3], out[1])
 _BROKEN_INSTALL = """
 import json, os, sys
 from pathlib import Path
-from tapd.native import build, library
+from tapd.native import build, library, ring_format
 library._packaged = lambda stem="_tapd_native": None  # as if the install built nothing
 if sys.argv[1] == "no-sources":
     build.SOURCE_DIR = Path(sys.argv[2])  # as if the wheel lacked them

@@ -91,6 +91,34 @@ def test_the_constants_are_ring_h_s() -> None:
     )
 
 
+def test_the_site_table_is_ring_h_s() -> None:
+    assert integer("kHeaderBytes") == ring_format.HEADER_BYTES
+    assert integer("kSiteTableOffset") == ring_format.SITE_TABLE_OFFSET
+    assert integer("kSiteSlots") == ring_format.SITE_SLOTS
+    assert integer("kEveryAll") == ring_format.EVERY_ALL
+    assert integer("kEveryDormant") == ring_format.EVERY_DORMANT
+    assert integer("kEveryAlwaysBit") == ring_format.EVERY_ALWAYS_BIT == 2**63
+    assert ring_format.writer_every(5, True) == 2**63 + 5
+    assert ring_format.writer_every(5, False) == 5
+    assert ring_format.SITE_TABLE_OFFSET == ring_format.CONTROL_BYTES
+    # As many slots as fit between the control page and the records.
+    slot = ring_format.SITE_SLOT
+    room = ring_format.HEADER_BYTES - ring_format.SITE_TABLE_OFFSET
+    assert ring_format.SITE_SLOTS == room // slot.itemsize == room / slot.itemsize
+    assert "kSiteSlots * sizeof(SiteSlot) == kHeaderBytes - kSiteTableOffset" in header_text()
+    fields = layout("SiteSlot")
+    assert list(slot.names or ()) == list(fields)
+    for name, (offset, size, signed) in fields.items():
+        field, field_offset = slot.fields[name][:2]  # type: ignore[index]
+        assert (field_offset, field.itemsize, field.kind == "i") == (offset, size, signed), name
+    assert slot.itemsize == asserted("sizeof(SiteSlot)")
+    # The total `skipped` sits in the control page too.
+    assert "skipped" in layout("RingControl")
+    assert ring_format.header_bytes(4, 4096) == ring_format.HEADER_BYTES
+    assert ring_format.header_bytes(3, 4096) == ring_format.CONTROL_BYTES
+    assert ring_format.header_bytes(4, 1 << 17) == 1 << 17
+
+
 def test_the_control_page_fields_python_reads_are_where_ring_h_puts_them() -> None:
     control = layout("RingControl")
     leading = ["magic", "version", "policy", "capacity", "writer_pid"]
@@ -143,7 +171,7 @@ def test_a_ring_the_library_makes_holds_what_ring_format_says(tmp_path: Path) ->
         assert ring.header_bytes == ring_format.RECORD_HEADER.itemsize
         ring.set_reader(4321)
         data = (tmp_path / "1-ab.ring").read_bytes()
-        control_bytes = max(mmap.PAGESIZE, ring_format.CONTROL_BYTES)
+        control_bytes = ring_format.header_bytes(ring_format.VERSION, mmap.PAGESIZE)
         magic, version, policy, capacity, writer = ring_format.CONTROL.unpack_from(data)
         assert (magic, version, policy) == (
             ring_format.MAGIC,
@@ -158,5 +186,19 @@ def test_a_ring_the_library_makes_holds_what_ring_format_says(tmp_path: Path) ->
         data = (tmp_path / "1-ab.ring").read_bytes()
         record = np.frombuffer(data, ring_format.RECORD_HEADER, 1, control_bytes)[0]
         assert (record["site"], record["step"]) == (7, ring_format.NO_STEP)
+        # The site table, where ring_format says: the daemon's `every`, the writers'
+        # `skipped`.
+        ring.set_site_every(3, ring_format.EVERY_DORMANT)
+        ring.set_site_every(ring_format.SITE_SLOTS - 1, 5)
+        assert not ring.write(3, b"y" * 8)
+        data = (tmp_path / "1-ab.ring").read_bytes()
+        table = np.frombuffer(
+            data, ring_format.SITE_SLOT, ring_format.SITE_SLOTS, ring_format.SITE_TABLE_OFFSET
+        )
+        assert table["every"][3] == ring_format.EVERY_DORMANT
+        assert table["every"][ring_format.SITE_SLOTS - 1] == 5
+        assert table["skipped"][3] == 1
+        assert int(table["skipped"].sum()) == 1 == ring.counters().skipped
+        assert ring.skipped_by_site() == {3: 1}
     finally:
         ring.close()

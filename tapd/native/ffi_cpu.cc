@@ -15,7 +15,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets /*token*/,
-                   int64_t site, int64_t consumer, int64_t has_step) {
+                   int64_t site, int64_t consumer, int64_t has_step, int64_t every) {
   tapd::Ring* ring = tapd::InstalledRing();
   if (ring == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
@@ -57,8 +57,12 @@ ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets /
                ? *static_cast<const int64_t*>(data[count])
                : *static_cast<const int32_t*>(data[count]);
   }
-  tapd::WriteLeaves(ring, tapd::RecordFields{uint64_t(site), uint32_t(consumer), device, step},
-                    uint32_t(count), data, sizes);  // a drop is counted in the ring
+  // A dormant or sampled-out tap (ring.h, SiteSlot) copies nothing; drops and skips are
+  // counted in the ring.
+  tapd::WriteLeaves(ring,
+                    tapd::RecordFields{uint64_t(site), uint32_t(consumer), device, step,
+                                       uint64_t(every)},
+                    uint32_t(count), data, sizes);
   return ffi::Error::Success();
 }
 
@@ -71,7 +75,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTap, TapImpl,
                                   .RemainingRets()  // an ordered tap's token (jaxlib < 0.10 passes it)
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("consumer")
-                                  .Attr<int64_t>("has_step"));
+                                  .Attr<int64_t>("has_step")
+                                  .Attr<int64_t>("every"));
 
 // The XLA FFI API version this handler was compiled against (major << 16 | minor): a
 // jaxlib of the same major version and at least this minor runs it.

@@ -443,7 +443,7 @@ cudaError_t EnqueueCommit(void* ring, const Registration& registration, DeviceCo
 
 ffi::Error TapCudaImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
                        ffi::RemainingRets /*token*/, int64_t site, int64_t consumer,
-                       int64_t has_step) {
+                       int64_t has_step, int64_t every) {
   if (g_api == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "tapd: the CUDA tap handler was not attached to the ring library");
@@ -486,10 +486,12 @@ ffi::Error TapCudaImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs a
                    registration.device_base != 0;
   uint32_t flags = (has_step && step_bytes == 4 ? tapd::kFlagStep32 : 0) |
                    (by_stream ? tapd::kFlagDeviceCommit : 0);
+  // The site table is read here, on the host, as XLA enqueues the tap: a dormant or
+  // sampled-out tap (ring.h, SiteSlot) enqueues nothing at all, no copy and no commit.
   uint8_t* out = g_api->begin(ring, length, uint64_t(site), uint32_t(consumer), device,
                               uint32_t(nleaves), has_step ? 0 : tapd::kNoStep, flags,
-                              &position);
-  if (out == nullptr) {  // dropped, and counted
+                              uint64_t(every), &position);
+  if (out == nullptr) {  // dropped or skipped, and counted
     g_api->unhold(ring);
     return ffi::Error::Success();
   }
@@ -540,7 +542,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTapCuda, TapCudaImpl,
                                   .RemainingRets()  // an ordered tap's token (jaxlib < 0.10 passes it)
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("consumer")
-                                  .Attr<int64_t>("has_step"));
+                                  .Attr<int64_t>("has_step")
+                                  .Attr<int64_t>("every"));
+// No command-buffer trait (ffi::Traits::kCmdBufferCompatible), on purpose: XLA then
+// never captures the tap into a command buffer (CUDA graph), it splits the graph around
+// it and calls this handler on the host at every execution. That is what makes the
+// dormant/sampled decision above per execution: a captured handler would run its host
+// code once, at capture, and its copies would be replayed every step whatever the
+// site table said later.
 
 extern "C" {
 

@@ -27,7 +27,7 @@ from tapd.native import build
 
 logger = logging.getLogger("tapd.native")
 
-API_VERSION = 2  # tapd::kApiVersion in ring.h: the table the CUDA library writes through
+API_VERSION = 3  # tapd::kApiVersion in ring.h: the table the CUDA library writes through
 PLATFORMS = ("cpu", "cuda")
 
 _lock = threading.Lock()
@@ -351,9 +351,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             [c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32, c.c_int64, c.c_char_p, c.c_uint64],
             c.c_int,
         ),
-        # (ring or None, site, consumer, device, step, nleaves, data, sizes): the data
-        # and sizes arrays as plain pointers, so that a caller passes ctypes arrays or
-        # addresses without conversion.
+        # (ring or None, site, consumer, device, step, every, nleaves, data, sizes): the
+        # data and sizes arrays as plain pointers, so that a caller passes ctypes arrays
+        # or addresses without conversion.
         "tapd_ring_write_leaves": (
             [
                 c.c_void_p,
@@ -361,6 +361,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                 c.c_uint32,
                 c.c_int32,
                 c.c_int64,
+                c.c_uint64,
                 c.c_uint32,
                 c.c_void_p,
                 c.c_void_p,
@@ -390,6 +391,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_set_held": ([c.c_void_p, c.c_uint32], None),
         "tapd_ring_settled": ([c.c_void_p, c.c_uint32], c.c_uint64),
         "tapd_ring_held": ([c.c_void_p], c.c_uint32),
+        "tapd_ring_set_site_every": ([c.c_void_p, c.c_uint64, c.c_uint32], None),
+        "tapd_ring_site_every": ([c.c_void_p, c.c_uint64], c.c_uint32),
+        "tapd_ring_skipped_by_site": ([c.c_void_p, u64p], c.c_uint32),
+        # (ring or None, site, consumer, device, every): 1 if skipped (counted).
+        "tapd_ring_skip": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32, c.c_uint64], c.c_int),
     }
     for name, (argtypes, restype) in signatures.items():
         function = getattr(lib, name)

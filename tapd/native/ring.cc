@@ -26,10 +26,11 @@
 namespace tapd {
 namespace {
 
-// The control page: 4096 bytes, or one page where pages are larger (the record area
-// must start on a page boundary to be mapped twice).
-const size_t kControlBytes =
-    sysconf(_SC_PAGESIZE) > 4096 ? size_t(sysconf(_SC_PAGESIZE)) : size_t{4096};
+// The header area (control page and site table): kHeaderBytes, or one page where pages
+// are larger (the record area must start on a page boundary to be mapped twice).
+const size_t kHeaderArea = sysconf(_SC_PAGESIZE) > long(kHeaderBytes)
+                                 ? size_t(sysconf(_SC_PAGESIZE))
+                                 : size_t{kHeaderBytes};
 
 int64_t NowNs(clockid_t clock) {
   timespec ts;
@@ -46,22 +47,23 @@ void StoreTag(RecordHeader* h, uint64_t tag) {
 }
 
 Ring* MapRing(int fd, uint64_t capacity) {
-  size_t total = kControlBytes + 2 * capacity;
+  size_t total = kHeaderArea + 2 * capacity;
   void* base = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (base == MAP_FAILED) return nullptr;
   auto* bytes = static_cast<uint8_t*>(base);
   int prot = PROT_READ | PROT_WRITE;
   // MAP_POPULATE: fault the pages in now, not one by one on the tap path.
   int flags = MAP_SHARED | MAP_FIXED | MAP_POPULATE;
-  if (mmap(bytes, kControlBytes + capacity, prot, flags, fd, 0) == MAP_FAILED ||
-      mmap(bytes + kControlBytes + capacity, capacity, prot, flags, fd, kControlBytes) ==
+  if (mmap(bytes, kHeaderArea + capacity, prot, flags, fd, 0) == MAP_FAILED ||
+      mmap(bytes + kHeaderArea + capacity, capacity, prot, flags, fd, kHeaderArea) ==
           MAP_FAILED) {
     munmap(base, total);
     return nullptr;
   }
   auto* ring = new Ring();
   ring->control = reinterpret_cast<RingControl*>(bytes);
-  ring->data = bytes + kControlBytes;
+  ring->sites = reinterpret_cast<SiteSlot*>(bytes + kSiteTableOffset);
+  ring->data = bytes + kHeaderArea;
   ring->capacity = capacity;
   ring->mapped = total;
   return ring;
@@ -412,15 +414,35 @@ Ring* InstalledRing() { return g_ring.load(std::memory_order_acquire); }
 // same device then land in the ring in sequence order. (Apart, a thread could take seq
 // 5, be preempted, and reserve after the thread that took seq 6.) A tap larger than the
 // whole ring, or refused under drop_newest, still uses up its number: the gap shows.
+bool TakeTap(Ring* ring, uint64_t site, uint64_t seq, uint64_t every) {
+  if (site >= kSiteSlots) return true;  // no slot: always sent
+  SiteSlot& slot = ring->sites[site];
+  bool always = (every & kEveryAlwaysBit) != 0;
+  uint32_t wanted = always ? kEveryAll : slot.every.load(std::memory_order_relaxed);
+  uint64_t k = (every & ~kEveryAlwaysBit) ? (every & ~kEveryAlwaysBit) : 1;
+  uint64_t n = wanted == kEveryAll ? 1 : wanted;
+  // seq % (k * n) == 0, without overflowing k * n.
+  if (wanted != kEveryDormant && seq % k == 0 && (seq / k) % n == 0) return true;
+  slot.skipped.fetch_add(1, std::memory_order_relaxed);
+  ring->control->skipped.fetch_add(1, std::memory_order_relaxed);
+  return false;
+}
+
 uint8_t* BeginRecord(Ring* ring, uint64_t length, const RecordFields& fields,
-                     uint32_t nleaves, uint32_t flags, uint64_t* position) {
+                     uint32_t nleaves, uint32_t flags, uint64_t* position, bool* skipped) {
   RingControl* c = ring->control;
   uint64_t seq;
   uint64_t at;
   RecordHeader* h;
+  if (skipped != nullptr) *skipped = false;
   {
     std::lock_guard<std::mutex> lock(ring->seq_mutex);
     seq = ring->seq[(uint64_t{fields.consumer} << 32) | uint32_t(fields.device)]++;
+    // A dormant or sampled-out tap: its seq is used up, nothing is reserved or copied.
+    if (!TakeTap(ring, fields.site, seq, fields.every)) {
+      if (skipped != nullptr) *skipped = true;
+      return nullptr;
+    }
     if (length > ring->capacity || length > UINT32_MAX) {
       c->dropped.fetch_add(1, std::memory_order_relaxed);
       std::fprintf(stderr, "tapd: a %llu-byte tap is larger than the whole ring; dropped\n",
@@ -473,8 +495,9 @@ int WriteLeaves(Ring* ring, const RecordFields& fields, uint32_t nleaves,
   uint64_t length = sizeof(RecordHeader);
   for (uint32_t i = 0; i < nleaves; ++i) length += Align8(sizes[i]);
   uint64_t position;
-  uint8_t* out = BeginRecord(ring, length, fields, nleaves, 0, &position);
-  if (out == nullptr) return 1;
+  bool skipped;
+  uint8_t* out = BeginRecord(ring, length, fields, nleaves, 0, &position, &skipped);
+  if (out == nullptr) return skipped ? 3 : 1;
   uint64_t offset = sizeof(RecordHeader);
   for (uint32_t i = 0; i < nleaves; ++i) {
     if (sizes[i]) CopyToRing(out + offset, data[i], sizes[i]);
@@ -492,9 +515,10 @@ void* ApiInstalled() { return InstalledRing(); }
 
 uint8_t* ApiBegin(void* ring, uint64_t length, uint64_t site, uint32_t consumer,
                   int32_t device, uint32_t nleaves, int64_t step, uint32_t flags,
-                  uint64_t* position) {
+                  uint64_t every, uint64_t* position) {
   return BeginRecord(static_cast<Ring*>(ring), length,
-                     RecordFields{site, consumer, device, step}, nleaves, flags, position);
+                     RecordFields{site, consumer, device, step, every}, nleaves, flags,
+                     position);
 }
 
 void ApiCommit(void* ring, uint64_t position, int64_t time_ns) {
@@ -584,7 +608,7 @@ void* tapd_ring_create(const char* path, uint64_t capacity, uint32_t policy) {
   if (fd < 0) return nullptr;
   // (Blocking: a reader's lock test holds the lock only for a moment.)
   if (flock(fd, LOCK_EX) != 0 ||
-      ftruncate(fd, off_t(tapd::kControlBytes + capacity)) != 0) {
+      ftruncate(fd, off_t(tapd::kHeaderArea + capacity)) != 0) {
     int saved = errno;
     close(fd);
     unlink(path);
@@ -636,10 +660,10 @@ void* tapd_ring_open(const char* path) {
   uint64_t probe[3];  // magic; version and policy; capacity
   uint32_t version;
   struct stat info;
-  if (fstat(fd, &info) != 0 || info.st_size < off_t(tapd::kControlBytes) ||
+  if (fstat(fd, &info) != 0 || info.st_size < off_t(tapd::kHeaderArea) ||
       pread(fd, probe, sizeof(probe), 0) != sizeof(probe) || probe[0] != tapd::kMagic ||
       (std::memcpy(&version, &probe[1], sizeof(version)), version != tapd::kVersion) ||
-      info.st_size != off_t(tapd::kControlBytes + probe[2]) ||
+      info.st_size != off_t(tapd::kHeaderArea + probe[2]) ||
       probe[2] == 0 || probe[2] % uint64_t(sysconf(_SC_PAGESIZE)) != 0) {  // capacity
     close(fd);
     errno = EPROTO;
@@ -797,7 +821,7 @@ void tapd_ring_release(void* handle, uint64_t position) {
 }
 
 // Counters and positions, for the daemon and for `barrier_wait`.
-void tapd_ring_counters(void* handle, uint64_t* out /* [9] */) {
+void tapd_ring_counters(void* handle, uint64_t* out /* [10] */) {
   auto* ring = static_cast<Ring*>(handle);
   RingControl* c = ring->control;
   uint64_t committed = tapd::Advance(ring, !ring->writer);
@@ -810,6 +834,54 @@ void tapd_ring_counters(void* handle, uint64_t* out /* [9] */) {
   out[6] = uint64_t(c->writer_pid);
   out[7] = c->capacity;
   out[8] = c->abandoned.load(std::memory_order_relaxed);
+  out[9] = c->skipped.load(std::memory_order_relaxed);
+}
+
+// ---- The site table (dormant and sampled taps; ring.h, SiteSlot) ----------------------
+
+// The daemon: every how many of a site's taps its takers want (kEveryAll, kEveryDormant,
+// or N). A site without a slot is ignored: it is always sent.
+void tapd_ring_set_site_every(void* handle, uint64_t site, uint32_t every) {
+  if (site >= tapd::kSiteSlots) return;
+  static_cast<Ring*>(handle)->sites[site].every.store(every, std::memory_order_release);
+}
+
+uint32_t tapd_ring_site_every(void* handle, uint64_t site) {
+  if (site >= tapd::kSiteSlots) return tapd::kEveryAll;
+  return static_cast<Ring*>(handle)->sites[site].every.load(std::memory_order_acquire);
+}
+
+// Each slot's `skipped`, into out[kSiteSlots]; returns kSiteSlots.
+uint32_t tapd_ring_skipped_by_site(void* handle, uint64_t* out) {
+  auto* ring = static_cast<Ring*>(handle);
+  for (uint32_t i = 0; i < tapd::kSiteSlots; ++i) {
+    out[i] = ring->sites[i].skipped.load(std::memory_order_relaxed);
+  }
+  return tapd::kSiteSlots;
+}
+
+// The portable backend, before it copies anything: 1 if this tap is skipped (its seq
+// taken and the skip counted, exactly as the write would), 0 if it is to be written (then
+// nothing is taken: tapd_ring_write_leaves takes the seq and decides again, so a tap of
+// the same consumer and device on another thread in between costs a wasted copy, never
+// a wrong count). `handle` NULL: the installed ring; 0 if there is none.
+int tapd_ring_skip(void* handle, uint64_t site, uint32_t consumer, int32_t device,
+                   uint64_t every) {
+  Ring* ring = handle != nullptr ? static_cast<Ring*>(handle) : tapd::InstalledRing();
+  if (ring == nullptr || site >= tapd::kSiteSlots) return 0;
+  // Every tap of the site is taken (K = 1, and a slot of 0 or 1, or an always site): no
+  // need for the lock.
+  uint32_t wanted = ring->sites[site].every.load(std::memory_order_relaxed);
+  if ((every & ~tapd::kEveryAlwaysBit) <= 1 &&
+      ((every & tapd::kEveryAlwaysBit) != 0 || wanted <= 1)) {
+    return 0;
+  }
+  uint64_t key = (uint64_t{consumer} << 32) | uint32_t(device);
+  std::lock_guard<std::mutex> lock(ring->seq_mutex);
+  uint64_t& seq = ring->seq[key];
+  if (tapd::TakeTap(ring, site, seq, every)) return 0;
+  ++seq;
+  return 1;
 }
 
 // For readers that check commit tags themselves (ring.py skips abandoned records).
@@ -821,14 +893,15 @@ void tapd_ring_set_reader(void* handle, int64_t pid) {
 
 // The portable backend's whole tap in one call: one record of `nleaves` leaves, written
 // exactly as the FFI handler writes it. `handle` NULL: the installed ring. `step`
-// INT64_MIN: none. Returns 0 written, 1 dropped (counted), 2 no ring installed.
+// INT64_MIN: none. `every`: the site's own sampling (1: every tap). Returns 0 written,
+// 1 dropped (counted), 2 no ring installed, 3 skipped (dormant or sampled out; counted).
 int tapd_ring_write_leaves(void* handle, uint64_t site, uint32_t consumer, int32_t device,
-                           int64_t step, uint32_t nleaves, const void* const* data,
-                           const uint64_t* sizes) {
+                           int64_t step, uint64_t every, uint32_t nleaves,
+                           const void* const* data, const uint64_t* sizes) {
   Ring* ring = handle != nullptr ? static_cast<Ring*>(handle) : tapd::InstalledRing();
   if (ring == nullptr) return 2;
-  return tapd::WriteLeaves(ring, tapd::RecordFields{site, consumer, device, step}, nleaves,
-                           data, sizes);
+  return tapd::WriteLeaves(ring, tapd::RecordFields{site, consumer, device, step, every},
+                           nleaves, data, sizes);
 }
 
 // One record of one leaf (tests and benchmarks of the ring itself). Returns 0, or 1 if

@@ -3,7 +3,9 @@
 // compiler and POSIX: no JAX, XLA or CUDA headers.
 //
 // Ring file layout (docs/PROTOCOL.md, "Shared-memory ring"):
-//   [ one page: RingControl ][ capacity bytes of records ]
+//   [ RingControl: 4096 bytes ][ site table: kSiteSlots SiteSlots ][ capacity bytes of records ]
+// The header area (control page and site table) is kHeaderBytes, or one page where
+// pages are larger: the record area must start on a page boundary.
 // The record area is mapped twice, back to back, so a record that crosses the end of
 // the ring is still contiguous in memory: any record up to `capacity` bytes fits.
 //
@@ -35,7 +37,9 @@ constexpr uint64_t kMagic = 0x31474e4952504154ULL;  // "TAPRING1"
 // 2: the reader_sleeping flag and the wake socket.
 // 3: per-record commit tags (out-of-order commits), the nonce, `abandoned`, the writer
 //    lock, a 56-byte record header.
-constexpr uint32_t kVersion = 3;
+// 4: the site table (dormant and sampled taps), the `skipped` counter; records start
+//    after a 65536-byte header area.
+constexpr uint32_t kVersion = 4;
 constexpr int64_t kNoStep = INT64_MIN;
 constexpr uint32_t kPolicyBlock = 0;
 constexpr uint32_t kPolicyDropNewest = 1;
@@ -52,6 +56,30 @@ constexpr uint32_t kFlagDeviceCommit = 2;
 constexpr uint64_t kTagReserved = 1;   // length valid; the rest is being written
 constexpr uint64_t kTagCommitted = 2;  // whole: may be read
 constexpr uint64_t kTagAbandoned = 3;  // never to be committed: skipped, counted
+
+// The header area: the control page, then the site table (as many slots as fit).
+constexpr uint64_t kHeaderBytes = 65536;
+constexpr uint64_t kSiteTableOffset = 4096;
+constexpr uint32_t kSiteSlots = 3840;
+
+// A site's slot in the site table, slot i for site id i (ids are dense per emitter).
+// `every` is written only by the daemon, `skipped` only by this process's writers. A
+// writer takes its seq (per consumer and device, counting every execution), then copies
+// the tap iff every != kEveryDormant and seq % (K * N) == 0, where K is the site's own
+// `every=` and N the slot's (0 counts as 1). Otherwise it copies nothing and counts the
+// tap here and in RingControl::skipped. Sites with id >= kSiteSlots are always sent.
+constexpr uint32_t kEveryAll = 0;  // nobody has said (the zeroed default): send every tap
+constexpr uint32_t kEveryDormant = 0xFFFFFFFFu;  // no taker: copy nothing
+// Set in a writer's `every` (RecordFields::every, the handlers' `every` attribute) for a
+// site marked `always` (id_tap's; TAPD_DORMANT=0): the slot is not read, only K applies.
+constexpr uint64_t kEveryAlwaysBit = 0x8000000000000000ULL;
+struct SiteSlot {
+  std::atomic<uint32_t> every;
+  uint32_t reserved;
+  std::atomic<uint64_t> skipped;
+};
+static_assert(sizeof(SiteSlot) == 16, "a site slot is part of the format");
+static_assert(kSiteSlots * sizeof(SiteSlot) == kHeaderBytes - kSiteTableOffset, "");
 
 struct RingControl {
   uint64_t magic;
@@ -76,8 +104,10 @@ struct RingControl {
   // it. 0 from a daemon that does not say. (Added within format 3: older readers and
   // writers ignore it.)
   alignas(64) std::atomic<uint32_t> held_reason;
+  // Taps not copied because their site was dormant or sampled (SiteSlot), in all.
+  alignas(64) std::atomic<uint64_t> skipped;
 };
-static_assert(sizeof(RingControl) <= 4096, "control block must fit its page");
+static_assert(sizeof(RingControl) <= kSiteTableOffset, "control block must fit its page");
 // Read without mapping the ring: the first 32 bytes by tapd/protocol/schema.py
 // (check_ring_control), reader_pid by tapd/daemon/rings.py (sweep_stale_rings).
 static_assert(offsetof(RingControl, writer_pid) == 24, "");
@@ -111,6 +141,7 @@ static_assert(offsetof(RecordHeader, commit) == 48, "");
 
 struct Ring {
   RingControl* control;
+  SiteSlot* sites;  // kSiteSlots of them
   uint8_t* data;  // capacity bytes, mapped twice
   uint64_t capacity;
   size_t mapped;  // bytes of address space reserved
@@ -158,23 +189,32 @@ struct RecordFields {
   uint64_t site;
   uint32_t consumer;
   int32_t device;
-  int64_t step;  // kNoStep if none
+  int64_t step;        // kNoStep if none
+  // The site's own sampling K (tap(..., every=K); 0 counts as 1), with kEveryAlwaysBit
+  // set for an `always` site.
+  uint64_t every = 1;
 };
+
+// Whether the tap of `site` with this `seq` and the site's own `every` is copied (the
+// SiteSlot rule). If not, it is counted as skipped, in its slot and in the ring.
+bool TakeTap(Ring* ring, uint64_t site, uint64_t seq, uint64_t every);
 
 // Reserve a record of `length` bytes (header included) with its seq, and write its
 // header, marked reserved, step and flags as given and time now. Returns its address,
-// or nullptr if dropped (counted; the seq is used up all the same). `*position` gets
+// or nullptr if dropped or skipped (TakeTap; both counted, the seq used up all the same;
+// `*skipped`, if given, says which). `*position` gets
 // its ring position. The caller fills the leaves, then calls CommitRecord (or
 // AbandonRecord) exactly once.
 uint8_t* BeginRecord(Ring* ring, uint64_t length, const RecordFields& fields,
-                     uint32_t nleaves, uint32_t flags, uint64_t* position);
+                     uint32_t nleaves, uint32_t flags, uint64_t* position,
+                     bool* skipped = nullptr);
 // Commit the record at `position` (time_ns: overwrite the header's time, 0 keeps it),
 // move `committed` as far as it goes, wake a sleeping reader.
 void CommitRecord(Ring* ring, uint64_t position, int64_t time_ns);
 // Give up a reserved record: readers skip it, `abandoned` counts it.
 void AbandonRecord(Ring* ring, uint64_t position);
-// The whole record, synchronously: header, then each leaf padded to 8. Returns 0, or 1
-// if dropped.
+// The whole record, synchronously: header, then each leaf padded to 8. Returns 0, 1 if
+// dropped, or 3 if skipped (dormant or sampled out; nothing copied).
 int WriteLeaves(Ring* ring, const RecordFields& fields, uint32_t nleaves,
                 const void* const* data, const uint64_t* sizes);
 // The ring this process's taps write to (tapd_ring_install), or nullptr.
@@ -184,14 +224,16 @@ Ring* InstalledRing();
 // It gets this table from tapd_ring_internal_api(), so that it uses this library's
 // installed ring and seq counters rather than copies of its own.
 // 2: set_install_hook, commit_tag, device_commit_enqueued (commits written by a stream).
-constexpr uint32_t kApiVersion = 2;
+// 3: begin takes the site's `every` and returns nullptr for a skipped tap too.
+constexpr uint32_t kApiVersion = 3;
 struct RingApi {
   uint32_t version;  // kApiVersion
   uint32_t size;     // sizeof(RingApi)
   void* (*installed)();
+  // nullptr: dropped or skipped (dormant or sampled out), and counted: do nothing more.
   uint8_t* (*begin)(void* ring, uint64_t length, uint64_t site, uint32_t consumer,
                     int32_t device, uint32_t nleaves, int64_t step, uint32_t flags,
-                    uint64_t* position);
+                    uint64_t every, uint64_t* position);
   void (*commit)(void* ring, uint64_t position, int64_t time_ns);
   void (*abandon)(void* ring, uint64_t position);
   // An asynchronous commit is on its way (begin it before the record's begin call

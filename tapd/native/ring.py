@@ -21,15 +21,18 @@ import numpy as np
 from tapd.errors import TapdError
 from tapd.native import library
 from tapd.native.ring_format import (
+    EVERY_ALL,
     FLAG_STEP32,
     HELD_REASONS,
     NO_STEP,
     POLICIES,
     RECORD_HEADER,
     RECORD_HEADER_STRUCT,
+    SITE_SLOTS,
     TAG_ABANDONED,
     TAG_COMMITTED,
     TAG_STATE_MASK,
+    writer_every,
 )
 
 logger = logging.getLogger("tapd.native")
@@ -63,6 +66,7 @@ class Counters:
     writer_pid: int
     capacity: int
     abandoned: int  # records reserved but never to be committed (ring.h): skipped
+    skipped: int  # taps not copied: their site dormant or sampled out (ring.h, SiteSlot)
 
 
 class Record(NamedTuple):  # (a NamedTuple: the daemon makes one per tap, quickly)
@@ -221,7 +225,7 @@ class Ring:
         self._lib.tapd_ring_install(self.handle)
 
     def counters(self) -> Counters:
-        out = (ctypes.c_uint64 * 9)()
+        out = (ctypes.c_uint64 * 10)()
         self._lib.tapd_ring_counters(self.handle, out)
         return Counters(*[int(v) for v in out])
 
@@ -230,6 +234,30 @@ class Ring:
         committed or abandoned (CUDA commits may land after the computation's token is
         ready); after `timeout` seconds, as it is (saying which record holds it)."""
         return int(self._lib.tapd_ring_settled(self.handle, int(timeout * 1000)))
+
+    # -- the site table (ring.h, SiteSlot): dormant and sampled taps --
+
+    def set_site_every(self, site: int, every: int) -> None:
+        """The daemon: every how many taps of `site` its takers want: EVERY_ALL (0,
+        nobody has said: all), EVERY_DORMANT (no taker: copy nothing) or N >= 1. A site
+        without a slot (site >= SITE_SLOTS) is always sent: nothing to set."""
+        if not 0 <= every <= 0xFFFFFFFF:
+            raise ValueError(f"site {site}: every={every} is not a u32")
+        if 0 <= site < SITE_SLOTS:
+            self._lib.tapd_ring_set_site_every(self.handle, site, every)
+
+    def site_every(self, site: int) -> int:
+        """What the site table says of `site` (EVERY_ALL for a site without a slot)."""
+        if not 0 <= site < SITE_SLOTS:
+            return EVERY_ALL
+        return int(self._lib.tapd_ring_site_every(self.handle, site))
+
+    def skipped_by_site(self) -> dict[int, int]:
+        """Taps not copied, by site: the sites that skipped any."""
+        out = (ctypes.c_uint64 * SITE_SLOTS)()
+        self._lib.tapd_ring_skipped_by_site(self.handle, out)
+        counts = np.ctypeslib.as_array(out)
+        return {int(site): int(counts[site]) for site in np.flatnonzero(counts)}
 
     def set_reader(self, pid: int) -> None:
         self._lib.tapd_ring_set_reader(self.handle, pid)
@@ -252,7 +280,8 @@ class Ring:
         device: int = 0,
         step: int | None = None,
     ) -> bool:
-        """Append one record from Python (tests, benchmarks). False if dropped."""
+        """Append one record from Python (tests, benchmarks). False if dropped or
+        skipped (the site table says so)."""
         step_value = NO_STEP if step is None else step
         status: int = self._lib.tapd_ring_write(
             self.handle, site, consumer, device, step_value, payload, len(payload)
@@ -267,16 +296,27 @@ class Ring:
         consumer: int = 0,
         device: int = 0,
         step: int | None = None,
+        every: int = 1,
+        always: bool = False,
     ) -> bool:
         """Append one record of several leaves, exactly as the FFI handler writes it
-        (through `tapd_ring_write_leaves`, which the portable backend calls directly).
-        False if dropped."""
+        (through `tapd_ring_write_leaves`, which the portable backend calls directly),
+        sampled by the site's own `every` and, unless `always`, the site table. False if
+        dropped or skipped."""
         leaves = [np.ascontiguousarray(a) for a in arrays]
         data = (ctypes.c_void_p * len(leaves))(*[a.ctypes.data for a in leaves])
         sizes = (ctypes.c_uint64 * len(leaves))(*[a.nbytes for a in leaves])
         step_value = NO_STEP if step is None else step
         status: int = self._lib.tapd_ring_write_leaves(
-            self.handle, site, consumer, device, step_value, len(leaves), data, sizes
+            self.handle,
+            site,
+            consumer,
+            device,
+            step_value,
+            writer_every(every, always),
+            len(leaves),
+            data,
+            sizes,
         )
         return status == 0
 

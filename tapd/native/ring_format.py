@@ -14,13 +14,33 @@ import struct
 import numpy as np
 
 MAGIC = 0x31474E4952504154  # kMagic: "TAPRING1", little-endian
-VERSION = 3  # kVersion: the format the native library maps
+VERSION = 4  # kVersion: the format the native library maps
 # The control page fields checked before mapping (CONTROL) lead it in every version
 # since 2; which versions it can map exactly is the native library's to say.
 MIN_CHECKED_VERSION = 2
 
-# The control page: 4096 bytes, or one page where pages are larger (ring.cc).
+# The control page: 4096 bytes (RingControl). In format 2 and 3 the records follow it
+# (or one page where pages are larger).
 CONTROL_BYTES = 4096
+# Format 4: the header area, the control page then the site table, is HEADER_BYTES (or
+# one page where pages are larger); the records follow it.
+HEADER_BYTES = 65536  # kHeaderBytes
+SITE_TABLE_OFFSET = 4096  # kSiteTableOffset
+SITE_SLOTS = 3840  # kSiteSlots: sites with an id at or above it have no slot (always sent)
+# SiteSlot: `every` written only by the daemon, `skipped` only by the emitter's writers.
+SITE_SLOT = np.dtype([("every", "<u4"), ("reserved", "<u4"), ("skipped", "<u8")])
+EVERY_ALL = 0  # kEveryAll: nobody has said: send every tap
+EVERY_DORMANT = 0xFFFFFFFF  # kEveryDormant: no taker: copy nothing
+# kEveryAlwaysBit: set in a writer's `every` (the handlers' attribute, the portable
+# backend's argument) for a site marked `always`: its slot is not read, only its own K.
+EVERY_ALWAYS_BIT = 1 << 63
+
+
+def writer_every(every: int, always: bool) -> int:
+    """What a writer is told of a site: its own `every` K, and whether it is `always`."""
+    return every | (EVERY_ALWAYS_BIT if always else 0)
+
+
 # RingControl's leading fields: magic, version, policy, capacity, writer_pid.
 CONTROL = struct.Struct("<QIIQq")
 WRITER_PID_OFFSET = 24  # offsetof(RingControl, writer_pid)
@@ -73,6 +93,11 @@ HELD_REASONS = {
 # The `.sites` file beside a ring: entries, each a u32 length then that many bytes of
 # msgpack (tapd/native/sites.py writes them, tapd/protocol/schema.py reads them).
 SITE_ENTRY_LENGTH = struct.Struct("<I")
+
+
+def header_bytes(version: int, page_size: int) -> int:
+    """Where a ring file of format `version` has its first record (ring.cc)."""
+    return max(page_size, HEADER_BYTES if version >= 4 else CONTROL_BYTES)
 
 
 def commit_tag(position: int, nonce: int, state: int) -> int:

@@ -433,6 +433,8 @@ SITE_ENTRY: Schema = {
     "transforms": req(ListOf(_transform, "max_entries")),
     "leaves": req(Of(list)),
     "shard": opt(Of(dict)),
+    "every": opt(Int(1, U64_MAX)),  # the site's own sampling (absent: 1)
+    "always": opt(Of(bool)),  # never dormant, never thinned by the daemon
 }
 
 _LENGTH = ring_format.SITE_ENTRY_LENGTH
@@ -516,10 +518,10 @@ def check_ring_control(page: bytes | memoryview, file_size: int, page_size: int)
     """The first bytes of a ring file, checked before the file is mapped: the magic and
     version, a capacity that is a positive multiple of the page size and agrees with the
     file's size, a policy and a writer pid in range. Raises ProtocolError (`bad_ring`)."""
-    control_bytes = max(page_size, ring_format.CONTROL_BYTES)
     if len(page) < _CONTROL.size:
         raise ProtocolError("bad_ring", f"ring control page of {len(page)} bytes is truncated")
     magic, version, policy, capacity, writer_pid = _CONTROL.unpack_from(page, 0)
+    control_bytes = ring_format.header_bytes(version, page_size)
     if magic != ring_format.MAGIC or version < ring_format.MIN_CHECKED_VERSION:
         raise ProtocolError("bad_ring", f"not a tapd ring (magic {magic:#x}, version {version})")
     if capacity <= 0 or capacity % page_size or capacity > 1 << 40:
