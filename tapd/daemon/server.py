@@ -32,6 +32,7 @@ from tapd.daemon.idle import IdleExit
 from tapd.daemon.metrics import MetricsServer, Snapshots
 from tapd.daemon.rings import RingSet, sweep_stale_rings
 from tapd.daemon.router import Router
+from tapd.daemon.wants import WantsTable
 from tapd.errors import DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
 from tapd.protocol.link import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
@@ -72,6 +73,7 @@ class Daemon:
         self.handshakes: list[security.HandshakeMonitor] = []
         self._lock_fds: list[int] = []
         self.rings = RingSet(ring_dir_for(config.endpoint))
+        self.wants = WantsTable(self.router, dormant=getattr(config, "dormant", True))
         self.forwarder: Forwarder | None = None
         self.metrics: MetricsServer | None = None  # --metrics
         self.snapshots = Snapshots(self._wake_for_scrape)
@@ -174,12 +176,15 @@ class Daemon:
 
     def stats(self) -> dict[str, Any]:
         """What `tapd status --json` shows (on the loop's thread only)."""
+        self.wants.update(self.rings.sources)  # (a hello read with this request counts)
         stats = {
             **self.router.stats(),
             "rings": self.rings.stats(),
+            "wants": self.wants.stats(),
             "daemon": self.id,
             "pid": os.getpid(),
         }
+        stats["counters"]["taps_skipped"] = self.rings.skipped()  # by emitters (dormant)
         stats["started"] = self.config.how_started()
         bounds = {"reply_budgets": len(self.replies), "departed_emitters": self.departed.forgotten}
         stats["bounds"] = bounds  # per-peer tables beside the router's (tapd/daemon/bounds.py)
@@ -263,6 +268,7 @@ class Daemon:
                     last_check = now
                 self.router.unpark()
                 moved = self.rings.poll(self.router) if now >= rings_from else 0
+                self.wants.update(self.rings.sources)
                 quiet_rounds = 0 if moved or events else quiet_rounds + 1
                 self.router.pump()
                 if forwarder is not None:
@@ -343,6 +349,7 @@ class Daemon:
         for fd in self._lock_fds:
             os.close(fd)  # (the lock file stays: removing it would race a new daemon)
         self._lock_fds.clear()
+        self.wants.release()  # a clean exit: emitters send every tap again, for the next one
         # Only now: until the sockets are gone, ZeroMQ may still be sending ring memory.
         self.rings.close()
         with self._wake_lock:
@@ -415,6 +422,7 @@ class Daemon:
         elif kind == "hello":  # (decode checked the fields of its role: schema.py)
             if header["role"] == "emitter":
                 router.emitter_hello(key, header)
+                self.wants.hello(key)
                 if "ring" in header:
                     self.rings.attach(key, header, router)
             else:
