@@ -69,11 +69,12 @@ class Job:
         return self.read()
 
     def close(self) -> None:
+        assert self.process.stdin is not None and self.process.stdout is not None
         if self.process.poll() is None:
-            assert self.process.stdin is not None
             self.process.stdin.write("quit\n")
-            self.process.stdin.close()
-            self.process.wait(timeout=PROCESS_TIMEOUT)
+        self.process.stdin.close()
+        self.process.wait(timeout=PROCESS_TIMEOUT)
+        self.process.stdout.close()
 
 
 @pytest.fixture
@@ -217,6 +218,8 @@ def test_tapd_tail_attaches_to_a_running_job(
         assert all("acts:" in line for line in lines)
     finally:
         stop_process(tail)
+        assert tail.stdout is not None
+        tail.stdout.close()
     wait_every(daemon, "acts", EVERY_DORMANT)
 
 

@@ -100,7 +100,9 @@ KINDS = ["hello_emitter"] * 3 + ["hello_subscriber"] * 2 + ["tap"] * 3 + ["taps"
     "credit", "ack", "ack", "barrier", "heartbeat", "bye", "stats", "welcome", "wants"]  # fmt: skip
 # `every` pairs (a subscriber's sampling, a forwarder's wants), near their valid ones.
 every_pairs = st.lists(
-    st.tuples(names, st.integers(-1, 3) | st.sampled_from([2**32 - 2, 2**32 - 1, 2**64])).map(list)
+    st.tuples(names, st.integers(-1, 3) | st.sampled_from([2**32 - 2, 2**32 - 1, 2**64 - 1])).map(
+        list
+    )
     | values,
     max_size=3,
 )
