@@ -346,7 +346,10 @@ class Subscriber:
                     "subscribed to %s at %s", ", ".join(self._handlers), ", ".join(self.endpoints)
                 )
                 return
-            for link in self._ready(poller, 100):
+            # A hello not out yet waits for the connection (IMMEDIATE): look again soon,
+            # so that attaching to a running job takes milliseconds, not a poll period.
+            due = any(link.hello_due is not None for link in self._links)
+            for link in self._ready(poller, 2 if due else 100):
                 while (message := link.receive()) is not None:
                     self._handle(link, message)
             for link in self._links:
