@@ -177,8 +177,10 @@ def backend() -> str:
     return lifecycle.backend()
 
 
-def stats() -> dict[str, int]:
-    """This process's tap counters: submitted, sent, delivered, dropped, unrouted, errors."""
+def stats() -> dict[str, Any]:
+    """This process's tap counters: submitted, sent, delivered, dropped, unrouted, errors,
+    skipped (taps not copied: their site dormant, no subscriber taking it, or sampled out
+    by `every=`), and `skipped_by_consumer`, a dict {consumer: skipped}."""
     from tapd.emitter import lifecycle
 
     return lifecycle.stats()

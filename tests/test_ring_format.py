@@ -97,6 +97,9 @@ def test_the_site_table_is_ring_h_s() -> None:
     assert integer("kSiteSlots") == ring_format.SITE_SLOTS
     assert integer("kEveryAll") == ring_format.EVERY_ALL
     assert integer("kEveryDormant") == ring_format.EVERY_DORMANT
+    assert integer("kEveryAlwaysBit") == ring_format.EVERY_ALWAYS_BIT == 2**63
+    assert ring_format.writer_every(5, True) == 2**63 + 5
+    assert ring_format.writer_every(5, False) == 5
     assert ring_format.SITE_TABLE_OFFSET == ring_format.CONTROL_BYTES
     # As many slots as fit between the control page and the records.
     slot = ring_format.SITE_SLOT

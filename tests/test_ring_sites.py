@@ -83,6 +83,17 @@ def test_the_site_s_own_every_and_the_slot_s_combine(ring: Ring, consumer: int) 
     assert ring.counters().skipped == 16
 
 
+def test_an_always_site_ignores_its_slot_but_keeps_its_own_every(ring: Ring, consumer: int) -> None:
+    ring.set_site_every(8, EVERY_DORMANT)
+    sent = [ring.write_leaves(8, [np.arange(2)], consumer=consumer, always=True) for _ in range(3)]
+    assert sent == [True] * 3
+    ring.set_site_every(8, 1000)  # a daemon's N is not applied either
+    for _ in range(6):
+        ring.write_leaves(8, [np.arange(2)], consumer=consumer, always=True, every=2)
+    assert written_seqs(ring, 8) == [0, 1, 2, 4, 6, 8]
+    assert ring.skipped_by_site() == {8: 3}
+
+
 def test_sampling_is_per_consumer_and_device_seq(ring: Ring, consumer: int) -> None:
     ring.set_site_every(1, 2)
     for device in (0, 1):

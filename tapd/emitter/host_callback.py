@@ -68,7 +68,8 @@ def id_tap(
         raise TypeError(f"Expected a callable value, got {tap_func!r}")
     meta = _site_meta(tap_with_device, device_index)
     consumer, bound = _placement(tap_func, arg)
-    tapped = emit(consumer, arg, None, {**bound, **meta})
+    # Always taken (host_callback's semantics: an id_tap function always runs).
+    tapped = emit(consumer, arg, None, {**bound, **meta}, always=True)
     return tapped if result is None else result
 
 

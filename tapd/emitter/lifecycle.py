@@ -126,7 +126,7 @@ def backend() -> str:
     return "native" if default_platform() in handler_platforms() else "portable"
 
 
-def stats() -> dict[str, int]:
+def stats() -> dict[str, Any]:
     """This process's tap counters (zeros before the first tap)."""
     return _sender.stats() if _sender is not None else {}
 

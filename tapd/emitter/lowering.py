@@ -38,6 +38,7 @@ from tapd.emitter.primitive import ORDERED, TapSiteParams
 from tapd.emitter.sender import TapSite
 from tapd.native import library
 from tapd.native.ring import NO_STEP
+from tapd.native.ring_format import writer_every
 
 logger = logging.getLogger("tapd.emitter")
 
@@ -81,7 +82,8 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             site=site_id,
             consumer=native.consumer_id(site.consumer),
             has_step=site.has_step,
-            every=1,
+            # (an int64 attribute: the always bit, bit 63, makes it negative)
+            every=np.uint64(writer_every(site.every, site.always)).astype(np.int64),
         )
     else:
         # A gathered tap in a partitioned jit runs on one device: id_tap's device_index.
@@ -216,7 +218,10 @@ def _ring_callback(
     tapped_avals: Sequence[Any],
     ordinals: Sequence[int],
 ) -> Callable[..., tuple[()]]:
-    """The host function of a portable tap: one call into the library writes the record."""
+    """The host function of a portable tap: one call into the library writes the record.
+    A dormant or sampled-out tap (the ring's site table) returns before any copy, its
+    seq used up and counted as skipped by `tapd_ring_skip`; JAX's callback itself (and,
+    off CPU, its device-to-host transfer of the operands) is still paid."""
     assert native is not None
     site_id = native.register_site(site.consumer, fields, primitive.leaf_descriptions(tapped_avals))
     consumer_id = native.consumer_id(site.consumer)
@@ -225,6 +230,8 @@ def _ring_callback(
     lib = library.load()
     assert lib is not None  # the ring exists, so the library loaded
     write = lib.tapd_ring_write_leaves
+    skip = lib.tapd_ring_skip
+    every = writer_every(site.every, site.always)
     pointer_array = ctypes.c_void_p * count
     size_array = ctypes.c_uint64 * count
     table = tuple(ordinals)
@@ -232,17 +239,19 @@ def _ring_callback(
     def write_record(*args: Any) -> tuple[()]:
         # Runs on an XLA thread; the arrays view XLA's buffers: copy them into the ring
         # now, in this one call, and keep nothing.
-        arrays = [np.ascontiguousarray(a) for a in args[:count]]
-        step = int(args[count]) if has_step else NO_STEP
         index = int(args[-1])
         device = table[index] if index < len(table) else index
+        if skip(None, site_id, consumer_id, device, every):
+            return ()  # dormant or sampled out: counted, nothing copied
+        arrays = [np.ascontiguousarray(a) for a in args[:count]]
+        step = int(args[count]) if has_step else NO_STEP
         write(
             None,
             site_id,
             consumer_id,
             device,
             step,
-            1,
+            every,
             count,
             pointer_array(*[a.ctypes.data for a in arrays]),
             size_array(*[a.nbytes for a in arrays]),
@@ -259,7 +268,10 @@ def _sender_callback(
     tapped_avals: Sequence[Any],
     ordinals: Sequence[int],
 ) -> Callable[..., tuple[()]]:
-    """The host function of a portable tap without a ring: copy, hand to the sender."""
+    """The host function of a portable tap without a ring: copy, hand to the sender.
+    The site's own `every=K` samples here too (by the sender's seq, before the copy);
+    dormancy does not: with no ring there is no site table for the daemon to write, so
+    every sampled-in tap is sent (docs/PROTOCOL.md, "Dormant and sampled taps")."""
     tap_site = TapSite(site.consumer, fields)
     leaf_count = len(tapped_avals) - site.has_coords
     has_step = site.has_step
@@ -267,12 +279,15 @@ def _sender_callback(
     table = tuple(ordinals)
 
     def submit(*args: Any) -> tuple[()]:
+        index = int(args[-1])
+        device = table[index] if index < len(table) else index
+        sender = lifecycle.get_sender()
+        if sender.sampled_out(tap_site, device):
+            return ()  # its seq used up, counted as skipped
         copies = [np.array(a, copy=True) for a in args[:leaf_count]]
         coords = [int(c) for c in np.asarray(args[leaf_count])] if has_coords else None
         step = int(np.asarray(args[leaf_count + has_coords])) if has_step else None
-        index = int(args[-1])
-        device = table[index] if index < len(table) else index
-        lifecycle.get_sender().submit(tap_site, copies, step=step, device=device, coords=coords)
+        sender.submit(tap_site, copies, step=step, device=device, coords=coords)
         return ()
 
     return submit

@@ -43,6 +43,7 @@ class NativeEmitter:
         self._lock = threading.Lock()
         self._sites: dict[bytes, int] = {}
         self._consumers: dict[str, int] = {}
+        self._site_consumers: list[str] = []  # by site id
 
     def register_site(self, consumer: str, fields: dict[str, Any], leaves: list[Any]) -> int:
         """The id of this tap site, appending it to the sites file the first time."""
@@ -52,11 +53,18 @@ class NativeEmitter:
             site = self._sites.get(key)
             if site is None:
                 site = self._sites[key] = len(self._sites)
+                self._site_consumers.append(consumer)
                 consumer_id = self._consumers.setdefault(consumer, len(self._consumers))
                 self._sites_file.write(
                     encode_entry({**entry, "site": site, "consumer_id": consumer_id})
                 )
             return site
+
+    def sites_of(self, consumer: str) -> list[int]:
+        """The ids of `consumer`'s tap sites registered so far (its slots in the ring's
+        site table)."""
+        with self._lock:
+            return [site for site, name in enumerate(self._site_consumers) if name == consumer]
 
     def consumer_id(self, consumer: str) -> int:
         with self._lock:
@@ -85,7 +93,19 @@ class NativeEmitter:
             "sent": counters.taps,
             "dropped": counters.dropped,
             "blocked_ns": counters.blocked_ns,
+            "skipped": counters.skipped,
         }
+
+    def skipped_by_consumer(self) -> dict[str, int]:
+        """Taps skipped (dormant or sampled out), by consumer: those that skipped any."""
+        by_site = self.ring.skipped_by_site()
+        counts: dict[str, int] = {}
+        with self._lock:
+            for site, count in by_site.items():
+                if site < len(self._site_consumers):
+                    consumer = self._site_consumers[site]
+                    counts[consumer] = counts.get(consumer, 0) + count
+        return counts
 
 
 _ffi_registered = False

@@ -98,6 +98,16 @@ class TapSiteParams:
         """The protocol's site fields: tree, meta, shard (if any) and transforms."""
         return {**self.decoded_fields(), "transforms": self.wire_transforms()}
 
+    @property
+    def every(self) -> int:
+        """The site's own sampling (`tap(..., every=K)`): copy executions seq % K == 0."""
+        return int(self.decoded_fields().get("every", 1))
+
+    @property
+    def always(self) -> bool:
+        """Never made dormant nor thinned by the daemon (id_tap's; TAPD_DORMANT=0)."""
+        return bool(self.decoded_fields().get("always", False))
+
     def leaf_count(self, operand_count: int) -> int:
         return operand_count - self.has_step - self.has_coords
 

@@ -44,6 +44,11 @@ class TapSite:
     consumer: str
     fields: Mapping[str, Any]  # transforms, meta, tree: already msgpack-ready
 
+    @property
+    def every(self) -> int:
+        """The site's own sampling (`tap(..., every=K)`)."""
+        return int(self.fields.get("every", 1))
+
 
 @dataclasses.dataclass
 class _Tap:
@@ -86,6 +91,7 @@ class SenderStats:
     lost_in_flight_bytes: int = 0
     errors: int = 0
     buffered_bytes: int = 0
+    skipped: int = 0  # not copied: sampled out by the site's every= (or dormant, ring)
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -119,6 +125,7 @@ class Sender:
         self._next_barrier = 0
         self._confirmed = 0  # taps submitted before the last barrier that passed
         self._stats = SenderStats()
+        self._skipped: dict[str, int] = {}  # by consumer (taps that go over the socket)
         self._totals: dict[str | None, tuple[int, int, int]] = {}  # by daemon id
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
@@ -130,6 +137,27 @@ class Sender:
 
     # ---- called from XLA callback threads -------------------------------------------
 
+    def sampled_out(self, site: TapSite, device: int | None) -> bool:
+        """Before a tap is copied: whether the site's `every=K` skips this execution (its
+        seq, which counts every execution, not a multiple of K). If so its seq is used up
+        and it is counted as skipped; if not, nothing is taken (`submit` takes the seq and
+        decides again)."""
+        every = site.every
+        if every == 1:
+            return False
+        with self._lock:
+            key = (device, site.consumer)
+            seq = self._sequences.get(key, 0)
+            if seq % every == 0:
+                return False
+            self._sequences[key] = seq + 1
+            self._count_skip_locked(site.consumer)
+            return True
+
+    def _count_skip_locked(self, consumer: str) -> None:
+        self._stats.skipped += 1
+        self._skipped[consumer] = self._skipped.get(consumer, 0) + 1
+
     def submit(
         self,
         site: TapSite,
@@ -139,15 +167,20 @@ class Sender:
         device: int | None,
         coords: list[int] | None = None,
     ) -> bool:
-        """Queue one tap (arrays already copied). False if dropped under drop_newest."""
+        """Queue one tap (arrays already copied). False if dropped under drop_newest (a
+        tap the site's `every=` skips is counted as skipped, not queued: True)."""
         nbytes = sum(a.nbytes for a in arrays)
         now = time.time_ns()
+        every = site.every
         with self._lock:
-            self._stats.submitted += 1
             # A dropped tap still takes its sequence number, so the gap is visible.
             key = (device, site.consumer)
             seq = self._sequences.get(key, 0)
             self._sequences[key] = seq + 1
+            if seq % every:  # (another thread took the seq sampled_out saw)
+                self._count_skip_locked(site.consumer)
+                return True
+            self._stats.submitted += 1
             if not self._wait_for_room(nbytes, site.consumer):
                 self._stats.dropped += 1
                 return False
@@ -245,9 +278,11 @@ class Sender:
         known = self._stats.delivered + self._stats.daemon_dropped + self._stats.unrouted
         return max(0, sent - known)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
+        """The counters (ints), and `skipped_by_consumer`: {consumer: taps skipped}."""
         with self._lock:
-            stats = self._stats.as_dict()
+            stats: dict[str, Any] = self._stats.as_dict()
+            skipped = dict(self._skipped)
             if self.native is not None:
                 native = self.native.stats()
                 stats.update(
@@ -255,8 +290,12 @@ class Sender:
                     sent=native["sent"],
                     dropped=native["dropped"],
                     blocked_ns=native["blocked_ns"],
+                    skipped=stats["skipped"] + native["skipped"],
                 )
+                for consumer, count in self.native.skipped_by_consumer().items():
+                    skipped[consumer] = skipped.get(consumer, 0) + count
             stats["unknown"] = self._unknown_locked(stats["sent"])
+            stats["skipped_by_consumer"] = skipped
             return stats
 
     def close(self, timeout: float) -> None:

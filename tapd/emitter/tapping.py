@@ -50,6 +50,7 @@ def tap(
     step: Any = None,
     spec: PartitionSpec | None = None,
     ordered: bool | None = None,
+    every: int = 1,
     **static_meta: Any,
 ) -> Any:
     """Send `arg` (any pytree of arrays) to the subscribers of consumer `name`; return it.
@@ -62,11 +63,28 @@ def tap(
     the site's neighbours, and the subscriber orders its records by `meta.seq`. Other
     keywords are static metadata (str, int, float, bool, None) handed to the handler in
     `meta.meta`.
+
+    `every=K` copies only the executions whose `meta.seq` (which counts every execution
+    of the site, per device) is a multiple of K; the others copy nothing and are counted
+    as skipped in `tapd.stats()`. A site no subscriber takes is dormant: it copies nothing
+    either, until one does (docs/PROTOCOL.md, "Dormant and sampled taps"; TAPD_DORMANT=0
+    sends every tap).
     """
     _check_consumer(name)
     if ordered is not None and not isinstance(ordered, bool):
         raise TapDefinitionError(f"tap {name!r}: ordered={ordered!r} must be True or False")
-    return emit(name, arg, step, static_meta, spec, ordered=ordered)
+    _check_every(name, every)
+    return emit(name, arg, step, static_meta, spec, ordered=ordered, every=every)
+
+
+_MAX_EVERY = 2**63 - 1  # the handler's attribute is an int64
+
+
+def _check_every(name: str, every: object) -> None:
+    if isinstance(every, bool) or not isinstance(every, int | np.integer):
+        raise TapDefinitionError(f"tap {name!r}: every={every!r} must be an int >= 1")
+    if not 1 <= int(every) <= _MAX_EVERY:
+        raise TapDefinitionError(f"tap {name!r}: every={every!r} must be an int >= 1")
 
 
 def _check_consumer(name: object) -> None:
@@ -93,12 +111,17 @@ def emit(
     spec: PartitionSpec | None = None,
     *,
     ordered: bool | None = None,
+    every: int = 1,
+    always: bool = False,
 ) -> Any:
     """Tap `arg` for `consumer`; returns `arg` as the tap's output (same tree), so that
-    later uses of it come after the tap."""
+    later uses of it come after the tap. `every`: the site's own sampling; `always`: the
+    site is never made dormant nor thinned by the daemon (id_tap's, and every site where
+    TAPD_DORMANT=0)."""
     jax_compat.require_supported()
+    settings = lifecycle.settings()
     if ordered is None:
-        ordered = lifecycle.settings().ordered if ordered_taps is None else ordered_taps
+        ordered = settings.ordered if ordered_taps is None else ordered_taps
     for key, value in static_meta.items():
         if not isinstance(value, _META_TYPES):
             raise TapDefinitionError(
@@ -108,7 +131,12 @@ def emit(
     tree, leaves = flatten(arg, custom=_describe_custom_node)
     arrays, rewrap = _tappable_leaves(consumer, leaves, static_meta)
     step_operand = None if step is None else jnp.asarray(step).astype(int)
-    fields = {"tree": tree, "meta": static_meta}
+    fields: dict[str, Any] = {"tree": tree, "meta": static_meta}
+    # In the site entry (and, without a ring, each tap's header) only when not the default.
+    if int(every) != 1:
+        fields["every"] = int(every)
+    if always or not settings.dormant:
+        fields["always"] = True
     check_static_size(consumer, fields)  # what subscribers accept (tapd/protocol/schema.py)
     if sharding.manual_axes():
         tapped = _bind_per_device(

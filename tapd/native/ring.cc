@@ -417,8 +417,9 @@ Ring* InstalledRing() { return g_ring.load(std::memory_order_acquire); }
 bool TakeTap(Ring* ring, uint64_t site, uint64_t seq, uint64_t every) {
   if (site >= kSiteSlots) return true;  // no slot: always sent
   SiteSlot& slot = ring->sites[site];
-  uint32_t wanted = slot.every.load(std::memory_order_relaxed);
-  uint64_t k = every ? every : 1;
+  bool always = (every & kEveryAlwaysBit) != 0;
+  uint32_t wanted = always ? kEveryAll : slot.every.load(std::memory_order_relaxed);
+  uint64_t k = (every & ~kEveryAlwaysBit) ? (every & ~kEveryAlwaysBit) : 1;
   uint64_t n = wanted == kEveryAll ? 1 : wanted;
   // seq % (k * n) == 0, without overflowing k * n.
   if (wanted != kEveryDormant && seq % k == 0 && (seq / k) % n == 0) return true;

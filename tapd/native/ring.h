@@ -70,6 +70,9 @@ constexpr uint32_t kSiteSlots = 3840;
 // tap here and in RingControl::skipped. Sites with id >= kSiteSlots are always sent.
 constexpr uint32_t kEveryAll = 0;  // nobody has said (the zeroed default): send every tap
 constexpr uint32_t kEveryDormant = 0xFFFFFFFFu;  // no taker: copy nothing
+// Set in a writer's `every` (RecordFields::every, the handlers' `every` attribute) for a
+// site marked `always` (id_tap's; TAPD_DORMANT=0): the slot is not read, only K applies.
+constexpr uint64_t kEveryAlwaysBit = 0x8000000000000000ULL;
 struct SiteSlot {
   std::atomic<uint32_t> every;
   uint32_t reserved;
@@ -187,7 +190,9 @@ struct RecordFields {
   uint32_t consumer;
   int32_t device;
   int64_t step;        // kNoStep if none
-  uint64_t every = 1;  // the site's own sampling K (tap(..., every=K)); 0 counts as 1
+  // The site's own sampling K (tap(..., every=K); 0 counts as 1), with kEveryAlwaysBit
+  // set for an `always` site.
+  uint64_t every = 1;
 };
 
 // Whether the tap of `site` with this `seq` and the site's own `every` is copied (the

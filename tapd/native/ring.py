@@ -32,6 +32,7 @@ from tapd.native.ring_format import (
     TAG_ABANDONED,
     TAG_COMMITTED,
     TAG_STATE_MASK,
+    writer_every,
 )
 
 logger = logging.getLogger("tapd.native")
@@ -296,17 +297,26 @@ class Ring:
         device: int = 0,
         step: int | None = None,
         every: int = 1,
+        always: bool = False,
     ) -> bool:
         """Append one record of several leaves, exactly as the FFI handler writes it
         (through `tapd_ring_write_leaves`, which the portable backend calls directly),
-        sampled by the site's own `every` and the site table. False if dropped or
-        skipped."""
+        sampled by the site's own `every` and, unless `always`, the site table. False if
+        dropped or skipped."""
         leaves = [np.ascontiguousarray(a) for a in arrays]
         data = (ctypes.c_void_p * len(leaves))(*[a.ctypes.data for a in leaves])
         sizes = (ctypes.c_uint64 * len(leaves))(*[a.nbytes for a in leaves])
         step_value = NO_STEP if step is None else step
         status: int = self._lib.tapd_ring_write_leaves(
-            self.handle, site, consumer, device, step_value, every, len(leaves), data, sizes
+            self.handle,
+            site,
+            consumer,
+            device,
+            step_value,
+            writer_every(every, always),
+            len(leaves),
+            data,
+            sizes,
         )
         return status == 0
 

@@ -31,6 +31,16 @@ SITE_SLOTS = 3840  # kSiteSlots: sites with an id at or above it have no slot (a
 SITE_SLOT = np.dtype([("every", "<u4"), ("reserved", "<u4"), ("skipped", "<u8")])
 EVERY_ALL = 0  # kEveryAll: nobody has said: send every tap
 EVERY_DORMANT = 0xFFFFFFFF  # kEveryDormant: no taker: copy nothing
+# kEveryAlwaysBit: set in a writer's `every` (the handlers' attribute, the portable
+# backend's argument) for a site marked `always`: its slot is not read, only its own K.
+EVERY_ALWAYS_BIT = 1 << 63
+
+
+def writer_every(every: int, always: bool) -> int:
+    """What a writer is told of a site: its own `every` K, and whether it is `always`."""
+    return every | (EVERY_ALWAYS_BIT if always else 0)
+
+
 # RingControl's leading fields: magic, version, policy, capacity, writer_pid.
 CONTROL = struct.Struct("<QIIQq")
 WRITER_PID_OFFSET = 24  # offsetof(RingControl, writer_pid)

@@ -474,6 +474,8 @@ SITE_ENTRY: Schema = {
     "transforms": req(ListOf(_transform, "max_entries")),
     "leaves": req(Of(list)),
     "shard": opt(Of(dict)),
+    "every": opt(Int(1, U64_MAX)),  # the site's own sampling (absent: 1)
+    "always": opt(Of(bool)),  # never dormant, never thinned by the daemon
 }
 
 _LENGTH = ring_format.SITE_ENTRY_LENGTH

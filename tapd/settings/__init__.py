@@ -219,6 +219,20 @@ CONFIG = Setting(
     flag="--config",
 )
 
+# Both sides read it: an emitter marks its sites `always` (never dormant, never thinned by
+# the daemon), and a daemon with it off never makes a site dormant (docs/PROTOCOL.md,
+# "Dormant and sampled taps").
+DORMANT = Setting(
+    "dormant",
+    bool,
+    "taps that no subscriber takes cost nothing (dormant sites copy nothing, counted as "
+    "skipped); 0: every tap site is always sent and counted; the daemon reads it too "
+    "(--no-dormant)",
+    ("daemon", "emitter"),
+    variable="TAPD_DORMANT",
+    default=True,
+)
+
 # ---- the emitter (the JAX process; `tapd.configure()`) --------------------------------------
 
 
@@ -248,6 +262,7 @@ class EmitterFields:
     block_warning_after: float = emitter(
         5.0, "under block, warn when one tap has waited this long for buffer space", variable=None
     )
+    dormant: bool = DORMANT.field()
     ordered: bool = emitter(
         True,
         "taps keep program order (an ordering token); 0: lowered without one, order per "

@@ -1,0 +1,265 @@
+"""Dormant and sampled taps, the emitter's side (docs/PROTOCOL.md, "Dormant and sampled
+taps"): real jitted JAX programs, both backends (the FFI handler; the portable callback
+writing the ring), and the portable sender path (no ring). The site table's slots are
+set by hand with Ring.set_site_every (what the daemon does), and the ring read back in
+the emitter process itself, so no daemon is needed for those; the barrier and the
+delivered seqs are checked with a real daemon and subscriber."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Daemon, SubscriberProcess, native_unavailable, run_emitter
+
+StartDaemon = Callable[..., Daemon]
+StartSubscriber = Callable[..., SubscriberProcess]
+
+_EMITTER = r"""
+import json, os, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax import lax
+from tapd.native import library
+
+if os.environ.get("TEST_NO_RING"):  # stand in for a host where the library cannot load
+    library._loaded, library._library, library._reason = True, None, "hidden by the test"
+
+import tapd
+from tapd.emitter import lifecycle
+from tapd.native.ring_format import EVERY_DORMANT, SITE_SLOTS
+from tapd.printing import print_tap
+
+scenario = sys.argv[1]
+
+
+def loop(name, n, every=1, size=256):
+    def body(i, c):
+        return tapd.tap(c + 1.0, name, step=i, every=every)
+    return jax.jit(lambda: lax.fori_loop(0, n, body, jnp.zeros(size, jnp.float32)))
+
+
+def compiled(function, *args):
+    return jax.jit(function).lower(*args).compile()  # registers its sites now
+
+
+def output(**fields):
+    print(json.dumps({**fields, "stats": tapd.stats(), "backend": tapd.backend()}), flush=True)
+
+
+if scenario == "slots":
+    native = lifecycle.get_sender().native
+    ring = native.ring
+    programs = {
+        "dormant": loop("dormant", 10).lower().compile(),
+        "k3": loop("k3", 10, every=3).lower().compile(),
+        "k2n3": loop("k2n3", 12, every=2).lower().compile(),
+        "woken": loop("woken", 4).lower().compile(),
+        "always": compiled(lambda: lax.fori_loop(
+            0, 5, lambda i, c: tapd.id_tap(print_tap, c + 1.0), jnp.zeros(3))),
+        "vmap": compiled(lambda xs: lax.fori_loop(0, 6, lambda i, c: jax.vmap(
+            lambda x: tapd.tap(x + 1.0, "vmap", every=2))(c), xs), jnp.zeros((3, 2))),
+        "scan": compiled(lambda xs: lax.scan(
+            lambda c, x: (tapd.tap(c + x, "scan", every=4), None), 0.0, xs)[0], jnp.ones(8)),
+    }
+    if jax.device_count() > 1:
+        n = jax.device_count()
+        programs["pmap"] = jax.pmap(lambda x: lax.fori_loop(
+            0, 4, lambda i, c: tapd.tap(c + 1.0, "pmap", every=2), x)).lower(
+                jnp.zeros((n, 2))).compile()
+    for name, every in [("dormant", EVERY_DORMANT), ("k2n3", 3), ("always", EVERY_DORMANT),
+                        ("woken", EVERY_DORMANT), ("vmap", EVERY_DORMANT)]:
+        for site in native.sites_of(name if name != "always" else "tapd.printing:print_tap"):
+            ring.set_site_every(site, every)
+    # Fill the site table; the next site has no slot: always sent.
+    for i in range(SITE_SLOTS):
+        native.register_site("filler", {"tree": ["leaf"], "meta": {"i": i}, "transforms": []}, [])
+    programs["unslotted"] = loop("unslotted", 3).lower().compile()
+    [unslotted] = native.sites_of("unslotted")
+    ring.set_site_every(unslotted, EVERY_DORMANT)  # (no slot: nothing to set)
+    head = ring.counters().head
+    programs["dormant"]()
+    jax.effects_barrier()
+    dormant_reserved = ring.counters().head - head
+    for name, program in programs.items():
+        if name == "dormant":
+            continue
+        if name == "vmap":
+            program(jnp.zeros((3, 2)))
+            for site in native.sites_of("vmap"):  # woken halfway: seq went on counting
+                ring.set_site_every(site, 1)
+            program(jnp.zeros((3, 2)))
+        elif name == "scan":
+            program(jnp.ones(8))
+        elif name == "pmap":
+            program(jnp.zeros((jax.device_count(), 2)))
+        else:
+            program()
+        if name == "woken":
+            for site in native.sites_of("woken"):
+                ring.set_site_every(site, 1)
+            program()
+    jax.effects_barrier()
+    names = {}
+    for name in [*programs, "tapd.printing:print_tap"]:
+        for site in native.sites_of(name):
+            names[site] = name
+    records = {}
+    for record in ring.read(0, 1_000_000):
+        records.setdefault(names[record.site], []).append(
+            [record.seq, record.step, record.device])
+    output(records=records, unslotted_site=unslotted, dormant_reserved=dormant_reserved,
+           counters_skipped=ring.counters().skipped)
+
+elif scenario == "barrier":
+    every = int(sys.argv[2])
+    watched = loop("watched", 12, every=every).lower().compile()
+    unwatched = loop("unwatched", 12).lower().compile()
+    native = lifecycle.get_sender().native
+    if native is not None:
+        for site in native.sites_of("unwatched"):
+            native.ring.set_site_every(site, EVERY_DORMANT)
+    watched()
+    unwatched()
+    tapd.barrier_wait(timeout=30)
+    output()
+"""
+
+
+def run_script(
+    runtime_dir: Path, scenario: str, *args: str, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    script = runtime_dir / "dormant_emitter.py"
+    script.write_text(_EMITTER)
+    result = subprocess.run(
+        [sys.executable, str(script), scenario, *args],
+        env={
+            **os.environ,
+            "TAPD_ENDPOINT": f"ipc://{runtime_dir}/tapd.sock",
+            "TAPD_EXIT_TIMEOUT": "0",
+            "TAPD_LOCAL_FALLBACK": "0",
+            **(env or {}),
+        },
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result\n{result.stdout}\n{result.stderr}"
+    output: dict[str, Any] = json.loads(lines[-1])
+    return output
+
+
+def seqs(records: list[list[int]], device: int | None = None) -> list[int]:
+    return [seq for seq, _, dev in records if device is None or dev == device]
+
+
+@pytest.fixture
+def ring_backend(backend: str) -> str:
+    """native (the FFI handler) or portable (the callback writing the same ring)."""
+    if reason := native_unavailable():
+        pytest.skip(reason)
+    return backend
+
+
+def test_the_writers_decide_by_the_site_table_and_every(
+    runtime_dir: Path, ring_backend: str
+) -> None:
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    result = run_script(runtime_dir, "slots", env=flags)
+    assert result["backend"] == ring_backend
+    records, stats = result["records"], result["stats"]
+    skipped = stats["skipped_by_consumer"]
+    # Dormant: nothing reserved, nothing copied, each execution counted as skipped.
+    assert "dormant" not in records
+    assert result["dormant_reserved"] == 0
+    assert skipped["dormant"] == 10
+    # every=3: the executions whose seq is a multiple of 3; seq and step show which.
+    assert [[seq, step] for seq, step, _ in records["k3"]] == [[0, 0], [3, 3], [6, 6], [9, 9]]
+    assert skipped["k3"] == 6
+    # The site's K=2 and the slot's N=3 combine: seq % 6 == 0.
+    assert seqs(records["k2n3"]) == [0, 6]
+    assert skipped["k2n3"] == 10
+    # Woken after 4 dormant executions: the seq counted them.
+    assert seqs(records["woken"]) == [4, 5, 6, 7]
+    assert skipped["woken"] == 4
+    # An id_tap site is always sent, whatever the slot says.
+    assert seqs(records["tapd.printing:print_tap"]) == [0, 1, 2, 3, 4]
+    assert "tapd.printing:print_tap" not in skipped
+    # A site past the table has no slot: always sent.
+    assert result["unslotted_site"] >= 3840
+    assert seqs(records["unslotted"]) == [0, 1, 2]
+    # vmap: one tap per batch, every=2; dormant for the first run of 6, then woken.
+    assert seqs(records["vmap"]) == [6, 8, 10]
+    assert skipped["vmap"] == 9
+    # scan, every=4.
+    assert seqs(records["scan"]) == [0, 4]
+    assert skipped["scan"] == 6
+    # pmap: each device's seq, every=2.
+    assert seqs(records["pmap"], 0) == [0, 2] and seqs(records["pmap"], 1) == [0, 2]
+    assert skipped["pmap"] == 4
+    # The totals agree: the ring's, tapd.stats()'s, and the sum by consumer.
+    assert stats["skipped"] == result["counters_skipped"] == sum(skipped.values()) == 49
+    assert stats["dropped"] == 0
+
+
+def test_barrier_wait_returns_with_skipped_taps_and_delivers_the_sampled_ones(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, runtime_dir: Path, backend: str
+) -> None:
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "watched")
+    result = run_script(runtime_dir, "barrier", "4")
+    assert result["backend"] == backend
+    stats = result["stats"]
+    records = subscriber.records()  # the barrier passed: they were handled
+    assert [r["seq"] for r in records] == [0, 4, 8]
+    assert [r["step"] for r in records] == [0, 4, 8]
+    assert stats["skipped_by_consumer"]["watched"] == 9
+    assert stats["delivered"] == 3
+    # The unwatched site, made dormant by hand: skipped, neither sent nor unrouted.
+    assert stats["skipped_by_consumer"]["unwatched"] == 12
+    assert (stats["unrouted"], stats["dropped"], stats["sent"]) == (0, 0, 3)
+
+
+def test_without_a_ring_the_sender_samples_by_every_but_knows_no_dormancy(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, runtime_dir: Path
+) -> None:
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "watched")
+    result = run_script(
+        runtime_dir, "barrier", "3", env={"TEST_NO_RING": "1", "TAPD_BACKEND": "portable"}
+    )
+    stats = result["stats"]
+    assert [r["seq"] for r in subscriber.records()] == [0, 3, 6, 9]
+    assert stats["skipped_by_consumer"] == {"watched": 8}
+    assert stats["skipped"] == 8
+    # No site table: every tap of the unwatched site is sent (and unrouted by the daemon).
+    assert (stats["sent"], stats["delivered"], stats["unrouted"]) == (16, 4, 12)
+
+
+def test_tap_every_must_be_a_positive_int() -> None:
+    jax = pytest.importorskip("jax")
+    import tapd
+    from tapd.errors import TapDefinitionError
+
+    for bad in (0, -2, 1.5, True, "3"):
+        with pytest.raises(TapDefinitionError, match=r"tap 'acts': every=.* must be an int >= 1"):
+            jax.jit(lambda x, bad=bad: tapd.tap(x, "acts", every=bad)).lower(1.0)
+
+
+def test_a_site_without_every_and_an_unwritten_slot_sends_every_tap(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str
+) -> None:
+    """A site without every= (K=1) and a slot nobody wrote copies every tap."""
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "loss")
+    result = run_emitter(daemon.endpoint, "steps", "5")
+    assert [r["seq"] for r in subscriber.records()] == [0, 1, 2, 3, 4]
+    assert result["stats"]["skipped"] == 0 and result["stats"]["skipped_by_consumer"] == {}
