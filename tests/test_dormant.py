@@ -115,21 +115,29 @@ def acts_seqs(subscriber: SubscriberProcess, consumer: str = "acts") -> list[int
     return sorted(r["seq"] for r in subscriber.records() if r["consumer"] == consumer)
 
 
-def start_sampling_subscriber(
-    daemon: Daemon, record: Path, every: int, *consumers: str
-) -> SubscriberProcess:
-    """tests/apps/subscriber_app.py with `--every`, connected."""
-    before = daemon.subscriber_count()
-    process = subprocess.Popen(
-        [sys.executable, str(APPS / "subscriber_app.py"), "--endpoint", daemon.endpoint,
-         "--record", str(record), "--every", str(every), *consumers]
-    )  # fmt: skip
-    wait_until(
-        lambda: daemon.subscriber_count() > before or process.poll() is not None,
-        "the sampling subscriber to connect",
-    )
-    assert process.poll() is None
-    return SubscriberProcess(process, record)
+@pytest.fixture
+def start_sampling_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProcess]]:
+    """tests/apps/subscriber_app.py with `--every`, connected; stopped after the test."""
+    started: list[subprocess.Popen[str]] = []
+
+    def start(daemon: Daemon, every: int, *consumers: str) -> SubscriberProcess:
+        record = runtime_dir / f"every{len(started)}.jsonl"
+        before = daemon.subscriber_count()
+        process = subprocess.Popen(
+            [sys.executable, str(APPS / "subscriber_app.py"), "--endpoint", daemon.endpoint,
+             "--record", str(record), "--every", str(every), *consumers], text=True,
+        )  # fmt: skip
+        started.append(process)
+        wait_until(
+            lambda: daemon.subscriber_count() > before or process.poll() is not None,
+            "the sampling subscriber to connect",
+        )
+        assert process.poll() is None
+        return SubscriberProcess(process, record)
+
+    yield start
+    for process in started:
+        stop_process(process)
 
 
 def exact_counts(stats: dict[str, Any], steps: int) -> None:
@@ -224,12 +232,14 @@ def test_tapd_tail_attaches_to_a_running_job(
 
 
 def test_every_on_the_subscriber_side_and_combined_with_the_sites_own(
-    start_daemon: Callable[..., Daemon], start_job: Callable[..., Job], runtime_dir: Path
+    start_daemon: Callable[..., Daemon],
+    start_job: Callable[..., Job],
+    start_sampling_subscriber: Callable[..., SubscriberProcess],
 ) -> None:
     daemon = start_daemon()
     job = start_job(daemon)
     job.run(1)
-    fours = start_sampling_subscriber(daemon, runtime_dir / "every4.jsonl", 4, "acts", "sampled")
+    fours = start_sampling_subscriber(daemon, 4, "acts", "sampled")
     wait_every(daemon, "acts", 4)
     wait_every(daemon, "sampled", 4)  # the emitter copies seq % (3 * 4) == 0
     skipped = skipped_of(daemon, "acts"), skipped_of(daemon, "sampled")
@@ -241,7 +251,7 @@ def test_every_on_the_subscriber_side_and_combined_with_the_sites_own(
     assert skipped_of(daemon, "sampled") == skipped[1] + 22
 
     # Two takers: every=4 and every=6 make N = 2; each still gets only its own.
-    sixes = start_sampling_subscriber(daemon, runtime_dir / "every6.jsonl", 6, "acts")
+    sixes = start_sampling_subscriber(daemon, 6, "acts")
     wait_every(daemon, "acts", 2)
     thinned = daemon.counters().get("taps_thinned", 0)
     stats = job.run(12)["stats"]  # steps 25..36

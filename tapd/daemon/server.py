@@ -73,7 +73,7 @@ class Daemon:
         self.handshakes: list[security.HandshakeMonitor] = []
         self._lock_fds: list[int] = []
         self.rings = RingSet(ring_dir_for(config.endpoint))
-        self.wants = WantsTable(self.router, dormant=getattr(config, "dormant", True))
+        self.wants = WantsTable(self.router, dormant=config.dormant)  # dormant taps
         self.forwarder: Forwarder | None = None
         self.metrics: MetricsServer | None = None  # --metrics
         self.snapshots = Snapshots(self._wake_for_scrape)
