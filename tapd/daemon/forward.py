@@ -404,7 +404,14 @@ class Forwarder:
             "unconfirmed": len(self._sent),
             "held": len(self._held),
             "silent_s": round(time.monotonic() - self.link.last_heard, 3),
+            "upstream_wants": self._upstream_wants(),
         }
+
+    def _upstream_wants(self) -> str | list[list[Any]]:
+        """What the upstream said its takers want ("everything" until it says)."""
+        target = self.router.subscribers.get(self.key)
+        wanted = None if target is None else target.subscription.wanted
+        return "everything" if wanted is None else [list(pair) for pair in wanted]
 
     def close(self) -> None:
         unsent = len(self._held)
