@@ -27,6 +27,7 @@ from conftest import (
     SubscriberProcess,
     native_unavailable,
     stop_process,
+    tapd_cmd,
     wait_until,
 )
 from tapd.native.ring_format import EVERY_ALL, EVERY_DORMANT
@@ -211,6 +212,8 @@ def test_tapd_tail_attaches_to_a_running_job(
     job = start_job(daemon)
     job.run(2)
     wait_every(daemon, "acts", EVERY_DORMANT)
+    status = tapd_cmd("status", "--endpoint", daemon.endpoint)
+    assert "acts dormant" in status.stdout and "taps_skipped=" in status.stdout, status.stdout
     tail = subprocess.Popen(
         [sys.executable, "-m", "tapd", "tail", "acts", "--endpoint", daemon.endpoint],
         stdout=subprocess.PIPE,
