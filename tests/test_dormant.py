@@ -167,10 +167,13 @@ def test_a_site_sleeps_without_a_taker_wakes_for_a_subscriber_and_sleeps_when_it
     assert dormant["id_tap_calls"] == 12
     exact_counts(dormant["stats"], 12)
 
+    writes = daemon.stats()["site_slot_writes"]
     subscriber = start_subscriber(daemon, "acts")
     wait_every(daemon, "acts", 1)
+    assert daemon.stats()["site_slot_writes"] == writes + 1  # acts' slot, and only it
     woken = job.run(10)
     wait_until(lambda: len(acts_seqs(subscriber)) == 10, "10 taps of acts")
+    assert daemon.stats()["site_slot_writes"] == writes + 1  # taps and acks change nothing
     assert acts_seqs(subscriber) == list(range(12, 22))  # seq counts every execution
     assert skipped_of(daemon, "acts") == skipped + 10
     exact_counts(woken["stats"], 22)

@@ -181,6 +181,7 @@ class Daemon:
             **self.router.stats(),
             "rings": self.rings.stats(),
             "wants": self.wants.stats(),
+            "site_slot_writes": self.wants.writes,  # (few: only what changed is written)
             "daemon": self.id,
             "pid": os.getpid(),
         }
