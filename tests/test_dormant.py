@@ -309,6 +309,10 @@ def test_a_forwarders_sites_wake_for_a_subscriber_upstream(
     assert site_every(downstream, "sampled") == EVERY_DORMANT
     stop_process(subscriber.process)
     wait_every(downstream, "acts", EVERY_DORMANT)
+    # An upstream that stops cleanly says "everything": taps wait here for the next one.
+    upstream.stop()
+    wait_every(downstream, "acts", 1)
+    wait_every(downstream, "sampled", 1)
 
 
 def test_dormancy_off_at_the_daemon_sends_every_tap(

@@ -313,6 +313,10 @@ class Daemon:
         return _IDLE_POLL_MS if self.rings.sleep() else 1
 
     def _report_undelivered(self) -> None:
+        try:  # a clean exit: every tap is sent again, for the next daemon
+            self.wants.release()
+        except zmq.ZMQError:  # (telling forwarders so: the slots are written first)
+            pass
         self.router.stop_releasing()  # what rings still hold stays for the next daemon
         self.router.close_spools()  # what is spooled stays for the next daemon
         self.router.drop_all_subscribers("was still connected at shutdown")
@@ -350,7 +354,6 @@ class Daemon:
         for fd in self._lock_fds:
             os.close(fd)  # (the lock file stays: removing it would race a new daemon)
         self._lock_fds.clear()
-        self.wants.release()  # a clean exit: emitters send every tap again, for the next one
         # Only now: until the sockets are gone, ZeroMQ may still be sending ring memory.
         self.rings.close()
         with self._wake_lock:

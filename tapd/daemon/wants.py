@@ -45,6 +45,7 @@ class WantsTable:
         # Per ring: the source, the sites version it was written for, what was written.
         self._rings: dict[Hashable, tuple[RingSource, int, dict[int, int]]] = {}
         self._told: dict[PeerKey, Told] = {}  # forwarders: what each was last told
+        self._hellos = False  # an emitter said hello since forwarders were last told
         self._pairs: Told = None
         self.writes = 0  # slots written (a test reads it: recomputing must stay cheap)
 
@@ -66,7 +67,9 @@ class WantsTable:
                 written = known[2] if known is not None else {}
                 self._write(source, written)
                 self._rings[key] = (source, source.sites_version, written)
-        self._tell_forwarders()
+        if changed or self._hellos:
+            self._hellos = False
+            self._tell_forwarders()
 
     def _write(self, source: RingSource, written: dict[int, int]) -> None:
         emitter = self.router.emitters.get(source.key)
@@ -97,6 +100,7 @@ class WantsTable:
     def hello(self, key: PeerKey) -> None:
         """An emitter said hello (again): a forwarder is told our wants anew."""
         self._told.pop(key, None)
+        self._hellos = True
 
     def _upstream_pairs(self) -> Told:
         """What this daemon's takers want, for its forwarders: None (everything) in the
@@ -128,12 +132,16 @@ class WantsTable:
 
     def release(self) -> None:
         """On a clean exit: every slot written goes back to EVERY_ALL (nobody has said),
-        so an emitter whose daemon is gone sends every tap, for the next one."""
+        so an emitter whose daemon is gone sends every tap, for the next one; and each
+        forwarder is told "everything", so that what it gets meanwhile waits for the
+        next daemon here instead of being skipped."""
         for source, _, written in self._rings.values():
             for site_id, every in written.items():
                 if every != EVERY_ALL:
                     source.ring.set_site_every(site_id, EVERY_ALL)
             written.clear()
+        self._pairs = None
+        self._tell_forwarders()
 
     def stats(self) -> dict[str, list[list[Any]]]:
         """Per ring path: [site, consumer, N written] (`tapd status --json`)."""
