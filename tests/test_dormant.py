@@ -315,6 +315,28 @@ def test_a_forwarders_sites_wake_for_a_subscriber_upstream(
     wait_every(downstream, "sampled", 1)
 
 
+def test_a_clean_exit_gives_every_slot_back(
+    start_daemon: Callable[..., Daemon], start_job: Callable[..., Job]
+) -> None:
+    """A daemon that stops cleanly writes EVERY_ALL back: the job, alone, sends every
+    tap (for the next daemon) instead of skipping what nobody took from the last one."""
+    from tapd.native.ring import Ring
+
+    daemon = start_daemon()
+    job = start_job(daemon)
+    job.run(1)
+    wait_every(daemon, "acts", EVERY_DORMANT)
+    (path, sites), *_ = daemon.stats()["wants"].items()
+    acts = next(site for site, consumer, _ in sites if consumer == "acts")
+    ring = Ring.open(Path(path))
+    try:
+        assert ring.site_every(acts) == EVERY_DORMANT
+        assert daemon.stop() == 0
+        assert ring.site_every(acts) == EVERY_ALL
+    finally:
+        ring.close()
+
+
 def test_dormancy_off_at_the_daemon_sends_every_tap(
     start_daemon: Callable[..., Daemon], start_job: Callable[..., Job]
 ) -> None:
@@ -325,3 +347,9 @@ def test_dormancy_off_at_the_daemon_sends_every_tap(
     assert skipped_of(daemon, "acts") == 0
     assert stats["unrouted"] >= 6  # sent, and no one wanted them
     exact_counts(stats, 6)
+
+
+def test_tapd_tail_every_takes_a_positive_int() -> None:
+    for bad in ("0", "-3", "x", str(2**32 - 1)):
+        result = tapd_cmd("tail", "acts", "--every", bad)
+        assert result.returncode == 2 and "--every takes an int from 1" in result.stderr, bad
