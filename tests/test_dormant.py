@@ -40,16 +40,18 @@ TAPS_PER_STEP = 3  # acts, sampled, and the id_tap function's
 class Job:
     """tests/apps/dormant_app.py: a JAX job that runs steps when told."""
 
-    def __init__(self, endpoint: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, endpoint: str, env: dict[str, str] | None = None, backend: str = "native"
+    ) -> None:
         self.process = subprocess.Popen(
             [sys.executable, str(APPS / "dormant_app.py")],
-            env={**os.environ, "TAPD_ENDPOINT": endpoint, "TAPD_BACKEND": "native", **(env or {})},
+            env={**os.environ, "TAPD_ENDPOINT": endpoint, "TAPD_BACKEND": backend, **(env or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         first = self.read()
-        assert first.get("backend") == "native", first
+        assert first.get("backend") == backend, first
 
     def read(self) -> dict[str, Any]:
         assert self.process.stdout is not None
@@ -82,8 +84,8 @@ class Job:
 def start_job() -> Iterator[Callable[..., Job]]:
     jobs: list[Job] = []
 
-    def start(daemon: Daemon, env: dict[str, str] | None = None) -> Job:
-        jobs.append(Job(daemon.endpoint, env))
+    def start(daemon: Daemon, env: dict[str, str] | None = None, backend: str = "native") -> Job:
+        jobs.append(Job(daemon.endpoint, env, backend))
         return jobs[-1]
 
     yield start
@@ -148,13 +150,16 @@ def exact_counts(stats: dict[str, Any], steps: int) -> None:
     assert total == TAPS_PER_STEP * steps, stats
 
 
+@pytest.mark.parametrize("backend", ["native", "portable"])
 def test_a_site_sleeps_without_a_taker_wakes_for_a_subscriber_and_sleeps_when_it_leaves(
     start_daemon: Callable[..., Daemon],
     start_subscriber: Callable[..., SubscriberProcess],
     start_job: Callable[..., Job],
+    backend: str,
 ) -> None:
+    """Both backends write the ring here (the portable one from its callback)."""
     daemon = start_daemon()
-    job = start_job(daemon)
+    job = start_job(daemon, backend=backend)
     first = job.run(2)  # the daemon learns the sites from their first taps
     wait_every(daemon, "acts", EVERY_DORMANT)
     wait_every(daemon, "sampled", EVERY_DORMANT)
