@@ -57,6 +57,7 @@ class Router:
         # by (consumer, emitter name or None); cleared on any change of the targets
         self._table: dict[tuple[str, str | None], list[Target]] = {}
         self.generation = 0  # grows with each change of the targets (tapd/daemon/wants.py)
+        self.emitter_hellos = 0  # grows with each emitter's hello (wants.py: forwarders)
         self._sampling: bool | None = None  # whether any target samples (None: not known)
         # Until then (time.monotonic()), a tap that no subscriber wants waits, in order,
         # instead of counting as unrouted: the daemon's start-up grace, in which the
@@ -121,6 +122,8 @@ class Router:
             emitter.local_pid = pid
         emitter.gone = False
         emitter.last_seen = time.monotonic()
+        emitter.hellos += 1
+        self.emitter_hellos += 1
         self._welcome(emitter, header.get("nonce"))
 
     def _welcome(self, emitter: Emitter, nonce: Any = None) -> None:

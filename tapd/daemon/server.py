@@ -73,7 +73,7 @@ class Daemon:
         self.handshakes: list[security.HandshakeMonitor] = []
         self._lock_fds: list[int] = []
         self.rings = RingSet(ring_dir_for(config.endpoint))
-        self.wants = WantsTable(self.router, dormant=config.dormant)  # dormant taps
+        self.wants = WantsTable(self.router, self.rings, dormant=config.dormant)  # dormant taps
         self.forwarder: Forwarder | None = None
         self.metrics: MetricsServer | None = None  # --metrics
         self.snapshots = Snapshots(self._wake_for_scrape)
@@ -176,16 +176,12 @@ class Daemon:
 
     def stats(self) -> dict[str, Any]:
         """What `tapd status --json` shows (on the loop's thread only)."""
-        self.wants.update(self.rings.sources)  # (a hello read with this request counts)
         stats = {
-            **self.router.stats(),
+            **self.wants.stats(self.router.stats()),  # (with the taps emitters skipped)
             "rings": self.rings.stats(),
-            "wants": self.wants.stats(),
-            "site_slot_writes": self.wants.writes,  # (few: only what changed is written)
             "daemon": self.id,
             "pid": os.getpid(),
         }
-        stats["counters"]["taps_skipped"] = self.rings.skipped()  # by emitters (dormant)
         stats["started"] = self.config.how_started()
         bounds = {"reply_budgets": len(self.replies), "departed_emitters": self.departed.forgotten}
         stats["bounds"] = bounds  # per-peer tables beside the router's (tapd/daemon/bounds.py)
@@ -269,7 +265,7 @@ class Daemon:
                     last_check = now
                 self.router.unpark()
                 moved = self.rings.poll(self.router) if now >= rings_from else 0
-                self.wants.update(self.rings.sources)
+                self.wants.update()
                 quiet_rounds = 0 if moved or events else quiet_rounds + 1
                 self.router.pump()
                 if forwarder is not None:
@@ -313,10 +309,7 @@ class Daemon:
         return _IDLE_POLL_MS if self.rings.sleep() else 1
 
     def _report_undelivered(self) -> None:
-        try:  # a clean exit: every tap is sent again, for the next daemon
-            self.wants.release()
-        except zmq.ZMQError:  # (telling forwarders so: the slots are written first)
-            pass
+        self.wants.release()  # a clean exit: every tap is sent again, for the next daemon
         self.router.stop_releasing()  # what rings still hold stays for the next daemon
         self.router.close_spools()  # what is spooled stays for the next daemon
         self.router.drop_all_subscribers("was still connected at shutdown")
@@ -426,7 +419,6 @@ class Daemon:
         elif kind == "hello":  # (decode checked the fields of its role: schema.py)
             if header["role"] == "emitter":
                 router.emitter_hello(key, header)
-                self.wants.hello(key)
                 if "ring" in header:
                     self.rings.attach(key, header, router)
             else:

@@ -23,8 +23,10 @@ import math
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+import zmq
+
 from tapd.daemon.deliveries import PeerKey
-from tapd.daemon.rings import RingSource
+from tapd.daemon.rings import RingSet, RingSource
 from tapd.daemon.router import Router
 from tapd.daemon.runs import Site
 from tapd.daemon.sampling import every_of, taken_every
@@ -37,20 +39,23 @@ Told = tuple[tuple[str, int], ...] | None
 
 
 class WantsTable:
-    def __init__(self, router: Router, *, dormant: bool) -> None:
+    def __init__(self, router: Router, rings: RingSet, *, dormant: bool) -> None:
         self.router = router
+        self.rings = rings
         self.dormant = dormant  # False: every site always wanted (TAPD_DORMANT=0)
         self._state: tuple[int, bool] | None = None  # (router generation, in grace)
         self._memo: dict[tuple[str, str | None], int] = {}  # (consumer, emitter) -> N
         # Per ring: the source, the sites version it was written for, what was written.
         self._rings: dict[Hashable, tuple[RingSource, int, dict[int, int]]] = {}
-        self._told: dict[PeerKey, Told] = {}  # forwarders: what each was last told
-        self._hellos = False  # an emitter said hello since forwarders were last told
+        # Forwarders: what each was last told, after which of its hellos.
+        self._told: dict[PeerKey, tuple[int, Told]] = {}
+        self._hellos = 0  # emitter hellos the router had seen when forwarders were told
         self._pairs: Told = None
         self.writes = 0  # slots written (a test reads it: recomputing must stay cheap)
 
-    def update(self, sources: Mapping[Hashable, RingSource]) -> None:
+    def update(self) -> None:
         """Write what changed since the last call (cheap when nothing did)."""
+        sources = self.rings.sources
         state = (self.router.generation, self.router.in_grace())
         changed = state != self._state
         if changed:
@@ -67,8 +72,9 @@ class WantsTable:
                 written = known[2] if known is not None else {}
                 self._write(source, written)
                 self._rings[key] = (source, source.sites_version, written)
-        if changed or self._hellos:
-            self._hellos = False
+        if changed or self._hellos != self.router.emitter_hellos:
+            # (a forwarder that says hello again, reconnected, is told anew)
+            self._hellos = self.router.emitter_hellos
             self._tell_forwarders()
 
     def _write(self, source: RingSource, written: dict[int, int]) -> None:
@@ -97,11 +103,6 @@ class WantsTable:
             every = self._memo[memo] = math.gcd(*asked) if asked else EVERY_DORMANT
         return every
 
-    def hello(self, key: PeerKey) -> None:
-        """An emitter said hello (again): a forwarder is told our wants anew."""
-        self._told.pop(key, None)
-        self._hellos = True
-
     def _upstream_pairs(self) -> Told:
         """What this daemon's takers want, for its forwarders: None (everything) in the
         grace, with dormancy off, or past the protocol's bound on patterns."""
@@ -120,13 +121,14 @@ class WantsTable:
         return tuple(sorted(asked.items()))
 
     def _tell_forwarders(self) -> None:
+        """Each forwarding daemon connected: what our takers want, after its hello and
+        whenever it changes."""
         for key, emitter in self.router.emitters.items():
-            if not (emitter.forwarder and not emitter.gone and _socket_peer(key)):
-                continue
-            if key in self._told and self._told[key] == self._pairs:
-                continue
-            self._told[key] = self._pairs
-            self.router.send(key, encode("wants", wants_fields(self._pairs)))
+            if emitter.forwarder and not emitter.gone and _socket_peer(key):
+                said = emitter.hellos, self._pairs
+                if self._told.get(key) != said:
+                    self._told[key] = said
+                    self.router.send(key, encode("wants", wants_fields(self._pairs)))
         for key in [k for k in self._told if k not in self.router.emitters]:
             del self._told[key]
 
@@ -141,10 +143,17 @@ class WantsTable:
                     source.ring.set_site_every(site_id, EVERY_ALL)
             written.clear()
         self._pairs = None
-        self._tell_forwarders()
+        try:
+            self._tell_forwarders()
+        except zmq.ZMQError:  # (the daemon is going: its sockets may be too)
+            pass
 
-    def stats(self) -> dict[str, list[list[Any]]]:
-        """Per ring path: [site, consumer, N written] (`tapd status --json`)."""
+    def stats(self, router_stats: dict[str, Any]) -> dict[str, Any]:
+        """The router's stats (`tapd status --json`) with the table's: `wants`, per ring
+        path [site, consumer, N written]; `site_slot_writes` (few: only what changed is
+        written); and in the counters `taps_skipped`, by the emitters (dormant sites,
+        or sampled out)."""
+        self.update()  # (a hello read with the stats request counts)
         out = {}
         for source, _, written in self._rings.values():
             sites = source.sites()
@@ -153,7 +162,8 @@ class WantsTable:
                 for site_id, every in sorted(written.items())
                 if site_id in sites
             ]
-        return out
+        router_stats["counters"]["taps_skipped"] = self.rings.skipped()
+        return {**router_stats, "wants": out, "site_slot_writes": self.writes}
 
 
 def _socket_peer(key: PeerKey) -> bool:
