@@ -117,6 +117,17 @@ if scenario == "slots":
     output(records=records, unslotted_site=unslotted, dormant_reserved=dormant_reserved,
            counters_skipped=ring.counters().skipped)
 
+elif scenario == "no_dormant":  # run with TAPD_DORMANT=0
+    native = lifecycle.get_sender().native
+    program = loop("plain", 4, every=2).lower().compile()
+    for site in native.sites_of("plain"):
+        native.ring.set_site_every(site, EVERY_DORMANT)
+    program()
+    jax.effects_barrier()
+    seqs = [r.seq for r in native.ring.read(0)]
+    entries = native.sites_path.read_bytes()
+    output(seqs=seqs, always=b"\xa6always\xc3" in entries)
+
 elif scenario == "barrier":
     every = int(sys.argv[2])
     watched = loop("watched", 12, every=every).lower().compile()
@@ -210,6 +221,15 @@ def test_the_writers_decide_by_the_site_table_and_every(
     assert stats["dropped"] == 0
 
 
+def test_tapd_dormant_0_marks_every_site_always_and_its_writers_ignore_the_slot(
+    runtime_dir: Path, ring_backend: str
+) -> None:
+    result = run_script(runtime_dir, "no_dormant", env={"TAPD_DORMANT": "0"})
+    assert result["always"]  # the site entry says so, for the daemon
+    assert result["seqs"] == [0, 2]  # its own every=2 still applies; the slot does not
+    assert result["stats"]["skipped_by_consumer"] == {"plain": 2}
+
+
 def test_barrier_wait_returns_with_skipped_taps_and_delivers_the_sampled_ones(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber, runtime_dir: Path, backend: str
 ) -> None:
@@ -249,8 +269,10 @@ def test_tap_every_must_be_a_positive_int() -> None:
     import tapd
     from tapd.errors import TapDefinitionError
 
-    for bad in (0, -2, 1.5, True, "3"):
-        with pytest.raises(TapDefinitionError, match=r"tap 'acts': every=.* must be an int >= 1"):
+    for bad in (0, -2, 2**63, 1.5, True, "3"):
+        with pytest.raises(
+            TapDefinitionError, match=r"tap 'acts': every=.* must be an int (>= 1|from 1)"
+        ):
             jax.jit(lambda x, bad=bad: tapd.tap(x, "acts", every=bad)).lower(1.0)
 
 

@@ -84,7 +84,7 @@ def _check_every(name: str, every: object) -> None:
     if isinstance(every, bool) or not isinstance(every, int | np.integer):
         raise TapDefinitionError(f"tap {name!r}: every={every!r} must be an int >= 1")
     if not 1 <= int(every) <= _MAX_EVERY:
-        raise TapDefinitionError(f"tap {name!r}: every={every!r} must be an int >= 1")
+        raise TapDefinitionError(f"tap {name!r}: every={every!r} must be an int from 1 to 2**63-1")
 
 
 def _check_consumer(name: object) -> None:

@@ -869,6 +869,13 @@ int tapd_ring_skip(void* handle, uint64_t site, uint32_t consumer, int32_t devic
                    uint64_t every) {
   Ring* ring = handle != nullptr ? static_cast<Ring*>(handle) : tapd::InstalledRing();
   if (ring == nullptr || site >= tapd::kSiteSlots) return 0;
+  // Every tap of the site is taken (K = 1, and a slot of 0 or 1, or an always site): no
+  // need for the lock.
+  uint32_t wanted = ring->sites[site].every.load(std::memory_order_relaxed);
+  if ((every & ~tapd::kEveryAlwaysBit) <= 1 &&
+      ((every & tapd::kEveryAlwaysBit) != 0 || wanted <= 1)) {
+    return 0;
+  }
   uint64_t key = (uint64_t{consumer} << 32) | uint32_t(device);
   std::lock_guard<std::mutex> lock(ring->seq_mutex);
   uint64_t& seq = ring->seq[key];

@@ -1,0 +1,288 @@
+"""What a tap costs when nobody listens, and when it samples (issue 21, section 3).
+
+Per step of a jitted `fori_loop` carrying a 64-float vector, a 64 B vector and a 1 MiB
+array: (a) no tap; (b) a woken 1 MiB tap (a subscriber takes it); (c) a dormant 1 MiB tap
+(no taker: its site's slot says EVERY_DORMANT); (d) a dormant 64 B tap; (e) a 1 MiB tap
+with every=100 (taken). Once per backend (native: the FFI handler; portable: the host
+callback writing the ring), each in its own process, the variants interleaved and
+repeated in one run; the tables give the minimum and the median over repeats, and
+what each adds to (a).
+
+    python bench/dormant.py [--quick] [--output bench/DORMANT.md]
+
+The dormant sites are set so by hand (Ring.set_site_every, what the daemon does for a
+site without a taker), so the figures do not depend on the daemon's side of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+MIB = 2**20
+TARGETS_US = {"c": 1.0, "d": 0.3}  # issue 21, native: dormant 1 MiB, dormant 64 B
+
+
+@dataclasses.dataclass
+class Variant:
+    key: str
+    label: str
+    tap: str | None  # "big", "small" or None
+    every: int = 1
+    woken: bool = False
+
+
+VARIANTS = [
+    Variant("a", "no tap", None),
+    Variant("b", "1 MiB tap, woken", "big", woken=True),
+    Variant("c", "1 MiB tap, dormant", "big"),
+    Variant("d", "64 B tap, dormant", "small"),
+    Variant("e", "1 MiB tap, every=100, woken", "big", every=100, woken=True),
+]
+
+
+def child(backend: str, steps: dict[str, int], repeats: int) -> dict[str, Any]:
+    """One backend's measurements, in this process (TAPD_BACKEND is set)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from processes import Processes
+
+    import tapd
+    from tapd.emitter import lifecycle
+    from tapd.native.ring_format import EVERY_DORMANT
+
+    workdir = Path(tempfile.mkdtemp(prefix="tapd-dorm-", dir="/tmp"))
+    procs = Processes(workdir)
+    procs.start_daemon(flags=["--startup-grace", "0"])
+    os.environ["TAPD_ENDPOINT"] = procs.endpoint
+    try:
+        for variant in VARIANTS:
+            if variant.woken:
+                procs.start_sink(f"bench.dormant.{variant.key}")
+
+        def loop(variant: Variant) -> Callable[..., Any]:
+            name = f"bench.dormant.{variant.key}"
+
+            def body(i: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+                x, small, big = carry
+                x = x * 0.999 + 0.001 * jnp.sin(x)
+                if variant.tap == "big":
+                    big = tapd.tap(big, name, step=i, every=variant.every)
+                elif variant.tap == "small":
+                    small = tapd.tap(small, name, step=i, every=variant.every)
+                return x, small, big
+
+            return jax.jit(lambda c, n: lax.fori_loop(0, n, body, c))
+
+        carry = (
+            jnp.zeros(64, jnp.float32),
+            jnp.zeros(16, jnp.float32),  # 64 B
+            jnp.zeros(MIB // 4, jnp.float32),  # 1 MiB
+        )
+        loops = {v.key: loop(v) for v in VARIANTS}
+        for function in loops.values():  # compile (registers the sites), warm up
+            jax.block_until_ready(function(carry, 3))
+        tapd.barrier_wait(timeout=120)
+        native = lifecycle.get_sender().native
+        assert native is not None, "the benchmark needs the ring (a local daemon)"
+        for variant in VARIANTS:
+            if variant.tap and not variant.woken:
+                for site in native.sites_of(f"bench.dormant.{variant.key}"):
+                    native.ring.set_site_every(site, EVERY_DORMANT)
+        seconds: dict[str, dict[int, list[float]]] = {}
+        for _ in range(repeats):
+            for variant in VARIANTS:
+                # Each variant with its own step count, and (a) at every count used.
+                counts = {steps[variant.key]} | (
+                    set(steps.values()) if variant.key == "a" else set()
+                )
+                for n in sorted(counts):
+                    started = time.perf_counter()
+                    jax.block_until_ready(loops[variant.key](carry, n))
+                    jax.effects_barrier()
+                    seconds.setdefault(variant.key, {}).setdefault(n, []).append(
+                        time.perf_counter() - started
+                    )
+                    if variant.woken:  # drained before the next one: no blocking measured
+                        tapd.barrier_wait(timeout=120)
+        stats = tapd.stats()
+        return {"backend": tapd.backend(), "seconds": seconds, "stats": stats}
+    finally:
+        procs.stop_all()
+
+
+def run_child(backend: str, quick: bool) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--child", backend, *(["--quick"] if quick else [])]
+    env = {**os.environ, "TAPD_BACKEND": backend, "TAPD_AUTOSTART": "0"}
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"{backend} run failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    out: dict[str, Any] = json.loads(lines[-1])
+    return out
+
+
+def plan(backend: str, quick: bool) -> tuple[dict[str, int], int]:
+    """Steps per variant (woken 1 MiB taps fit the 256 MB ring between barriers), repeats."""
+    scale = 4 if quick else 1
+    if backend == "native":
+        steps = {"a": 20000, "b": 200, "c": 20000, "d": 20000, "e": 2000}
+    else:  # a host callback per step, dormant or not: tens of microseconds each
+        steps = {"a": 2000, "b": 200, "c": 2000, "d": 2000, "e": 2000}
+    return {k: max(100, v // scale) for k, v in steps.items()}, 3 if quick else 7
+
+
+def us_per_step(seconds: dict[str, dict[str, list[float]]], key: str, n: int, best: bool) -> float:
+    """Microseconds per step of variant `key` at `n` steps: the median over repeats, or
+    the minimum (`best`: the repeat least disturbed by other work on the machine)."""
+    from report import median
+
+    runs = seconds[key][str(n)]
+    return (min(runs) if best else median(runs)) / n * 1e6
+
+
+def table_for(backend: str, result: dict[str, Any], steps: dict[str, int]) -> tuple[str, list[str]]:
+    """The backend's table, and its lines against the targets (judged on the minima:
+    on a shared machine, other work only ever adds time)."""
+    from report import number, table
+
+    seconds = result["seconds"]
+    rows = []
+    added: dict[str, float] = {}  # on the minima
+    for variant in VARIANTS:
+        n = steps[variant.key]
+        best, typical = (us_per_step(seconds, variant.key, n, b) for b in (True, False))
+        base_best, base_typical = (us_per_step(seconds, "a", n, b) for b in (True, False))
+        added[variant.key] = best - base_best
+        rows.append(
+            [
+                f"({variant.key}) {variant.label}",
+                str(n),
+                number(best, 3),
+                number(typical, 3),
+                "-" if variant.key == "a" else number(best - base_best, 3),
+                "-" if variant.key == "a" else number(typical - base_typical, 3),
+                "-" if variant.key == "a" else f"{best / base_best:.2f}x",
+            ]
+        )
+    header = [
+        "variant",
+        "steps",
+        "µs/step, min",
+        "µs/step, median",
+        "added, min",
+        "added, median",
+        "vs (a), min",
+    ]
+    copy = added["b"]
+    if backend != "native":
+        # Issue 21: here the saving is the copy only; JAX's host callback (and the
+        # operands it hands over) is paid whether the tap is dormant or not.
+        verdicts = [
+            f"{backend}: a dormant 1 MiB tap adds {added['c']:.1f} µs against "
+            f"{copy:.1f} µs woken (saves {copy - added['c']:.1f} µs, "
+            f"{(copy - added['c']) / copy:.0%}); a dormant 64 B tap adds "
+            f"{added['d']:.1f} µs (the callback itself); every=100 adds {added['e']:.1f} µs"
+        ]
+        return table(header, rows), verdicts
+    verdicts = []
+    for key, target in TARGETS_US.items():
+        ok = added[key] <= target
+        verdicts.append(
+            f"{backend}: ({key}) adds {added[key]:.3f} µs, target <= {target} µs: "
+            f"{'met' if ok else 'NOT met'}"
+        )
+    bound = copy / 100 + max(added["c"], 0.0)
+    verdicts.append(
+        f"{backend}: (e) adds {added['e']:.3f} µs, target <= (b)/100 + (c) = "
+        f"{copy:.1f}/100 + {max(added['c'], 0.0):.3f} = {bound:.3f} µs: "
+        f"{'met' if added['e'] <= bound else 'NOT met'}; per copy taken, (e) costs "
+        f"((e) - (c)) x 100 = {(added['e'] - added['c']) * 100:.0f} µs against (b)'s "
+        f"{copy:.0f} µs back to back"
+    )
+    return table(header, rows), verdicts
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    parser.add_argument("--output", type=Path, help="also write the report here")
+    parser.add_argument("--child", choices=["native", "portable"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(BENCH_DIR))
+    if args.child:
+        steps, repeats = plan(args.child, args.quick)
+        print(json.dumps(child(args.child, steps, repeats)), flush=True)
+        return 0
+    from report import code_revision, load_average, machine_description, publish, table
+
+    sections = ["# Dormant and sampled taps: what a tap costs when nobody listens", ""]
+    sections.append(__doc__.split("\n\n")[1].replace("\n", " ") + "\n")
+    sections.append(table(["", ""], [[k, v] for k, v in machine_description()]))
+    sections.append(f"\ncode: {code_revision(BENCH_DIR.parent)}\n")
+    verdicts = []
+    for backend in ("native", "portable"):
+        print(f"measuring the {backend} backend ...", flush=True)
+        result = run_child(backend, args.quick)
+        steps, repeats = plan(backend, args.quick)
+        text, said = table_for(backend, result, steps)
+        verdicts += said
+        stats = result["stats"]
+        sections += [
+            f"## {backend} (`tapd.backend()`: {result['backend']}; {repeats} repeats, interleaved)",
+            "",
+            text,
+            "",
+            f"emitter counters: skipped {stats['skipped']}, sent {stats['sent']}, "
+            f"delivered {stats['delivered']}, dropped {stats['dropped']}, skipped by "
+            f"consumer {json.dumps(stats['skipped_by_consumer'], sort_keys=True)}",
+            "",
+        ]
+    sections += [
+        "## Against issue 21's targets (on the minima over repeats)",
+        "",
+        *[f"- {line}" for line in verdicts],
+        "",
+    ]
+    sections += [
+        "## Notes",
+        "",
+        "- A dormant or sampled-out tap takes its seq and counts itself under the ring's "
+        "writer lock, then returns: no reservation, no copy, no commit, no wake-up of the "
+        "daemon. (c) and (d) are that path plus XLA's custom call; the 1 MiB one costs "
+        "about what the 64 B one does.",
+        "- (b) and (e) run with the daemon and a subscriber process draining the ring on "
+        "the same CPUs (two cores here, shared with other work): their figures include "
+        "whatever those processes take from the loop. An every=100 copy is taken alone, "
+        "cold, between 99 skipped ones, with the daemon woken for it, so it costs more "
+        "than one of (b)'s back-to-back copies; the skipped 99 cost what (c) does.",
+        "- Portable: JAX's host callback runs for every execution, dormant or not, and "
+        "hands the callback its operands (a 1 MiB one costs tens of µs before tapd's "
+        "code runs); tapd saves the ring copy and the daemon's work only. Use the native "
+        "backend where taps are to cost nothing.",
+        "- sent - delivered: (c)'s and (d)'s warm-up runs, before their sites were made "
+        "dormant (no subscriber takes them).",
+        "",
+    ]
+    sections.append(
+        f"Load average at the end (1, 5, 15 min): {load_average()}. The machine is shared "
+        "with other work: figures are minima and medians of interleaved repeats, compare them as "
+        "ratios within one run, not across runs."
+    )
+    publish("\n".join(sections) + "\n", args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
