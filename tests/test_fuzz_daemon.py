@@ -39,7 +39,9 @@ FUZZ = settings(
     suppress_health_check=list(HealthCheck),
 )
 # Kinds a daemon answers as "not something peers send to a daemon".
-NOT_FOR_DAEMONS = {"welcome", "rehello", "credit", "error", "barrier_done", "stats_reply", "taps"}
+NOT_FOR_DAEMONS = {
+    "welcome", "rehello", "credit", "error", "barrier_done", "stats_reply", "taps", "wants"
+}  # fmt: skip
 
 # ---- values and messages ---------------------------------------------------------------
 
@@ -95,7 +97,15 @@ def tap_fields(draw: st.DrawFn) -> dict[str, Any]:
 
 # What the generator draws from: the kinds with the most fields, more often.
 KINDS = ["hello_emitter"] * 3 + ["hello_subscriber"] * 2 + ["tap"] * 3 + ["taps"] * 2 + [
-    "credit", "ack", "ack", "barrier", "heartbeat", "bye", "stats", "welcome"]  # fmt: skip
+    "credit", "ack", "ack", "barrier", "heartbeat", "bye", "stats", "welcome", "wants"]  # fmt: skip
+# `every` pairs (a subscriber's sampling, a forwarder's wants), near their valid ones.
+every_pairs = st.lists(
+    st.tuples(names, st.integers(-1, 3) | st.sampled_from([2**32 - 2, 2**32 - 1, 2**64 - 1])).map(
+        list
+    )
+    | values,
+    max_size=3,
+)
 
 
 @st.composite
@@ -115,6 +125,8 @@ def structured(draw: st.DrawFn) -> list[bytes]:
         fields = {"role": "subscriber", "consumers": draw(st.lists(names, max_size=3)),
                   "window": draw(small_ints), "name": draw(names),
                   "batch": draw(st.booleans())}  # fmt: skip
+        if draw(st.booleans()):
+            fields["every"] = draw(every_pairs)
         kind = "hello"
     elif kind in ("tap", "taps"):
         fields = tap_fields(draw)
@@ -133,6 +145,8 @@ def structured(draw: st.DrawFn) -> list[bytes]:
         fields = {"id": draw(small_ints), "ring_position": draw(small_ints)}
     elif kind == "welcome":
         fields = {"window_bytes": 1, "daemon": "d"}
+    elif kind == "wants":
+        fields = {"patterns": draw(every_pairs), "everything": draw(st.booleans())}
     else:
         fields = {}
     mutation = draw(st.sampled_from(["none", "drop", "replace", "extra"]))

@@ -299,3 +299,55 @@ def test_a_tap_whose_metadata_is_too_large_fails_at_trace_time_naming_the_limit(
 
     with pytest.raises(TapDefinitionError, match="at most 1032192 bytes"):
         jax.jit(lambda x: tapd.tap(x, "big_meta", blob="x" * 2_000_000))(np.zeros(2))
+
+
+# ---- issue 21: what an upstream tells a forwarder (`wants`) --------------------------------
+
+
+def test_hostile_wants_from_an_upstream_are_refused_and_counted_and_the_forwarder_serves_on(
+    start_daemon: Callable[..., Daemon], runtime_dir: Path
+) -> None:
+    """A fake upstream welcomes a real forwarding daemon, then sends it `wants` messages
+    that break the protocol: each is refused by reason and counted, none changes what
+    the forwarder takes; a valid one afterwards is applied."""
+    context = zmq.Context()
+    upstream = context.socket(zmq.ROUTER)
+    endpoint = f"ipc://{runtime_dir}/fake-up.sock"
+    upstream.bind(endpoint)
+    try:
+        daemon = start_daemon("--forward", endpoint, name="fwd.sock")
+        assert upstream.poll(10_000), "no hello from the forwarder"
+        peer, *frames = upstream.recv_multipart()
+        assert decode(frames).header["role"] == "emitter"
+        welcome = {"window_bytes": 1 << 20, "daemon": "fake-up"}
+        upstream.send_multipart([peer, *encode("welcome", welcome)])
+        wait_until(lambda: daemon.stats()["forward"]["upstream"] == "fake-up", "the welcome")
+        too_many = [[f"p{i}", 1] for i in range(2000)]
+        hostile = [
+            {"kind": "wants", "patterns": [["acts", 0]]},
+            {"kind": "wants", "patterns": [["acts", 2**32 - 1]]},
+            {"kind": "wants", "patterns": [["", 1]]},
+            {"kind": "wants", "patterns": "acts"},
+            {"kind": "wants", "patterns": [["acts", 1, 1]]},
+            {"kind": "wants"},
+            {"kind": "wants", "patterns": too_many},
+        ]
+        for header in hostile:
+            upstream.send_multipart([peer, *raw(header)])
+        wait_until(
+            lambda: (
+                daemon.counters().get("rejected_bad_field") == 6
+                and daemon.counters().get("rejected_too_large") == 1
+            ),
+            "seven refusals",
+        )
+        assert daemon.stats()["forward"]["upstream_wants"] == "everything"
+        upstream.send_multipart([peer, *encode("wants", {"patterns": [["acts", 4]]})])
+        wait_until(
+            lambda: daemon.stats()["forward"]["upstream_wants"] == [["acts", 4]],
+            "the valid wants to be applied",
+        )
+        assert daemon.process.poll() is None
+    finally:
+        upstream.close(linger=0)
+        context.term()

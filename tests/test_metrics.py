@@ -29,6 +29,7 @@ COUNTERS = {
     "deliveries_dropped": "tapd_deliveries_dropped_total",
     "deliveries_lost": "tapd_deliveries_lost_total",
     "taps_unrouted": "tapd_taps_unrouted_total",
+    "taps_skipped": "tapd_taps_skipped_total",
     "handler_errors": "tapd_handler_errors_total",
 }
 EMITTER = {

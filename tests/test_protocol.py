@@ -31,6 +31,7 @@ from tapd.protocol import (
 )
 from tapd.protocol.batch import BatchRun, BatchTap, encode_batch
 from tapd.protocol.dtypes import SUPPORTED_DTYPES
+from tapd.protocol.rules import DEFAULT_LIMITS
 from tapd.protocol.wire import _SCHEMAS, KINDS
 
 ALL_DTYPES = sorted(SUPPORTED_DTYPES)
@@ -503,6 +504,7 @@ MINIMAL_FIELDS: dict[str, dict[str, Any]] = {
     "error": {"consumer": "loss", "seq": 0, "error": "boom", "subscriber": "sub"},
     "barrier": {"id": 1},
     "barrier_done": {"id": 1, "delivered": 2, "dropped": 0, "unrouted": 0},
+    "wants": {"patterns": [["loss", 1], ["acts*", 10]]},
     "heartbeat": {},
     "bye": {},
     "stats": {},
@@ -1050,3 +1052,36 @@ def test_a_run_travels_as_its_own_body_frame_gaps_and_all() -> None:
 def test_batch_size_is_bounded() -> None:
     frames = batch_of(*[sample("int8", (1,))] * 3)
     expect_error(frames, "too_large", Limits(max_batch=2))
+
+
+# ---- sampling and wants (issue 21) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "every",
+    [[["a", 0]], [["a", 2**32 - 1]], [["a", True]], [["b", 2]], [["a", 2], ["a", 3]], [["a"]], 5],
+    ids=["zero", "dormant_value", "bool", "not_a_consumer", "twice", "no_n", "not_a_list"],
+)
+def test_a_subscribers_every_is_checked(every: Any) -> None:
+    fields = {"role": "subscriber", "consumers": ["a", "c*"], "window": 1, "every": every}
+    expect_error(wire(encode("hello", fields)), "bad_field")
+
+
+def test_a_subscribers_every_within_bounds_is_kept() -> None:
+    fields = {"role": "subscriber", "consumers": ["a", "c*"], "window": 1,
+              "every": [["a", 10], ["c*", 2**32 - 2]]}  # fmt: skip
+    assert decode(wire(encode("hello", fields))).header["every"] == fields["every"]
+
+
+@pytest.mark.parametrize(
+    "patterns",
+    [[["", 1]], [["a", 0]], [["a", -1]], [["x" * 300, 1]], [["a", 1, 2]], "a"],
+    ids=["empty_pattern", "zero", "negative", "long_pattern", "three", "not_a_list"],
+)
+def test_wants_pairs_are_checked(patterns: Any) -> None:
+    expect_error(wire(encode("wants", {"patterns": patterns})), "bad_field")
+
+
+def test_wants_past_the_pattern_bound_are_too_large() -> None:
+    patterns = [[f"p{i}", 1] for i in range(DEFAULT_LIMITS.max_patterns + 1)]
+    expect_error(wire(encode("wants", {"patterns": patterns})), "too_large")

@@ -44,6 +44,7 @@ from tapd.security import ClientKeys, secure_client
 from tapd.settings import ENDPOINT
 from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap
 from tapd_client.meta import MetaTemplate, TapMeta
+from tapd_client.sampling import Sampling
 
 logger = logging.getLogger("tapd.subscriber")
 
@@ -219,6 +220,7 @@ class Subscriber:
         self.fallback_for = fallback_for  # the emitter whose unwanted taps fallbacks take
         self.group = group
         self._fallback: set[str] = set()  # consumers whose handlers are fallbacks
+        self._every = Sampling()  # consumers whose handlers sample: `every`
         self._stop = threading.Event()
         self._context: zmq.Context[Any] = zmq.Context.instance()
         self._links: list[_DaemonLink] = []
@@ -227,13 +229,15 @@ class Subscriber:
 
     # ---- registration -----------------------------------------------------------
 
-    def on(self, consumer: str, *, batch: bool = False) -> Callable[[Any], Any]:
+    def on(self, consumer: str, *, batch: bool = False, every: int = 1) -> Callable[[Any], Any]:
         """Decorator: run the function for taps named `consumer`. A name ending in `*`
         matches by prefix (`"mymodule:*"`). With `batch`, the function gets a `TapBatch`
-        of each site's taps in a received message instead of `(value, meta)` per tap."""
+        of each site's taps in a received message instead of `(value, meta)` per tap.
+        `every=n`: only the taps whose `meta.seq` is a multiple of n (times the site's
+        own `every`); the emitter copies no others unless someone else wants them."""
 
         def register(handler: Any) -> Any:
-            self.add_handler(consumer, handler, batch=batch)
+            self.add_handler(consumer, handler, batch=batch, every=every)
             return handler
 
         return register
@@ -245,19 +249,27 @@ class Subscriber:
         *,
         fallback: bool = False,
         batch: bool | None = None,
+        every: int = 1,
     ) -> None:
         """Run `handler` for taps named `consumer`. With `fallback`, only for taps of the
         emitter `fallback_for` that no other subscriber takes. `batch`: it takes a
-        `TapBatch` (default: what the handler's `takes_batch` attribute says)."""
+        `TapBatch` (default: what the handler's `takes_batch` attribute says). `every`:
+        as for `on`."""
         if self._links:
             raise RuntimeError("add handlers before connecting (or use subscribe())")
-        self._add(consumer, handler, fallback, batch)
+        self._add(consumer, handler, fallback, batch, every)
 
     def _add(
-        self, consumer: str, handler: Handler | BatchHandler, fallback: bool, batch: bool | None
+        self,
+        consumer: str,
+        handler: Handler | BatchHandler,
+        fallback: bool,
+        batch: bool | None,
+        every: int = 1,
     ) -> None:
         if consumer in self._handlers:
             raise ValueError(f"consumer {consumer!r} already has a handler")
+        self._every.add(consumer, every)
         if fallback and self.fallback_for is None:
             raise ValueError("a fallback handler needs Subscriber(fallback_for=...)")
         self._handlers[consumer] = handler
@@ -274,14 +286,15 @@ class Subscriber:
         fallback: bool = False,
         batch: bool | None = None,
         timeout: float = 10.0,
+        every: int = 1,
     ) -> None:
         """Add a handler to a connected subscriber: every daemon is told the new set of
         consumers (taps in flight stay in flight) and confirms before this returns.
         Call it from the thread that runs the subscriber, between `run()` calls."""
         if not self._links:
-            self.add_handler(consumer, handler, fallback=fallback, batch=batch)
+            self.add_handler(consumer, handler, fallback=fallback, batch=batch, every=every)
             return
-        self._add(consumer, handler, fallback, batch)
+        self._add(consumer, handler, fallback, batch, every)
         for link in self._links:
             link.welcomed = False
             link.hello_due = {**self._hello_fields(), "update": True}  # (sent when it can be)
@@ -333,7 +346,10 @@ class Subscriber:
                     "subscribed to %s at %s", ", ".join(self._handlers), ", ".join(self.endpoints)
                 )
                 return
-            for link in self._ready(poller, 100):
+            # A hello not out yet waits for the connection (IMMEDIATE): look again soon,
+            # so that attaching to a running job takes milliseconds, not a poll period.
+            due = any(link.hello_due is not None for link in self._links)
+            for link in self._ready(poller, 2 if due else 100):
                 while (message := link.receive()) is not None:
                     self._handle(link, message)
             for link in self._links:
@@ -402,6 +418,7 @@ class Subscriber:
             fields.update(fallback=sorted(self._fallback), fallback_for=self.fallback_for)
         if self.group is not None:
             fields["group"] = self.group
+        self._every.add_to(fields)
         return fields
 
     def _poller(self) -> zmq.Poller:

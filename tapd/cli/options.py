@@ -45,8 +45,8 @@ def add_setting(parser: argparse.ArgumentParser, setting: Setting) -> None:
     if has_default and setting.base_type is not bool:
         text += f" (default {setting.shown_default})"
     options: dict[str, Any] = {"dest": setting.name, "help": text, "default": None}
-    if setting.base_type is bool:
-        options["action"] = "store_true"
+    if setting.base_type is bool:  # (on by default: --NAME and --no-NAME)
+        options["action"] = argparse.BooleanOptionalAction if setting.default else "store_true"
     elif setting.choices:
         options["choices"] = list(setting.choices)
     elif setting.base_type in (int, float, Path):

@@ -21,8 +21,21 @@ def summarize(stats: dict[str, Any]) -> Sequence[str]:
     lines += [f"subscriber {s['name']}: {s}" for s in stats["subscribers"]]
     lines += [f"{g['name']}: {g}" for g in stats.get("groups", [])]
     lines += [f"ring {r['path']}: {r}" for r in stats.get("rings", [])]
+    for path, sites in stats.get("wants", {}).items():
+        if sites:
+            wanted = ", ".join(f"{consumer} {_wanted(every)}" for _, consumer, every in sites)
+            lines.append(f"tap sites of {path.rpartition('/')[2]}: {wanted}")
     if forward := stats.get("forward"):
         lines.append(f"forward to {forward['endpoint']}: {forward}")
     if metrics := stats.get("metrics"):
         lines.append(f"Prometheus metrics at {metrics}")
     return lines
+
+
+def _wanted(every: int) -> str:
+    """What the daemon wrote in a site's slot, in words (tapd/daemon/wants.py)."""
+    from tapd.native.ring_format import EVERY_ALL, EVERY_DORMANT
+
+    if every == EVERY_DORMANT:
+        return "dormant"
+    return "all" if every in (EVERY_ALL, 1) else f"every {every}"

@@ -69,6 +69,7 @@ class Emitter:
     last_handled_ns: int | None = None  # emitter time of the newest tap a subscriber handled
     gone: bool = False
     forwarder: bool = False  # a forwarding daemon: its taps name their own emitters
+    hellos: int = 0  # hellos it said (a forwarder is told our wants after each: wants.py)
     local_pid: int | None = None  # an emitter process on this host (from its hello)
     # A forwarder's taps carry its number for them (`fid`); what became of each goes back
     # in the barrier_done after it (docs/PROTOCOL.md, "Forwarding").

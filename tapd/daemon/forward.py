@@ -40,6 +40,7 @@ from tapd.clients.emitter_socket import EmitterSocket
 from tapd.config import Config
 from tapd.daemon.bounds import bound_upstream
 from tapd.daemon.router import Router
+from tapd.daemon.wants import parse_wants
 from tapd.errors import ConfigError, ProtocolError
 from tapd.protocol import MAGIC, Limits, Message
 from tapd.protocol.link import (
@@ -219,6 +220,8 @@ class Forwarder:
                     self._confirmed(header, now)
                 elif kind == "error":
                     self._error(header)
+                elif kind == "wants":  # what the upstream's takers want: wakes sites here
+                    self.router.set_wanted(self.key, parse_wants(header))
                 else:
                     self.router.reject(
                         "bad_header", f"{kind!r} from the upstream at {self.endpoint}"
@@ -230,6 +233,7 @@ class Forwarder:
             elif isinstance(event, Welcomed) and event.first:
                 logger.info("upstream daemon %s at %s welcomed us", event.daemon, self.endpoint)
             elif isinstance(event, Restarted):
+                self.router.set_wanted(self.key, None)  # everything, until the new one says
                 self._restarted(event)
             elif isinstance(event, Looped):
                 self._looped()
@@ -400,7 +404,14 @@ class Forwarder:
             "unconfirmed": len(self._sent),
             "held": len(self._held),
             "silent_s": round(time.monotonic() - self.link.last_heard, 3),
+            "upstream_wants": self._upstream_wants(),
         }
+
+    def _upstream_wants(self) -> str | list[list[Any]]:
+        """What the upstream said its takers want ("everything" until it says)."""
+        target = self.router.subscribers.get(self.key)
+        wanted = None if target is None else target.subscription.wanted
+        return "everything" if wanted is None else [list(pair) for pair in wanted]
 
     def close(self) -> None:
         unsent = len(self._held)

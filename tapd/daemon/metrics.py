@@ -58,6 +58,19 @@ COUNTERS = {
         "Deliveries sent again to a subscriber that said hello again with taps in flight.",
     ),
     "taps_unrouted": ("tapd_taps_unrouted", "Taps that no subscriber wanted."),
+    "taps_skipped": (
+        "tapd_taps_skipped",
+        "Taps that emitters did not copy: their site was dormant (no taker) or sampled out.",
+    ),
+    "taps_thinned": (
+        "tapd_taps_thinned",
+        "Taps that every subscriber of their consumer sampled out (every=): counted "
+        "unrouted to the emitter.",
+    ),
+    "deliveries_thinned": (
+        "tapd_deliveries_thinned",
+        "Deliveries not made because the subscriber samples the consumer (every=).",
+    ),
     "taps_refused": (
         "tapd_taps_refused",
         "Taps refused because they broke the protocol (the emitter is told; counted dropped).",
@@ -249,6 +262,11 @@ RING_METRICS = {
         "released back to the emitter; committed minus released is its fill.",
     ),
     "capacity": ("tapd_ring_capacity_bytes", False, "Size of this ring."),
+    "skipped": (
+        "tapd_ring_taps_skipped",
+        True,
+        "Taps the emitter did not copy to this ring: dormant site, or sampled out.",
+    ),
 }
 FORWARD_METRICS = {
     "window_bytes": (
@@ -387,6 +405,15 @@ def families(stats: Stats) -> Iterator[Any]:
     for ring in rings:
         blocked.add_metric([ring["path"].rpartition("/")[2]], ring.get("blocked_ns", 0) / 1e9)
     yield blocked
+    skipped = counter(
+        "tapd_consumer_taps_skipped",
+        "Taps of this consumer the emitter did not copy: dormant site, or sampled out.",
+        ("ring", "consumer"),
+    )
+    for ring in rings:
+        for consumer, count in ring.get("skipped_by_consumer", {}).items():
+            skipped.add_metric([ring["path"].rpartition("/")[2], consumer], count)
+    yield skipped
     if forward := stats.get("forward"):
         for key, (name, text) in FORWARD_METRICS.items():
             if isinstance(forward.get(key), (int, float)):

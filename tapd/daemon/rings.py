@@ -31,7 +31,11 @@ from tapd.daemon.router import Router
 from tapd.daemon.runs import Site, TapRun
 from tapd.errors import ProtocolError
 from tapd.native.ring import Record, Records, Ring, RingError
-from tapd.native.ring_format import READER_PID, READER_PID_OFFSET  # (ring.h: RingControl)
+from tapd.native.ring_format import (  # (ring.h: RingControl)
+    EVERY_ALL,
+    READER_PID,
+    READER_PID_OFFSET,
+)
 from tapd.protocol import Message
 from tapd.protocol.rules import DEFAULT_LIMITS
 from tapd.protocol.schema import (
@@ -69,6 +73,7 @@ class RingSource:
         self.sites_path = sites_path
         self.identity = identity
         self._sites: dict[int, Site | ProtocolError] = {}  # a refused site: why
+        self.sites_version = 0  # grows as sites are read (tapd/daemon/wants.py)
         self._sites_offset = 0
         self._sites_broken: ProtocolError | None = None  # the sites file itself is bad
         counters = self.ring.counters()
@@ -106,6 +111,34 @@ class RingSource:
                 )
         found = self._sites.get(site_id)
         return found if found is not None or self._sites_broken is None else self._sites_broken
+
+    def sites(self) -> dict[int, Site]:
+        """The sites read so far (refused ones left out), by site id."""
+        return {i: site for i, site in self._sites.items() if isinstance(site, Site)}
+
+    def skipped_by_consumer(self) -> dict[str, int]:
+        """Taps the writer skipped (dormant site, or sampled out), by consumer."""
+        out: dict[str, int] = {}
+        for site_id, count in self.ring.skipped_by_site().items():
+            site = self._sites.get(site_id)
+            consumer = site.consumer if isinstance(site, Site) else f"site {site_id}"
+            out[consumer] = out.get(consumer, 0) + count
+        return out
+
+    def wake_all_sites(self) -> None:
+        """Every site with a slot: send every tap (EVERY_ALL), whatever was written."""
+        self.read_new_sites()
+        for site_id in self._sites:
+            self.ring.set_site_every(site_id, EVERY_ALL)
+
+    def read_new_sites(self) -> None:
+        """Read the sites file's entries appended since last time (a refused file is
+        reported where its records are: `_site`)."""
+        if self._sites_broken is None:
+            try:
+                self._read_sites()
+            except ProtocolError:
+                pass
 
     def _read_sites(self) -> None:
         """Read the entries appended since last time: a regular file, not a link, at most
@@ -157,6 +190,7 @@ class RingSource:
                 logger.error("ring %s: tap site %d refused: %s", self.path, site_id, exc)
             assert type(site_id) is int
             self._sites[site_id] = site
+        self.sites_version += bool(entries)
 
     def drain(self, router: Router) -> int:
         """Hand committed records to the router, in order, while it can take them."""
@@ -312,6 +346,7 @@ class RingSet:
         self.directory = directory
         self.sources: dict[Hashable, RingSource] = {}
         self._retired: list[tuple[float, RingSource]] = []  # removed, still mapped
+        self.skipped_before = 0  # taps skipped (dormant, sampled) in rings now removed
         self._wake: socket.socket | None = None
 
     def attach(self, key: Hashable, identity: dict[str, Any], router: Router) -> None:
@@ -367,6 +402,9 @@ class RingSet:
                 ring_path.with_suffix(".sites").unlink(missing_ok=True)
                 continue
             if pid_alive(source.writer_pid):
+                # It will say hello. Until then every site of it is wanted (a killed
+                # daemon may have left some dormant): the start-up grace's promise.
+                source.wake_all_sites()
                 source.close(remove=False)
                 continue
             source.writer_gone = True
@@ -422,6 +460,7 @@ class RingSet:
                 # memory.
                 source.say_held(router, "detached")  # (a writer still there would say so)
                 source.remove_files()
+                self.skipped_before += source.ring.counters().skipped
                 self._retired.append((time.monotonic(), source))
                 del self.sources[key]
                 router.emitter_bye(key)
@@ -456,9 +495,16 @@ class RingSet:
                     "blocked_ns": counters.blocked_ns,
                     "capacity": counters.capacity,
                     "writer_gone": source.writer_gone,
+                    "skipped": counters.skipped,
+                    "skipped_by_consumer": source.skipped_by_consumer(),
                 }
             )
         return out
+
+    def skipped(self) -> int:
+        """Taps that emitters skipped (a dormant site, or sampled out), in every ring."""
+        live = sum(source.ring.counters().skipped for source in self.sources.values())
+        return self.skipped_before + live
 
     def close(self) -> None:
         for source in self.sources.values():

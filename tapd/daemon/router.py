@@ -21,6 +21,7 @@ from typing import Any
 
 from tapd.daemon.deliveries import Delivery, Emitter, PeerKey, Pending, Send, Unit, unit_count
 from tapd.daemon.ledger import Ledger
+from tapd.daemon.sampling import keeping, samples
 from tapd.daemon.subscribers import Subscribers
 from tapd.daemon.targets.base import Offer, Target
 from tapd.daemon.targets.local import Deliver
@@ -43,7 +44,7 @@ class Router:
     def __init__(
         self, send: Send, *, policy: str, queue_bytes: int, window_bytes: int, daemon_id: str
     ) -> None:
-        self._send = send
+        self._send = self.send = send
         self.ledger = Ledger(send)
         self.refused = self.ledger.refused  # a tap or message refused: told and counted
         self.policy = policy
@@ -55,6 +56,9 @@ class Router:
         )
         # by (consumer, emitter name or None); cleared on any change of the targets
         self._table: dict[tuple[str, str | None], list[Target]] = {}
+        self.generation = 0  # grows with each change of the targets (tapd/daemon/wants.py)
+        self.emitter_hellos = 0  # grows with each emitter's hello (wants.py: forwarders)
+        self._sampling: bool | None = None  # whether any target samples (None: not known)
         # Until then (time.monotonic()), a tap that no subscriber wants waits, in order,
         # instead of counting as unrouted: the daemon's start-up grace, in which the
         # subscribers of a daemon that was down reconnect (and forwarders send backlogs).
@@ -79,6 +83,25 @@ class Router:
 
     def _changed(self) -> None:
         self._table.clear()
+        self.generation += 1
+        self._sampling = None
+
+    def subscriber_targets(self) -> list[Target]:
+        """Every routing target (a pool is one)."""
+        return self._subscribers.targets()
+
+    def set_wanted(self, key: PeerKey, wanted: tuple[tuple[str, int], ...] | None) -> None:
+        """What subscriber `key` takes from sites that may be dormant, where it is
+        narrower than its patterns (a forwarder: what its upstream's takers want);
+        None: its patterns (tapd/daemon/sampling.py, `taken_every`)."""
+        peer = self._subscribers.peers.get(key)
+        if peer is not None and peer.subscription.wanted != wanted:
+            peer.subscription.wanted = wanted
+            self._changed()
+
+    def takers(self, consumer: str, key: PeerKey) -> list[Target]:
+        """The targets that take `consumer` from emitter `key` (fallbacks included)."""
+        return list(self._targets_of(consumer, self.emitters.get(key)))
 
     def count(self, name: str, n: int = 1) -> None:
         """Add `n` to the daemon's counter `name` (tapd status, --metrics)."""
@@ -99,6 +122,8 @@ class Router:
             emitter.local_pid = pid
         emitter.gone = False
         emitter.last_seen = time.monotonic()
+        emitter.hellos += 1
+        self.emitter_hellos += 1
         self._welcome(emitter, header.get("nonce"))
 
     def _welcome(self, emitter: Emitter, nonce: Any = None) -> None:
@@ -287,7 +312,10 @@ class Router:
         smallest window of the targets it goes to, so that batches still overlap acks
         (1 where one does not batch: its window counts one-tap messages), and half a
         queue, so that queue bounds and drops stay as fine-grained as for single taps."""
-        limits = [t.run_limit() for t in self._targets_of(consumer)]
+        targets = self._targets_of(consumer)
+        if self._samples_any() and samples(targets, consumer):
+            return 1  # thinned per tap, by seq (tapd/daemon/sampling.py)
+        limits = [t.run_limit() for t in targets]
         by_queue = max(1, self.queue_bytes // (2 * max(1, tap_bytes)))
         return min(*limits, by_queue, DEFAULT_LIMITS.max_batch)
 
@@ -314,12 +342,15 @@ class Router:
         emitter.credit_due += credit_bytes
         targets = self._targets_of(tap.header["consumer"], emitter)
         count = unit_count(tap)
+        if targets and self._samples_any() and isinstance(tap, Message):
+            kept = keeping(targets, tap)
+            self.count("deliveries_thinned", len(targets) - len(kept))
+            if not kept:  # every taker samples it out: to the emitter, an unrouted tap
+                self._unrouted(emitter, index, count, "taps_thinned")
+                return
+            targets = kept
         if not targets:
-            self.ledger.outcomes(emitter, index, 0, 0, count)
-            self.count("taps_unrouted", count)
-            emitter.pending.pop(index, None)
-            self.ledger.outcome(emitter, index, "unrouted")
-            self.ledger.advance(emitter)
+            self._unrouted(emitter, index, count, "taps_unrouted")
             return
         pending = emitter.pending[index] = Pending(remaining=0, count=count)
         if self.spool is not None:
@@ -336,6 +367,19 @@ class Router:
             self.ledger.finish(emitter, index)
         elif pending.copied >= pending.remaining:  # on disk for all: the ring may go on
             emitter.unsafe.pop(index, None)
+
+    def _unrouted(self, emitter: Emitter, index: int, count: int, counter: str) -> None:
+        self.ledger.outcomes(emitter, index, 0, 0, count)
+        self.count(counter, count)
+        emitter.pending.pop(index, None)
+        self.ledger.outcome(emitter, index, "unrouted")
+        self.ledger.advance(emitter)
+
+    def _samples_any(self) -> bool:
+        """Whether any target asks for `every` (else no tap is thinned: one check)."""
+        if self._sampling is None:
+            self._sampling = any(t.subscription.every for t in self._subscribers.targets())
+        return self._sampling
 
     def unpark(self) -> None:
         """Route parked taps, in order, as far as queue room allows."""

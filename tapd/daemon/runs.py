@@ -34,6 +34,11 @@ class Site:
         self.coords_offset = sum((leaf[2] + 7) & ~7 for leaf in leaves)
         self.coords_count = self.all_leaves[-1][2] // 4 if self.shard is not None else 0
         self.consumer: str = entry["consumer"]
+        # Its own sampling (`tap(..., every=K)`), and whether the daemon may make it
+        # dormant or thin it (not `always`: id_tap's sites, an emitter with TAPD_DORMANT=0).
+        every = entry.get("every", 1)
+        self.every = every if type(every) is int and every >= 1 else 1
+        self.always = entry.get("always") is True
         self.static = {
             "kind": "tap",
             "consumer": self.consumer,
@@ -43,6 +48,8 @@ class Site:
             "leaves": leaves,
             **identity,
         }
+        if self.every != 1:  # (so that every daemon on its way thins by seq % (K * n))
+            self.static["every"] = self.every
 
         # The static fields of a batch (protocol's statics): the layout without coords.
         self.batch_static = (

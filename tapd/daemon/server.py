@@ -32,6 +32,7 @@ from tapd.daemon.idle import IdleExit
 from tapd.daemon.metrics import MetricsServer, Snapshots
 from tapd.daemon.rings import RingSet, sweep_stale_rings
 from tapd.daemon.router import Router
+from tapd.daemon.wants import WantsTable
 from tapd.errors import DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
 from tapd.protocol.link import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
@@ -72,6 +73,7 @@ class Daemon:
         self.handshakes: list[security.HandshakeMonitor] = []
         self._lock_fds: list[int] = []
         self.rings = RingSet(ring_dir_for(config.endpoint))
+        self.wants = WantsTable(self.router, self.rings, dormant=config.dormant)  # dormant taps
         self.forwarder: Forwarder | None = None
         self.metrics: MetricsServer | None = None  # --metrics
         self.snapshots = Snapshots(self._wake_for_scrape)
@@ -175,7 +177,7 @@ class Daemon:
     def stats(self) -> dict[str, Any]:
         """What `tapd status --json` shows (on the loop's thread only)."""
         stats = {
-            **self.router.stats(),
+            **self.wants.stats(self.router.stats()),  # (with the taps emitters skipped)
             "rings": self.rings.stats(),
             "daemon": self.id,
             "pid": os.getpid(),
@@ -263,6 +265,7 @@ class Daemon:
                     last_check = now
                 self.router.unpark()
                 moved = self.rings.poll(self.router) if now >= rings_from else 0
+                self.wants.update()
                 quiet_rounds = 0 if moved or events else quiet_rounds + 1
                 self.router.pump()
                 if forwarder is not None:
@@ -306,6 +309,7 @@ class Daemon:
         return _IDLE_POLL_MS if self.rings.sleep() else 1
 
     def _report_undelivered(self) -> None:
+        self.wants.release()  # a clean exit: every tap is sent again, for the next daemon
         self.router.stop_releasing()  # what rings still hold stays for the next daemon
         self.router.close_spools()  # what is spooled stays for the next daemon
         self.router.drop_all_subscribers("was still connected at shutdown")

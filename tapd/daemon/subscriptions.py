@@ -38,9 +38,11 @@ class Hello:
         patterns = tuple(c for c in consumers if c not in fallback)
         if group is not None:  # (a group's key: in whatever order its members list them)
             patterns = tuple(sorted(set(patterns)))
+        # (pattern, n) of the hello's `every` (schema.py checked each names a consumer)
+        every = tuple((p, n) for p, n in header.get("every", []) if p in patterns and n > 1)
         return cls(
             consumers=consumers,
-            subscription=Subscription(patterns, tuple(fallback), owner),
+            subscription=Subscription(patterns, tuple(fallback), owner, every),
             group=group,
             window=header["window"],
             batch=header.get("batch") is True,

@@ -156,12 +156,35 @@ EMITTER_HELLO: Schema = {
     "sites": opt(Str("max_path")),
 }
 
+# The most a taker may thin a site by (`every`): what a ring's site slot holds, below
+# its "dormant" value (tapd/native/ring_format.py, EVERY_DORMANT).
+MAX_EVERY = 2**32 - 2
+
+
+def _every_pair(value: Any, limits: Limits) -> Complaint:
+    """[pattern, n]: of the taps of consumers matching `pattern`, those with
+    seq % (K * n) == 0 (K: the site's own every) are wanted."""
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and 0 < len(value[0]) <= limits.max_name
+        and is_int(value[1])
+        and 1 <= value[1] <= MAX_EVERY
+    ):
+        return ("bad_field", f"is not [pattern, every (1 to {MAX_EVERY})]: {value!r:.60}")
+    return None
+
+
+_EVERY_PAIRS = ListOf(_every_pair, "max_patterns")
+
 SUBSCRIBER_HELLO: Schema = {
     "consumers": req(ListOf(Str("max_name", empty=False), "max_patterns", empty=False)),
     "window": req(Int(1, DEFAULT_LIMITS.max_window)),
     "name": opt(_NAME),
     "batch": opt(Of(bool)),
     "group": opt(Str("max_name", empty=False)),  # a worker pool (docs/PROTOCOL.md)
+    "every": opt(_EVERY_PAIRS),  # [pattern, n] for some of `consumers`: sampling
 }
 
 HELLO_ROLES: dict[str, Schema] = {"emitter": EMITTER_HELLO, "subscriber": SUBSCRIBER_HELLO}
@@ -203,6 +226,8 @@ KINDS_SCHEMA: dict[str, Schema] = {
         "unrouted": req(_COUNT),
         "outcomes": opt(ListOf(_outcome_range, "max_outcome_ranges")),
     },
+    # daemon -> forwarder: what this daemon's takers want (docs/PROTOCOL.md, "wants")
+    "wants": {"patterns": req(_EVERY_PAIRS), "everything": opt(Of(bool))},
     "heartbeat": {},
     "bye": {},
     "stats": {},
@@ -223,6 +248,22 @@ def check_header(kind: str, header: Mapping[str, Any], limits: Limits = DEFAULT_
         check_fields(f"{role} hello", header, schema, limits)
         if role == "emitter":
             check_ring_names(header)
+        else:
+            check_every_patterns(header)
+
+
+def check_every_patterns(header: Mapping[str, Any]) -> None:
+    """A subscriber's `every` names each pattern once, each one of its `consumers`."""
+    pairs = header.get("every", [])
+    named = [pattern for pattern, _ in pairs]
+    unknown = set(named) - set(header["consumers"])
+    if unknown or len(set(named)) != len(named):
+        what = (
+            f"{sorted(unknown)[0]!r:.80} is not one of its consumers"
+            if unknown
+            else ("names a pattern twice")
+        )
+        raise ProtocolError("bad_field", f"subscriber hello: 'every' {what}")
 
 
 def check_ring_names(header: Mapping[str, Any]) -> None:

@@ -78,6 +78,22 @@ POLICY = Setting(
     variable="TAPD_POLICY",
 )
 
+# Both sides read it: an emitter marks its sites `always` (never dormant, never thinned by
+# the daemon), and a daemon with it off never makes a site dormant (docs/PROTOCOL.md,
+# "Dormant and sampled taps").
+DORMANT = Setting(
+    "dormant",
+    bool,
+    "taps that no subscriber takes cost nothing (dormant sites copy nothing, counted as "
+    "skipped); 0: every tap site is always sent and counted; the daemon reads it too "
+    "(--no-dormant)",
+    ("daemon", "emitter"),
+    variable="TAPD_DORMANT",
+    default=True,
+    flag="--dormant",  # (and --no-dormant: a bool that defaults to on)
+    toml=True,
+)
+
 
 # ---- the daemon (`tapd start`) --------------------------------------------------------------
 
@@ -85,6 +101,7 @@ POLICY = Setting(
 @dataclasses.dataclass(frozen=True)
 class DaemonFields:
     endpoint: str = ENDPOINT.field()
+    dormant: bool = DORMANT.field()  # off: every site of every ring always wanted
     # Optional extra endpoint reachable from other hosts: CurveZMQ-authenticated (our
     # key pair in curve_secret_key, the peers we admit in curve_allowed), unless insecure.
     tcp: str | None = daemon(
@@ -217,20 +234,6 @@ CONFIG = Setting(
     ("daemon",),
     variable="TAPD_CONFIG",
     flag="--config",
-)
-
-# Both sides read it: an emitter marks its sites `always` (never dormant, never thinned by
-# the daemon), and a daemon with it off never makes a site dormant (docs/PROTOCOL.md,
-# "Dormant and sampled taps").
-DORMANT = Setting(
-    "dormant",
-    bool,
-    "taps that no subscriber takes cost nothing (dormant sites copy nothing, counted as "
-    "skipped); 0: every tap site is always sent and counted; the daemon reads it too "
-    "(--no-dormant)",
-    ("daemon", "emitter"),
-    variable="TAPD_DORMANT",
-    default=True,
 )
 
 # ---- the emitter (the JAX process; `tapd.configure()`) --------------------------------------

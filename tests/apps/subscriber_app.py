@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--assemble", action="store_true", help="one record per global step")
     parser.add_argument("--batch", action="store_true", help="batch handlers, records per tap")
+    parser.add_argument("--every", type=int, default=1, help="sample: every=N for each consumer")
     args = parser.parse_args()
 
     subscriber = Subscriber(args.endpoint, window=args.window, heartbeat=0.2)
@@ -109,9 +110,9 @@ def main() -> None:
         if args.assemble:
             subscriber.add_handler(consumer, Assembler(assembled))
         elif args.batch:
-            subscriber.add_handler(consumer, handle_batch, batch=True)
+            subscriber.add_handler(consumer, handle_batch, batch=True, every=args.every)
         else:
-            subscriber.add_handler(consumer, handle)
+            subscriber.add_handler(consumer, handle, every=args.every)
     signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
     with subscriber:
         subscriber.run()

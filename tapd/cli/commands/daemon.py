@@ -88,6 +88,8 @@ def start_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, setting.name)
         if value is True:
             argv.append(str(setting.flag))
+        elif value is False and setting.default is True:  # --no-NAME
+            argv.append(f"--no-{str(setting.flag).removeprefix('--')}")
         elif value is not None and value is not False:
             argv += [str(setting.flag), str(value)]
     return argv

@@ -43,6 +43,14 @@ def register(commands: Any) -> None:
         help="print taps named NAME as they arrive ('module:*' matches by prefix, '*' everything)",
     )
     tail.add_argument("names", metavar="NAME", nargs="+")
+    tail.add_argument(
+        "--every",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="only every Nth tap of each site (seq a multiple of N); the emitter copies "
+        "no others unless another subscriber wants them",
+    )
     add_endpoint(tail, several=True)
     add_group(tail)
     tail.set_defaults(run=cmd_tail)
@@ -114,6 +122,20 @@ def _sink_spec(text: str) -> tuple[str, str | None, dict[str, Any]]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _positive(text: str) -> int:
+    from tapd.protocol.schema import MAX_EVERY
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_EVERY:
+        raise argparse.ArgumentTypeError(
+            f"--every takes an int from 1 to {MAX_EVERY}, not {text!r}"
+        )
+    return value
+
+
 def cmd_tail(args: argparse.Namespace) -> int:
     from tapd_client import Subscriber, TapMeta
 
@@ -124,5 +146,5 @@ def cmd_tail(args: argparse.Namespace) -> int:
         print(f"[{meta.emitter} #{meta.seq}{step}] {meta.consumer}: {arg}", flush=True)
 
     for name in args.names:
-        subscriber.add_handler(name, show)
+        subscriber.add_handler(name, show, every=args.every)
     return run_subscriber(subscriber)

@@ -41,6 +41,9 @@ class Subscription:
     patterns: tuple[str, ...]
     fallback: tuple[str, ...] = ()
     fallback_for: str | None = None
+    # (pattern, n): sampling, and what it takes from dormant sites (tapd/daemon/sampling.py)
+    every: tuple[tuple[str, int], ...] = ()
+    wanted: tuple[tuple[str, int], ...] | None = None  # None: `patterns`, every 1
 
     def wants(self, consumer: str) -> bool:
         return matches_any(self.patterns, consumer)

@@ -33,6 +33,7 @@ class SocketSubscriber(Peer):
         mine, asked = self.subscription, hello.subscription
         return (
             mine.patterns == asked.patterns
+            and mine.every == asked.every
             and mine.fallback_for == asked.fallback_for
             and self.group == hello.group
         )

@@ -1,0 +1,56 @@
+"""Sampling, per taker: which taps of a site each routing target takes.
+
+A tap with seq s of a site that samples itself by K (`tap(x, name, every=K)`, its
+header's `every`) goes to a target whose subscription asks `every` n for its consumer
+iff s % (K * n) == 0 (docs/PROTOCOL.md, "Sampling"). What the router offers, it thins
+here (`keeping`); what the emitter is to copy at all, the wants table works out from the
+same numbers (tapd/daemon/wants.py, `taken_every`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from tapd.consumers import first_match, matches
+from tapd.daemon.targets.base import Subscription, Target
+from tapd.protocol import Message
+
+
+def every_of(subscription: Subscription, consumer: str) -> int:
+    """The n a target asks for `consumer`, which it routes: that of the pattern its
+    subscriber dispatches the consumer by (the name itself, else the first pattern
+    that matches: tapd_client), 1 where it asked for none."""
+    if not subscription.every:
+        return 1
+    patterns = subscription.patterns
+    pattern = consumer if consumer in patterns else first_match(patterns, consumer)
+    return next((n for p, n in subscription.every if p == pattern), 1)
+
+
+def taken_every(subscription: Subscription, consumer: str) -> int | None:
+    """For the wants table: the n a target takes `consumer` by from a site that may
+    be dormant, or None if it takes none (a forwarder whose upstream has no taker)."""
+    if subscription.wanted is None:
+        return every_of(subscription, consumer)
+    asked = [n for pattern, n in subscription.wanted if matches(pattern, consumer)]
+    return math.gcd(*asked) if asked else None
+
+
+def site_every(tap: Message) -> int:
+    """The site's own K (its taps' seqs count every execution, copied or not)."""
+    k = tap.header.get("every", 1)
+    return k if type(k) is int and k >= 1 else 1
+
+
+def samples(targets: Sequence[Target], consumer: str) -> bool:
+    """Whether any of `targets` thins `consumer`."""
+    return any(every_of(t.subscription, consumer) > 1 for t in targets)
+
+
+def keeping(targets: Sequence[Target], tap: Message) -> list[Target]:
+    """The targets that take `tap` (a single tap with its seq)."""
+    seq = tap.header["seq"]
+    consumer = tap.header["consumer"]
+    k = site_every(tap)
+    return [t for t in targets if seq % (k * every_of(t.subscription, consumer)) == 0]
