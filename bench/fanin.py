@@ -47,8 +47,11 @@ sys.path.insert(0, str(BENCH_DIR))
 
 from processes import Processes, read_line, wait_until  # noqa: E402
 
+from tapd.clients import control  # noqa: E402
+
 READY_TIMEOUT = 120.0  # 33 daemons start on 2 shared cores: imports take a while
 RUN_TIMEOUT = 300.0
+STATS_TIMEOUT = 60.0
 SETTLE_TIMEOUT = 90.0  # the upstream forgets a silent forwarder after 3 x its timeout
 CONSUMERS = "fanin.*"
 # What the daemons said became of an emitter's taps (tapd.emitter.sender.SenderStats).
@@ -260,7 +263,7 @@ class Host:
         return dict(json.loads(line))
 
     def stats(self) -> dict[str, Any]:
-        return self.daemon.daemon_stats()
+        return stats_of(self.daemon.endpoint)
 
 
 @dataclasses.dataclass
@@ -312,14 +315,14 @@ def start_fleet(workdir: Path, count_hosts: int) -> Fleet:
         fleet.hosts.append(host)
         host.start_daemon()
         host.start_generator()
-        print(f"  fan-in: host {index} up", flush=True)
+        print(f"  fan-in: host {index} up ({time.strftime('%H:%M:%S')})", flush=True)
     return fleet
 
 
 def ring_for(size: int) -> int:
     """A throughput run's ring: room for a few taps, so that what waits in the rings when
     the writing stops (and is drained inside the timed span) stays small."""
-    return max(256 << 10, 4 * (size + 4096))
+    return max(64 << 10, 4 * (size + 4096))
 
 
 def run_all(
@@ -400,12 +403,18 @@ def churn(
     except TimeoutError:
         pass
     samples.append((time.monotonic() - start, proc_status(fleet.upstream_pid)))
-    stats = fleet.upstream.daemon_stats()
+    stats = stats_of(fleet.upstream.endpoint)
     return Churn(seconds, kills, samples, results, stats, settled, max(tracked))
 
 
 def upstream_emitters(fleet: Fleet) -> list[Any]:
-    return list(fleet.upstream.daemon_stats().get("emitters", []))
+    return list(stats_of(fleet.upstream.endpoint).get("emitters", []))
+
+
+def stats_of(endpoint: str) -> dict[str, Any]:
+    """`tapd status --json` of a daemon, waiting longer than the CLI does: on two shared
+    cores with 65 busy processes a daemon may take seconds to answer."""
+    return control.stats(endpoint, timeout=STATS_TIMEOUT)
 
 
 def stop_fleet(fleet: Fleet) -> dict[str, Any]:
@@ -604,11 +613,11 @@ def parse_args() -> argparse.Namespace:
     counter.add_argument("--result", required=True)
     parser.add_argument("--forwarders", default="4,32", help="forwarder counts, comma-separated")
     parser.add_argument("--sizes", default="64,1048576", help="payload bytes, comma-separated")
-    parser.add_argument("--seconds", type=float, default=5.0, help="writing time per run")
+    parser.add_argument("--seconds", type=float, default=3.0, help="writing time per run")
     parser.add_argument("--churn-ring-bytes", type=int, default=8 << 20, help="in churn")
-    parser.add_argument("--churn-seconds", type=float, default=60.0)
-    parser.add_argument("--churn-every", type=float, default=1.0, help="seconds between kills")
-    parser.add_argument("--churn-rate", type=float, default=100.0, help="taps/s per generator")
+    parser.add_argument("--churn-seconds", type=float, default=90.0)
+    parser.add_argument("--churn-every", type=float, default=3.0, help="seconds between kills")
+    parser.add_argument("--churn-rate", type=float, default=50.0, help="taps/s per generator")
     parser.add_argument("--churn-size", type=int, default=4096)
     parser.add_argument("--output", type=Path, help="write the Markdown report here")
     parser.add_argument("--json", type=Path, help="write the raw figures here")
@@ -644,7 +653,8 @@ def main() -> int:
             for n in counts:
                 runs.append(throughput(fleet, n, size, args.seconds))
                 run = runs[-1]
-                print(f"  fan-in: {n} forwarders, {size} B: {run.taps_per_s:,.0f} taps/s, "
+                print(f"  fan-in: {time.strftime('%H:%M:%S')} {n} forwarders, {size} B: "
+                      f"{run.taps_per_s:,.0f} taps/s, "
                       f"{run.taps_per_core_s:,.0f} per upstream core", flush=True)  # fmt: skip
         memory = [proc_status(host.daemon_pid) for host in fleet.hosts]
         upstream_memory = proc_status(fleet.upstream_pid)
