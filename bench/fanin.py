@@ -347,11 +347,25 @@ def throughput(fleet: Fleet, forwarders: int, size: int, seconds: float) -> Thro
 class Churn:
     seconds: float
     kills: int
-    samples: list[tuple[float, dict[str, int]]]  # (t, upstream proc_status)
+    samples: list[dict[str, float]]  # the upstream, every second while forwarders churn
+    drained: dict[str, float]  # once every generator's final barrier returned
+    settled: dict[str, float] | None  # once the killed forwarders were forgotten upstream
     results: list[dict[str, Any]]
     upstream_stats: dict[str, Any]
-    settled: bool  # the upstream forgot the killed forwarders
-    most_tracked: int  # the most emitters the upstream held state for at once
+
+
+def sample(fleet: Fleet, start: float) -> dict[str, float]:
+    """The upstream now: RSS, open fds, the emitters it keeps state for, the taps queued
+    for (or in flight to) its subscriber and the bytes it holds."""
+    stats = stats_of(fleet.upstream.endpoint)
+    subscribers = stats["subscribers"]
+    return {
+        "t": time.monotonic() - start,
+        **proc_status(fleet.upstream_pid),
+        "emitters": len(stats["emitters"]),
+        "queued": sum(s["queued"] + s["in_flight"] for s in subscribers),
+        "held_bytes": sum(s["held_bytes"] for s in subscribers),
+    }
 
 
 def churn(
@@ -369,11 +383,10 @@ def churn(
     for host in fleet.hosts:
         host.command(f"run fanin.churn.{host.index} {size} {seconds} {rate} {ring_bytes}")
     start = time.monotonic()
-    samples = [(0.0, proc_status(fleet.upstream_pid))]
+    samples = [sample(fleet, start)]
     next_kill = start + every
     next_sample = start + 1.0
     kills = 0
-    tracked = [len(upstream_emitters(fleet))]  # emitters the upstream keeps state for
     while (now := time.monotonic()) < start + seconds:
         if now >= next_kill:
             host = rng.choice(fleet.hosts)
@@ -383,28 +396,26 @@ def churn(
             host.start_daemon()
             next_kill = time.monotonic() + every
         if now >= next_sample:
-            samples.append((now - start, proc_status(fleet.upstream_pid)))
-            tracked.append(len(upstream_emitters(fleet)))
-            next_sample += 1.0
+            samples.append(sample(fleet, start))
+            next_sample = max(next_sample + 1.0, time.monotonic())
         time.sleep(0.05)
     results = [host.result() for host in fleet.hosts]
-    samples.append((time.monotonic() - start, proc_status(fleet.upstream_pid)))
-    # Settled: the killed forwarders forgotten upstream (silent for 5 s), one emitter
-    # per host left; state kept for dead ones would show here.
-    settled = False
-    try:
-        if settle:
+    drained = sample(fleet, start)
+    # Settled: the killed forwarders forgotten upstream (silent for 3 subscriber
+    # timeouts), one emitter per host left; state kept for dead ones would show here.
+    settled = None
+    if settle:
+        try:
             wait_until(
                 lambda: len(upstream_emitters(fleet)) == len(fleet.hosts),
                 "dead forwarders forgotten",
                 timeout=SETTLE_TIMEOUT,
             )
-            settled = True
-    except TimeoutError:
-        pass
-    samples.append((time.monotonic() - start, proc_status(fleet.upstream_pid)))
+        except TimeoutError:
+            pass
+        settled = sample(fleet, start)
     stats = stats_of(fleet.upstream.endpoint)
-    return Churn(seconds, kills, samples, results, stats, settled, max(tracked))
+    return Churn(seconds, kills, samples, drained, settled, results, stats)
 
 
 def upstream_emitters(fleet: Fleet) -> list[Any]:
@@ -524,7 +535,7 @@ def render(
     if memory:
         mrows = []
         for key, what in (("VmRSS", "RSS"), ("RssAnon", "of which private (anon)"),
-                          ("RssShmem", "of which shared (the ring, mapped)"),
+                          ("RssShmem", "of which shared (the ring, mapped twice)"),
                           ("fds", "open file descriptors")):  # fmt: skip
             values = [m[key] for m in memory if key in m]
             unit = 1 if key == "fds" else 1024
@@ -537,27 +548,31 @@ def render(
             f"Read from /proc/<pid>/status of each of the {len(memory)} forwarding daemons "
             "after the throughput runs. The shared part is the generators' rings the "
             f"daemon reads (the last run's: {ring_for(runs[-1].size) >> 10} KiB each; a JAX "
-            "emitter's default is 256 MB): the emitter's memory, mapped, not the daemon's own. The "
+            "emitter's default is 256 MB), mapped twice (so that any span of it is contiguous): "
+            "the emitter's memory, not the daemon's own. The "
             f"upstream daemon then: RSS {upstream_memory['VmRSS'] / 1024:.1f} MiB, "
             f"{upstream_memory['fds']} open file descriptors.",
         ]
     if churned is not None:
         lines += ["", "## Churn", ""]
         srows = []
-        first_minute = next((s for s in churned.samples if s[0] >= 60.0), None)
-        marks = [churned.samples[1] if len(churned.samples) > 1 else churned.samples[0]]
+        first_minute = next((x for x in churned.samples if x["t"] >= 60.0), None)
+        marks = [("after 1 s", churned.samples[min(1, len(churned.samples) - 1)])]
         if first_minute is not None:
-            marks.append(first_minute)
-        marks += churned.samples[-2:]
-        labels = ["after 1 s", "after the first minute", "end of churn",
-                  "settled (the killed forwarders forgotten)"]  # fmt: skip
-        if first_minute is None:
-            labels.remove("after the first minute")
-        for label, (t, status) in zip(labels, marks, strict=True):
-            srows.append([label, f"{t:.0f}", f"{status['VmRSS'] / 1024:.1f}",
-                          f"{status['RssAnon'] / 1024:.1f}", str(status["fds"])])  # fmt: skip
-        rss = [s[1]["VmRSS"] / 1024 for s in churned.samples]
-        fds = [s[1]["fds"] for s in churned.samples]
+            marks.append(("after the first minute", first_minute))
+        marks.append(("end of churn (last sample while killing)", churned.samples[-1]))
+        marks.append(("after the generators' final drain", churned.drained))
+        if churned.settled is not None:
+            marks.append(("settled: the killed forwarders forgotten", churned.settled))
+        for label, x in marks:
+            srows.append([label, f"{x['t']:.0f}", f"{x['VmRSS'] / 1024:.1f}",
+                          f"{x['RssAnon'] / 1024:.1f}", f"{x['fds']:.0f}",
+                          f"{x['emitters']:.0f}", f"{x['queued']:.0f}",
+                          f"{x['held_bytes'] / 1e6:.1f}"])  # fmt: skip
+        rss = [x["VmRSS"] / 1024 for x in churned.samples]
+        fds = [x["fds"] for x in churned.samples]
+        most = max(x["emitters"] for x in churned.samples)
+        final = churned.settled or churned.drained
         sent = sum(r["sent"] for r in churned.results)
         got = sum(seen.get(r["consumer"], {}).get("distinct", 0) for r in churned.results)
         dups = sum(seen.get(r["consumer"], {}).get("duplicates", 0) for r in churned.results)
@@ -568,20 +583,29 @@ def render(
             f"{args.churn_every:g} s one forwarding daemon, picked at random, was killed with "
             f"SIGKILL and started again 0-0.5 s later: {churned.kills} kills. The upstream:",
             "",
-            table(["upstream daemon", "t (s)", "RSS MiB", "anon MiB", "open fds"], srows),
-            "",
-            f"Sampled every second: RSS {min(rss):.1f}-{max(rss):.1f} MiB, fds "
-            f"{min(fds)}-{max(fds)}. The upstream held state for at most "
-            f"{churned.most_tracked} emitters at once ({len(churned.results)} forwarders "
-            "live, plus killed ones not yet forgotten: a forwarder silent for 5 s is); "
-            + (
-                f"after the churn it held {len(churned.upstream_stats['emitters'])}, one per "
-                "live forwarder."
-                if churned.settled
-                else "after the churn it still held "
-                f"{len(churned.upstream_stats['emitters'])} (not waited for, or not "
-                f"forgotten within {SETTLE_TIMEOUT:g} s)."
+            table(
+                [
+                    "upstream daemon",
+                    "t (s)",
+                    "RSS MiB",
+                    "anon MiB",
+                    "open fds",
+                    "emitters kept",
+                    "taps queued for the subscriber",
+                    "MB held",
+                ],
+                srows,
             ),
+            "",
+            f"Sampled every second while killing ({len(churned.samples)} samples): RSS "
+            f"{min(rss):.1f}-{max(rss):.1f} MiB, fds {min(fds):.0f}-{max(fds):.0f}. The "
+            f"upstream kept state for at most {most:.0f} emitters at once "
+            f"({len(churned.results)} forwarders live, plus killed ones not yet forgotten: "
+            f"a forwarder silent for 3 subscriber timeouts is), and at the end for "
+            f"{final['emitters']:.0f}. The drain at the end is a burst (every ring and "
+            "forwarder queue emptied at once, while forwarders killed late re-read their "
+            "rings), so what the upstream queues for its subscriber then is its high-water "
+            "mark; memory the allocator took for it stays with the process.",
             "",
             f"Counts: {sent:,} taps sent, {got:,} distinct taps delivered to the upstream's "
             f"subscriber, {dups:,} delivered twice (at least once: a killed forwarder's "
