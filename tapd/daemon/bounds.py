@@ -52,6 +52,28 @@ def bound_listener(sock: zmq.Socket[Any], limits: Limits) -> None:
     sock.setsockopt(zmq.RCVHWM, LISTENER_QUEUE)
 
 
+def configure_listener(sock: zmq.Socket[Any], limits: Limits) -> None:
+    """A daemon's listening ROUTER socket, before it binds."""
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
+    # A peer that reconnects under its routing id (a forwarder) takes that id over from
+    # its dead connection instead of being ignored (docs/PROTOCOL.md).
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # No ZeroMQ heartbeats on this side: with them, libzmq 4.3.5 aborts the daemon
+    # (`Assertion failed: !_io_error`, stream_engine_base.cpp:310; libzmq #4364) when a
+    # peer dies while its connection holds RCVHWM messages the daemon has not read yet,
+    # as a busy upstream's forwarders do when their hosts are preempted. The peers that
+    # connect send heartbeats themselves (libzmq answers them here), which is how a
+    # connection that died unseen is found and made again; the daemon's side of such a
+    # TCP connection is closed by TCP keepalives.
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 2)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.SNDHWM, 0)  # bounded by credit windows, not message counts
+    bound_listener(sock, limits)  # largest frame, messages read ahead
+
+
 def bound_upstream(sock: zmq.Socket[Any], limits: Limits) -> None:
     """The forwarder's socket: its upstream sends welcomes, credit, barrier_done, errors
     and rehellos, each a header and nothing more."""

@@ -26,7 +26,7 @@ import zmq
 from tapd import security
 from tapd.channel import Channel
 from tapd.config import Config
-from tapd.daemon.bounds import DepartedEmitters, ReplyBudget, bound_listener
+from tapd.daemon.bounds import DepartedEmitters, ReplyBudget, configure_listener
 from tapd.daemon.forward import Forwarder
 from tapd.daemon.idle import IdleExit
 from tapd.daemon.metrics import MetricsServer, Snapshots
@@ -35,7 +35,6 @@ from tapd.daemon.router import Router
 from tapd.daemon.wants import WantsTable
 from tapd.errors import DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
-from tapd.protocol.link import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from tapd.runtime import ensure_private_dir, mark_ring_dir, pid_alive, ring_dir_for
 
 logger = logging.getLogger("tapd.daemon")
@@ -97,16 +96,7 @@ class Daemon:
                     self.close()
                     raise
             sock = self._context.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unknown peer is an error, not a drop
-            # A connection that died unseen (one-sided TCP loss) is found by heartbeats, and
-            # a peer that reconnects under its routing id (a forwarder) takes that id over
-            # from its dead connection instead of being ignored (docs/PROTOCOL.md).
-            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.SNDHWM, 0)  # bounded by credit windows, not message counts
-            bound_listener(sock, self.limits)  # largest frame, messages read ahead
+            configure_listener(sock, self.limits)
             if endpoint.startswith("tcp://") and not self.config.insecure:
                 self._secure(sock)
                 self.handshakes.append(security.HandshakeMonitor(sock))
