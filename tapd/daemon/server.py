@@ -32,6 +32,7 @@ from tapd.daemon.idle import IdleExit
 from tapd.daemon.metrics import MetricsServer, Snapshots
 from tapd.daemon.rings import RingSet, sweep_stale_rings
 from tapd.daemon.router import Router
+from tapd.daemon.targets.shm import RingReaders
 from tapd.errors import DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
 from tapd.protocol.link import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
@@ -72,6 +73,7 @@ class Daemon:
         self.handshakes: list[security.HandshakeMonitor] = []
         self._lock_fds: list[int] = []
         self.rings = RingSet(ring_dir_for(config.endpoint))
+        self.router.serve_rings(RingReaders.for_daemon(self.rings, config.policy))
         self.forwarder: Forwarder | None = None
         self.metrics: MetricsServer | None = None  # --metrics
         self.snapshots = Snapshots(self._wake_for_scrape)
