@@ -143,9 +143,9 @@ class RingReader:
         self._maps: collections.OrderedDict[str, _MappedRing] = collections.OrderedDict()
 
     def read(self, header: dict[str, Any], *, views: bool) -> tuple[Message, Callable[[], None]]:
-        """The tap a `ring_tap` describes, as a `tap` Message, and a check to call once
-        the handler returned (with views: raises RingReadError if the bytes may have
-        changed under it). Raises RingReadError if it cannot be read as described."""
+        """The tap a `ring_tap` describes, as a `tap` Message, and a check that its bytes
+        were not released meanwhile (run here; with views, run it again once the
+        handler returned). Raises RingReadError if it cannot be read as described."""
         name = header["ring"]
         if RING_NAME.fullmatch(name) is None:
             raise RingReadError(
@@ -192,7 +192,10 @@ class RingReader:
             self._maps.move_to_end(name)
             return ring
         self.forget_unlinked()
-        ring = self._maps[name] = _MappedRing(self.directory, name)
+        try:
+            ring = self._maps[name] = _MappedRing(self.directory, name)
+        except (OSError, ValueError) as exc:  # (RingReadError and ConfigError pass)
+            raise RingReadError(f"cannot map ring {self.directory / name}: {exc}") from exc
         while len(self._maps) > _MAPS_KEPT:
             self._maps.popitem(last=False)[1].close()
         return ring

@@ -509,7 +509,8 @@ class Subscriber:
             tap, intact = link.rings.read(header, views=self.views)
             self.ring_taps += 1
             self._run_handler(link, tap)
-            intact()  # (with views: the handler read what the emitter wrote)
+            if self.views:
+                intact()  # the handler read what the emitter wrote
         except (RingReadError, ConfigError) as exc:
             self.failed += 1
             logger.error("refused a ring tap from the daemon at %s: %s", link.endpoint, exc)
