@@ -71,7 +71,9 @@ class _DaemonLink:
     cannot make the subscriber deaf to stop() and SIGTERM. What could not be sent is
     sent later (acks and errors are kept until they go; a hello is retried)."""
 
-    def __init__(self, endpoint: str, sock: zmq.Socket[Any], rings: RingReader | None) -> None:
+    def __init__(
+        self, endpoint: str, sock: zmq.Socket[Any], rings: RingReader | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.sock = sock
         self.rings = rings  # where it may read ring taps (tapd_client/shm.py), if anywhere
