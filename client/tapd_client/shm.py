@@ -96,7 +96,9 @@ class _MappedRing:
                 control = check_ring_control(os.pread(self.fd, 64, 0), info.st_size, mmap.PAGESIZE)
             except ProtocolError as exc:
                 raise RingReadError(f"ring {directory / name}: {exc.detail}") from exc
-            self.map = mmap.mmap(self.fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ)
+            # MAP_POPULATE: its pages mapped now, not faulted in one by one per tap
+            mapping = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.map = mmap.mmap(self.fd, info.st_size, mapping, mmap.PROT_READ)
         except BaseException:
             os.close(self.fd)
             raise
