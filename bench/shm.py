@@ -10,8 +10,8 @@ taps a `size`-byte float32 array `count` times; the time is from its first tap u
 `barrier_wait()` returns, i.e. until the subscriber's handler (a no-op per tap, under
 the default: the leaves copied into the subscriber's memory first) has handled every
 tap. Raw pyzmq: bench/baselines.py's PUSH/PULL between two processes over ipc. One
-memcpy: numpy copying `size`-byte blocks from a 256 MiB source (not cache-resident)
-into one destination. Each round runs all of them once, so that the machine's load
+memcpy: numpy copying `size`-byte blocks between two 256 MiB regions (neither
+cache-resident). Each round runs all of them once, so that the machine's load
 falls on each alike; the table gives the median (min-max) of the rounds.
 """
 
@@ -123,13 +123,16 @@ class Route:
 
 
 def memcpy_seconds(size: int, count: int) -> float:
-    source = np.ones(256 * 2**20 // 8, np.float64).view(np.uint8)
-    blocks = len(source) // size
-    destination = np.empty(size, np.uint8)
+    """`count` copies of `size` bytes, source and destination each walking through its
+    own 256 MiB (neither stays in a cache): one core's memcpy bandwidth."""
+    region = 256 * 2**20
+    source = np.ones(region // 8, np.float64).view(np.uint8)
+    destination = np.ones(region // 8, np.float64).view(np.uint8)
+    blocks = region // size
     started = time.perf_counter()
     for i in range(count):
         offset = (i % blocks) * size
-        np.copyto(destination, source[offset : offset + size])
+        np.copyto(destination[offset : offset + size], source[offset : offset + size])
     return time.perf_counter() - started
 
 
