@@ -313,6 +313,26 @@ def test_subscribers_it_does_not_apply_to_get_bytes(
     assert sub.stop()["ring_taps"] == 0
 
 
+def test_forwarded_taps_reach_the_upstream_s_subscribers_as_bytes(
+    start_daemon: Any, start_sub: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upstream daemon's taps come from a forwarding daemon, not from a ring: its
+    subscriber (on this host, offering rings) gets bytes; the forwarder's own gets
+    descriptors."""
+    if reason := native_unavailable():
+        pytest.skip(reason)
+    monkeypatch.setenv("TAPD_BACKEND", "native")
+    upstream = start_daemon(name="a.sock")
+    forwarder = start_daemon("--forward", upstream.endpoint, name="b.sock")
+    far, near = start_sub(upstream), start_sub(forwarder)
+    count, floats = 8, KIB * 256
+    emitted(emit(forwarder.endpoint, count, floats))
+    want = expected(count, floats)
+    assert received(far) == want and received(near) == want
+    assert far.stop()["ring_taps"] == 0
+    assert near.stop()["ring_taps"] == count
+
+
 # ---- a subscriber that dies holding descriptors ---------------------------------------------
 
 
