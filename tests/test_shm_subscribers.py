@@ -450,6 +450,31 @@ def test_positions_outside_the_ring_are_refused(runtime_dir: Path) -> None:
         ring.close()
 
 
+def test_a_removed_ring_is_unmapped(runtime_dir: Path) -> None:
+    """Once the daemon removed a finished emitter's ring, the subscriber unmaps it (its
+    shared memory is freed only then)."""
+    if reason := native_unavailable():
+        pytest.skip(reason)
+    from tapd.native.ring import Ring
+    from tapd_client.shm import RingReader
+
+    directory = runtime_dir / "rings"
+    directory.mkdir(mode=0o700)
+    ring = Ring.create(directory / "1-ab.ring", 1 << 16)
+    try:
+        ring.write(1, bytes(16))
+        header = {"consumer": "c", "seq": 0, "tree": ["*"], "leaves": [["uint8", [16], 16]]}
+        reader = RingReader(directory)
+        reader.read({**header, "ring": "1-ab.ring", "positions": [56]}, views=False)
+        reader.forget_unlinked()
+        assert list(reader._maps) == ["1-ab.ring"]  # still there: still mapped
+        (directory / "1-ab.ring").unlink()
+        reader.forget_unlinked()
+        assert list(reader._maps) == []
+    finally:
+        ring.close()
+
+
 def test_the_client_reads_rings_without_jax_or_the_native_library() -> None:
     code = (
         "import sys\n"

@@ -33,6 +33,7 @@ import collections
 import mmap
 import os
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from tapd.runtime import boot_id, ensure_private_dir, ring_dir_for
 from tapd.settings import SHM_SUBSCRIBERS
 
 _MAPS_KEPT = 8  # rings mapped at once; the oldest used is unmapped first
+_TIDY_EVERY = 1.0  # seconds between looks for rings whose files are gone
 
 
 class RingReadError(TapdError):
@@ -143,6 +145,7 @@ class RingReader:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._maps: collections.OrderedDict[str, _MappedRing] = collections.OrderedDict()
+        self._tidied = time.monotonic()
 
     def read(self, header: dict[str, Any], *, views: bool) -> tuple[Message, Callable[[], None]]:
         """The tap a `ring_tap` describes, as a `tap` Message, and a check that its bytes
@@ -201,6 +204,13 @@ class RingReader:
         while len(self._maps) > _MAPS_KEPT:
             self._maps.popitem(last=False)[1].close()
         return ring
+
+    def tidy(self) -> None:
+        """Now and then (the subscriber's loop calls it): a finished emitter's ring,
+        removed by the daemon, is unmapped, so that its shared memory is freed."""
+        if self._maps and time.monotonic() - self._tidied >= _TIDY_EVERY:
+            self._tidied = time.monotonic()
+            self.forget_unlinked()
 
     def forget_unlinked(self) -> None:
         """Unmap the rings whose files are gone (their emitters finished)."""

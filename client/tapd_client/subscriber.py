@@ -148,6 +148,8 @@ class _DaemonLink:
 
     def keep_alive(self, heartbeat: float) -> None:
         self.send_hello()
+        if self.rings is not None:
+            self.rings.tidy()
         if time.monotonic() - self.last_sent > heartbeat:
             self.send(encode("heartbeat", {}))
 
