@@ -40,20 +40,9 @@ from tapd.settings import SHM_SUBSCRIBERS
 SHM_MIN_BYTES = BATCH_BYTES
 
 
-class _Ring(Protocol):
-    def counters(self) -> Any: ...
-
-
-class _Source(Protocol):
-    @property
-    def path(self) -> Any: ...
-
-    @property
-    def ring(self) -> _Ring: ...
-
-
 class _Rings(Protocol):
-    """What of tapd/daemon/rings.py's RingSet this module reads."""
+    """What of tapd/daemon/rings.py's RingSet this module reads (by name: rings.py
+    imports the router, which imports this)."""
 
     directory: Any
     sources: Any
