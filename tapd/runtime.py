@@ -121,6 +121,15 @@ def runtime_dir_of_rings(directory: Path) -> Path | None:
     return Path(text) if text.startswith("/") and "\0" not in text else None
 
 
+def boot_id() -> str | None:
+    """This boot of this host (the kernel's random boot id): two processes that read the
+    same one run on one host, so they can share memory. None where the kernel has none."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists. A number no process can have (0 and negative ones
     name process groups to os.kill; over pid_t's range it raises) is not alive."""

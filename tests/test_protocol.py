@@ -510,6 +510,8 @@ MINIMAL_FIELDS: dict[str, dict[str, Any]] = {
     "stats": {},
     "stats_reply": {"stats": {"taps": 1}},
     "shutdown": {},
+    # (a tap whose bytes stay in the ring: tapd_client/shm.py)
+    "ring_tap": {**tap_fields(tree=["n"], leaves=[]), "ring": "1-a.ring", "positions": []},
 }
 
 

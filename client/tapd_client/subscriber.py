@@ -37,7 +37,7 @@ import zmq
 
 from tapd.autostart import ensure_daemon
 from tapd.consumers import MAX_NAME, first_match
-from tapd.errors import ProtocolError, TapdError
+from tapd.errors import ConfigError, ProtocolError, TapdError
 from tapd.protocol import Message, decode, encode
 from tapd.protocol.batch import SiteRun
 from tapd.security import ClientKeys, secure_client
@@ -45,6 +45,7 @@ from tapd.settings import ENDPOINT
 from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap
 from tapd_client.meta import MetaTemplate, TapMeta
 from tapd_client.sampling import Sampling
+from tapd_client.shm import RingReader, RingReadError, ring_directory, ring_offer
 
 logger = logging.getLogger("tapd.subscriber")
 
@@ -71,9 +72,12 @@ class _DaemonLink:
     cannot make the subscriber deaf to stop() and SIGTERM. What could not be sent is
     sent later (acks and errors are kept until they go; a hello is retried)."""
 
-    def __init__(self, endpoint: str, sock: zmq.Socket[Any]) -> None:
+    def __init__(
+        self, endpoint: str, sock: zmq.Socket[Any], rings: RingReader | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.sock = sock
+        self.rings = rings  # where it may read ring taps (tapd_client/shm.py), if anywhere
         self.welcomed = False
         self.last_tid = -1
         self.acked_tid = -1
@@ -94,7 +98,8 @@ class _DaemonLink:
     def hello(self, fields: dict[str, Any]) -> None:
         self.last_tid = self.acked_tid = -1  # delivery ids are per daemon incarnation
         self.errors = []
-        self.hello_due = fields
+        offer = ring_offer(self.rings.directory) if self.rings is not None else None
+        self.hello_due = fields if offer is None else {**fields, "rings": offer}
         self.send_hello()
 
     def send_hello(self) -> None:
@@ -144,6 +149,8 @@ class _DaemonLink:
 
     def keep_alive(self, heartbeat: float) -> None:
         self.send_hello()
+        if self.rings is not None:
+            self.rings.tidy()
         if time.monotonic() - self.last_sent > heartbeat:
             self.send(encode("heartbeat", {}))
 
@@ -151,6 +158,8 @@ class _DaemonLink:
         self.ack()
         self.send(encode("bye", {}))
         self.sock.close(linger=1000)
+        if self.rings is not None:
+            self.rings.close()
 
 
 def _delivery_ids(frames: list[Any]) -> list[int]:
@@ -186,6 +195,10 @@ class Subscriber:
     keys for tcp:// daemons (default: from TAPD_CURVE_SERVER_KEY and TAPD_CURVE_SECRET).
     `group`: a worker pool's name; the subscribers of one group with the same consumers
     share their taps, each tap going to one of them (docs/PROTOCOL.md, "Worker pools").
+    `shm`: read large taps of a daemon on this host from the emitter's shared memory
+    (default: TAPD_SHM_SUBSCRIBERS, on); the handler gets a copy in this process's
+    memory either way. `views`: it gets read-only views of that shared memory instead,
+    valid only during its call (keep nothing of them; see tapd_client/shm.py).
     """
 
     def __init__(
@@ -198,6 +211,8 @@ class Subscriber:
         curve: ClientKeys | None = None,
         fallback_for: str | None = None,
         group: str | None = None,
+        shm: bool | None = None,
+        views: bool = False,
     ) -> None:
         if window is not None and window <= 0:
             raise ValueError(f"window must be positive, got {window}")
@@ -226,6 +241,9 @@ class Subscriber:
         self._links: list[_DaemonLink] = []
         self.processed = 0
         self.failed = 0
+        self.shm = shm
+        self.views = views
+        self.ring_taps = 0  # taps read from a ring, not received as bytes
 
     # ---- registration -----------------------------------------------------------
 
@@ -331,7 +349,9 @@ class Subscriber:
                 except BaseException:
                     sock.close(linger=0)
                     raise
-                self._links.append(_DaemonLink(endpoint, sock))
+                directory = ring_directory(endpoint, self.shm)
+                rings = None if directory is None else RingReader(directory)
+                self._links.append(_DaemonLink(endpoint, sock, rings))
         for link in self._links:
             link.welcomed = False
             link.hello(self._hello_fields())
@@ -435,6 +455,8 @@ class Subscriber:
         kind = message.kind
         if kind == "tap":
             self._run_handler(link, message)
+        elif kind == "ring_tap":  # its bytes are in the emitter's ring
+            self._run_ring_tap(link, message.header)
         elif kind == "taps":  # small taps, several per message
             self._handle_taps(link, message.runs)
         elif kind == "welcome":
@@ -496,6 +518,26 @@ class Subscriber:
                 traceback.format_exc(),
             )
             link.errors.append({"tid": tid, "error": f"{name} raised {exc!r}"[:_ERROR_CHARS]})
+
+    def _run_ring_tap(self, link: _DaemonLink, header: dict[str, Any]) -> None:
+        tid = header.get("tid")
+        if type(tid) is not int:
+            logger.error("tap from the daemon at %s without a delivery id; ignored", link.endpoint)
+            return
+        try:
+            if link.rings is None:
+                raise RingReadError("this subscriber reads no rings from this daemon")
+            tap, intact = link.rings.read(header, views=self.views)
+            self.ring_taps += 1
+            self._run_handler(link, tap)
+            if self.views:
+                intact()  # the handler read what the emitter wrote
+        except (RingReadError, ConfigError) as exc:
+            self.failed += 1
+            logger.error("refused a ring tap from the daemon at %s: %s", link.endpoint, exc)
+            text = f"the subscriber could not read this tap: {exc}"[:_ERROR_CHARS]
+            link.errors.append({"tid": tid, "error": text})
+            link.last_tid = max(link.last_tid, tid)
 
     def _run_batch(
         self,

@@ -26,6 +26,7 @@ from tapd.daemon.subscribers import Subscribers
 from tapd.daemon.targets.base import Offer, Target
 from tapd.daemon.targets.local import Deliver
 from tapd.daemon.targets.peer import Peer
+from tapd.daemon.targets.shm import RingReaders
 from tapd.daemon.targets.spooled import SpoolSettings
 from tapd.protocol import Message, encode
 from tapd.protocol.wire import DEFAULT_LIMITS
@@ -422,6 +423,10 @@ class Router:
 
     def drop_all_subscribers(self, why: str) -> None:
         self._subscribers.drop_all(why)
+
+    def serve_rings(self, readers: RingReaders | None) -> None:
+        """Same-host subscribers may read ring taps from the rings (targets/shm.py)."""
+        self._subscribers.rings = readers
 
     def configure_spool(self, directory: Path, limit: int, fallback: str) -> None:
         self._subscribers.configure_spool(directory, limit, fallback)

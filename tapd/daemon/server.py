@@ -33,6 +33,7 @@ from tapd.daemon.metrics import MetricsServer, Snapshots
 from tapd.daemon.rings import RingSet, sweep_stale_rings
 from tapd.daemon.router import Router
 from tapd.daemon.wants import WantsTable
+from tapd.daemon.targets.shm import RingReaders
 from tapd.errors import DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
 from tapd.runtime import ensure_private_dir, mark_ring_dir, pid_alive, ring_dir_for
@@ -73,6 +74,7 @@ class Daemon:
         self._lock_fds: list[int] = []
         self.rings = RingSet(ring_dir_for(config.endpoint))
         self.wants = WantsTable(self.router, self.rings, dormant=config.dormant)  # dormant taps
+        self.router.serve_rings(RingReaders.for_daemon(self.rings, config.policy))
         self.forwarder: Forwarder | None = None
         self.metrics: MetricsServer | None = None  # --metrics
         self.snapshots = Snapshots(self._wake_for_scrape)

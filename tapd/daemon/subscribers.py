@@ -22,6 +22,7 @@ from tapd.daemon.targets.base import Queued, Subscription, Target, Terms
 from tapd.daemon.targets.local import Deliver, LocalTarget
 from tapd.daemon.targets.peer import Peer
 from tapd.daemon.targets.pool import Pool
+from tapd.daemon.targets.shm import RingReaders, subscriber_for
 from tapd.daemon.targets.socket import SocketSubscriber
 from tapd.daemon.targets.spooled import Spooled, SpoolSettings
 from tapd.protocol import encode
@@ -46,6 +47,7 @@ class Subscribers:
         self._pool_targets: dict[Hashable, Target] = {}
         self._pool_of: dict[PeerKey, Pool] = {}  # members
         self.spool: SpoolSettings | None = None  # set under policy "spool"
+        self.rings: RingReaders | None = None  # set where subscribers may read rings
         self._left_spools: dict[str, Spool] = {}  # found at start, by subscriber name
         # The emitter of taps an earlier daemon spooled: named by each tap's `emitter`.
         self._spooled_before = Emitter(("spool",), "spooled before a restart", forwarder=True)
@@ -106,7 +108,7 @@ class Subscribers:
         if known is not None:
             self.drop(key, "said hello again")
         self._changed()
-        subscriber = SocketSubscriber(key, hello, self.terms, now)
+        subscriber = subscriber_for(key, hello, header, self.terms, now, self.rings)
         self.peers[key] = subscriber
         if hello.group is not None:
             self._join(subscriber, hello.group)

@@ -46,6 +46,10 @@ CONTROL = struct.Struct("<QIIQq")
 WRITER_PID_OFFSET = 24  # offsetof(RingControl, writer_pid)
 READER_PID_OFFSET = 280  # offsetof(RingControl, reader_pid)
 READER_PID = struct.Struct("<q")
+# Same-host subscribers read these to check a record they read was not released meanwhile.
+COMMITTED_OFFSET = 128  # offsetof(RingControl, committed)
+TAIL_OFFSET = 192  # offsetof(RingControl, tail)
+POSITION = struct.Struct("<Q")
 
 POLICIES = {"block": 0, "drop_newest": 1}  # kPolicyBlock, kPolicyDropNewest
 NO_STEP = -(2**63)  # kNoStep: a record without a step

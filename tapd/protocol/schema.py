@@ -200,6 +200,13 @@ KINDS_SCHEMA: dict[str, Schema] = {
     },
     "rehello": {},
     "tap": TAP,
+    # A tap whose bytes a same-host subscriber reads from the emitter's ring: the ring's
+    # file name and each leaf's ring position instead of frames (tapd_client/shm.py).
+    "ring_tap": {
+        **TAP,
+        "ring": req(Str("max_name")),
+        "positions": req(ListOf(Int(0), "max_leaves")),
+    },
     "taps": {"statics": req(Of(list)), "taps": req(Of(list))},  # tapd/protocol/batch.py
     # `delivered`, `dropped`, `unrouted`: this emitter's totals at this daemon so far.
     "credit": {

@@ -291,6 +291,16 @@ AUTOSTART = Setting(
     variable="TAPD_AUTOSTART",
     default=True,
 )
+SHM_SUBSCRIBERS = Setting(
+    "shm_subscribers",
+    bool,
+    "same-host subscribers of this user read large ring taps from the emitter's shared "
+    "memory, sent a descriptor instead of the bytes (0: always over the socket; in a "
+    "subscriber's environment, that subscriber only)",
+    ("daemon", "subscriber"),
+    variable="TAPD_SHM_SUBSCRIBERS",
+    default=True,
+)
 LOCAL_FALLBACK = Setting(
     "local_fallback",
     bool,
@@ -391,6 +401,7 @@ def _every_setting() -> tuple[Setting, ...]:
         CONNECT_TIMEOUT,
         AUTOSTART,
         LOCAL_FALLBACK,
+        SHM_SUBSCRIBERS,
         CUDA_COMMIT,
         RING_WAIT_WARNING,
         CURVE_SERVER_KEY,

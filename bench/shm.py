@@ -1,0 +1,224 @@
+"""Same-host subscribers through shared memory vs the socket path vs raw pyzmq, side by side.
+
+    python bench/shm.py [--size BYTES] [--count N] [--rounds R] [--output bench/SHM.md]
+
+One daemon (policy block) with two subscriber processes of one consumer each would
+split nothing (each gets every tap), so each path has a daemon of its own: one whose
+subscriber reads ring taps from shared memory (the default), one whose subscriber has
+TAPD_SHM_SUBSCRIBERS=0 (the bytes over the socket). A JAX process (native backend)
+taps a `size`-byte float32 array `count` times; the time is from its first tap until
+`barrier_wait()` returns, i.e. until the subscriber's handler (a no-op per tap, under
+the default: the leaves copied into the subscriber's memory first) has handled every
+tap. Raw pyzmq: bench/baselines.py's PUSH/PULL between two processes over ipc. One
+memcpy: numpy copying `size`-byte blocks between two 256 MiB regions (neither
+cache-resident). Each round runs all of them once, so that the machine's load
+falls on each alike; the table gives the median (min-max) of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import zmq_producer
+from processes import Processes, read_line, wait_until
+from report import code_revision, machine_description, publish, size_name, table, with_spread
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ---- the child processes ---------------------------------------------------------------
+
+
+def subscriber(endpoint: str) -> None:
+    """A per-tap no-op handler; prints how many taps it read from rings at exit."""
+    from tapd_client import Subscriber
+
+    sub = Subscriber(endpoint, name="bench-shm")
+    handled = [0]
+
+    @sub.on("big")
+    def handle(value: Any, meta: Any) -> None:
+        handled[0] += 1
+
+    signal.signal(signal.SIGTERM, lambda *_: sub.stop())
+    with sub:
+        sub.run()
+    print(json.dumps({"handled": handled[0], "ring_taps": sub.ring_taps}), flush=True)
+
+
+def emitter(size: int, count: int) -> None:
+    """Tap `count` times; print the seconds until all were handled."""
+    import jax
+    import jax.numpy as jnp
+
+    import tapd
+
+    x = jnp.arange(size // 4, dtype=jnp.float32)
+    step = jax.jit(lambda x: tapd.tap(x, "big")[0])  # (one element out: no copy of x)
+    step(x).block_until_ready()
+    tapd.barrier_wait(timeout=120)
+    started = time.perf_counter()
+    for _ in range(count):
+        step(x)
+    tapd.barrier_wait(timeout=300)
+    print(json.dumps({"seconds": time.perf_counter() - started}), flush=True)
+
+
+# ---- measuring ---------------------------------------------------------------------------
+
+
+class Route:
+    """One daemon and its subscriber, reading through rings or not."""
+
+    def __init__(self, workdir: Path, shm: bool) -> None:
+        workdir.mkdir(mode=0o700)
+        self.processes = Processes(workdir)
+        self.processes.start_daemon(flags=["--startup-grace", "0"])
+        self.endpoint = self.processes.endpoint
+        env = {**os.environ, "TAPD_SHM_SUBSCRIBERS": "1" if shm else "0"}
+        self.sub = self.processes.spawn(
+            [sys.executable, __file__, "--role", "subscriber", self.endpoint],
+            env=env,
+            log=workdir / "sub.log",
+        )
+        wait_until(
+            lambda: self.processes.daemon_stats()["subscribers"] or self.sub.poll() is not None,
+            "the subscriber to connect",
+        )
+
+    def run(self, size: int, count: int) -> tuple[float, float]:
+        """Seconds for `count` taps, and the daemon's CPU seconds meanwhile."""
+        env = {**os.environ, "TAPD_ENDPOINT": self.endpoint, "TAPD_BACKEND": "native"}
+        cpu = self.processes.daemon_cpu_seconds()
+        process = self.processes.spawn(
+            [sys.executable, __file__, "--role", "emitter", str(size), str(count)],
+            env=env,
+            log=self.processes.workdir / "emitter.log",
+        )
+        line = read_line(process, 600)
+        self.processes.stop(process)
+        if not line.startswith("{"):
+            log = (self.processes.workdir / "emitter.log").read_text()
+            raise RuntimeError(f"emitter failed: {line!r}\n{log}")
+        return json.loads(line)["seconds"], self.processes.daemon_cpu_seconds() - cpu
+
+    def close(self) -> dict[str, Any]:
+        """Stop both; what the subscriber said at exit."""
+        self.sub.send_signal(signal.SIGTERM)
+        out = self.sub.communicate(timeout=30)[0].decode()
+        self.processes.stop_all()
+        return dict(json.loads(out.splitlines()[-1])) if out.strip() else {}
+
+
+def memcpy_seconds(size: int, count: int) -> float:
+    """`count` copies of `size` bytes, source and destination each walking through its
+    own 256 MiB (neither stays in a cache): one core's memcpy bandwidth."""
+    region = 256 * 2**20
+    source = np.ones(region // 8, np.float64).view(np.uint8)
+    destination = np.ones(region // 8, np.float64).view(np.uint8)
+    blocks = region // size
+    started = time.perf_counter()
+    for i in range(count):
+        offset = (i % blocks) * size
+        np.copyto(destination[offset : offset + size], source[offset : offset + size])
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--role", choices=["subscriber", "emitter"])
+    parser.add_argument("args", nargs="*")
+    parser.add_argument("--size", type=int, default=2**20)
+    parser.add_argument("--count", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+    if args.role == "subscriber":
+        return subscriber(args.args[0])
+    if args.role == "emitter":
+        return emitter(int(args.args[0]), int(args.args[1]))
+
+    size, count = args.size, args.count
+    workdir = Path(tempfile.mkdtemp(prefix="tapd-shm-", dir="/tmp"))
+    os.chmod(workdir, 0o700)
+    results: dict[str, list[float]] = {"shm": [], "socket": [], "zmq": [], "memcpy": []}
+    cpu: dict[str, list[float]] = {"shm": [], "socket": []}
+    paths = {"shm": Route(workdir / "shm", True), "socket": Route(workdir / "socket", False)}
+    try:
+        for round_ in range(args.rounds):
+            for name, path in paths.items():
+                seconds, daemon_cpu = path.run(size, count)
+                results[name].append(seconds)
+                cpu[name].append(daemon_cpu)
+            results["zmq"].append(zmq_producer(f"ipc://{workdir}/z{round_}.sock", size, count))
+            results["memcpy"].append(memcpy_seconds(size, count))
+            print(
+                f"round {round_ + 1}: "
+                + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in results.items())
+            )
+        seen = {name: path.close() for name, path in paths.items()}
+    finally:
+        for path in paths.values():
+            path.processes.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert seen["shm"].get("ring_taps", 0) > 0, f"the shm subscriber read no ring taps: {seen}"
+    assert seen["socket"].get("ring_taps", 1) == 0, f"the socket subscriber read rings: {seen}"
+
+    def gbps(name: str) -> list[float]:
+        return [size * count / s / 1e9 for s in results[name]]
+
+    medians = {name: float(np.median(gbps(name))) for name in results}
+    rows = []
+    for name, what in [
+        ("shm", "tapd, subscriber reads the ring (shared memory)"),
+        ("socket", "tapd, bytes over the socket (TAPD_SHM_SUBSCRIBERS=0)"),
+        ("zmq", "raw pyzmq PUSH/PULL, ipc"),
+        ("memcpy", "one memcpy (numpy copyto), one core"),
+    ]:
+        per_tap = (
+            with_spread([c / count * 1e6 for c in cpu[name]], digits=0) if name in cpu else "-"
+        )
+        rows.append(
+            [
+                what,
+                with_spread(gbps(name)),
+                f"{medians[name] / medians['zmq']:.2f}",
+                f"{medians[name] / medians['memcpy']:.2f}",
+                per_tap,
+            ]
+        )
+    header = ["path", "GB/s", "÷ raw pyzmq", "÷ memcpy", "daemon CPU µs/tap"]
+    machine = "\n".join(f"- {what}: {value}" for what, value in machine_description())
+    text = f"""# Same-host subscribers: shared memory vs socket vs raw pyzmq
+
+`python bench/shm.py --size {size} --count {count} --rounds {args.rounds}`: {size_name(size)}
+taps, {count} per run, {args.rounds} rounds; median (min-max) of the rounds. Each round runs
+every row once, one after the other. tapd rows: from a JAX process's first tap (native
+backend, policy block) until `barrier_wait()` returned, every tap handled by a per-tap
+no-op handler in another process (shared memory: the leaves copied into the
+subscriber's memory before the call, the default). Subscribers: {seen}.
+
+{table(header, rows)}
+
+Code: {code_revision(REPO)}. The machine is shared (other engineers' builds and tests
+ran meanwhile): the ratios of one run are what to compare, not the absolute figures.
+
+{machine}
+"""
+    publish(text, args.output)
+
+
+if __name__ == "__main__":
+    main()
