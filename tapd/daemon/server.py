@@ -32,8 +32,8 @@ from tapd.daemon.idle import IdleExit
 from tapd.daemon.metrics import MetricsServer, Snapshots
 from tapd.daemon.rings import RingSet, sweep_stale_rings
 from tapd.daemon.router import Router
-from tapd.daemon.wants import WantsTable
 from tapd.daemon.targets.shm import RingReaders
+from tapd.daemon.wants import WantsTable
 from tapd.errors import DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
 from tapd.runtime import ensure_private_dir, mark_ring_dir, pid_alive, ring_dir_for
