@@ -362,7 +362,9 @@ def test_a_killed_subscriber_s_descriptors_are_released(
     counters = daemon.counters()
     assert counters["deliveries_lost"] >= 1
     stats = result["stats"]
-    assert stats["delivered"] + stats["daemon_dropped"] + stats["unrouted"] == count, stats
+    # Once its only taker is gone the site is dormant: the taps after that are skipped.
+    accounted = stats["delivered"] + stats["daemon_dropped"] + stats["unrouted"]
+    assert accounted + stats["skipped"] == count, stats
     assert stats["daemon_dropped"] == counters["deliveries_lost"], (stats, counters)
 
 

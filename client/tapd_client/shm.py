@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from tapd.errors import ConfigError, ProtocolError, TapdError
-from tapd.native.ring_format import COMMITTED_OFFSET, CONTROL_BYTES, TAIL_OFFSET
+from tapd.native.ring_format import COMMITTED_OFFSET, TAIL_OFFSET, header_bytes
 from tapd.protocol import Message
 from tapd.protocol.schema import RING_NAME, check_ring_control, check_shard, leaf_sizes
 from tapd.runtime import boot_id, ensure_private_dir, ring_dir_for
@@ -106,7 +106,7 @@ class _MappedRing:
             raise
         self.name = name
         self.capacity = control.capacity
-        self.start = max(mmap.PAGESIZE, CONTROL_BYTES)  # the record area (ring.cc)
+        self.start = header_bytes(control.version, mmap.PAGESIZE)  # the record area (ring.cc)
         self.view = memoryview(self.map)  # read-only, as mapped
         self._tail = np.frombuffer(self.map, "<u8", 1, TAIL_OFFSET)  # aligned 8-byte loads
         self._committed = np.frombuffer(self.map, "<u8", 1, COMMITTED_OFFSET)
