@@ -138,7 +138,7 @@ class MetaTemplate:
         shard = self._shard
         if shard is not None:
             shard = dataclasses.replace(shard, coords=tuple(header["shard"]["coords"]))
-        # (made as made() does: a frozen dataclass's __init__ costs a setattr per field)
+        # (not through __init__: a frozen dataclass's costs an object.__setattr__ per field)
         meta = object.__new__(TapMeta)
         fields = {
             "consumer": self.consumer,

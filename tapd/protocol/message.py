@@ -110,8 +110,11 @@ class _RunTap(Message):
     from them rather than each made anew from its frames."""
 
     def arrays(self) -> list[np.ndarray]:
+        leaves = self.__dict__.get("_leaves")
+        if leaves is None:  # (made by its __init__: dataclasses.replace, say)
+            return super().arrays()
         i = self.__dict__["_index"]
-        return [leaf[i, ...] for leaf in self.__dict__["_leaves"]]
+        return [leaf[i, ...] for leaf in leaves]
 
 
 class SiteRun:
