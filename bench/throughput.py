@@ -33,6 +33,8 @@ ROWS = {
     "1 MiB": ("sizes", str(1024 * 1024), 1024 * 1024),
 }
 
+FINDINGS = "## Findings"
+
 # Copies of a tap's bytes per hop, user space (docs/PROTOCOL.md; tapd/daemon/runs.py,
 # tapd/protocol/batch.py, tapd/channel.py): hop, before (2345605), after.
 COPIES = [
@@ -77,13 +79,16 @@ def figures(run: dict[str, Any], row: str) -> dict[str, float]:
     }
 
 
-def render(runs: dict[str, list[dict[str, Any]]], revisions: dict[str, str], command: str) -> str:
+def render(
+    runs: dict[str, list[dict[str, Any]]],
+    machine: list[tuple[str, str]],
+    command: str,
+    findings: str,
+) -> str:
     lines = ["# Socket-path throughput: before and after (issue 20, part 1)", ""]
     lines += ["Taken on a shared 2-core machine, under contention from other work: compare",
               "the two columns of one table (same rounds, alternating), not absolute figures.",
               ""]  # fmt: skip
-    machine = [*machine_description(), ("load average at end", load_average())]
-    machine += [(f"tapd {name}", rev) for name, rev in revisions.items()]
     lines += ["## Machine", "", table(["", ""], [list(m) for m in machine]), ""]
     lines += ["## Reproduce", "", "```", command, "```", ""]
     rounds = len(runs["after"])
@@ -111,7 +116,7 @@ def render(runs: dict[str, list[dict[str, Any]]], revisions: dict[str, str], com
         lines += [f"### {row}", "", table(["", "before", "after"], body), ""]
     lines += ["## Copies of a tap's bytes, per hop (user space)", ""]
     lines += [table(["hop", "before (2345605)", "after"], COPIES), ""]
-    return "\n".join(lines)
+    return "\n".join(lines) + findings
 
 
 def main() -> None:
@@ -121,6 +126,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="repeats inside each run")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "THROUGHPUT.md")
     args = parser.parse_args()
+    machine = machine_description()  # (the load average at the start, with the rest)
     runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="tapdt-") as scratch:
         for number_ in range(args.rounds):
@@ -130,12 +136,14 @@ def main() -> None:
                 out = Path(scratch) / f"{name}-{number_}.json"
                 runs[name].append(run_once(checkout, args.repeats, out))
                 print(f"round {number_ + 1}/{args.rounds}: {name} done", flush=True)
-    revisions = {
-        "before": code_revision(args.before),
-        "after": code_revision(BENCH_DIR.parent),
-    }
+    machine.append(("load average at end", load_average()))
+    machine.append(("tapd before", code_revision(args.before)))
+    machine.append(("tapd after", code_revision(BENCH_DIR.parent)))
     command = " ".join([".venv/bin/python bench/throughput.py", *sys.argv[1:]])
-    text = render(runs, revisions, command)
+    # The findings (written by hand, below the figures) stay from one run to the next.
+    old = args.output.read_text() if args.output.exists() else ""
+    findings = old[old.index(FINDINGS) :] if FINDINGS in old else ""
+    text = render(runs, machine, command, findings and "\n" + findings)
     args.output.write_text(text)
     (args.output.with_suffix(".json")).write_text(json.dumps(runs, indent=1))
     print(text)
