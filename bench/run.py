@@ -3,6 +3,7 @@
     .venv/bin/python bench/run.py            # full run (a few minutes), writes bench/RESULTS.md
     .venv/bin/python bench/run.py --quick    # ~1 minute smoke run, prints only
     .venv/bin/python bench/run.py --backend portable   # pick tapd's emitter backend
+    .venv/bin/python bench/run.py --throughput-only OUT.json   # section 2 alone (throughput.py)
 
 This process is the JAX emitter. It starts its own tapd daemon on an ipc socket in a
 fresh 0700 directory under /tmp, and one real subscriber process (subscriber_sink.py)
@@ -18,7 +19,8 @@ within this one run rather than absolute numbers across runs.
 2. Throughput JAX -> subscriber handler for 64 B, 64 KiB and 1 MiB float32 payloads,
    from the first tap to `barrier_wait()` returning, beside raw pyzmq PUSH/PULL over
    ipc and a multiprocessing.Queue pipeline moving the same arrays (baselines.py);
-   then 64 B taps handled by a per-tap handler beside a batch handler (TapBatch).
+   then 64 B taps handled by a per-tap handler beside a batch handler (TapBatch); with
+   the daemon's CPU (user + system, /proc/<pid>/stat) per tap and per MB around each.
 3. Delivery latency at a steady, modest tap rate: the handler's `time.time()` minus
    `meta.time` (when the tap ran in the emitter).
 4. Per-tap cost and isolation on each emitter backend (overhead_probe.py, one process
