@@ -3,6 +3,7 @@
     .venv/bin/python bench/run.py            # full run (a few minutes), writes bench/RESULTS.md
     .venv/bin/python bench/run.py --quick    # ~1 minute smoke run, prints only
     .venv/bin/python bench/run.py --backend portable   # pick tapd's emitter backend
+    .venv/bin/python bench/run.py --throughput-only OUT.json   # section 2 alone (throughput.py)
 
 This process is the JAX emitter. It starts its own tapd daemon on an ipc socket in a
 fresh 0700 directory under /tmp, and one real subscriber process (subscriber_sink.py)
@@ -18,7 +19,8 @@ within this one run rather than absolute numbers across runs.
 2. Throughput JAX -> subscriber handler for 64 B, 64 KiB and 1 MiB float32 payloads,
    from the first tap to `barrier_wait()` returning, beside raw pyzmq PUSH/PULL over
    ipc and a multiprocessing.Queue pipeline moving the same arrays (baselines.py);
-   then 64 B taps handled by a per-tap handler beside a batch handler (TapBatch).
+   then 64 B taps handled by a per-tap handler beside a batch handler (TapBatch); with
+   the daemon's CPU (user + system, /proc/<pid>/stat) per tap and per MB around each.
 3. Delivery latency at a steady, modest tap rate: the handler's `time.time()` minus
    `meta.time` (when the tap ran in the emitter).
 4. Per-tap cost and isolation on each emitter backend (overhead_probe.py, one process
@@ -271,6 +273,7 @@ class ThroughputCase:
     size: int
     count: int
     tapd_s: list[float] = dataclasses.field(default_factory=list)
+    cpu_s: list[float] = dataclasses.field(default_factory=list)  # the daemon's, per repeat
     zmq_s: list[float] = dataclasses.field(default_factory=list)
     queue_s: list[float] = dataclasses.field(default_factory=list)
 
@@ -299,6 +302,14 @@ def time_tapd_throughput(
     return time.perf_counter() - started
 
 
+def timed_with_cpu(procs: Processes, cpu_s: list[float], run: Callable[[], float]) -> float:
+    """`run()`'s seconds, recording the daemon's CPU seconds over it in `cpu_s`."""
+    before = procs.daemon_cpu_seconds()
+    seconds = run()
+    cpu_s.append(procs.daemon_cpu_seconds() - before)
+    return seconds
+
+
 def time_baseline(kind: str, size: int, count: int, workdir: Path) -> float:
     """Seconds for one run of baselines.py (its own producer and consumer processes)."""
     argv = [
@@ -322,7 +333,11 @@ def measure_throughput(procs: Processes, plan: Plan) -> list[ThroughputCase]:
     for repeat in range(plan.repeats):
         for case in cases:
             case.tapd_s.append(
-                time_tapd_throughput(loops[case.size], arrays[case.size], case.count)
+                timed_with_cpu(
+                    procs,
+                    case.cpu_s,
+                    lambda c=case: time_tapd_throughput(loops[c.size], arrays[c.size], c.count),
+                )
             )
             case.zmq_s.append(time_baseline("zmq", case.size, case.count, procs.workdir))
             case.queue_s.append(time_baseline("queue", case.size, case.count, procs.workdir))
@@ -336,8 +351,15 @@ def measure_throughput(procs: Processes, plan: Plan) -> list[ThroughputCase]:
     return cases
 
 
+def cpu_columns(cpu_s: list[float], taps: int, size: int) -> list[str]:
+    """The daemon's CPU per tap (µs) and per MB (ms), from the median repeat."""
+    cpu = median(cpu_s)
+    return [f"{cpu / taps * 1e6:.2f}", f"{cpu / (taps * size / 1e6) * 1e3:.1f}"]
+
+
 def throughput_table(cases: list[ThroughputCase]) -> str:
-    """Messages/s and MB/s (10^6 bytes) from the median seconds of each path."""
+    """Messages/s and MB/s (10^6 bytes) from the median seconds of each path, and the
+    daemon's CPU per tap and per MB."""
     rows = []
     for case in cases:
         t_tapd, t_zmq, t_queue = median(case.tapd_s), median(case.zmq_s), median(case.queue_s)
@@ -348,10 +370,12 @@ def throughput_table(cases: list[ThroughputCase]) -> str:
         rows.append([
             size_name(case.size), str(case.count), rate(t_tapd), rate(t_zmq), rate(t_queue),
             f"{t_zmq / t_tapd:.3f}", f"{t_queue / t_tapd:.2f}",
+            *cpu_columns(case.cpu_s, case.count, case.size),
         ])  # fmt: skip
     header = [
         "payload", "messages", "tapd msg/s / MB/s", "raw pyzmq msg/s / MB/s",
-        "mp.Queue msg/s / MB/s", "tapd ÷ pyzmq", "tapd ÷ Queue",
+        "mp.Queue msg/s / MB/s", "tapd ÷ pyzmq", "tapd ÷ Queue", "daemon CPU µs/tap",
+        "daemon CPU ms/MB",
     ]  # fmt: skip
     return table(header, rows)
 
@@ -359,10 +383,12 @@ def throughput_table(cases: list[ThroughputCase]) -> str:
 HANDLERS = {"per-tap handler": False, "batch handler": True}  # label -> batch
 
 
-def measure_handlers(procs: Processes, plan: Plan) -> dict[str, list[float]]:
+def measure_handlers(
+    procs: Processes, plan: Plan
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Measurement 2b: seconds per repeat to handle `plan.handler_taps` 64 B taps, by a
     per-tap handler and by a batch handler (each its own consumer and sink process),
-    alternating within each repeat."""
+    alternating within each repeat; and the daemon's CPU seconds over each."""
     consumers = {label: f"bench.handlers.{'batch' if batch else 'per_tap'}"
                  for label, batch in HANDLERS.items()}  # fmt: skip
     sinks = {label: procs.start_sink(consumers[label], batch=batch)
@@ -372,26 +398,37 @@ def measure_handlers(procs: Processes, plan: Plan) -> dict[str, list[float]]:
     for loop in loops.values():
         time_tapd_throughput(loop, x, 2)
     seconds: dict[str, list[float]] = {label: [] for label in HANDLERS}
+    cpu: dict[str, list[float]] = {label: [] for label in HANDLERS}
     for repeat in range(plan.repeats):
         order = list(HANDLERS) if repeat % 2 == 0 else list(reversed(HANDLERS))
         for label in order:
-            seconds[label].append(time_tapd_throughput(loops[label], x, plan.handler_taps))
+            seconds[label].append(
+                timed_with_cpu(
+                    procs,
+                    cpu[label],
+                    lambda loop=loops[label]: time_tapd_throughput(loop, x, plan.handler_taps),
+                )
+            )
     for label, sink in sinks.items():
         procs.stop(sink.process)
         expected = plan.repeats * plan.handler_taps + 2
         if (handled := sink.results()["processed"]) != expected:
             print(f"warning: {label}: the sink handled {handled} taps, not {expected}")
-    return seconds
+    return seconds, cpu
 
 
-def handlers_table(seconds: dict[str, list[float]], taps: int) -> str:
+def handlers_table(
+    measured: tuple[dict[str, list[float]], dict[str, list[float]]], taps: int
+) -> str:
+    seconds, cpu = measured
     reference = median(seconds["per-tap handler"])
     rows = [
         [label, str(taps), number(taps / median(s), 0), number(taps * 64 / median(s) / 1e6, 1),
-         f"{reference / median(s):.2f}"]
+         f"{reference / median(s):.2f}", *cpu_columns(cpu[label], taps, 64)]
         for label, s in seconds.items()
     ]  # fmt: skip
-    header = ["handler", "taps", "taps/s", "MB/s", "÷ per-tap handler"]
+    header = ["handler", "taps", "taps/s", "MB/s", "÷ per-tap handler", "daemon CPU µs/tap",
+              "daemon CPU ms/MB"]  # fmt: skip
     return table(header, rows)
 
 
@@ -582,6 +619,30 @@ def run(
     return sections, [("tapd emitter backend", emitter_backend())]
 
 
+def run_throughput_only(plan: Plan, workdir: Path, backend: str | None) -> dict[str, Any]:
+    """Section 2 alone (bench/THROUGHPUT.md compares tapd revisions with it): its
+    tables, and every repeat's seconds and daemon CPU seconds."""
+    procs = Processes(workdir)
+    try:
+        procs.start_daemon()
+        configure_emitter(procs.endpoint, backend)
+        cases = measure_throughput(procs, plan)
+        handlers = measure_handlers(procs, plan)
+    finally:
+        procs.stop_all()
+    return {
+        "text": throughput_table(cases) + "\n\n" + handlers_table(handlers, plan.handler_taps),
+        "sizes": {
+            str(c.size): {"count": c.count, "tapd_s": c.tapd_s, "cpu_s": c.cpu_s, "zmq_s": c.zmq_s}
+            for c in cases
+        },
+        "handlers": {
+            label: {"count": plan.handler_taps, "tapd_s": s, "cpu_s": handlers[1][label]}
+            for label, s in handlers[0].items()
+        },
+    }
+
+
 # ---- 4. per-tap cost and isolation, by backend --------------------------------------
 
 
@@ -680,8 +741,28 @@ def main() -> None:
         help="emitter backend for tapd.configure(backend=...), e.g. portable or native "
         "(default: tapd's own default)",
     )
+    parser.add_argument(
+        "--throughput-only",
+        type=Path,
+        metavar="JSON",
+        help="run section 2 only; print its tables and write its raw figures to JSON",
+    )
+    parser.add_argument("--repeats", type=int, help="throughput repeats (default: the plan's)")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
+    if args.repeats:
+        plan = dataclasses.replace(plan, repeats=args.repeats)
+    if args.throughput_only:
+        workdir = Path(tempfile.mkdtemp(prefix="tapdb-", dir="/tmp"))
+        os.chmod(workdir, 0o700)
+        try:
+            result = run_throughput_only(plan, workdir, args.backend)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        result["revision"] = code_revision(Path(tapd.__file__).parent.parent)
+        args.throughput_only.write_text(json.dumps(result, indent=1))
+        print(result["text"])
+        return
     output = args.output or (None if args.quick else BENCH_DIR / "RESULTS.md")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup in `finally`
     machine = machine_description()

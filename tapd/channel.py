@@ -13,6 +13,11 @@ socket's send or recv (tests/test_channels.py checks): each holds its socket in 
   goes out, so a frame that cannot be sent (a view of ring memory released since) fails
   the whole message;
 - receives whole messages (`recv_multipart`), never frame by frame.
+
+The daemon's channels copy frames under `COPY_BELOW` (one memcpy into the message)
+rather than hand them to ZeroMQ uncopied: each uncopied frame costs a wake-up of
+pyzmq's garbage-collector thread, which takes the GIL from the daemon's loop to free it
+(bench/THROUGHPUT.md). Larger frames go uncopied, and so must stay valid until sent.
 """
 
 from __future__ import annotations
@@ -23,16 +28,20 @@ from typing import Any
 
 import zmq
 
+COPY_BELOW = 256 * 1024  # bytes: the daemon's sockets copy smaller frames
+
 
 class WrongThread(RuntimeError):
     """A socket was used from a thread other than its owner's."""
 
 
 class Channel:
-    def __init__(self, sock: zmq.Socket[Any], name: str) -> None:
+    def __init__(self, sock: zmq.Socket[Any], name: str, *, copy_below: int | None = None) -> None:
         self.socket = sock  # (for polling and socket options; never send or recv on it)
         self.name = name
         self._owner = threading.get_ident()
+        if copy_below is not None:  # (else pyzmq's default, 64 KiB)
+            sock.copy_threshold = copy_below
 
     def _check_thread(self) -> None:
         if threading.get_ident() != self._owner:

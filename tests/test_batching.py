@@ -17,7 +17,7 @@ import zmq
 from conftest import BackgroundEmitter, Daemon, InProcessRouter, MakeRouter, native_unavailable
 from tapd.daemon.runs import Site, TapRun
 from tapd.native.ring import Record, Records
-from tapd.protocol import decode, encode
+from tapd.protocol import Message, decode, encode
 from tapd.protocol.batch import BatchTap, encode_batch
 from tapd.protocol.wire import DEFAULT_LIMITS
 from tapd_client import Subscriber
@@ -202,3 +202,70 @@ def test_a_batch_static_the_metadata_parser_chokes_on_is_a_handler_error_not_a_c
     assert (handled, subscriber.failed, link.last_tid) == ([], 1, 0)
     [error] = link.errors
     assert error["tid"] == 0 and "raised TypeError" in error["error"]
+
+
+def big_tap(seq: int, values: np.ndarray) -> Any:
+    """A decoded `tap` message of consumer "x" carrying `values`."""
+    fields = {**TAP_FIELDS, "consumer": "x", "seq": seq, "transforms": []}
+    return decode(encode("tap", fields, [values]))
+
+
+def test_taps_of_64_KiB_share_a_message_each_in_a_body_frame_of_its_own_uncopied(
+    in_process_router: MakeRouter,
+) -> None:
+    """In-process Router: 64 KiB taps (the largest that are batched) go several to a
+    `taps` message, each array the frame it came in, not copied into body 0."""
+    peers = one_subscriber(in_process_router)
+    router = peers.router
+    arrays = [np.full(16 * 1024, seq, np.float32) for seq in range(5)]
+    taps = [big_tap(seq, a) for seq, a in enumerate(arrays)]
+    for tap in taps:
+        router.tap("em", tap)
+    router.pump()
+    [(_, frames)] = [(k, f) for k, f in peers.sent if k == "sub" and len(f) > 3]
+    assert [len(f) for f in frames[2:]] == [0] + [64 * 1024] * 5  # body 0 is empty
+    assert all(f is tap.frames[0] for f, tap in zip(frames[3:], taps, strict=True))
+    [batch] = peers.to("sub", "taps")
+    assert [t.value().tolist() for t in batch.batch] == [a.tolist() for a in arrays]
+
+
+def test_small_single_taps_and_unpadded_leaves_are_copied_into_body_0() -> None:
+    big, odd = np.arange(4096, dtype=np.float32), np.arange(2049, dtype=np.float32)
+    small = np.arange(3, dtype=np.int16)
+    taps = [big_tap(seq, a) for seq, a in enumerate([big, odd, small])]
+    frames = encode_batch([BatchTap(t.header, t.frames, seq, "h:1") for seq, t in enumerate(taps)])
+    assert len(frames) == 4  # body 0 holds the odd-sized and the small tap; big its own
+    assert frames[3] is taps[0].frames[0] and len(frames[2]) == 2049 * 4 + 4 + 8
+    batch = decode(frames)
+    values = [t.value() for t in batch.batch]
+    assert [v.tolist() for v in values] == [a.tolist() for a in (big, odd, small)]
+    assert [v.dtype for v in values] == [np.float32, np.float32, np.int16]
+
+
+@pytest.mark.parametrize("shape", [(), (3,), (2, 2)])
+def test_a_run_taps_values_are_read_only_arrays_as_a_tap_messages_are(
+    shape: tuple[int, ...],
+) -> None:
+    """The per-tap path slices a run's stacked leaves: the values must be what a `tap`
+    message gives (dtype, shape, 0-d arrays staying arrays, read-only), and metas equal."""
+    from tapd_client.meta import MetaTemplate, TapMeta
+
+    entry = {"consumer": "x", "transforms": [], "meta": {"k": 1}, "tree": ["*"],
+             "leaves": [["float32", list(shape), 4 * int(np.prod(shape))]]}  # fmt: skip
+    site = Site(entry, {"process": 0, "host": "h", "pid": 1})
+    size = (4 * int(np.prod(shape)) + 7) & ~7
+    values = [np.full(shape, i, np.float32) for i in range(3)]
+    span = memoryview(b"".join(bytes(48) + v.tobytes() + bytes(size - v.nbytes) for v in values))
+    records = Records(span, 0, header_bytes=48)
+    for i in range(3):
+        records.append((48 + size) * i, (48 + size) * (i + 1), 0, i, i, 7, 0)
+    run = TapRun(site, records, span, header_bytes=48)
+    batch = decode(encode_batch([run.batch_piece(0, "h:1")]))
+    template = MetaTemplate(batch.batch[0].header)
+    for message, expected in zip(batch.batch, values, strict=True):
+        plain = Message(message.header, message.frames)  # arrays made from its frames
+        value, reference = message.value(), plain.value()
+        assert type(value) is np.ndarray and value.shape == shape == reference.shape
+        assert value.dtype == reference.dtype and value.tolist() == expected.tolist()
+        assert not value.flags.writeable and value.flags.c_contiguous
+        assert template.meta(message.header) == TapMeta.from_header(message.header)

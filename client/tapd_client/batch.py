@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tapd.protocol import Message, dtype_from_name, unflatten
+from tapd.protocol import Message, unflatten
 from tapd.protocol.batch import SiteRun
 from tapd.protocol.tree import LEAF
 from tapd_client.meta import MetaTemplate, TapMeta
@@ -116,7 +116,7 @@ def batch_of_runs(runs: Sequence[SiteRun], template: MetaTemplate) -> TapBatch:
     """The taps of runs of one static entry, stacked, in the runs' order."""
     static = runs[0].static
     rows = runs[0].rows if len(runs) == 1 else [row for run in runs for row in run.rows]
-    per_run = [_stacked(run) for run in runs]
+    per_run = [run.leaves() for run in runs]
     if len(per_run) == 1:
         leaves = per_run[0]
     else:
@@ -132,35 +132,3 @@ def batch_of_tap(message: Message, template: MetaTemplate) -> TapBatch:
     row = [0, h.get("tid"), h["seq"], h["step"], h["device"], h["time"]]
     leaves = [leaf[np.newaxis] for leaf in message.arrays()]
     return TapBatch(template, h, [row], leaves, lambda _: h)
-
-
-def _stacked(run: SiteRun) -> list[np.ndarray]:
-    """Each leaf of a run's taps stacked along a new axis 0: a strided view of the body
-    where the taps are evenly spaced, else a gathered copy."""
-    offsets = np.array([row[8] for row in run.rows], np.int64)
-    count = len(offsets)
-    steps = np.diff(offsets)
-    stride = int(steps[0]) if count > 1 else 0
-    even = count == 1 or bool((steps == stride).all())
-    body = run.body
-    out = []
-    for (name, shape, _), (start, size) in zip(run.fields["leaves"], run.layout, strict=True):
-        dtype = dtype_from_name(name)
-        if size == 0:
-            leaf = np.zeros((count, *shape), dtype)
-        elif even:
-            inner = np.empty(shape, dtype).strides  # C order
-            leaf = np.ndarray(
-                (count, *shape),
-                dtype,
-                buffer=body,
-                offset=int(offsets[0]) + start,
-                strides=(stride, *inner),
-            )
-        else:
-            raw = np.frombuffer(body, np.uint8)
-            where = offsets[:, np.newaxis] + (start + np.arange(size))
-            leaf = raw[where].view(dtype).reshape(count, *shape)
-        leaf.flags.writeable = False
-        out.append(leaf)
-    return out

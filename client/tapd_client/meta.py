@@ -138,17 +138,21 @@ class MetaTemplate:
         shard = self._shard
         if shard is not None:
             shard = dataclasses.replace(shard, coords=tuple(header["shard"]["coords"]))
-        return TapMeta(
-            self.consumer,
-            header["seq"],
-            header["step"],
-            header["device"],
-            process,
-            host,
-            pid,
-            emitter,
-            transforms,
-            header["time"] / 1e9,
-            dict(self._meta),
-            shard,
-        )
+        # (not through __init__: a frozen dataclass's costs an object.__setattr__ per field)
+        meta = object.__new__(TapMeta)
+        fields = {
+            "consumer": self.consumer,
+            "seq": header["seq"],
+            "step": header["step"],
+            "device": header["device"],
+            "process": process,
+            "host": host,
+            "pid": pid,
+            "emitter": emitter,
+            "transforms": transforms,
+            "time": header["time"] / 1e9,
+            "meta": dict(self._meta),
+            "shard": shard,
+        }
+        object.__setattr__(meta, "__dict__", fields)
+        return meta

@@ -53,7 +53,7 @@ logger = logging.getLogger("tapd.daemon")
 _RECORDS_PER_POLL = 4096
 WAKE_SOCKET = "wake.sock"  # the native library sends to it from the ring's directory
 _UNMAP_AFTER = 60.0  # seconds a finished ring stays mapped (see check_writers)
-_RUN_BYTES = 64 * 1024  # the most tap bytes in one run (a run goes out in one message)
+_RUN_BYTES = 128 * 1024  # the most tap bytes in one run (a run goes out in one message)
 
 
 class RingSource:

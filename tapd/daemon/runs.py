@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from tapd.channel import COPY_BELOW
 from tapd.native.ring import Record, Records
 from tapd.protocol import Message
 from tapd.protocol.batch import BatchRun
@@ -107,11 +108,13 @@ class TapRun:
     def batch_piece(self, first_tid: int, emitter: str) -> BatchRun:
         records = self.records
         site = self.site
-        # A copy (tens of KB): the frame may sit in a ZeroMQ queue after its taps were
-        # counted lost and their ring space reused, or the ring unmapped.
+        # Copied once, never sent as ring memory: the frame may sit in a ZeroMQ queue
+        # after its taps were counted lost and their ring space reused, or the ring
+        # unmapped. The daemon's sockets copy frames under COPY_BELOW themselves.
+        span = self.span
         return BatchRun(
             site.batch_static,
-            bytes(self.span),
+            span if len(span) < COPY_BELOW else bytes(span),
             self.offsets,
             first_tid,
             emitter,

@@ -24,7 +24,7 @@ import msgpack
 import zmq
 
 from tapd import security
-from tapd.channel import Channel
+from tapd.channel import COPY_BELOW, Channel
 from tapd.config import Config
 from tapd.daemon.bounds import DepartedEmitters, ReplyBudget, configure_listener
 from tapd.daemon.forward import Forwarder
@@ -108,7 +108,7 @@ class Daemon:
                 sock.close(linger=0)
                 self.close()
                 raise OSError(f"cannot bind {endpoint}: {exc}") from exc
-            self._channels.append(Channel(sock, endpoint))
+            self._channels.append(Channel(sock, endpoint, copy_below=COPY_BELOW))
             self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
         if self.config.tcp and self.config.insecure:
             logger.warning(

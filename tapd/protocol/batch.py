@@ -9,7 +9,9 @@ start: a body frame and an offset in it, each leaf then padded to 8 bytes
 of ring records as a body as it is, record headers and all, copying nothing.
 
 `encode_batch` makes such a message; `read_runs` reads one (for `decode`, wire.py),
-checking it through schema.py.
+checking it through schema.py. It copies only small single taps (into body frame 0, so
+that one frame carries them all); a single tap of one leaf from `OWN_FRAME_BYTES` up,
+and every run's body, go out as body frames of their own, as they are.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from tapd.protocol.schema import PER_TAP, check_batch_row, check_batch_static
 __all__ = ["BatchRun", "BatchTap", "SiteRun", "encode_batch", "read_runs"]
 
 _NOT_STATIC = frozenset((*PER_TAP, "kind", "shard"))
+# A single tap of one leaf this large (and padded already: a multiple of 8 bytes) is a
+# body frame of its own: a frame costs less than copying it into the shared one.
+OWN_FRAME_BYTES = 8 * 1024
 
 
 class BatchTap(NamedTuple):
@@ -71,9 +76,10 @@ def _static_of(header: Mapping[str, Any], emitter: str) -> dict[str, Any]:
     return static
 
 
-def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame]:
-    """The frames of one `taps` message carrying `pieces`' taps, in order: single taps'
-    arrays copied into the first body frame, each run's body as a frame of its own."""
+def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame | bytearray]:
+    """The frames of one `taps` message carrying `pieces`' taps, in order: small single
+    taps' arrays copied into the first body frame, each run's body and each large
+    one-leaf tap's array as a frame of its own, uncopied."""
     statics: list[dict[str, Any]] = []
     index_of: dict[Hashable, int] = {}
 
@@ -92,7 +98,7 @@ def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame]:
 
     rows: list[Sequence[Any]] = []  # (msgpack packs tuples and lists alike, as arrays)
     shared = bytearray()
-    bodies: list[Frame] = [b""]  # frame 0: single taps' arrays, copied
+    bodies: list[Frame | bytearray] = [shared]  # frame 0: small single taps' arrays, copied
     for piece in pieces:
         if isinstance(piece, BatchRun):
             index = static_index(piece.site, piece.header, piece.emitter)
@@ -118,6 +124,15 @@ def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame]:
             continue
         header = piece.header
         shard = header.get("shard")
+        frames = piece.frames
+        if len(frames) == 1 and len(frames[0]) >= OWN_FRAME_BYTES and not len(frames[0]) % 8:
+            frame, offset = len(bodies), 0
+            bodies.append(frames[0])
+        else:
+            frame, offset = 0, len(shared)
+            for array in frames:
+                shared += array
+                shared += bytes(-len(array) % 8)
         rows.append(
             [
                 static_index(piece.site, header, piece.emitter),
@@ -127,14 +142,10 @@ def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame]:
                 header["device"],
                 header["time"],
                 None if shard is None else shard["coords"],
-                0,
-                len(shared),
+                frame,
+                offset,
             ]
         )
-        for array in piece.frames:
-            shared += array
-            shared += bytes(-len(array) % 8)
-    bodies[0] = bytes(shared)
     header_bytes = encode_header({"kind": "taps", "statics": statics, "taps": rows})
     return [MAGIC, header_bytes, *bodies]
 

@@ -96,17 +96,46 @@ class StaticEntry:
         return header
 
 
+def made(cls: type[Any], fields: dict[str, Any]) -> Any:
+    """An instance of the frozen dataclass `cls` holding `fields` (all of its fields,
+    and any private extras), made without its generated __init__, which costs one
+    object.__setattr__ per field: the per-tap path makes a Message and a TapMeta per tap."""
+    instance = object.__new__(cls)
+    object.__setattr__(instance, "__dict__", fields)
+    return instance
+
+
+class _RunTap(Message):
+    """A tap of a SiteRun: its arrays are rows of the run's stacked leaves, sliced
+    from them rather than each made anew from its frames."""
+
+    def arrays(self) -> list[np.ndarray]:
+        leaves = self.__dict__.get("_leaves")
+        if leaves is None:  # (made by its __init__: dataclasses.replace, say)
+            return super().arrays()
+        i = self.__dict__["_index"]
+        return [leaf[i, ...] for leaf in leaves]
+
+
 class SiteRun:
     """Consecutive taps of a `taps` message that share one static entry and one body
     frame, checked: what a batch handler gets as columns (tapd_client.TapBatch) and a
     per-tap handler as one `tap` Message each."""
 
-    __slots__ = ("body", "rows", "static")
+    __slots__ = ("_leaves", "body", "rows", "static")
 
     def __init__(self, static: StaticEntry, body: memoryview, rows: list[list[Any]]) -> None:
         self.static = static
         self.body = body
         self.rows = rows  # [static, tid, seq, step, device, time, coords, frame, offset]
+        self._leaves: list[np.ndarray] | None = None
+
+    def leaves(self) -> list[np.ndarray]:
+        """Each leaf of the run's taps stacked along a new axis 0, read-only: a strided
+        view of the body where the taps are evenly spaced, else a gathered copy."""
+        if self._leaves is None:
+            self._leaves = _stacked(self)
+        return self._leaves
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -127,4 +156,35 @@ class SiteRun:
     def message(self, i: int) -> Message:
         offset, body = self.rows[i][8], self.body
         frames = [body[offset + start : offset + start + n] for start, n in self.static.layout]
-        return Message(self.header(i), frames, site=self.static)
+        fields = {"header": self.header(i), "frames": frames, "runs": (), "site": self.static}
+        return made(_RunTap, {**fields, "_leaves": self.leaves(), "_index": i})  # type: ignore[no-any-return]
+
+
+def _stacked(run: SiteRun) -> list[np.ndarray]:
+    offsets = np.array([row[8] for row in run.rows], np.int64)
+    count = len(offsets)
+    steps = np.diff(offsets)
+    stride = int(steps[0]) if count > 1 else 0
+    even = count == 1 or bool((steps == stride).all())
+    body = run.body
+    out = []
+    for (name, shape, _), (start, size) in zip(run.fields["leaves"], run.layout, strict=True):
+        dtype = dtype_from_name(name)
+        if size == 0:
+            leaf = np.zeros((count, *shape), dtype)
+        elif even:
+            inner = np.empty(shape, dtype).strides  # C order
+            leaf = np.ndarray(
+                (count, *shape),
+                dtype,
+                buffer=body,
+                offset=int(offsets[0]) + start,
+                strides=(stride, *inner),
+            )
+        else:
+            raw = np.frombuffer(body, np.uint8)
+            where = offsets[:, np.newaxis] + (start + np.arange(size))
+            leaf = raw[where].view(dtype).reshape(count, *shape)
+        leaf.flags.writeable = False
+        out.append(leaf)
+    return out

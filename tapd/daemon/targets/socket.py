@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tapd.daemon.deliveries import Delivery, PeerKey, Send
+from tapd.daemon.runs import TapRun
 from tapd.daemon.subscriptions import Hello
 from tapd.daemon.targets.base import Terms
 from tapd.daemon.targets.peer import Peer
@@ -15,8 +16,11 @@ from tapd.protocol import MAGIC
 from tapd.protocol.batch import encode_batch
 from tapd.protocol.wire import DEFAULT_LIMITS, encode_header
 
-# Taps smaller than this go to subscribers in batches; pyzmq would copy them anyway.
+# Taps up to this size go to subscribers in batches (and runs of ring taps always do),
+# up to MESSAGE_BYTES of taps per message: the per-message costs (a header, a send, a
+# receive, an ack) are paid once for all of them. Larger taps go one per `tap` message.
 BATCH_BYTES = 64 * 1024
+MESSAGE_BYTES = 1024 * 1024
 _BATCH_HEADER_BYTES = DEFAULT_LIMITS.max_header_bytes // 4  # well within what decoders take
 
 
@@ -50,7 +54,7 @@ class SocketSubscriber(Peer):
         """Send the next queued unit, or the next small ones together as one `taps`
         message; False if the subscriber is unreachable."""
         queue = self.queue
-        if not (self.batch and queue[0].nbytes <= BATCH_BYTES):
+        if not (self.batch and _batched(queue[0])):
             return self._send_each(self.start_delivery())
         # Up to half a window per message, so that the subscriber's ack of one batch
         # overlaps its work on the next.
@@ -58,7 +62,12 @@ class SocketSubscriber(Peer):
         limit = min(room, max(1, self.window // 2), DEFAULT_LIMITS.max_batch)
         deliveries = [self.start_delivery()]
         taps, size = deliveries[0].count, deliveries[0].nbytes
-        while queue and taps + queue[0].count <= limit and size + queue[0].nbytes <= BATCH_BYTES:
+        while (
+            queue
+            and taps + queue[0].count <= limit
+            and size + queue[0].nbytes <= MESSAGE_BYTES
+            and _batched(queue[0])
+        ):
             deliveries.append(self.start_delivery())
             taps += deliveries[-1].count
             size += deliveries[-1].nbytes
@@ -80,3 +89,8 @@ class SocketSubscriber(Peer):
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "group": self.group}
+
+
+def _batched(delivery: Delivery) -> bool:
+    """Whether a subscriber that batches gets this unit in a `taps` message."""
+    return isinstance(delivery.tap, TapRun) or delivery.nbytes <= BATCH_BYTES
