@@ -28,6 +28,9 @@ within this one run rather than absolute numbers across runs.
 5. Multi-host throughput (multihost.py): taps/s and MB/s reaching one subscriber from
    one JAX process with 4 CPU devices, and from a 2-process `jax.distributed` job with
    4 devices and its own daemon per process, the subscriber following both daemons.
+6-8. The benchmarks that run in processes of their own (companions.py): same-host
+   subscribers through shared memory (shm.py), fan-in into one upstream (fanin.py) and
+   dormant or sampled taps (dormant.py), each report taken whole.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import multihost
 import numpy as np
+from companions import run_companions
 from jax import lax
 from processes import BENCH_DIR, Processes
 from report import (
@@ -614,8 +618,9 @@ def run(
             "5. Multi-host throughput: 2 processes x 4 devices vs 1 x 4, one subscriber",
             several,
         ),
-        ("Health of the run", "\n".join(health)),
     ]
+    sections += run_companions(quick=plan is QUICK)
+    sections.append(("Health of the run", "\n".join(health)))
     return sections, [("tapd emitter backend", emitter_backend())]
 
 
