@@ -358,3 +358,17 @@ def test_tapd_tail_every_takes_a_positive_int() -> None:
     for bad in ("0", "-3", "x", str(2**32 - 1)):
         result = tapd_cmd("tail", "acts", "--every", bad)
         assert result.returncode == 2 and "--every takes an int from 1" in result.stderr, bad
+
+
+def test_a_subscriber_handles_only_the_taps_it_sampled_even_when_sent_more() -> None:
+    """A run parked before a sampling subscriber came is routed to it whole: its library
+    drops what it did not ask for, by the daemon's rule seq % (K * n) == 0."""
+    from tapd_client.sampling import Sampling
+
+    sampling = Sampling()
+    sampling.add("acts", 3)
+    kept = [s for s in range(10) if sampling.keeps("acts", {"seq": s})]
+    assert kept == [0, 3, 6, 9]
+    kept = [s for s in range(13) if sampling.keeps("acts", {"seq": s, "every": 2})]
+    assert kept == [0, 6, 12]
+    assert all(sampling.keeps("loss", {"seq": s}) for s in range(5))  # asked no every

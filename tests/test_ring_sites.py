@@ -115,6 +115,16 @@ def test_sites_without_a_slot_are_always_sent(ring: Ring, consumer: int) -> None
         ring.set_site_every(0, -1)
 
 
+def test_a_site_without_a_slot_still_samples_by_its_own_every(ring: Ring, consumer: int) -> None:
+    """No slot means no dormancy, not no sampling: tap(every=3) copies seqs 0, 3 and the
+    others are counted skipped (in the ring's total; there is no slot to count them in)."""
+    site = SITE_SLOTS + 7
+    written = [ring.write_leaves(site, [np.zeros(2)], consumer=consumer, every=3) for _ in range(6)]
+    assert written == [True, False, False, True, False, False]
+    assert written_seqs(ring, site) == [0, 3]
+    assert ring.counters().skipped == 4 and ring.skipped_by_site() == {}
+
+
 def test_the_portable_precheck_takes_the_seq_only_when_it_skips(ring: Ring, consumer: int) -> None:
     """tapd_ring_skip: 1 (seq used, skip counted) or 0 (nothing taken: the write that
     follows takes the seq and decides again)."""

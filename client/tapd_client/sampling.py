@@ -28,3 +28,14 @@ class Sampling:
         """Into a hello's fields: `every` as [pattern, n] pairs, if any samples."""
         if self.every:
             hello["every"] = [[pattern, n] for pattern, n in self.every.items()]
+
+    def keeps(self, pattern: str, header: dict[str, Any]) -> bool:
+        """Whether a tap dispatched by `pattern` is one it asked for: seq % (K * n) == 0,
+        K the site's own `every` (the daemon's rule, tapd/daemon/sampling.py)."""
+        n = self.every.get(pattern, 1)
+        if n == 1:
+            return True
+        k = header.get("every", 1)
+        seq = header.get("seq")
+        k = k if type(k) is int and k >= 1 else 1
+        return type(seq) is not int or seq % (k * n) == 0

@@ -487,8 +487,14 @@ class Subscriber:
                 self._run_batch(link, same_site, pattern, templates[key])
 
     def _run_handler(
-        self, link: _DaemonLink, message: Message, template: MetaTemplate | None = None
+        self,
+        link: _DaemonLink,
+        message: Message,
+        template: MetaTemplate | None = None,
+        check: Callable[[], None] | None = None,
     ) -> None:
+        """Run the tap's handler; `check`, after it returns, says whether what it read
+        was intact (views of a ring): a tap that fails it is one failure, reported once."""
         header = message.header
         tid = header.get("tid")
         if not isinstance(tid, int):
@@ -500,12 +506,16 @@ class Subscriber:
         if pattern in self._batch:
             self._run_batch(link, message, pattern, template)
             return
+        if pattern is not None and not self._every.keeps(pattern, header):
+            return  # sampled out: the daemon thins these, save a run it routed whole
         handler = None if pattern is None else cast(Handler, self._handlers[pattern])
         try:
             if handler is None:
                 raise TapdError(f"no handler here for consumer {consumer!r}")
             meta = TapMeta.from_header(header) if template is None else template.meta(header)
             handler(message.value(), meta)
+            if check is not None:
+                check()
             self.processed += 1
         except Exception as exc:
             self.failed += 1
@@ -529,9 +539,8 @@ class Subscriber:
                 raise RingReadError("this subscriber reads no rings from this daemon")
             tap, intact = link.rings.read(header, views=self.views)
             self.ring_taps += 1
-            self._run_handler(link, tap)
-            if self.views:
-                intact()  # the handler read what the emitter wrote
+            # (views: the handler must have read what the emitter wrote)
+            self._run_handler(link, tap, check=intact if self.views else None)
         except (RingReadError, ConfigError) as exc:
             self.failed += 1
             logger.error("refused a ring tap from the daemon at %s: %s", link.endpoint, exc)

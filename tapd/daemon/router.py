@@ -45,7 +45,7 @@ class Router:
     def __init__(
         self, send: Send, *, policy: str, queue_bytes: int, window_bytes: int, daemon_id: str
     ) -> None:
-        self._send = self.send = send
+        self.send = send
         self.ledger = Ledger(send)
         self.refused = self.ledger.refused  # a tap or message refused: told and counted
         self.policy = policy
@@ -135,7 +135,7 @@ class Router:
         }
         if type(nonce) is int:  # which hello this answers (tapd/protocol/link.py)
             fields["nonce"] = nonce
-        self._send(emitter.key, encode("welcome", fields))
+        self.send(emitter.key, encode("welcome", fields))
 
     def knows_emitter(self, key: PeerKey) -> bool:
         return key in self.ledger.emitters
@@ -211,7 +211,7 @@ class Router:
     def barrier(self, key: PeerKey, barrier_id: int) -> None:
         emitter = self.emitters.get(key)
         if emitter is None:
-            self._send(key, encode("rehello", {}))
+            self.send(key, encode("rehello", {}))
             return
         emitter.last_seen = time.monotonic()
         emitter.barriers.append((barrier_id, emitter.next_index))
@@ -249,7 +249,7 @@ class Router:
                 if totals != emitter.reported:
                     fields.update(delivered=totals[0], dropped=totals[1], unrouted=totals[2])
                     emitter.reported, emitter.reported_at = totals, now
-                self._send(emitter.key, encode("credit", fields))
+                self.send(emitter.key, encode("credit", fields))
                 emitter.credit_due = 0
 
     def watch_ring(self, key: PeerKey, give_back: Callable[[], None]) -> None:

@@ -126,9 +126,10 @@ class WantsTable:
         for key, emitter in self.router.emitters.items():
             if emitter.forwarder and not emitter.gone and _socket_peer(key):
                 said = emitter.hellos, self._pairs
-                if self._told.get(key) != said:
-                    self._told[key] = said
-                    self.router.send(key, encode("wants", wants_fields(self._pairs)))
+                if self._told.get(key) != said and self.router.send(
+                    key, encode("wants", wants_fields(self._pairs))
+                ):
+                    self._told[key] = said  # (not sent: told at its next hello or change)
         for key in [k for k in self._told if k not in self.router.emitters]:
             del self._told[key]
 

@@ -415,15 +415,14 @@ Ring* InstalledRing() { return g_ring.load(std::memory_order_acquire); }
 // 5, be preempted, and reserve after the thread that took seq 6.) A tap larger than the
 // whole ring, or refused under drop_newest, still uses up its number: the gap shows.
 bool TakeTap(Ring* ring, uint64_t site, uint64_t seq, uint64_t every) {
-  if (site >= kSiteSlots) return true;  // no slot: always sent
-  SiteSlot& slot = ring->sites[site];
-  bool always = (every & kEveryAlwaysBit) != 0;
-  uint32_t wanted = always ? kEveryAll : slot.every.load(std::memory_order_relaxed);
   uint64_t k = (every & ~kEveryAlwaysBit) ? (every & ~kEveryAlwaysBit) : 1;
+  bool has_slot = site < kSiteSlots;  // a site without one: never dormant, its own K only
+  bool always = (every & kEveryAlwaysBit) != 0 || !has_slot;
+  uint32_t wanted = always ? kEveryAll : ring->sites[site].every.load(std::memory_order_relaxed);
   uint64_t n = wanted == kEveryAll ? 1 : wanted;
   // seq % (k * n) == 0, without overflowing k * n.
   if (wanted != kEveryDormant && seq % k == 0 && (seq / k) % n == 0) return true;
-  slot.skipped.fetch_add(1, std::memory_order_relaxed);
+  if (has_slot) ring->sites[site].skipped.fetch_add(1, std::memory_order_relaxed);
   ring->control->skipped.fetch_add(1, std::memory_order_relaxed);
   return false;
 }
@@ -868,12 +867,12 @@ uint32_t tapd_ring_skipped_by_site(void* handle, uint64_t* out) {
 int tapd_ring_skip(void* handle, uint64_t site, uint32_t consumer, int32_t device,
                    uint64_t every) {
   Ring* ring = handle != nullptr ? static_cast<Ring*>(handle) : tapd::InstalledRing();
-  if (ring == nullptr || site >= tapd::kSiteSlots) return 0;
-  // Every tap of the site is taken (K = 1, and a slot of 0 or 1, or an always site): no
-  // need for the lock.
-  uint32_t wanted = ring->sites[site].every.load(std::memory_order_relaxed);
+  if (ring == nullptr) return 0;
+  // Every tap of the site is taken (K = 1, and a slot of 0 or 1, an always site, or a
+  // site without a slot): no need for the lock.
+  bool always = (every & tapd::kEveryAlwaysBit) != 0 || site >= tapd::kSiteSlots;
   if ((every & ~tapd::kEveryAlwaysBit) <= 1 &&
-      ((every & tapd::kEveryAlwaysBit) != 0 || wanted <= 1)) {
+      (always || ring->sites[site].every.load(std::memory_order_relaxed) <= 1)) {
     return 0;
   }
   uint64_t key = (uint64_t{consumer} << 32) | uint32_t(device);

@@ -365,6 +365,11 @@ class Ring:
         position = int(self._lib.tapd_ring_reserve_bare_for_test(self.handle, length))
         return None if position == 2**64 - 1 else position
 
+    def maps(self, owner: object) -> bool:
+        """Whether `owner` (a view's `.obj`) is this ring's mapping of its records: a
+        frame read from this ring, not from another ring of the same size."""
+        return self._mapped is not None and owner is self._mapped[1].obj
+
     def read(self, position: int, max_records: int = 1024) -> list[Record]:
         """Committed records from `position` on (views into the ring: valid until the
         space is released and rewritten). Abandoned records are skipped: the first

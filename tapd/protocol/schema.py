@@ -143,6 +143,8 @@ TAP: Schema = {
     "tid": opt(Int(0)),
     "emitter": opt(_ID),
     "fid": opt(Int(0)),  # forwarder -> upstream: the forwarder's number for the tap
+    "every": opt(Int(1, U64_MAX)),  # the site's own sampling, as its site entry says
+    "always": opt(Of(bool)),  # never dormant (the site entry's)
     # `shard`: check_shard
 }
 

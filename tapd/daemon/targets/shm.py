@@ -91,8 +91,8 @@ class RingReaders:
             return None
         first = tap.frames[0]
         owner = first.obj if isinstance(first, memoryview) else None
-        if not isinstance(owner, ctypes.Array):  # (not a view of a ring's mapping)
-            return None
+        if not isinstance(owner, ctypes.Array) or not source.ring.maps(owner):
+            return None  # not a view of this emitter's ring now (a replaced ring's, say)
         base, size = ctypes.addressof(owner), ctypes.sizeof(owner)
         counters = source.ring.counters()
         capacity = counters.capacity
