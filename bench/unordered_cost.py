@@ -2,7 +2,7 @@
 
     TAPD_BACKEND=portable python bench/unordered_cost.py [--steps N] [--repeats R]
 
-Starts its own daemon (no subscriber: the taps are read and counted unrouted), then
+Starts its own daemon (no subscriber, dormancy off: the taps are read and counted unrouted), then
 times a jitted `fori_loop` of N steps tapping a 16-float vector: untapped, ordered and
 unordered, interleaved R times; prints the median µs each tap adds, as one JSON line.
 Not a test: the figures depend on the machine (README, "Unordered taps").
@@ -27,6 +27,8 @@ args = parser.parse_args()
 
 directory = tempfile.mkdtemp(prefix="tapd-b-", dir="/tmp")
 endpoint = f"ipc://{directory}/tapd.sock"
+# No subscriber, yet the taps are to be copied: dormancy off for the daemon and for us.
+os.environ["TAPD_DORMANT"] = "0"
 daemon = subprocess.Popen(
     [sys.executable, "-m", "tapd", "start", "--endpoint", endpoint, "--startup-grace", "0"],
     stdout=subprocess.PIPE,

@@ -281,7 +281,8 @@ def test_the_gpu_benchmark_setup_that_hung_runs_through_on_cpu(
     steps = min(200, int(ring * 0.8) // (2**20 + 64))
     app = Path(__file__).parent / "gpu" / "gpu_emitter_app.py"
     env = {**os.environ, "TAPD_ENDPOINT": daemon.endpoint, "JAX_PLATFORMS": "cpu",
-           "TAPD_BUFFER_BYTES": str(ring), "TAPD_RING_WAIT_WARNING_S": "2"}  # fmt: skip
+           "TAPD_BUFFER_BYTES": str(ring), "TAPD_RING_WAIT_WARNING_S": "2",
+           "TAPD_DORMANT": "0"}  # fmt: skip  (no subscriber, yet every tap is to be copied)
     result = subprocess.run([sys.executable, str(app), "interleaved", str(steps)], env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
