@@ -280,9 +280,10 @@ def test_the_gpu_benchmark_setup_that_hung_runs_through_on_cpu(
     ring = 64 * 2**20
     steps = min(200, int(ring * 0.8) // (2**20 + 64))
     app = Path(__file__).parent / "gpu" / "gpu_emitter_app.py"
+    # (TAPD_DORMANT=0: no subscriber, yet every tap is to be copied, as on the GPU run)
     env = {**os.environ, "TAPD_ENDPOINT": daemon.endpoint, "JAX_PLATFORMS": "cpu",
            "TAPD_BUFFER_BYTES": str(ring), "TAPD_RING_WAIT_WARNING_S": "2",
-           "TAPD_DORMANT": "0"}  # fmt: skip  (no subscriber, yet every tap is to be copied)
+           "TAPD_DORMANT": "0"}  # fmt: skip
     result = subprocess.run([sys.executable, str(app), "interleaved", str(steps)], env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
