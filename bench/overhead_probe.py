@@ -8,12 +8,16 @@ cost. Beside it, the cost of copying the same bytes with numpy, hot (same source
 destination every time) and rotating through a 256 MB destination, as the ring does.
 Also the isolation check: a step doing real work (a few 128x128 matmuls), untapped vs
 tapped while a subscriber sleeps 10 ms per tap and the ring has room.
+
+The per-tap cost is that of a tap that is copied: no subscriber takes these taps, so
+this process runs with TAPD_DORMANT=0 (bench/dormant.py measures dormant taps).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -144,6 +148,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--isolation-steps", type=int, default=100)
     args = parser.parse_args()
+    os.environ["TAPD_DORMANT"] = "0"  # (read when the emitter starts, at its first tap)
     tapd.configure(endpoint=args.endpoint, backend=args.backend, policy="block")
     result = {
         "backend": args.backend,
