@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -421,60 +422,61 @@ def test_a_daemon_cannot_make_a_subscriber_read_another_file(
         context.term()
 
 
-def test_positions_outside_the_ring_are_refused(runtime_dir: Path) -> None:
-    """A real ring file, and a descriptor naming bytes it has not committed: refused,
-    naming the ring's readable span (the subscriber's reader, in process)."""
+@pytest.fixture
+def ring_with_one_tap(runtime_dir: Path) -> Iterator[tuple[Path, Any]]:
+    """A real ring file `1-ab.ring` in a 0700 `rings` directory, holding one 16-byte tap
+    (float32 0..3) at position 56: (the directory, the ring)."""
     if reason := native_unavailable():
         pytest.skip(reason)
     from tapd.native.ring import Ring
-    from tapd_client.shm import RingReader, RingReadError
 
     directory = runtime_dir / "rings"
     directory.mkdir(mode=0o700)
     ring = Ring.create(directory / "1-ab.ring", 1 << 16)
     try:
         ring.write(1, np.arange(4, dtype=np.float32).tobytes())
-        header = {
-            "consumer": "big", "seq": 0, "tree": ["*"], "leaves": [["float32", [4], 16]],
-            "ring": "1-ab.ring",
-        }  # fmt: skip
-        reader = RingReader(directory)
-        tap, intact = reader.read({**header, "positions": [56]}, views=False)
-        assert tap.value().tolist() == [0.0, 1.0, 2.0, 3.0]
-        intact()
-        with pytest.raises(RingReadError, match=r"outside its unreleased records \[0, 72\)"):
-            reader.read({**header, "positions": [72]}, views=False)
-        ring.release(72)  # delivered: a later tap may be written there
-        with pytest.raises(RingReadError, match="outside its unreleased records"):
-            reader.read({**header, "positions": [56]}, views=False)
-        reader.close()
+        yield directory, ring
     finally:
         ring.close()
 
 
-def test_a_removed_ring_is_unmapped(runtime_dir: Path) -> None:
+ONE_TAP = {
+    "consumer": "big", "seq": 0, "tree": ["*"], "leaves": [["float32", [4], 16]],
+    "ring": "1-ab.ring",
+}  # fmt: skip
+
+
+def test_positions_outside_the_ring_are_refused(ring_with_one_tap: tuple[Path, Any]) -> None:
+    """A real ring file, and a descriptor naming bytes it has not committed: refused,
+    naming the ring's readable span (the subscriber's reader, in process)."""
+    from tapd_client.shm import RingReader, RingReadError
+
+    directory, ring = ring_with_one_tap
+    reader = RingReader(directory)
+    tap, intact = reader.read({**ONE_TAP, "positions": [56]}, views=False)
+    assert tap.value().tolist() == [0.0, 1.0, 2.0, 3.0]
+    intact()
+    with pytest.raises(RingReadError, match=r"outside its unreleased records \[0, 72\)"):
+        reader.read({**ONE_TAP, "positions": [72]}, views=False)
+    ring.release(72)  # delivered: a later tap may be written there
+    with pytest.raises(RingReadError, match="outside its unreleased records"):
+        reader.read({**ONE_TAP, "positions": [56]}, views=False)
+    reader.close()
+
+
+def test_a_removed_ring_is_unmapped(ring_with_one_tap: tuple[Path, Any]) -> None:
     """Once the daemon removed a finished emitter's ring, the subscriber unmaps it (its
     shared memory is freed only then)."""
-    if reason := native_unavailable():
-        pytest.skip(reason)
-    from tapd.native.ring import Ring
     from tapd_client.shm import RingReader
 
-    directory = runtime_dir / "rings"
-    directory.mkdir(mode=0o700)
-    ring = Ring.create(directory / "1-ab.ring", 1 << 16)
-    try:
-        ring.write(1, bytes(16))
-        header = {"consumer": "c", "seq": 0, "tree": ["*"], "leaves": [["uint8", [16], 16]]}
-        reader = RingReader(directory)
-        reader.read({**header, "ring": "1-ab.ring", "positions": [56]}, views=False)
-        reader.forget_unlinked()
-        assert list(reader._maps) == ["1-ab.ring"]  # still there: still mapped
-        (directory / "1-ab.ring").unlink()
-        reader.forget_unlinked()
-        assert list(reader._maps) == []
-    finally:
-        ring.close()
+    directory, _ = ring_with_one_tap
+    reader = RingReader(directory)
+    reader.read({**ONE_TAP, "positions": [56]}, views=False)
+    reader.forget_unlinked()
+    assert list(reader._maps) == ["1-ab.ring"]  # still there: still mapped
+    (directory / "1-ab.ring").unlink()
+    reader.forget_unlinked()
+    assert list(reader._maps) == []
 
 
 def test_the_client_reads_rings_without_jax_or_the_native_library() -> None:
