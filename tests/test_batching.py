@@ -6,6 +6,7 @@ emitter, so the messages on the wire are what is checked.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -269,3 +270,27 @@ def test_a_run_taps_values_are_read_only_arrays_as_a_tap_messages_are(
         assert value.dtype == reference.dtype and value.tolist() == expected.tolist()
         assert not value.flags.writeable and value.flags.c_contiguous
         assert template.meta(message.header) == TapMeta.from_header(message.header)
+    # The subscriber's per-tap loop takes each run's values at once: the same arrays.
+    (whole,) = batch.runs
+    made_fields = set(vars(whole.message(0))) - {"_leaves", "_index"}  # (made without __init__)
+    assert made_fields == {field.name for field in dataclasses.fields(Message)}
+    for value, message in zip(whole.values(), batch.batch, strict=True):
+        reference = message.value()
+        assert (
+            type(value) is np.ndarray
+            and value.shape == shape
+            and value.tolist() == reference.tolist()
+        )
+        assert not value.flags.writeable and value.flags.c_contiguous
+
+
+def test_a_meta_made_without_init_has_exactly_tap_meta_s_fields() -> None:
+    """MetaTemplate builds TapMeta's __dict__ by hand (the per-tap path): a field added
+    to TapMeta must be added there too, or metas would lack it."""
+    from tapd_client.meta import MetaTemplate, TapMeta
+
+    header = {"kind": "tap", "consumer": "x", "seq": 3, "step": 2, "device": 0, "time": 5,
+              "process": 0, "host": "h", "pid": 1, "transforms": [], "meta": {"k": 1}}  # fmt: skip
+    made = MetaTemplate(header).meta(header)
+    assert set(vars(made)) == {field.name for field in dataclasses.fields(TapMeta)}
+    assert made == TapMeta.from_header(header)

@@ -320,6 +320,35 @@ def test_a_forwarders_sites_wake_for_a_subscriber_upstream(
     wait_every(downstream, "sampled", 1)
 
 
+def test_a_forwarder_sends_upstream_only_what_its_takers_want(
+    start_daemon: Callable[..., Daemon],
+    start_subscriber: Callable[..., SubscriberProcess],
+    start_job: Callable[..., Job],
+) -> None:
+    """A site woken by a taker on the forwarding host alone ("sampled", and the id_tap
+    function's taps, which run in the job) is not sent upstream, where no one wants
+    it: the upstream receives the taps its subscriber takes, and nothing to discard."""
+    upstream = start_daemon(name="up.sock")
+    downstream = start_daemon("--forward", upstream.endpoint, name="down.sock")
+    wait_until(lambda: downstream.stats()["forward"]["upstream"], "the upstream's welcome")
+    far = start_subscriber(upstream, "acts")
+    near = start_subscriber(downstream, "sampled")
+    job = start_job(downstream)
+    job.run(1)  # (compiles: the sites exist from here on)
+    wait_every(downstream, "acts", 1)
+    wait_every(downstream, "sampled", 1)
+    wait_until(lambda: len(acts_seqs(far)) == 1, "the first acts, forwarded")
+    before = upstream.counters()
+    steps = 2 * SAMPLE_EVERY
+    job.run(steps)
+    wait_until(lambda: len(acts_seqs(far)) == 1 + steps, "acts, forwarded")
+    wait_until(lambda: len(acts_seqs(near, "sampled")) >= 2, "sampled, taken here")
+    counters = upstream.counters()
+    assert counters["taps_received"] - before["taps_received"] == steps, counters
+    assert counters.get("taps_unrouted", 0) == 0, counters
+    assert {r["consumer"] for r in far.records()} == {"acts"}
+
+
 def test_a_clean_exit_gives_every_slot_back(
     start_daemon: Callable[..., Daemon], start_job: Callable[..., Job]
 ) -> None:

@@ -54,22 +54,35 @@ def test_an_upstream_starting_late_before_its_subscriber_holds_the_backlog_for_i
     assert "taps_unrouted" not in upstream.counters()
 
 
+@pytest.mark.parametrize("upstream_says", ["what it wants", "everything"])
 def test_taps_the_upstream_had_no_subscriber_for_are_unrouted_for_the_emitter(
-    start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str, upstream_says: str
 ) -> None:
     """Delivered means an upstream subscriber handled it: taps nobody upstream wanted
-    reach the emitter's counts as unrouted, not as delivered."""
-    upstream = start_daemon(name="a.sock")  # no grace, and no subscriber for "loss"
+    reach the emitter's counts as unrouted, not as delivered. An upstream that says what
+    its takers want ("other") is sent none of them: the forwarder counts them unrouted
+    itself. One that says "everything" (dormancy off) is sent them and counts them."""
+    flags = ["--no-dormant"] if upstream_says == "everything" else []
+    upstream = start_daemon(*flags, name="a.sock")  # no grace, and no subscriber for "loss"
     forwarder = start_daemon("--forward", upstream.endpoint, name="b.sock")
     other = start_subscriber(upstream, "other")
+    wants = "everything" if upstream_says == "everything" else [["other", 1]]
+    wait_until(lambda: forward_stats(forwarder)["upstream_wants"] == wants, "the upstream's wants")
     emitter = start_emitter(forwarder.endpoint, "steps", "40")
     stats = finish(emitter)["stats"]
-    assert (stats["delivered"], stats["unrouted"], stats["daemon_dropped"]) == (0, 40, 0)
     assert other.records() == []
-    assert upstream.counters()["taps_unrouted"] == 40
     counters = forwarder.counters()
-    assert counters["forward_upstream_unrouted"] == 40
     assert "forward_upstream_delivered" not in counters
+    if upstream_says == "everything":
+        assert (stats["delivered"], stats["unrouted"], stats["daemon_dropped"]) == (0, 40, 0)
+        assert upstream.counters()["taps_unrouted"] == 40
+        assert counters["forward_upstream_unrouted"] == 40
+    else:  # (once the forwarder has the site's entry, the site is dormant: skipped)
+        assert (stats["delivered"], stats["daemon_dropped"]) == (0, 0)
+        assert stats["unrouted"] + stats["skipped"] == 40 and stats["unrouted"] > 0, stats
+        assert "taps_received" not in upstream.counters()
+        assert counters["taps_unrouted"] == stats["unrouted"]
+        assert counters.get("forward_sent", 0) == 0
 
 
 # ---- 2 and 3. connections that drop, on both sides or on one -------------------------

@@ -134,23 +134,31 @@ class MetaTemplate:
         self._shard = first.shard
 
     def meta(self, header: dict[str, Any]) -> TapMeta:
+        shard = header["shard"]["coords"] if self._shard is not None else None
+        return self.meta_of(header["seq"], header["step"], header["device"], header["time"], shard)
+
+    def meta_of(
+        self, seq: int, step: int | None, device: int | None, time_ns: int, coords: Any
+    ) -> TapMeta:
+        """The meta of one tap of the site, from its per-tap fields (a `taps` row's)."""
         process, host, pid, emitter, transforms = self._shared
         shard = self._shard
         if shard is not None:
-            shard = dataclasses.replace(shard, coords=tuple(header["shard"]["coords"]))
-        # (not through __init__: a frozen dataclass's costs an object.__setattr__ per field)
+            shard = dataclasses.replace(shard, coords=tuple(coords))
+        # (not through __init__: a frozen dataclass's costs an object.__setattr__ per
+        # field; tests/test_batching.py pins these keys to TapMeta's fields)
         meta = object.__new__(TapMeta)
         fields = {
             "consumer": self.consumer,
-            "seq": header["seq"],
-            "step": header["step"],
-            "device": header["device"],
+            "seq": seq,
+            "step": step,
+            "device": device,
             "process": process,
             "host": host,
             "pid": pid,
             "emitter": emitter,
             "transforms": transforms,
-            "time": header["time"] / 1e9,
+            "time": time_ns / 1e9,
             "meta": dict(self._meta),
             "shard": shard,
         }

@@ -35,7 +35,11 @@ class Sampling:
         n = self.every.get(pattern, 1)
         if n == 1:
             return True
-        k = header.get("every", 1)
         seq = header.get("seq")
-        k = k if type(k) is int and k >= 1 else 1
-        return type(seq) is not int or seq % (k * n) == 0
+        return type(seq) is not int or seq % (site_every(header) * n) == 0
+
+
+def site_every(fields: dict[str, Any]) -> int:
+    """A site's own K (`tap(x, name, every=K)`) from a tap's header or static fields."""
+    k = fields.get("every", 1)
+    return k if type(k) is int and k >= 1 else 1

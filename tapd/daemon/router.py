@@ -379,7 +379,10 @@ class Router:
     def _samples_any(self) -> bool:
         """Whether any target asks for `every` (else no tap is thinned: one check)."""
         if self._sampling is None:
-            self._sampling = any(t.subscription.every for t in self._subscribers.targets())
+            self._sampling = any(
+                t.subscription.every or any(n > 1 for _, n in t.subscription.wanted or ())
+                for t in self._subscribers.targets()
+            )
         return self._sampling
 
     def unpark(self) -> None:

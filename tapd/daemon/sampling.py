@@ -20,7 +20,10 @@ from tapd.protocol import Message
 def every_of(subscription: Subscription, consumer: str) -> int:
     """The n a target asks for `consumer`, which it routes: that of the pattern its
     subscriber dispatches the consumer by (the name itself, else the first pattern
-    that matches: tapd_client), 1 where it asked for none."""
+    that matches: tapd_client), 1 where it asked for none. A target that said what it
+    takes (`wanted`) takes by the finest n among its pairs that match."""
+    if subscription.wanted is not None:
+        return taken_every(subscription, consumer) or 1
     if not subscription.every:
         return 1
     patterns = subscription.patterns

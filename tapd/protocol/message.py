@@ -153,11 +153,25 @@ class SiteRun:
     def header(self, i: int) -> dict[str, Any]:
         return self.static.tap_header(self.rows[i])
 
+    def values(self) -> Sequence[Any]:
+        """Each tap's value, as `message(i).value()` gives it: rows of the stacked
+        leaves (read-only views), rebuilt with the pytree structure where there is one."""
+        leaves = [_rows(leaf) for leaf in self.leaves()]
+        tree = self.fields["tree"]
+        if tree == LEAF:
+            return leaves[0]
+        return [unflatten(tree, list(arrays)) for arrays in zip(*leaves, strict=True)]
+
     def message(self, i: int) -> Message:
         offset, body = self.rows[i][8], self.body
         frames = [body[offset + start : offset + start + n] for start, n in self.static.layout]
         fields = {"header": self.header(i), "frames": frames, "runs": (), "site": self.static}
         return made(_RunTap, {**fields, "_leaves": self.leaves(), "_index": i})  # type: ignore[no-any-return]
+
+
+def _rows(leaf: np.ndarray) -> list[np.ndarray]:
+    """A stacked leaf's rows, each an array (a 0-d one too: iterating would give scalars)."""
+    return list(leaf) if leaf.ndim > 1 else [leaf[i, ...] for i in range(len(leaf))]
 
 
 def _stacked(run: SiteRun) -> list[np.ndarray]:

@@ -46,7 +46,12 @@ class Subscription:
     wanted: tuple[tuple[str, int], ...] | None = None  # None: `patterns`, every 1
 
     def wants(self, consumer: str) -> bool:
-        return matches_any(self.patterns, consumer)
+        """Routed `consumer` by its patterns, and, where it said what it takes (a
+        forwarder: what its upstream's takers want), by those too: a tap the upstream
+        would only discard stays here."""
+        return matches_any(self.patterns, consumer) and (
+            self.wanted is None or matches_any((p for p, _ in self.wanted), consumer)
+        )
 
     def takes(self, consumer: str) -> bool:
         """Wants `consumer` by a pattern other than the bare "*" of a watcher (`tapd tail
