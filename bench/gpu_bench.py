@@ -112,16 +112,30 @@ def build_baseline(workdir: Path) -> ctypes.CDLL:
 
 
 @contextlib.contextmanager
-def lowered_as(backend: Backend) -> Any:
-    """Taps lowered (compiled) inside this block take `backend`'s path: how one process
-    compares both. A compiled loop keeps the path it was lowered with."""
+def lowered_as(backend: Backend | None = None, **changes: Any) -> Any:
+    """Taps lowered (compiled) inside this block take `backend`'s path, and the other
+    settings `changes` give: how one process compares both paths (or a site that may be
+    dormant beside TAPD_DORMANT=0's). A compiled loop keeps what it was lowered with."""
     settings = lifecycle._settings
     assert settings is not None, "tapd.configure() first"
-    lifecycle._settings = dataclasses.replace(settings, backend=backend)
+    if backend is not None:
+        changes["backend"] = backend
+    lifecycle._settings = dataclasses.replace(settings, **changes)
     try:
         yield
     finally:
         lifecycle._settings = settings
+
+
+def make_dormant(consumer: str) -> None:
+    """Mark `consumer`'s sites dormant in the ring's site table, as the daemon does for a
+    site nobody takes (issue 21): its taps then copy, and enqueue, nothing."""
+    from tapd.native.ring_format import EVERY_DORMANT
+
+    native = lifecycle.get_sender().native
+    assert native is not None, "a dormant tap needs the ring (a local daemon)"
+    for site in native.sites_of(consumer):
+        native.ring.set_site_every(site, EVERY_DORMANT)
 
 
 def cost_loop(size: int, steps: int, mode: str) -> Callable[[jax.Array], jax.Array]:
@@ -129,6 +143,8 @@ def cost_loop(size: int, steps: int, mode: str) -> Callable[[jax.Array], jax.Arr
         x = x * 0.999 + 0.001
         if mode in ("tap", "portable tap"):
             tapd.tap(x, f"gpu.cost.{size}")
+        elif mode == "dormant tap":
+            tapd.tap(x, f"gpu.cost.dormant.{size}")
         elif mode == "callback":
             jax.debug.callback(lambda v: None, x)
         elif mode == "bare copy":
@@ -156,10 +172,17 @@ def per_tap_cost(
         x = jnp.zeros(size // 4, jnp.float32)
         loops = {mode: cost_loop(size, steps, mode) for mode in ["none", *modes]}
         for mode, function in loops.items():  # compile and warm up
-            portable = mode == "portable tap"
-            with lowered_as("portable") if portable else contextlib.nullcontext():
+            if mode == "portable tap":
+                context = lowered_as("portable")
+            elif mode == "dormant tap":  # (gpu-check runs with TAPD_DORMANT=0)
+                context = lowered_as(dormant=True)
+            else:
+                context = contextlib.nullcontext()
+            with context:
                 timed(function, x)
         tapd.barrier_wait(timeout=BARRIER_TIMEOUT)
+        if "dormant tap" in loops:
+            make_dormant(f"gpu.cost.dormant.{size}")
         samples: dict[str, list[float]] = {mode: [] for mode in loops}
         for _ in range(repeats):
             for mode, function in loops.items():  # interleaved: shared noise
@@ -389,7 +412,7 @@ def run_section(section: str, args: argparse.Namespace) -> int:
                        buffer_bytes=ring_bytes)  # fmt: skip
         result["backend"] = tapd.backend()
         if section == "cost":
-            modes = ["tap", "portable tap", "callback"]
+            modes = ["tap", "dormant tap", "portable tap", "callback"]
             try:
                 if args.smoke_on_cpu:
                     raise RuntimeError("not on CPU")
@@ -528,6 +551,8 @@ def figures(results: Path) -> dict[str, Any]:
         "tap_1MiB_per_bare_copy": _ratio(added(MiB, "tap"), added(MiB, "bare copy")),
         "tap_64MiB_per_bare_copy": _ratio(added(64 * MiB, "tap"), added(64 * MiB, "bare copy")),
         "portable_64B_per_callback": _ratio(added(64, "portable tap"), added(64, "callback")),
+        # issue 21: a dormant tap enqueues no transfer (µs per step, not a ratio)
+        "dormant_1MiB_added_us": added(MiB, "dormant tap"),
         "isolation_tapped_per_untapped": iso.get("vs_untapped"),
         "throughput_1MiB_gpu_per_cpu": _ratio(
             gpu.get(MiB, {}).get("mb_per_s"), cpu.get(MiB, {}).get("mb_per_s")
@@ -541,6 +566,7 @@ TARGETS = {
     "tap_64B_per_bare_copy": ("≤", 1.2), "tap_1MiB_per_bare_copy": ("≤", 1.2),
     "tap_64MiB_per_bare_copy": ("≤", 1.2), "portable_64B_per_callback": ("≤", 0.3),
     "isolation_tapped_per_untapped": ("≤", 1.1), "throughput_1MiB_gpu_per_cpu": ("≥", 0.8),
+    "dormant_1MiB_added_us": ("≤", 1.0),
 }  # fmt: skip
 
 
