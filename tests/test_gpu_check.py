@@ -61,6 +61,7 @@ def test_the_report_computes_each_target_ratio_and_leaves_missing_ones_out(
         "portable_64B_per_callback": 0.25,
         "isolation_tapped_per_untapped": 1.05,
         "throughput_1MiB_gpu_per_cpu": 0.9,
+        "dormant_1MiB_added_us": None,  # (its size failed)
         "revision": "abc1234",
         "machine": "H200; x; 16",
     }
