@@ -294,3 +294,44 @@ def test_a_meta_made_without_init_has_exactly_tap_meta_s_fields() -> None:
     made = MetaTemplate(header).meta(header)
     assert set(vars(made)) == {field.name for field in dataclasses.fields(TapMeta)}
     assert made == TapMeta.from_header(header)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [(), {"a": np.zeros(2, np.float32), "b": np.zeros(3, np.int16)}, (np.float32(0), None)],
+    ids=["no leaves", "two leaves", "a 0-d leaf beside None"],
+)
+def test_a_run_s_values_rebuild_each_tap_s_tree_as_a_tap_message_does(value: Any) -> None:
+    """SiteRun.values(), the per-tap handlers' path: pytrees rebuilt per tap, values
+    with no arrays at all (`id_print(())`) one per tap too."""
+    from tapd.protocol.tree import flatten
+
+    tree, leaves = flatten(value)
+    arrays = [np.asarray(leaf) for leaf in leaves]
+    specs = [[str(a.dtype), list(a.shape), a.nbytes] for a in arrays]
+    entry = {"consumer": "x", "transforms": [], "meta": {}, "tree": tree, "leaves": specs}
+    site = Site(entry, {"process": 0, "host": "h", "pid": 1})
+
+    def body(i: int) -> bytes:
+        return b"".join((a + i).tobytes().ljust((a.nbytes + 7) & ~7, b"\0") for a in arrays)
+
+    bodies = [body(i) for i in range(3)]
+    span = memoryview(b"".join(bytes(48) + b for b in bodies))
+    records = Records(span, 0, header_bytes=48)
+    start = 0
+    for i, b in enumerate(bodies):
+        records.append(start, start + 48 + len(b), 0, i, i, 7, 0)
+        start += 48 + len(b)
+    run = TapRun(site, records, span, header_bytes=48)
+    batch = decode(encode_batch([run.batch_piece(0, "h:1")]))
+    (whole,) = batch.runs
+    got = whole.values()
+    assert len(got) == 3
+    for fast, message in zip(got, batch.batch, strict=True):
+        reference = message.value()
+        fast_tree, fast_leaves = flatten(fast)
+        reference_tree, reference_leaves = flatten(reference)
+        assert fast_tree == reference_tree == tree
+        assert [np.asarray(a).tolist() for a in fast_leaves] == [
+            np.asarray(a).tolist() for a in reference_leaves
+        ]

@@ -324,7 +324,9 @@ def test_a_tap_the_upstream_never_finished_is_reported_lost_not_confirmed(
     """The upstream refuses the tap (too large for it): its barriers still answer, without
     the tap among what they finished. Sent again, refused again; after the last try it
     counts as dropped for the emitter, a loss and not a handler error."""
-    upstream = start_daemon("--max-message-bytes", "16", name="a.sock")
+    # (--no-dormant: the upstream, which has no subscriber, says it wants everything;
+    # else the forwarder would keep the tap, unrouted, once told that nobody wants it)
+    upstream = start_daemon("--max-message-bytes", "16", "--no-dormant", name="a.sock")
     forwarder = start_daemon("--forward", upstream.endpoint, name="b.sock")
     context = zmq.Context()
     emitter = context.socket(zmq.DEALER)

@@ -524,15 +524,18 @@ class Subscriber:
     ) -> None:
         """A per-tap handler on each tap of a run, in order: what `_run_handler` does per
         tap, with what the run's taps share looked up once (the small-tap hot path)."""
-        if pattern is None or template is None:  # each tap fails on its own, as it says
-            for tap in range(len(run)):
+        try:
+            values = None if pattern is None or template is None else run.values()
+        except Exception:  # (odd leaves) reported per tap below
+            values = None
+        if pattern is None or template is None or values is None:
+            for tap in range(len(run)):  # each tap fails on its own, as it says
                 self._run_handler(link, run.message(tap), template)
             return
         handler = cast(Handler, self._handlers[pattern])
         rows = run.rows  # [static, tid, seq, step, device, time, coords, frame, offset]
         link.last_tid = max(link.last_tid, max(row[1] for row in rows))
         every = self._every.every.get(pattern, 1) * site_every(run.fields)
-        values = run.values()
         for row, value in zip(rows, values, strict=True):
             seq = row[2]
             if seq % every:

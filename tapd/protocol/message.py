@@ -160,6 +160,8 @@ class SiteRun:
         tree = self.fields["tree"]
         if tree == LEAF:
             return leaves[0]
+        if not leaves:  # a value without arrays: (), None, {}
+            return [unflatten(tree, []) for _ in self.rows]
         return [unflatten(tree, list(arrays)) for arrays in zip(*leaves, strict=True)]
 
     def message(self, i: int) -> Message:
