@@ -1,14 +1,13 @@
 """What a tap costs when nobody listens, and when it samples (issue 21, section 3).
 
 Per step of a jitted `fori_loop` carrying a 64-float vector, a 64 B vector and a 1 MiB
-array: (a) no tap; (b) a woken 1 MiB tap (a subscriber takes it); (c) a dormant 1 MiB tap
-(no taker: its site's slot says EVERY_DORMANT); (d) a dormant 64 B tap; (e) a 1 MiB tap
-with every=100 (taken), at two run lengths: as many copies per run as (b), and a tenth
-of that (where the wake-up of the sleeping daemon and subscriber at a run's first
-copy is shared by fewer copies). Once per backend (native: the FFI handler; portable:
-the host callback writing the ring), each in its own process, the variants interleaved
-and repeated in one run; the tables give the minimum and the median over repeats, and
-what each adds to (a) at the same step count.
+array: (a) no tap; (b) a woken 1 MiB tap (a subscriber takes it); (c) a dormant 1 MiB
+tap (no taker: its site's slot says EVERY_DORMANT); (d) a dormant 64 B tap; (e) a 1 MiB
+tap with every=100 (taken), at two run lengths: as many copies per run as (b), and a
+tenth of that (where what a woken run costs once is shared by fewer copies). Once per
+backend (native: the FFI handler; portable: the host callback writing the ring), each in
+its own process, the variants interleaved and repeated in one run; the tables give the
+minimum and the median over repeats, and what each adds to (a) at the same step count.
 
     python bench/dormant.py [--quick] [--output bench/DORMANT.md]
 
