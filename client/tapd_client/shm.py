@@ -47,7 +47,10 @@ from tapd.protocol.schema import RING_NAME, check_ring_control, check_shard, lea
 from tapd.runtime import boot_id, ensure_private_dir, ring_dir_for
 from tapd.settings import SHM_SUBSCRIBERS
 
-_MAPS_KEPT = 8  # rings mapped at once; the oldest used is unmapped first
+# Rings mapped at once; the least recently read is unmapped first, and mapping it again
+# costs a MAP_POPULATE of the whole ring. 64 covers a host of 8 GPUs with several
+# processes each; a mapping costs an fd and its page tables (~0.5 MiB for 256 MB).
+_MAPS_KEPT = 64
 _TIDY_EVERY = 1.0  # seconds between looks for rings whose files are gone
 
 
