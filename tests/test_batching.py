@@ -274,13 +274,9 @@ def test_a_run_taps_values_are_read_only_arrays_as_a_tap_messages_are(
     (whole,) = batch.runs
     made_fields = set(vars(whole.message(0))) - {"_leaves", "_index"}  # (made without __init__)
     assert made_fields == {field.name for field in dataclasses.fields(Message)}
-    for value, message in zip(whole.values(), batch.batch, strict=True):
-        reference = message.value()
-        assert (
-            type(value) is np.ndarray
-            and value.shape == shape
-            and value.tolist() == reference.tolist()
-        )
+    for value, expected in zip(whole.values(), values, strict=True):  # what was tapped
+        assert type(value) is np.ndarray and value.shape == shape == expected.shape
+        assert value.dtype == expected.dtype and value.tolist() == expected.tolist()
         assert not value.flags.writeable and value.flags.c_contiguous
 
 
@@ -327,11 +323,13 @@ def test_a_run_s_values_rebuild_each_tap_s_tree_as_a_tap_message_does(value: Any
     (whole,) = batch.runs
     got = whole.values()
     assert len(got) == 3
-    for fast, message in zip(got, batch.batch, strict=True):
-        reference = message.value()
+    for i, (fast, message) in enumerate(zip(got, batch.batch, strict=True)):
+        # The references: a `tap` message made from the frames, and what was tapped.
+        plain = Message(message.header, message.frames).value()
+        assert type(fast) is type(plain) is type(value)
         fast_tree, fast_leaves = flatten(fast)
-        reference_tree, reference_leaves = flatten(reference)
-        assert fast_tree == reference_tree == tree
-        assert [np.asarray(a).tolist() for a in fast_leaves] == [
-            np.asarray(a).tolist() for a in reference_leaves
-        ]
+        plain_tree, plain_leaves = flatten(plain)
+        assert fast_tree == plain_tree == tree
+        tapped = [(a + i).tolist() for a in arrays]
+        assert [np.asarray(a).tolist() for a in fast_leaves] == tapped
+        assert [np.asarray(a).tolist() for a in plain_leaves] == tapped

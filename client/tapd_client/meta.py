@@ -6,6 +6,8 @@ import dataclasses
 import math
 from typing import Any
 
+from tapd.protocol.message import made
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
@@ -145,9 +147,8 @@ class MetaTemplate:
         shard = self._shard
         if shard is not None:
             shard = dataclasses.replace(shard, coords=tuple(coords))
-        # (not through __init__: a frozen dataclass's costs an object.__setattr__ per
-        # field; tests/test_batching.py pins these keys to TapMeta's fields)
-        meta = object.__new__(TapMeta)
+        # (not through __init__, which costs an object.__setattr__ per field of a frozen
+        # dataclass; tests/test_batching.py pins these keys to TapMeta's fields)
         fields = {
             "consumer": self.consumer,
             "seq": seq,
@@ -162,5 +163,5 @@ class MetaTemplate:
             "meta": dict(self._meta),
             "shard": shard,
         }
-        object.__setattr__(meta, "__dict__", fields)
+        meta: TapMeta = made(TapMeta, fields)
         return meta

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tapd.protocol.message import site_every
 from tapd.protocol.schema import MAX_EVERY
 
 
@@ -29,17 +30,15 @@ class Sampling:
         if self.every:
             hello["every"] = [[pattern, n] for pattern, n in self.every.items()]
 
+    def modulus(self, pattern: str, fields: dict[str, Any]) -> int:
+        """K * n: a tap dispatched by `pattern` is one it asked for iff its seq is a
+        multiple (K the site's own `every`, from a header or a static entry; the
+        daemon's rule, tapd/daemon/sampling.py)."""
+        return self.every.get(pattern, 1) * site_every(fields)
+
     def keeps(self, pattern: str, header: dict[str, Any]) -> bool:
-        """Whether a tap dispatched by `pattern` is one it asked for: seq % (K * n) == 0,
-        K the site's own `every` (the daemon's rule, tapd/daemon/sampling.py)."""
-        n = self.every.get(pattern, 1)
-        if n == 1:
+        """Whether the tap of `header`, dispatched by `pattern`, is one it asked for."""
+        if pattern not in self.every:
             return True
         seq = header.get("seq")
-        return type(seq) is not int or seq % (site_every(header) * n) == 0
-
-
-def site_every(fields: dict[str, Any]) -> int:
-    """A site's own K (`tap(x, name, every=K)`) from a tap's header or static fields."""
-    k = fields.get("every", 1)
-    return k if type(k) is int and k >= 1 else 1
+        return type(seq) is not int or seq % self.modulus(pattern, header) == 0

@@ -44,7 +44,7 @@ from tapd.security import ClientKeys, secure_client
 from tapd.settings import ENDPOINT
 from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap
 from tapd_client.meta import MetaTemplate, TapMeta
-from tapd_client.sampling import Sampling, site_every
+from tapd_client.sampling import Sampling
 from tapd_client.shm import RingReader, RingReadError, ring_directory, ring_offer
 
 logger = logging.getLogger("tapd.subscriber")
@@ -524,10 +524,12 @@ class Subscriber:
     ) -> None:
         """A per-tap handler on each tap of a run, in order: what `_run_handler` does per
         tap, with what the run's taps share looked up once (the small-tap hot path)."""
-        try:
-            values = None if pattern is None or template is None else run.values()
-        except Exception:  # (odd leaves) reported per tap below
-            values = None
+        values = None
+        if pattern is not None and template is not None:
+            try:
+                values = run.values()
+            except Exception:  # (odd leaves: each tap reports its own error below)
+                pass
         if pattern is None or template is None or values is None:
             for tap in range(len(run)):  # each tap fails on its own, as it says
                 self._run_handler(link, run.message(tap), template)
@@ -535,7 +537,7 @@ class Subscriber:
         handler = cast(Handler, self._handlers[pattern])
         rows = run.rows  # [static, tid, seq, step, device, time, coords, frame, offset]
         link.last_tid = max(link.last_tid, max(row[1] for row in rows))
-        every = self._every.every.get(pattern, 1) * site_every(run.fields)
+        every = self._every.modulus(pattern, run.fields)
         for row, value in zip(rows, values, strict=True):
             seq = row[2]
             if seq % every:

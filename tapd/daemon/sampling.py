@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from tapd.consumers import first_match, matches
 from tapd.daemon.targets.base import Subscription, Target
 from tapd.protocol import Message
+from tapd.protocol.message import site_every
 
 
 def every_of(subscription: Subscription, consumer: str) -> int:
@@ -23,7 +24,7 @@ def every_of(subscription: Subscription, consumer: str) -> int:
     that matches: tapd_client), 1 where it asked for none. A target that said what it
     takes (`wanted`) takes by the finest n among its pairs that match."""
     if subscription.wanted is not None:
-        return taken_every(subscription, consumer) or 1
+        return _wanted_every(subscription.wanted, consumer) or 1
     if not subscription.every:
         return 1
     patterns = subscription.patterns
@@ -36,14 +37,13 @@ def taken_every(subscription: Subscription, consumer: str) -> int | None:
     be dormant, or None if it takes none (a forwarder whose upstream has no taker)."""
     if subscription.wanted is None:
         return every_of(subscription, consumer)
-    asked = [n for pattern, n in subscription.wanted if matches(pattern, consumer)]
+    return _wanted_every(subscription.wanted, consumer)
+
+
+def _wanted_every(wanted: Sequence[tuple[str, int]], consumer: str) -> int | None:
+    """The finest n of the (pattern, n) pairs that match `consumer`; None if none does."""
+    asked = [n for pattern, n in wanted if matches(pattern, consumer)]
     return math.gcd(*asked) if asked else None
-
-
-def site_every(tap: Message) -> int:
-    """The site's own K (its taps' seqs count every execution, copied or not)."""
-    k = tap.header.get("every", 1)
-    return k if type(k) is int and k >= 1 else 1
 
 
 def samples(targets: Sequence[Target], consumer: str) -> bool:
@@ -55,5 +55,5 @@ def keeping(targets: Sequence[Target], tap: Message) -> list[Target]:
     """The targets that take `tap` (a single tap with its seq)."""
     seq = tap.header["seq"]
     consumer = tap.header["consumer"]
-    k = site_every(tap)
+    k = site_every(tap.header)
     return [t for t in targets if seq % (k * every_of(t.subscription, consumer)) == 0]

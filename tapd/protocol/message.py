@@ -96,6 +96,13 @@ class StaticEntry:
         return header
 
 
+def site_every(fields: Mapping[str, Any]) -> int:
+    """A site's own K (`tap(x, name, every=K)`) from a tap's header or a `taps` static
+    entry: its taps' seqs count every execution, copied or not (docs/PROTOCOL.md)."""
+    k = fields.get("every", 1)
+    return k if type(k) is int and k >= 1 else 1
+
+
 def made(cls: type[Any], fields: dict[str, Any]) -> Any:
     """An instance of the frozen dataclass `cls` holding `fields` (all of its fields,
     and any private extras), made without its generated __init__, which costs one
