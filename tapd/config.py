@@ -18,7 +18,7 @@ from typing import Any
 from tapd.errors import ConfigError
 from tapd.runtime import check_ipc_endpoint, default_pidfile
 from tapd.settings import CONFIG, DAEMON_SETTINGS, DaemonFields
-from tapd.settings.setting import check_choices, read_environment
+from tapd.settings.setting import Setting, check_choices, read_environment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +125,24 @@ def metrics_address(text: str) -> tuple[str, int]:
 _BY_NAME = {setting.name: setting for setting in DAEMON_SETTINGS}
 
 
+def _from_toml(setting: Setting, key: str, raw: Any, path: Path) -> Any:
+    """A TOML value as `setting`'s type. TOML has booleans, integers, floats and strings of
+    its own, so a value of another type is a mistake to report, not text to convert:
+    `queue-bytes = 2.5` would be 2 bytes, `drain-timeout = true` one second."""
+    base = setting.base_type
+    if base is bool:
+        typed, wanted = isinstance(raw, bool), "true or false"
+    elif base is int:
+        typed, wanted = isinstance(raw, int) and not isinstance(raw, bool), "an integer"
+    elif base is float:
+        typed, wanted = isinstance(raw, int | float) and not isinstance(raw, bool), "a number"
+    else:  # text, a path or one of the setting's choices
+        typed, wanted = isinstance(raw, str), "a string"
+    if not typed:
+        raise ConfigError(f"{path}: {key} = {raw!r} is not {wanted}")
+    return setting.convert(raw, str(path))
+
+
 def load(
     flags: Mapping[str, Any],
     config_file: Path | None = None,
@@ -142,7 +160,7 @@ def load(
             setting = _BY_NAME.get(key.replace("-", "_"))
             if setting is None:
                 raise ConfigError(f"{path}: unknown setting {key!r}")
-            values[setting.name] = setting.convert(raw, str(path))
+            values[setting.name] = _from_toml(setting, key, raw, path)
     values |= read_environment(DAEMON_SETTINGS, environ)
     for name, raw in flags.items():
         if raw is not None:

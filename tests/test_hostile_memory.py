@@ -1,7 +1,7 @@
-"""The daemon's memory under hostile peers (issue 18, part 5; README, "Memory"): oversized
-messages are refused without being held more than once, and a long run of malformed
-frames from rogue emitters and subscribers, over new and reused connections, leaves
-its memory and its per-peer tables where they were."""
+"""The daemon's memory under hostile peers (issue 18, part 5; docs/PROMISES.md, "Daemon
+memory"): oversized messages are refused without being held more than once, and a long
+run of malformed frames from rogue emitters and subscribers, over new and reused
+connections, leaves its memory and its per-peer tables where they were."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """The settings table (tapd/settings/): one declaration per setting, from which the
-`tapd start` options, the TOML keys, the variables and README's table are made; and the
-daemon's and the emitter's policies, which used to share TAPD_POLICY."""
+`tapd start` options, the TOML keys, the variables and docs/SETTINGS.md's table are made;
+and the daemon's and the emitter's policies, which used to share TAPD_POLICY."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -14,16 +15,19 @@ from pathlib import Path
 
 import pytest
 
+import tapd.settings as settings_module
 from conftest import Daemon, SubscriberProcess, run_emitter
 from tapd import config as config_module
-from tapd.cli.commands.daemon import START_OPTIONS
+from tapd.cli.commands.daemon import START_OPTIONS, daemon_config
 from tapd.cli.main import build_parser
 from tapd.emitter.settings import EmitterSettings, from_environment
 from tapd.errors import ConfigError
 from tapd.settings import DAEMON_SETTINGS, EMITTER_SETTINGS, SETTINGS, setting
-from tapd.settings.markdown import markdown_table
+from tapd.settings.markdown import NO_VARIABLE, markdown_table
+from tapd.settings.setting import Setting
 
 ROOT = Path(__file__).resolve().parent.parent
+SETTINGS_PAGE = ROOT / "docs" / "SETTINGS.md"
 # os.environ["TAPD_X"], os.environ.get("TAPD_X"), os.getenv(f"TAPD_{...}"), "TAPD_X" in environ
 READS = re.compile(
     r"""(environ(\.get)?|getenv)\s*[(\[]\s*f?["']TAPD_|["']TAPD_\w*["']\s+in\s+\w*environ"""
@@ -119,14 +123,29 @@ def test_a_daemon_and_its_emitter_share_a_shell_with_the_old_variable(
     assert "TAPD_POLICY=spool: the daemon takes it as TAPD_DAEMON_POLICY=spool" in log
 
 
-# ---- one table ----------------------------------------------------------------------------
+# ---- one table, on the settings page ------------------------------------------------------
 
 
-def test_readme_has_the_table_the_settings_make() -> None:
-    found = TABLE.search((ROOT / "README.md").read_text())
-    assert found is not None, "README.md has no settings table between its markers"
+def every_declared_setting() -> set[Setting]:
+    """Every Setting that tapd/settings/ declares: the fields of the daemon's and the
+    emitter's, and every module-level one (whether or not SETTINGS lists it)."""
+    declared = {value for value in vars(settings_module).values() if isinstance(value, Setting)}
+    return declared | set(DAEMON_SETTINGS) | set(EMITTER_SETTINGS)
+
+
+def page_rows() -> list[list[str]]:
+    """The cells of each row of docs/SETTINGS.md's table."""
+    found = TABLE.search(SETTINGS_PAGE.read_text())
+    assert found is not None, "docs/SETTINGS.md has no settings table between its markers"
+    lines = found.group(1).splitlines()[2:]  # below the header and its rule
+    return [re.split(r"(?<!\\)\|", line)[1:-1] for line in lines]
+
+
+def test_the_settings_page_has_the_table_the_settings_make() -> None:
+    found = TABLE.search(SETTINGS_PAGE.read_text())
+    assert found is not None, "docs/SETTINGS.md has no settings table between its markers"
     assert found.group(1) == markdown_table(), (
-        "README's settings table is out of date: paste `python -m tapd.settings --markdown`"
+        "docs/SETTINGS.md's table is out of date: paste `python -m tapd.settings --markdown`"
     )
     printed = subprocess.run(
         [sys.executable, "-m", "tapd.settings", "--markdown"],
@@ -138,27 +157,212 @@ def test_readme_has_the_table_the_settings_make() -> None:
     assert printed == markdown_table()
 
 
+def test_every_setting_of_tapd_settings_has_its_row_on_the_settings_page() -> None:
+    """Each declared setting, with its variable (or its `tapd.configure()` keyword), its
+    default and its help, one row each; and the README sends readers there."""
+    everything = every_declared_setting()
+    assert everything <= set(SETTINGS), {s.name for s in everything - set(SETTINGS)}
+    rows = page_rows()
+    assert len(rows) == len(SETTINGS)
+    for declared, cells in zip(SETTINGS, rows, strict=True):
+        variable, _, _, default, also, what = (cell.strip() for cell in cells)
+        if declared.variable is not None:
+            assert variable == f"`{declared.variable}`", (declared.name, variable)
+        else:  # block_warning_after: only tapd.configure() sets it
+            assert variable == NO_VARIABLE, (declared.name, variable)
+            assert f"`tapd.configure({declared.name}=)`" in also, (declared.name, also)
+        assert default.replace("\\|", "|") == declared.shown_default, declared.name
+        assert what.replace("\\|", "|") == declared.help, declared.name
+    names = [cells[0].strip() for cells in rows if cells[0].strip() != NO_VARIABLE]
+    assert len(names) == len(set(names)), "a variable has two rows"
+    readme = (ROOT / "README.md").read_text()
+    assert "docs/SETTINGS.md" in readme
+    assert "<!-- settings table" not in readme, "the table lives on docs/SETTINGS.md only"
+
+
+def test_a_setting_the_page_would_miss_is_found() -> None:
+    """The check above compares against every Setting object of tapd/settings/, so a new
+    one that is not listed in SETTINGS (and so not on the page) fails it."""
+    stray = Setting("stray", int, "not listed", ("emitter",), variable="TAPD_STRAY")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(settings_module, "STRAY", stray, raising=False)
+        assert stray in every_declared_setting()
+        assert stray not in SETTINGS
+    assert stray not in every_declared_setting()
+
+
+# Each daemon setting, from each of its sources, with the value it must come out as. The
+# TOML value is TOML source text: typed (integers, floats, booleans, strings), as a user
+# writes it. `needs`: other TOML keys a value needs to be valid (a tcp:// endpoint needs
+# CurveZMQ keys or --insecure).
+@dataclasses.dataclass(frozen=True)
+class Case:
+    toml: str
+    env: str
+    flag: tuple[str, ...]
+    expected: object
+    needs: str = ""
+
+
+DAEMON_CASES = {
+    "endpoint": Case(
+        '"ipc:///tmp/tapd-test/other.sock"',
+        "ipc:///tmp/tapd-test/other.sock",
+        ("--endpoint", "ipc:///tmp/tapd-test/other.sock"),
+        "ipc:///tmp/tapd-test/other.sock",
+    ),
+    "dormant": Case("false", "0", ("--no-dormant",), False),
+    "tcp": Case(
+        '"tcp://127.0.0.1:5555"',
+        "tcp://127.0.0.1:5555",
+        ("--tcp", "tcp://127.0.0.1:5555"),
+        "tcp://127.0.0.1:5555",
+        needs="insecure = true",
+    ),
+    "curve_secret_key": Case(
+        '"/keys/daemon.key_secret"',
+        "/keys/daemon.key_secret",
+        ("--curve-secret-key", "/keys/daemon.key_secret"),
+        Path("/keys/daemon.key_secret"),
+    ),
+    "curve_allowed": Case(
+        '"/keys/allowed"',
+        "/keys/allowed",
+        ("--curve-allowed", "/keys/allowed"),
+        Path("/keys/allowed"),
+    ),
+    "insecure": Case("true", "1", ("--insecure",), True),
+    "forward": Case(
+        '"tcp://upstream.example:5555"',
+        "tcp://upstream.example:5555",
+        ("--forward", "tcp://upstream.example:5555"),
+        "tcp://upstream.example:5555",
+        needs="insecure = true",
+    ),
+    "forward_server_key": Case(
+        '"/keys/upstream.key"',
+        "/keys/upstream.key",
+        ("--forward-server-key", "/keys/upstream.key"),
+        Path("/keys/upstream.key"),
+    ),
+    "policy": Case('"spool"', "spool", ("--policy", "spool"), "spool"),
+    "spool_dir": Case(
+        '"/var/spool/t"', "/var/spool/t", ("--spool-dir", "/var/spool/t"), Path("/var/spool/t")
+    ),
+    "spool_bytes": Case(
+        "2_000_000_000", "2000000000", ("--spool-bytes", "2000000000"), 2_000_000_000
+    ),
+    "spool_fallback": Case(
+        '"drop_newest"', "drop_newest", ("--spool-fallback", "drop_newest"), "drop_newest"
+    ),
+    "queue_bytes": Case("65536", "65536", ("--queue-bytes", "65536"), 65536),
+    "emitter_window_bytes": Case(
+        "1048576", "1048576", ("--emitter-window-bytes", "1048576"), 1048576
+    ),
+    "subscriber_timeout": Case("2.5", "2.5", ("--subscriber-timeout", "2.5"), 2.5),
+    "startup_grace": Case("0.25", "0.25", ("--startup-grace", "0.25"), 0.25),
+    "drain_timeout": Case("3", "3", ("--drain-timeout", "3"), 3.0),  # a TOML integer
+    "max_message_bytes": Case("4096", "4096", ("--max-message-bytes", "4096"), 4096),
+    "pidfile": Case(
+        '"/tmp/t/x.pid"', "/tmp/t/x.pid", ("--pidfile", "/tmp/t/x.pid"), Path("/tmp/t/x.pid")
+    ),
+    "idle_exit": Case("30.5", "30.5", ("--idle-exit", "30.5"), 30.5),
+    "started_by": Case("4242", "4242", ("--started-by", "4242"), 4242),
+    "log_level": Case('"debug"', "debug", ("--log-level", "debug"), "debug"),
+    "metrics": Case('"127.0.0.1:0"', "127.0.0.1:0", ("--metrics", "127.0.0.1:0"), "127.0.0.1:0"),
+}
+
+
+@pytest.fixture
+def no_tapd_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("TAPD_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.usefixtures("no_tapd_variables")
+@pytest.mark.parametrize("spelling", ["-", "_"])
 def test_every_daemon_setting_is_a_config_field_a_start_option_a_toml_key_and_a_variable(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelling: str
 ) -> None:
     parsed = vars(build_parser().parse_args(["start"]))
     assert {s.name for s in DAEMON_SETTINGS} == set(config_module.Config.__dataclass_fields__)
-    samples = {bool: "1", int: "7", float: "0.5", Path: "/x/y", str: None}
+    assert set(DAEMON_CASES) == {s.name for s in DAEMON_SETTINGS}, "a setting without a case"
+    assert all(s in DAEMON_SETTINGS or s.name == "config" for s in START_OPTIONS)
     for declared in DAEMON_SETTINGS:
+        case = DAEMON_CASES[declared.name]
         assert declared.variable and declared.variable.startswith("TAPD_"), declared
         assert declared.name in parsed or declared.global_flag, declared.flag  # an option
-        raw = declared.choices[-1] if declared.choices else samples[declared.base_type]
-        if raw is None:
-            continue  # text with a format of its own (endpoints, levels): tests of their own
-        expected = declared.convert(raw, "test")
-        flags: dict[str, str] = {}
-        for source in ("env", "toml"):
-            environ = {declared.variable: raw} if source == "env" else {}
-            toml = tmp_path / f"{declared.name}.toml"
-            toml.write_text(f"[daemon]\n{declared.name.replace('_', '-')} = {raw!r}\n")
-            loaded = config_module.load(flags, toml if source == "toml" else None, environ)
-            assert getattr(loaded, declared.name) == expected, (declared.name, source)
-    assert all(s in DAEMON_SETTINGS or s.name == "config" for s in START_OPTIONS)
+        assert case.expected != getattr(config_module.load({}, None, {}), declared.name)
+        key = declared.name.replace("_", spelling)
+        needs = tmp_path / f"{declared.name}-needs.toml"
+        needs.write_text(f"[daemon]\n{case.needs}\n")
+        toml = tmp_path / f"{declared.name}.toml"
+        toml.write_text(f"[daemon]\n{key} = {case.toml}\n{case.needs}\n")
+        loaded = {
+            "toml": config_module.load({}, toml, {}),
+            "env": config_module.load({}, needs, {declared.variable: case.env}),
+        }
+        monkeypatch.setenv("TAPD_CONFIG", str(needs))
+        global_flags, start_flags = (case.flag, ()) if declared.global_flag else ((), case.flag)
+        args = build_parser().parse_args([*global_flags, "start", *start_flags])
+        loaded["flag"] = daemon_config(args)
+        monkeypatch.delenv("TAPD_CONFIG")
+        for source, config in loaded.items():
+            value = getattr(config, declared.name)
+            assert value == case.expected, (declared.name, source, value)
+            assert type(value) is type(case.expected), (declared.name, source, value)
+
+
+@pytest.mark.usefixtures("no_tapd_variables")
+def test_flags_beat_variables_which_beat_the_toml_file_which_beats_the_defaults(
+    tmp_path: Path,
+) -> None:
+    toml = tmp_path / "tapd.toml"
+    toml.write_text("[daemon]\nqueue-bytes = 1000\ndormant = false\ndrain-timeout = 4.5\n")
+    environ = {"TAPD_QUEUE_BYTES": "2000", "TAPD_DORMANT": "1"}
+    defaults = config_module.load({}, None, {})
+    assert (defaults.queue_bytes, defaults.dormant, defaults.drain_timeout) == (
+        256 * 10**6,
+        True,
+        10.0,
+    )
+    from_file = config_module.load({}, toml, {})
+    assert (from_file.queue_bytes, from_file.dormant, from_file.drain_timeout) == (1000, False, 4.5)
+    from_env = config_module.load({}, toml, environ)
+    assert (from_env.queue_bytes, from_env.dormant, from_env.drain_timeout) == (2000, True, 4.5)
+    flags = {"queue_bytes": "3000", "drain_timeout": None}  # None: not given
+    from_flags = config_module.load(flags, toml, environ)
+    assert (from_flags.queue_bytes, from_flags.dormant, from_flags.drain_timeout) == (
+        3000,
+        True,
+        4.5,
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "wanted"),
+    [
+        ("queue-bytes = 2.5", "is not an integer"),  # would have been 2 bytes
+        ('queue-bytes = "65536"', "is not an integer"),
+        ("spool_bytes = true", "is not an integer"),
+        ("drain-timeout = true", "is not a number"),  # would have been one second
+        ('subscriber-timeout = "10"', "is not a number"),
+        ("dormant = 1", "is not true or false"),
+        ('insecure = "yes"', "is not true or false"),
+        ("log-level = 7", "is not a string"),
+        ("pidfile = 42", "is not a string"),
+        ('policy = ["block"]', "is not a string"),
+    ],
+)
+def test_a_toml_value_of_the_wrong_type_is_refused_naming_the_file_and_key(
+    tmp_path: Path, line: str, wanted: str
+) -> None:
+    toml = tmp_path / "tapd.toml"
+    toml.write_text(f"[daemon]\n{line}\n")
+    key = line.split(" = ")[0]
+    with pytest.raises(ConfigError, match=re.escape(f"{toml}: {key} = ") + f".*{wanted}"):
+        config_module.load({}, toml, {})
 
 
 def test_every_variable_is_declared_once_and_read_through_the_table() -> None:

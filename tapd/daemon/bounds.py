@@ -1,4 +1,5 @@
-"""What bounds the memory a peer can make the daemon hold (README, "Memory").
+"""What bounds the memory a peer can make the daemon hold (docs/PROMISES.md, "Daemon
+memory").
 
 ZeroMQ holds a whole multipart message before the daemon sees any of it, so the bounds
 that matter are set on the sockets, before a byte is read:

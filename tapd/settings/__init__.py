@@ -6,7 +6,7 @@ the `tapd start` options and the TOML converter are made from them, so a new dae
 setting is one field here. The emitter's are the fields of `EmitterFields` (checked by
 `tapd.emitter.settings.EmitterSettings`, set by `tapd.configure()`). The rest are read
 where they are used, through `Setting.read`. `python -m tapd.settings --markdown` prints
-README's table of them all.
+the table of them all on docs/SETTINGS.md.
 
 Every process reads this package (no JAX, no sockets); it imports nothing of tapd's but
 errors and policies.
@@ -269,7 +269,8 @@ class EmitterFields:
     ordered: bool = emitter(
         True,
         "taps keep program order (an ordering token); 0: lowered without one, order per "
-        'site rebuilt from seq (README, "Unordered taps"); `tap(..., ordered=)` overrides it',
+        'site rebuilt from seq (docs/TAPPING.md, "Unordered taps"); `tap(..., ordered=)` '
+        "overrides it",
     )
 
 

@@ -1,4 +1,4 @@
-"""`python -m tapd.settings [--markdown]`: the settings, or README's table of them."""
+"""`python -m tapd.settings [--markdown]`: the settings, or docs/SETTINGS.md's table of them."""
 
 import argparse
 import sys
@@ -9,7 +9,7 @@ from tapd.settings.markdown import markdown_table
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tapd.settings", description="tapd's settings")
-    parser.add_argument("--markdown", action="store_true", help="print README's table")
+    parser.add_argument("--markdown", action="store_true", help="print docs/SETTINGS.md's table")
     args = parser.parse_args(argv)
     if args.markdown:
         sys.stdout.write(markdown_table())

@@ -1,9 +1,11 @@
-"""README's table of every TAPD_* variable, made from the settings table."""
+"""The table of every setting on docs/SETTINGS.md, made from the settings table."""
 
 from pathlib import Path
 
 from tapd.settings import EMITTER_SETTINGS, SETTINGS
 from tapd.settings.setting import Setting
+
+NO_VARIABLE = "(none)"  # the variable cell of a setting that only `tapd.configure()` sets
 
 
 def _type_text(setting: Setting) -> str:
@@ -21,14 +23,13 @@ def _type_text(setting: Setting) -> str:
 
 
 def markdown_table() -> str:
-    """README's table of every TAPD_* variable (`python -m tapd.settings --markdown`)."""
+    """docs/SETTINGS.md's table: one row per setting, those without a TAPD_* variable
+    too (`python -m tapd.settings --markdown`)."""
     rows = [
         "| variable | read by | type | default | also | what it does |",
         "|---|---|---|---|---|---|",
     ]
     for setting in SETTINGS:
-        if setting.variable is None:
-            continue
         also = []
         if setting.flag:
             also.append(
@@ -39,7 +40,7 @@ def markdown_table() -> str:
         if "emitter" in setting.readers and setting in EMITTER_SETTINGS:
             also.append(f"`tapd.configure({setting.name}=)`")
         cells = [
-            f"`{setting.variable}`",
+            f"`{setting.variable}`" if setting.variable else NO_VARIABLE,
             ", ".join(setting.readers),
             _type_text(setting),
             setting.shown_default.replace("|", "\\|"),

@@ -40,12 +40,12 @@ def boolean(raw: Any) -> bool:
 class Setting:
     name: str
     type: Any  # int, float, bool, str, Path or a Literal of names; `| None` if optional
-    help: str  # one line, for README's table and the start of the flag's help
+    help: str  # one line, for docs/SETTINGS.md's table and the start of the flag's help
     readers: tuple[Reader, ...]
     variable: str | None = None  # the environment variable, if any
     default: Any = None
     default_factory: Callable[[], Any] | None = None
-    default_text: str | None = None  # the default, as README and --help say it
+    default_text: str | None = None  # the default, as docs/SETTINGS.md and --help say it
     flag: str | None = None  # a `tapd start` option (or a global one: global_flag)
     global_flag: bool = False  # given before the command: `tapd --log-level debug start`
     metavar: str | None = None
