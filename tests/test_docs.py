@@ -1,0 +1,60 @@
+"""README is a newcomer's page that sends readers to docs/: its two commands are the ones
+that exist and that CI runs, and what README and docs/ name (links, repository paths)
+is there."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+# A markdown link's target: [text](target), without a URL scheme or a bare #anchor.
+LINK = re.compile(r"\]\((?![a-z]+:|#)([^)\s#]+)(?:#[^)]*)?\)")
+# A repository path in the text: docs/X.md, bench/x.py, deploy/..., tests/x.py, scripts/x,
+# tapd/x/ or tapd/x.py. A path with a wildcard or a placeholder is a pattern, not a file;
+# one without an extension or a final "/" may be a name (W&B's `tapd/step` metric).
+PATH = re.compile(r"(?<![\w./-])((?:docs|bench|deploy|scripts|tests|tapd|client)/[\w./-]*\w/?)")
+
+
+def named_paths(text: str) -> set[str]:
+    found = set()
+    for path in PATH.findall(text):
+        last = path.rstrip("/").rsplit("/", 1)[-1]
+        if path.endswith("/") or "." in last or path.startswith("scripts/"):
+            found.add(path)
+    return found
+
+
+def test_readme_gives_the_two_commands_and_ci_runs_its_test_command() -> None:
+    text = README.read_text()
+    section = text.split("## The two commands\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines()]
+    assert commands == ["scripts/demo", "scripts/test"], block
+    for command in commands:
+        assert os.access(ROOT / command, os.X_OK), command
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^(\w+=\S+ )*scripts/test\b", ci, re.M), "CI runs README's test command"
+    assert "tapd demo" in (ROOT / "scripts" / "demo").read_text()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+def test_every_link_and_path_a_page_names_is_in_the_repository(page: Path) -> None:
+    text = page.read_text()
+    missing = [
+        target for target in LINK.findall(text) if not (page.parent / target).resolve().exists()
+    ]
+    missing += [path for path in named_paths(text) if not (ROOT / path).exists()]
+    assert not missing, f"{page.relative_to(ROOT)} names what is not there: {missing}"
+
+
+def test_readme_links_every_docs_page() -> None:
+    links = set(LINK.findall(README.read_text()))
+    pages = {f"docs/{page.name}" for page in PAGES[1:]}
+    assert pages <= links, f"README does not link {sorted(pages - links)}"
