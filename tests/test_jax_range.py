@@ -1,49 +1,75 @@
-"""tapd's JAX range: one statement of it (tapd.emitter.jax_compat) that pyproject.toml,
-setup.py and scripts/setup agree with; outside it, `import tapd` says so in one line and
-taps fail at trace time with the same words, never a TypeError from JAX internals."""
+"""tapd's JAX range (issue 27, item 4): one statement of it (tapd.emitter.jax_compat)
+that pyproject.toml, setup.py and the scripts agree with, open above: pip never refuses
+tapd beside a newer jax. Below the floor, `import tapd` says so in one line and taps fail
+at trace time with the same words. Past the tested range, `import tapd` warns once,
+naming it, and taps run, on both backends, while the JAX internals tapd calls still fit
+(`jax_compat.SEAMS`); one that does not fails the tap at trace time, naming itself, never
+a TypeError from inside JAX. The newer versions are faked: the jax module's
+`__version__`, which is what tapd reads."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from conftest import PROCESS_TIMEOUT
+from conftest import PROCESS_TIMEOUT, Daemon, SubscriberProcess, wait_until
 from tapd.emitter import jax_compat
 
 ROOT = Path(__file__).resolve().parent.parent
 
+StartDaemon = Callable[..., Daemon]
+StartSubscriber = Callable[..., SubscriberProcess]
+
+
+def python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=PROCESS_TIMEOUT, env={**os.environ, **(env or {})})  # fmt: skip
+
 
 @pytest.mark.parametrize(
-    ("version", "inside"),
-    [("0.8.0", True), ("0.10.2", True), ("0.12.0.1", True), ("0.12.9.dev20270101", True),
-     ("0.7.2", False), ("0.4.30", False), ("0.13.0", False), ("1.0", False)],
+    ("version", "taps", "tested"),
+    [("0.8.0", True, True), ("0.10.2", True, True), ("0.12.0.1", True, True),
+     ("0.12.9.dev20270101", True, True), ("0.13.0", True, False), ("0.13.0.dev1", True, False),
+     ("1.0", True, False), ("0.7.2", False, False), ("0.4.30", False, False)],
 )  # fmt: skip
-def test_the_range(version: str, inside: bool) -> None:
-    reason = jax_compat.unsupported_reason(version)
-    assert (reason is None) == inside
-    if reason is not None:
-        assert f"tapd supports {jax_compat.SUPPORTED}, and this is jax {version}" in reason
-        assert "\n" not in reason
+def test_the_range(version: str, taps: bool, tested: bool) -> None:
+    refused = jax_compat.unsupported_reason(version)
+    assert (refused is None) == taps
+    if refused is not None:
+        assert refused.startswith(f"tapd supports jax>=0.8.0, and this is jax {version}: ")
+        assert "\n" not in refused
+    untested = jax_compat.untested_reason(version)
+    assert (untested is None) == (tested or not taps)
+    if untested is not None:
+        assert untested.startswith(
+            f"tapd is tested with jax 0.8.0 to 0.12, and this is jax {version}"
+        )
+        assert "'jax<0.13' 'jaxlib<0.13'" in untested and "\n" not in untested
 
 
-def test_pyproject_setup_and_scripts_setup_claim_the_same_range() -> None:
+def test_pyproject_setup_and_the_scripts_claim_the_same_open_range() -> None:
+    assert jax_compat.SUPPORTED == "jax>=0.8.0"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    low, high = jax_compat.SUPPORTED.removeprefix("jax").split(",")
     for extra in ("jax", "dev"):
-        wanted = {f"jax{low},{high}", f"jaxlib{low},{high}"}
-        assert wanted <= set(project["project"]["optional-dependencies"][extra]), extra
-    assert f"jaxlib{low}" in (ROOT / "setup.py").read_text()
-    assert f"jax{low},{high} jaxlib{low},{high}" in (ROOT / "scripts" / "setup").read_text()
-    oldest = ".".join(map(str, jax_compat.FLOOR))
-    assert f"jax=={oldest} jaxlib=={oldest}" in (ROOT / ".ci" / "run").read_text()
+        asked = [r for r in project["project"]["optional-dependencies"][extra]
+                 if re.match(r"jax(lib)?\b", r)]  # fmt: skip
+        assert sorted(asked) == ["jax>=0.8.0", "jaxlib>=0.8.0"], extra  # no upper bound
+    assert "JAX=${JAX:-'jax>=0.8.0 jaxlib>=0.8.0'}" in (ROOT / "scripts" / "setup").read_text()
+    installs = (ROOT / "scripts" / "check-installs").read_text()
+    assert "'jax>=0.8.0' 'jaxlib>=0.8.0'" in installs and "<0." not in installs
+    assert "jaxlib>=0.8.0" in (ROOT / "setup.py").read_text()  # what native builds use
+    assert "jax==0.8.0 jaxlib==0.8.0" in (ROOT / ".ci" / "run").read_text()  # the floor
 
 
-OUTSIDE = """
+BELOW = """
 import jax, jax.numpy as jnp
 jax.__version__ = "0.7.2"  # what tapd reads, as a jax of that version would say
 import tapd
@@ -58,28 +84,108 @@ except tapd.TapDefinitionError as exc:
 """
 
 
-def test_outside_the_range_import_says_so_in_one_line_and_taps_fail_at_trace_time() -> None:
-    result = subprocess.run([sys.executable, "-c", OUTSIDE], capture_output=True, text=True,
-                            timeout=PROCESS_TIMEOUT)  # fmt: skip
+def test_below_the_floor_import_says_so_in_one_line_and_taps_fail_at_trace_time() -> None:
+    result = python(BELOW)
     assert result.returncode == 0, result.stderr
     [line] = result.stderr.splitlines()
-    words = f"tapd supports {jax_compat.SUPPORTED}, and this is jax 0.7.2"
-    assert line.startswith(words)
+    assert line.startswith("tapd supports jax>=0.8.0, and this is jax 0.7.2")
     assert result.stdout.splitlines() == [f"TAP: {line}", f"ID_TAP: {line}"]
 
 
-def test_inside_the_range_import_says_nothing() -> None:
-    result = subprocess.run([sys.executable, "-c", "import tapd"], capture_output=True,
-                            text=True, timeout=PROCESS_TIMEOUT)  # fmt: skip
+# A jax newer than the tested range: taps run, on the backend the test asks for, into
+# a real daemon and subscriber; a closure runs here, as host_callback's did.
+NEWER = """
+import json, jax, jax.numpy as jnp
+jax.__version__ = "0.13.0"  # what tapd reads, as a newer jax would say
+import tapd
+seen = []
+step = jax.jit(lambda x: tapd.id_tap(lambda a, t: seen.append(a.tolist()), tapd.tap(x, "t")))
+for i in range(3):
+    step(jnp.full(2, float(i)))
+tapd.barrier_wait(timeout=30)
+print(json.dumps({"backend": tapd.backend(), "seen": seen, "stats": tapd.stats()}))
+"""
+
+
+def test_a_newer_jax_warns_once_naming_the_tested_range_and_taps_run(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str
+) -> None:
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "t")
+    result = python(NEWER, env={"TAPD_ENDPOINT": daemon.endpoint})
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if "tapd" in line]
+    assert warnings == [jax_compat.untested_reason("0.13.0")], result.stderr
+    got = json.loads(result.stdout.splitlines()[-1])
+    # The native handler still registers where this jaxlib's FFI API takes it.
+    assert got["backend"] == backend
+    assert got["seen"] == [[float(i)] * 2 for i in range(3)]
+    assert (got["stats"]["delivered"], got["stats"]["errors"]) == (6, 0)
+    wait_until(lambda: len(subscriber.records()) == 3, "the subscriber's three taps")
+    assert [r["value"] for r in subscriber.records()] == [[float(i)] * 2 for i in range(3)]
+
+
+# The same newer jax with one of the internals tapd calls changed: a parameter added
+# that tapd does not pass, or the function gone.
+MISFIT = """
+import jax, jax.numpy as jnp
+jax.__version__ = "0.13.0"
+from jax._src import callback
+from jax._src.interpreters import mlir
+if "{change}" == "signature":
+    mlir.set_sharding = lambda ctx, op, sharding, placement: None
+else:
+    del callback.emit_python_callback
+import tapd
+for name, traced in [
+    ("TAP", lambda x: tapd.tap(x, "t")),
+    ("ID_TAP", lambda x: tapd.id_tap(lambda a, t: None, x)),
+]:
+    try:
+        jax.jit(traced)(jnp.ones(2))
+        print(name, "ran")
+    except tapd.TapDefinitionError as exc:
+        print(name, exc)
+"""
+
+
+@pytest.mark.parametrize(
+    ("change", "seam", "detail"),
+    [("signature", "mlir.set_sharding (jax._src.interpreters.mlir.set_sharding)",
+      "missing a required argument: 'placement'"),
+     ("removal", "callback.emit_python_callback (jax._src.callback.emit_python_callback)",
+      "has no attribute 'emit_python_callback'")],
+)  # fmt: skip
+def test_a_seam_that_does_not_fit_a_newer_jax_fails_at_trace_time_naming_itself(
+    change: str, seam: str, detail: str
+) -> None:
+    result = python(MISFIT.replace("{change}", change))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["TAP", "ID_TAP"], result.stdout
+    for line in lines:
+        assert f"tapd cannot tap with jax 0.13.0: JAX's internal {seam} does not fit" in line
+        assert detail in line and "tapd is tested with jax 0.8.0 to 0.12" in line
+
+
+def test_every_seam_fits_the_installed_jax_and_a_misfit_is_named() -> None:
+    assert jax_compat.seam_misfit() is None
+    odd = {"json.dumps": jax_compat.Seam("json", "dumps", lambda parameters: (2, ()))}
+    message = jax_compat.seam_misfit(odd)
+    assert message is not None
+    assert "JAX's internal json.dumps (json.dumps) does not fit the call tapd makes" in message
+    assert "too many positional arguments" in message
+
+
+def test_inside_the_tested_range_import_says_nothing() -> None:
+    result = python("import tapd")
     assert (result.returncode, result.stderr) == (0, "")
 
 
 def test_the_installed_jax_is_read_without_importing_it() -> None:
-    code = (
+    result = python(
         "import sys, tapd.emitter.jax_compat as c; print(c.installed_jax(), 'jax' in sys.modules)"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=PROCESS_TIMEOUT)  # fmt: skip
     import jax
 
     assert result.stdout.split() == [jax.__version__, "False"]
