@@ -11,10 +11,13 @@
                                    `TapFunctionException` is the same class, as in host_callback
 
 Lower-layer errors are re-raised from these with `from exc`, and messages name the
-offending value.
+offending value. `failure_text` writes what a subscriber reports of a handler that
+raised, which `CallbackException` reads back.
 """
 
 from __future__ import annotations
+
+import traceback
 
 __all__ = [
     "BarrierTimeout",
@@ -26,6 +29,7 @@ __all__ = [
     "TapDefinitionError",
     "TapFunctionException",
     "TapdError",
+    "failure_text",
 ]
 
 
@@ -68,19 +72,50 @@ class DaemonUnreachable(TapdError, ConnectionError):
 
 class CallbackException(TapdError):
     """One or more tap functions (or subscriber handlers) raised; `barrier_wait` raises
-    this. `errors` lists them as "consumer#seq: what raised". host_callback's name;
-    `TapFunctionException` is an alias, as it was there."""
+    this. Its message reads as host_callback's did: "There were exceptions during
+    callback processing. Last one was: " and the last failure's exception as
+    `traceback.format_exception` formats it (ending in e.g. `ValueError: message`), then
+    tapd's list of every failure, one line each. `errors` is that list ("consumer#seq:
+    what raised"). Where the last tap function ran in this process, the exception is
+    chained to what it raised. host_callback's name; `TapFunctionException` is an alias,
+    as it was there."""
 
     def __init__(self, errors: list[str]) -> None:
-        shown = "\n  ".join(errors[:10])
-        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
-        # host_callback's first words, which code and tests matched on; then tapd's list.
-        last = errors[-1] if errors else "none"
+        """`errors`: one text per failure, as reported: a first line naming the tap and
+        what raised, then the formatted exception where the reporter sent it
+        (`failure_text`)."""
+        lines = [text.partition("\n")[0] for text in errors]
+        shown = "\n  ".join(lines[:10])
+        more = f"\n  ... and {len(lines) - 10} more" if len(lines) > 10 else ""
+        first_line, _, formatted = errors[-1].partition("\n") if errors else ("none", "", "")
         super().__init__(
             "There were exceptions during callback processing. Last one was: "
-            f"{last}\n{len(errors)} tap function call(s) raised:\n  {shown}{more}"
+            f"{formatted.rstrip() or first_line}\n\n"
+            f"{len(lines)} tap function call(s) raised:\n  {shown}{more}"
         )
-        self.errors = errors
+        self.errors = lines
 
 
 TapFunctionException = CallbackException  # host_callback's alias of the same class
+
+
+_CUT = "[... the traceback's first lines were cut ...]\n"
+
+
+def failure_text(name: str, exc: BaseException, limit: int = 4000) -> str:
+    """How a handler that raised is reported (an `ack`'s error, docs/PROTOCOL.md): one
+    line, "<name> raised <exception's repr>", then the exception as
+    `traceback.format_exception` formats it, as host_callback reported it. At most `limit`
+    characters: a long traceback loses its first lines, never its last (the exception's
+    type and message)."""
+    summary = f"{name} raised {exc!r}".replace("\n", " ")[: limit // 4]
+    formatted = "".join(traceback.format_exception(exc))
+    room = limit - len(summary) - 1
+    if len(formatted) > room:
+        tail = formatted[len(formatted) - room + len(_CUT) :]
+        frame = tail.find("\n  File ")  # start at a frame, else at a whole line
+        newline = frame if frame >= 0 else tail.find("\n")
+        if 0 <= newline < len(tail) - 1:
+            tail = tail[newline + 1 :]
+        formatted = _CUT + tail
+    return f"{summary}\n{formatted}"

@@ -379,8 +379,11 @@ class Forwarder:
 
     def _error(self, header: dict[str, Any]) -> None:
         """A handler upstream raised: attach the error to our tap, so that the ack
-        here carries it on to the emitter's barrier_wait()."""
-        text = f"{header['error']} (in subscriber {header['subscriber']} at {self.endpoint})"
+        here carries it on to the emitter's barrier_wait(). Where the upstream is named
+        goes on the error's first line, so that its traceback still ends the text."""
+        first, newline, formatted = header["error"].partition("\n")
+        where = f"(in subscriber {header['subscriber']} at {self.endpoint})"
+        text = f"{first} {where}{newline}{formatted}"
         wanted = (header.get("emitter"), header.get("device"), header["consumer"], header["seq"])
         for item in self._sent.values():
             # An upstream that does not name the emitter is matched by name and seq.
