@@ -34,6 +34,23 @@ def test_help_explains_every_command() -> None:
     assert "--policy" in start_help and "drop_newest" in start_help
 
 
+def test_help_typical_use_starts_no_daemon_and_says_when_to_start_one_by_hand() -> None:
+    """Since autostart (tapd/autostart.py, tests/test_autostart.py), a user needs a
+    subscriber and the JAX program; a daemon is started by hand where a deployment owns
+    it (managed hosts, with TAPD_AUTOSTART=0)."""
+    text = tapd_cmd("--help").stdout
+    typical, _, by_hand = text.partition("Start the daemon by hand")
+    typical = typical.partition("Typical use:")[2]
+    assert typical and by_hand, text
+    minutes = config_module.ON_DEMAND_IDLE_EXIT / 60
+    assert f"starts one, which stops after {minutes:g} idle minutes" in " ".join(typical.split())
+    commands = [line.split()[1] for line in typical.splitlines() if line.startswith("  tapd ")]
+    assert commands == ["subscribe", "tail"]  # and no `tapd start`
+    by_hand = " ".join(by_hand.partition("positional arguments:")[0].split())
+    assert "managed hosts" in by_hand and "set TAPD_AUTOSTART=0 for the clients" in by_hand
+    assert "tapd start --detach" in by_hand
+
+
 def test_check_exits_unreachable_when_no_daemon(runtime_dir: Path) -> None:
     result = tapd_cmd("check", "--endpoint", f"ipc://{runtime_dir}/none.sock", "--timeout", "0.3")
     assert result.returncode == ExitCode.UNREACHABLE

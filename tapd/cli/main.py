@@ -21,11 +21,17 @@ tapd moves values tapped inside compiled JAX code (tapd.tap, id_tap, id_print) o
 the JAX process, through one receiver daemon per host, to subscriber processes where the
 tap functions run. The training step never waits for them.
 
-Typical use:
-  tapd start --detach            # once per host
+Typical use: no daemon to start. The first tap or subscriber that finds none at this
+user's default endpoint starts one, which stops after 10 idle minutes.
   tapd subscribe mymodule        # runs mymodule's tap functions (id_tap(mymodule.f, x))
   tapd tail loss                 # prints taps named "loss" as they arrive
   python train.py                # the JAX program, with tapd.tap(x, "loss") inside
+
+Start the daemon by hand where a deployment owns it: on managed hosts (systemd,
+Kubernetes, Slurm: set TAPD_AUTOSTART=0 for the clients, so that a missing daemon is an
+error at once), at an endpoint other than the default (tcp://, --forward), or to keep it
+running without clients:
+  tapd start --detach            # once per host; `tapd stop` drains and stops it
 """
 
 
