@@ -122,10 +122,15 @@ def test_subscribe_module_runs_host_callback_style_tap_functions(
         if line.startswith("RECORD")
     ]
     printed = stop_and_read(printer)
+    # Both backends know the device; a subscriber names it as the emitter's JAX does
+    # (str(device): "cpu:0" in jax 0.10, "TFRT_CPU_0" in jax 0.8).
+    import jax
+
+    name = str(jax.local_devices(backend="cpu")[0])
+    device = f"TapDevice(platform='cpu', id=0, name={name!r})"
     assert recorded == [
         "RECORD arg=[0, 1] transforms=[] kwargs={}\n",
-        # Both backends know the device; a subscriber names it as JAX would (cpu:0).
-        "RECORD arg=[0, 1, 2] transforms=[] kwargs={'device': TapDevice(platform='cpu', id=0)}\n",
+        f"RECORD arg=[0, 1, 2] transforms=[] kwargs={{'device': {device}}}\n",
     ]
     assert "what: scaled\n[10. 10.]" in printed  # host_callback's id_print format
 

@@ -9,6 +9,7 @@ import numpy as np
 
 from tapd.printing import print_tap, render
 from tapd_client.meta import TapMeta
+from tapd_client.tap_functions import tap_function_keywords
 
 
 def printed(arg: object, transforms: object = (), **kwargs: object) -> str:
@@ -56,3 +57,18 @@ def test_batch_dims_arrive_as_tuples() -> None:
               "transforms": [["batch", {"batch_dims": [0, None]}], ["transpose", {}]]}  # fmt: skip
     meta = TapMeta.from_header(header)
     assert meta.transforms == (("batch", {"batch_dims": (0, None)}), ("transpose", {}))
+
+
+def test_module_mode_names_the_device_as_the_emitters_jax_did() -> None:
+    """`tapd subscribe tapd.printing` has no JAX: a `tap_with_device` site carries what
+    the emitter's JAX called its devices (jax 0.8: `TFRT_CPU_1`), and the printed device
+    is that; a site from a tapd that did not carry them prints `platform:ordinal`."""
+    header = {"consumer": "tapd.printing:print_tap", "seq": 0, "step": None, "device": 1,
+              "process": 0, "host": "h", "pid": 1, "time": 0, "transforms": [],
+              "meta": {"tap_with_device": True, "device_platform": "cpu", "what": "x",
+                       "device_names": '{"0":"TFRT_CPU_0","1":"TFRT_CPU_1"}'}}  # fmt: skip
+    keywords = tap_function_keywords(TapMeta.from_header(header))
+    assert printed(np.array(3), **keywords) == "device: TFRT_CPU_1 what: x\n3\n"
+    older = {**header, "meta": {k: v for k, v in header["meta"].items() if k != "device_names"}}
+    keywords = tap_function_keywords(TapMeta.from_header(older))
+    assert printed(np.array(3), **keywords) == "device: cpu:1 what: x\n3\n"

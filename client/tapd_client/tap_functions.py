@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -26,21 +27,28 @@ from tapd_client.subscriber import Subscriber
 # Metadata that tapd itself adds to a tap site, never a keyword of the tap function:
 # `tap_with_device` (id_tap asked for `device=`), `device_index` (id_tap's), `key_impl`
 # (a tapped PRNG key's implementation), `device_platform` (the JAX platform of the
-# device, with tap_with_device). Bound keywords of these names make a tap function run
-# in its own process only (tapd.emitter.host_callback.importable_form).
-RESERVED_META = frozenset({"tap_with_device", "device_index", "key_impl", "device_platform"})
+# device, with tap_with_device) and `device_names` (JSON {local ordinal: str(device)} of
+# the emitting process's devices of that platform, with tap_with_device). Bound keywords
+# of these names make a tap function run in its own process only
+# (tapd.emitter.host_callback.importable_form).
+RESERVED_META = frozenset(
+    {"tap_with_device", "device_index", "key_impl", "device_platform", "device_names"}
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class TapDevice:
     """The device a tap ran on, for a tap function outside the JAX process (which has no
-    `jax.Device`): printed as JAX prints one (`cpu:0`)."""
+    `jax.Device`): printed as the emitting process's JAX printed it, `name` (its
+    `str(device)`: `cpu:0` in jax 0.10, `TFRT_CPU_0` in jax 0.8), else as
+    `platform:id`."""
 
     platform: str
     id: int
+    name: str | None = None
 
     def __str__(self) -> str:
-        return f"{self.platform}:{self.id}"
+        return self.name if self.name is not None else f"{self.platform}:{self.id}"
 
 
 def resolve(consumer: str) -> Callable[..., Any]:
@@ -65,9 +73,23 @@ def tap_function_keywords(meta: TapMeta, device: Any = None) -> dict[str, Any]:
     kwargs = {k: v for k, v in meta.meta.items() if k not in RESERVED_META}
     if meta.meta.get("tap_with_device"):
         if device is None and meta.device is not None and "device_platform" in meta.meta:
-            device = TapDevice(str(meta.meta["device_platform"]), meta.device)
+            names = _device_names(meta.meta.get("device_names"))
+            name = names.get(str(meta.device))
+            device = TapDevice(str(meta.meta["device_platform"]), meta.device, name)
         kwargs["device"] = meta.device if device is None else device
     return kwargs
+
+
+@functools.lru_cache(maxsize=64)
+def _device_names(text: Any) -> dict[str, str]:
+    """A site's `device_names` meta, read: {} where it is missing or malformed."""
+    try:
+        names = json.loads(text) if isinstance(text, str) else {}
+    except ValueError:
+        return {}
+    if not isinstance(names, dict):
+        return {}
+    return {str(k): v for k, v in names.items() if isinstance(v, str)}
 
 
 def call_tap_function(arg: Any, meta: TapMeta) -> None:

@@ -32,7 +32,8 @@ from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from tapd.emitter import jax_compat, lifecycle, primitive
+from tapd.emitter import jax_compat, lifecycle, order, primitive
+from tapd.emitter.device_names import device_names
 from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter
 from tapd.emitter.primitive import ORDERED, TapSiteParams
 from tapd.emitter.sender import TapSite
@@ -60,7 +61,10 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
     native = sender.native
     module = ctx.module_context
     platform = module.platforms[0] if len(module.platforms) == 1 else None
-    token = ctx.tokens_in.get(ORDERED) if site.ordered else None
+    # Strict: JAX's token; otherwise tapd's own order (tapd.emitter.order), or none.
+    before = order.before_tap(ctx) if site.ordered and not site.strict else None
+    token = ctx.tokens_in.get(ORDERED) if site.strict else before and before.token
+    dependencies = before.dependencies if before is not None else []
     axis_context = module.axis_context
     # A jit the compiler partitions whose mesh the trace could not see (tapping.emit
     # wraps the others in shard_map): only JAX's own callback targets keep the one-device
@@ -77,8 +81,9 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         new_token = _emit_ffi_call(
             ctx,
             token,
-            operand_values,
-            operand_avals,
+            [*operand_values, *dependencies],
+            [*operand_avals, *(_value_aval(value) for value in dependencies)],
+            depends=len(dependencies),
             site=site_id,
             consumer=native.consumer_id(site.consumer),
             has_step=site.has_step,
@@ -95,10 +100,14 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         callback = _ring_callback if native is not None else _sender_callback
         fields = _site_fields(site, platform)
         host_function = callback(native, site, fields, tapped_avals, _local_ordinals(ctx))
-        operand_values = [*tapped, *([step] if site.has_step else []), device]
+        # The callback reads its leaves, step and device; the dependencies' one element
+        # each, between the step and the device, only orders it.
+        small, small_avals = order.small_dependencies(dependencies)
+        operand_values = [*tapped, *([step] if site.has_step else []), *small, device]
         callback_avals: list[Any] = [
             *tapped_avals,
             *([step_aval] if site.has_step else []),
+            *small_avals,
             device_aval,
         ]
         # The callback's custom call is laid out from its context's avals: ours.
@@ -114,18 +123,29 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
                 axis_context, _single_device(axis_context, where)
             ),
         )
-    if token is not None:
+    if site.strict and token is not None:
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: new_token})))
+    elif before is not None:
+        order.after_tap(ctx, new_token)
     return leaves
+
+
+def _value_aval(value: Any) -> core.AbstractValue:
+    """The aval of an ir value that a tap only depends on (a token or an array)."""
+    if not ir.RankedTensorType.isinstance(value.type):
+        return core.abstract_token
+    tensor = ir.RankedTensorType(value.type)
+    return core.ShapedArray(tuple(tensor.shape), order.numpy_dtype(tensor.element_type))
 
 
 def _site_fields(site: TapSiteParams, platform: str | None) -> dict[str, Any]:
     """The site's fields; a site that asked for its device (`tap_with_device`) also gets
-    the device's platform, so that a subscriber can name it as JAX does (`cpu:0`)."""
+    the device's platform and what this JAX calls its devices, so that a subscriber
+    names it as this process's JAX does (`cpu:0`, `TFRT_CPU_0`: tapd.emitter.device_names)."""
     fields = site.site_fields()
     meta = fields.get("meta", {})
     if meta.get("tap_with_device") and platform is not None:
-        fields["meta"] = {**meta, "device_platform": platform}
+        fields["meta"] = {**meta, "device_platform": platform, **device_names(platform)}
     return fields
 
 
