@@ -19,7 +19,7 @@ from conftest import Daemon, SubscriberProcess, run_emitter
 from tapd.protocol import decode, encode
 from tapd.protocol.batch import BatchRun, BatchTap, encode_batch
 from tapd_client import Subscriber, TapBatch, TapMeta
-from tapd_client.subscriber import _DaemonLink
+from tapd_client.daemon_link import DaemonLink
 
 FIELDS: dict[str, Any] = {
     "consumer": "tree", "seq": 0, "step": None, "device": None, "process": 3, "host": "h",
@@ -50,7 +50,7 @@ def ring_run(count: int, gaps: list[int]) -> BatchRun:
                     times=[FIELDS["time"] + i for i in range(count)])  # fmt: skip
 
 
-def handled(frames: list[Any], batch: bool) -> tuple[list[Any], Subscriber, _DaemonLink]:
+def handled(frames: list[Any], batch: bool) -> tuple[list[Any], Subscriber, DaemonLink]:
     """What a subscriber's handler gets for one message: TapBatches or (value, meta)."""
     got: list[Any] = []
     subscriber = Subscriber("ipc:///nonexistent/never-connected.sock")
@@ -59,7 +59,7 @@ def handled(frames: list[Any], batch: bool) -> tuple[list[Any], Subscriber, _Dae
     else:
         subscriber.add_handler("tree", lambda value, meta: got.append((value, meta)))
     subscriber.add_handler("other", lambda value, meta: got.append(("other", meta.seq)))
-    link = _DaemonLink("ipc:///nonexistent/never-connected.sock", None)  # type: ignore[arg-type]
+    link = DaemonLink("ipc:///nonexistent/never-connected.sock", None)  # type: ignore[arg-type]
     subscriber._handle(link, decode(frames))
     return got, subscriber, link
 
@@ -135,7 +135,7 @@ def test_a_failing_batch_handler_fails_each_of_its_taps() -> None:
     def broken(batch: TapBatch) -> None:
         raise RuntimeError(f"cannot write {len(batch)} taps")
 
-    link = _DaemonLink("ipc:///nonexistent/never-connected.sock", None)  # type: ignore[arg-type]
+    link = DaemonLink("ipc:///nonexistent/never-connected.sock", None)  # type: ignore[arg-type]
     subscriber._handle(link, decode(encode_batch([ring_run(3, [48])])))
     assert (subscriber.processed, subscriber.failed) == (0, 3)
     assert [e["tid"] for e in link.errors] == [100, 101, 102]
@@ -155,7 +155,7 @@ def test_a_handler_object_that_takes_batches_is_registered_as_one() -> None:
     subscriber = Subscriber("ipc:///nonexistent/never-connected.sock")
     sink = Sink()
     subscriber.add_handler("tree", sink)
-    link = _DaemonLink("ipc:///nonexistent/never-connected.sock", None)  # type: ignore[arg-type]
+    link = DaemonLink("ipc:///nonexistent/never-connected.sock", None)  # type: ignore[arg-type]
     subscriber._handle(link, decode(encode_batch([ring_run(4, [48])])))
     assert sink.seqs == [0, 1, 2, 3]
 

@@ -22,7 +22,7 @@ from tapd.protocol import Message, decode, encode
 from tapd.protocol.batch import BatchTap, encode_batch
 from tapd.protocol.wire import DEFAULT_LIMITS
 from tapd_client import Subscriber
-from tapd_client.subscriber import _DaemonLink
+from tapd_client.daemon_link import DaemonLink
 
 TAP_FIELDS = {"consumer": "loss", "seq": 0, "step": None, "device": None, "process": 0,
               "host": "h", "pid": 1, "time": 0, "meta": {}, "tree": ["*"]}  # fmt: skip
@@ -198,7 +198,7 @@ def test_a_batch_static_the_metadata_parser_chokes_on_is_a_handler_error_not_a_c
     batch = decode(encode_batch([BatchTap(header, [bytes(8)], 0, "h:1")]))
     [run] = batch.runs
     run.static.fields["transforms"] = [1]
-    link = _DaemonLink("ipc:///nonexistent/never-connected.sock", None)  # type: ignore[arg-type]
+    link = DaemonLink("ipc:///nonexistent/never-connected.sock", None)  # type: ignore[arg-type]
     subscriber._handle(link, batch)
     assert (handled, subscriber.failed, link.last_tid) == ([], 1, 0)
     [error] = link.errors

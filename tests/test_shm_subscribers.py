@@ -74,17 +74,17 @@ def subscriber_main(argv: list[str]) -> None:
 
     import time
 
-    import tapd_client.subscriber as subscriber_module
+    import tapd_client.daemon_link as link_module
     from tapd_client import Subscriber, TapMeta
 
     if args.other_uid:  # what a subscriber of another user on this host would offer
-        real_offer = subscriber_module.ring_offer
+        real_offer = link_module.ring_offer
 
         def other_offer(directory: Any) -> Any:
             offer = real_offer(directory)
             return None if offer is None else {**offer, "uid": offer["uid"] + 1}
 
-        subscriber_module.ring_offer = other_offer
+        link_module.ring_offer = other_offer
     out = open(args.record, "a", buffering=1)  # noqa: SIM115 (closed at exit)
     sub = Subscriber(
         args.endpoint, window=args.window, heartbeat=0.2, group=args.group, views=args.views

@@ -15,7 +15,8 @@ Importing this package does not import JAX.
 
 from tapd_client.assemble import Assembler
 from tapd_client.batch import TapBatch
+from tapd_client.handlers import BatchHandler, Handler
 from tapd_client.meta import ShardInfo, TapMeta
-from tapd_client.subscriber import BatchHandler, Handler, Subscriber
+from tapd_client.subscriber import Subscriber
 
 __all__ = ["Assembler", "BatchHandler", "Handler", "ShardInfo", "Subscriber", "TapBatch", "TapMeta"]
