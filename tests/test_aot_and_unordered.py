@@ -57,10 +57,12 @@ def test_unordered_taps_deliver_every_tap_numbered_by_seq(
     assert result["stats"]["delivered"] == 100
 
 
-def test_tap_refuses_an_ordered_that_is_not_a_bool() -> None:
+def test_tap_refuses_an_ordered_that_is_not_a_bool_nor_strict() -> None:
     import jax.numpy as jnp
 
     import tapd
 
-    with pytest.raises(tapd.TapDefinitionError, match=r"ordered='no' must be True or False"):
+    with pytest.raises(
+        tapd.TapDefinitionError, match=r"ordered='no' must be True, False or 'strict'"
+    ):
         tapd.tap(jnp.ones(2), "x", ordered="no")

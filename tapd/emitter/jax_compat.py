@@ -288,3 +288,73 @@ def tap_effects(effect: Any, unordered: Any) -> set[Any]:
     the unordered `unordered`, so that an AOT executable never takes the C++ fast path
     that drops its token (see the module docstring)."""
     return {effect, unordered}
+
+
+# ---- the C++ dispatch path ----------------------------------------------------------
+
+
+def dispatch_ignores(effect_type: type) -> None:
+    """Let JAX's C++ dispatch path serve executables whose only effects are of
+    `effect_type` (tapd's unordered tap effect).
+
+    JAX turns that path off for any executable with an effect (`has_unordered_effects`
+    of `pxla.ExecuteReplicated`, read by `pjit._get_fastpath_data` and by
+    `MeshExecutable.create_cpp_call`), and runs every call through Python instead, about
+    55 µs a call. The effect only has to keep the tap in the program: the tap needs no
+    runtime token, and tapd's barrier waits for dispatched computations itself. An
+    executable with ordered effects, or with any other effect, is left as JAX made it."""
+    from jax._src.interpreters import pxla
+
+    init = pxla.ExecuteReplicated.__init__
+    if getattr(init, "tapd_ignores", None) is not None:
+        return
+    import inspect
+
+    signature = inspect.signature(init)
+    if not {"unordered_effects", "ordered_effects"} <= set(signature.parameters):
+        _seam_mismatch.append(
+            "pxla.ExecuteReplicated.__init__ takes no unordered_effects/ordered_effects"
+        )
+        return
+
+    @functools.wraps(init)
+    def init_ignoring_taps(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs).arguments
+        unordered, ordered = bound["unordered_effects"], bound["ordered_effects"]
+        if not ordered and all(isinstance(effect, effect_type) for effect in unordered):
+            self.has_unordered_effects = False
+
+    init_ignoring_taps.tapd_ignores = effect_type  # type: ignore[attr-defined]
+    pxla.ExecuteReplicated.__init__ = init_ignoring_taps  # type: ignore[method-assign]
+
+
+def wrap_module_lowering(wrapper: Any) -> None:
+    """Lower every module through `wrapper(lower, *args, **kwargs)`, where `lower` is
+    `mlir.lower_jaxpr_to_module` (which jit, pmap and AOT lowering call through the
+    module's attribute): tapd orders a lowered module's tapping operations there
+    (`tapd.emitter.order`)."""
+    from jax._src.interpreters import mlir
+
+    lower = mlir.lower_jaxpr_to_module
+    if getattr(lower, "tapd_wrapped", False):
+        return
+
+    @functools.wraps(lower)
+    def lower_module(*args: Any, **kwargs: Any) -> Any:
+        return wrapper(lower, *args, **kwargs)
+
+    lower_module.tapd_wrapped = True  # type: ignore[attr-defined]
+    mlir.lower_jaxpr_to_module = lower_module
+
+
+# The seams that did not fit this JAX: a tap fails at trace time, naming them.
+_seam_mismatch: list[str] = []
+
+
+def require_seams() -> None:
+    """At trace time: TapDefinitionError naming each JAX internal that did not fit."""
+    if _seam_mismatch:
+        raise TapDefinitionError(
+            "tapd does not fit this jax's internals: " + "; ".join(_seam_mismatch)
+        )

@@ -8,11 +8,13 @@ errors) and, where the native library loads, the shared-memory ring the taps wri
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 from typing import Any
 
 import jax
+import numpy as np
 
 from tapd.autostart import ensure_daemon
 from tapd.emitter.native_backend import NativeEmitter, registered_platforms
@@ -131,11 +133,31 @@ def stats() -> dict[str, Any]:
     return _sender.stats() if _sender is not None else {}
 
 
+def flush_devices() -> None:
+    """Return once every computation dispatched before the call has run its taps.
+
+    A tapped computation takes JAX's C++ dispatch path, which keeps no runtime token for
+    `jax.effects_barrier()` to wait on (`jax_compat.dispatch_ignores`). A device runs
+    the computations dispatched to it in order (a GPU's stream, the CPU client's
+    last-enqueued event), so one tiny computation on each local device, waited for,
+    comes after them all. `jax.effects_barrier()` still covers strict taps and host
+    callbacks."""
+    jax.effects_barrier()  # type: ignore[no-untyped-call]
+    increment = _increment()
+    markers = [increment(jax.device_put(np.uint8(0), device)) for device in jax.local_devices()]
+    jax.block_until_ready(markers)  # type: ignore[no-untyped-call]
+
+
+@functools.cache
+def _increment() -> Any:
+    return jax.jit(lambda value: value + 1)
+
+
 def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.0) -> None:
     """Block until every tap emitted so far has been processed by every subscribed
     handler. Raises `TapFunctionException` if handlers raised, `BarrierTimeout` if not
     done within `timeout` seconds."""
-    jax.effects_barrier()  # type: ignore[no-untyped-call]  # callbacks of dispatched computations have run
+    flush_devices()
     if _sender is None:
         return
     reply = _sender.barrier(timeout)
@@ -159,7 +181,7 @@ def _drain_at_exit() -> None:
     if sender is None or _settings is None:
         return
     try:
-        jax.effects_barrier()  # type: ignore[no-untyped-call]
+        flush_devices()
     except Exception:  # JAX may be half torn down at exit; drain what we have
         pass
     try:

@@ -32,7 +32,7 @@ from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from tapd.emitter import jax_compat, lifecycle, order, primitive
+from tapd.emitter import jax_compat, lifecycle, native_backend, order, primitive
 from tapd.emitter.device_names import device_names
 from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter
 from tapd.emitter.primitive import ORDERED, TapSiteParams
@@ -61,10 +61,11 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
     native = sender.native
     module = ctx.module_context
     platform = module.platforms[0] if len(module.platforms) == 1 else None
-    # Strict: JAX's token; otherwise tapd's own order (tapd.emitter.order), or none.
-    before = order.before_tap(ctx) if site.ordered and not site.strict else None
-    token = ctx.tokens_in.get(ORDERED) if site.strict else before and before.token
-    dependencies = before.dependencies if before is not None else []
+    # Strict: JAX's token; otherwise tapd's own (tapd.emitter.order), or none.
+    own_order = site.ordered and not site.strict
+    token = ctx.tokens_in.get(ORDERED) if site.strict else None
+    if own_order:
+        token = order.before_tap(ctx)
     axis_context = module.axis_context
     # A jit the compiler partitions whose mesh the trace could not see (tapping.emit
     # wraps the others in shard_map): only JAX's own callback targets keep the one-device
@@ -81,9 +82,8 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         new_token = _emit_ffi_call(
             ctx,
             token,
-            [*operand_values, *dependencies],
-            [*operand_avals, *(_value_aval(value) for value in dependencies)],
-            depends=len(dependencies),
+            operand_values,
+            operand_avals,
             site=site_id,
             consumer=native.consumer_id(site.consumer),
             has_step=site.has_step,
@@ -100,14 +100,10 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         callback = _ring_callback if native is not None else _sender_callback
         fields = _site_fields(site, platform)
         host_function = callback(native, site, fields, tapped_avals, _local_ordinals(ctx))
-        # The callback reads its leaves, step and device; the dependencies' one element
-        # each, between the step and the device, only orders it.
-        small, small_avals = order.small_dependencies(dependencies)
-        operand_values = [*tapped, *([step] if site.has_step else []), *small, device]
+        operand_values = [*tapped, *([step] if site.has_step else []), device]
         callback_avals: list[Any] = [
             *tapped_avals,
             *([step_aval] if site.has_step else []),
-            *small_avals,
             device_aval,
         ]
         # The callback's custom call is laid out from its context's avals: ours.
@@ -125,17 +121,9 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         )
     if site.strict and token is not None:
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: new_token})))
-    elif before is not None:
+    elif own_order:
         order.after_tap(ctx, new_token)
     return leaves
-
-
-def _value_aval(value: Any) -> core.AbstractValue:
-    """The aval of an ir value that a tap only depends on (a token or an array)."""
-    if not ir.RankedTensorType.isinstance(value.type):
-        return core.abstract_token
-    tensor = ir.RankedTensorType(value.type)
-    return core.ShapedArray(tuple(tensor.shape), order.numpy_dtype(tensor.element_type))
 
 
 def _site_fields(site: TapSiteParams, platform: str | None) -> dict[str, Any]:
@@ -313,4 +301,19 @@ def _sender_callback(
     return submit
 
 
+def _lower_module_in_order(lower: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`mlir.lower_jaxpr_to_module`, then tapd's order for the taps it lowered
+    (tapd.emitter.order): where the module is one partition and its platforms have the
+    order handler."""
+    order.start_module()
+    result = lower(*args, **kwargs)
+    if order.lowered_taps() and order.partitions(result.module) == 1:
+        platforms = {str(platform).lower() for platform in kwargs.get("platforms") or ()}
+        if platforms and platforms <= native_backend.order_platforms():
+            with result.module.context:
+                order.order_module(result.module)
+    return result
+
+
 primitive.register_lowering(lower_tap)
+jax_compat.wrap_module_lowering(_lower_module_in_order)

@@ -26,6 +26,7 @@ from tapd.runtime import ensure_private_dir
 logger = logging.getLogger("tapd.emitter")
 
 FFI_TARGET = "tapd_tap"
+ORDER_TARGET = "tapd_order"  # (tapd/emitter/order.py)
 
 
 class NativeEmitter:
@@ -147,11 +148,36 @@ def register_ffi_target() -> bool:
                 logger.warning("tapd: could not register the %s tap handler: %s", platform, exc)
                 continue
             registered.add(platform)
+            _register_order_target(xla_platform)
         if not registered:
             return False
         _registered_platforms = frozenset(registered)
         _ffi_registered = True
         return True
+
+
+_order_platforms: set[str] = set()
+
+
+def _register_order_target(xla_platform: str) -> None:
+    function = library.order_handler()
+    if function is None:
+        return
+    import jax
+
+    try:
+        capsule = jax.ffi.pycapsule(function)  # type: ignore[no-untyped-call]
+        jax.ffi.register_ffi_target(ORDER_TARGET, capsule, platform=xla_platform)
+    except Exception as exc:
+        logger.warning("tapd: could not register the %s order handler: %s", xla_platform, exc)
+        return
+    _order_platforms.add(xla_platform.lower())
+
+
+def order_platforms() -> frozenset[str]:
+    """The JAX platforms whose computations can take tapd's order custom calls."""
+    register_ffi_target()
+    return frozenset(_order_platforms)
 
 
 def registered_platforms() -> frozenset[str]:

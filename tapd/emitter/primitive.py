@@ -1,10 +1,22 @@
-"""The tap as a JAX primitive: the identity on its leaves, with the tap as an ordered effect.
+"""The tap as a JAX primitive: the identity on its leaves, with the tap as an effect.
 
 `tap_p` takes the tapped leaves (then the step and the shard coordinates, when the site
 has them) and returns the leaves unchanged, so a later use of a tapped value is a use of
-the tap's output. Its effect is *ordered*: JAX threads one token through every ordered
-effect of a computation, through `scan`, `cond` and `while` bodies too, so XLA runs the
-taps of one process in program order, as host_callback's outfeed token did. (Inside
+the tap's output.
+
+Every tap carries tapd's *unordered* effect (`TapEffect`), which is what keeps JAX from
+dropping it: dead-code elimination, partial evaluation (`grad` of a `scan`, JAX #16637),
+`checkpoint` and the loops' own rules treat it as effectful. JAX would also turn off its
+C++ dispatch path for every computation with such an effect, at about 55 µs a call;
+`jax_compat.dispatch_ignores` tells dispatch to ignore `TapEffect` (tapd's barrier does
+its own waiting: `lifecycle.flush_devices`). Order comes from the lowering: the taps of
+one block (a function body, a loop body, a branch) thread tapd's own token, inside the
+XLA computation (`tapd.emitter.lowering`).
+
+A *strict* tap (`ordered="strict"`) carries JAX's ordered effect as well: JAX threads one
+runtime token through every ordered effect of the process, through `scan`, `cond` and
+`while` bodies and from one computation to the next, as host_callback's outfeed token
+did, at JAX's per-call cost (the Python dispatch path and a token per call). (Inside
 `pmap` and `shard_map` bodies each device threads its own token.)
 
 Transformations follow host_callback's rules:
@@ -38,14 +50,13 @@ Transform = tuple[str, tuple[int | None, ...] | None]
 
 
 class TapEffect(effects.Effect):
-    """A tap whose order among other taps is not kept (`ordered=False`): no token; the
-    daemon still numbers its records per site (seq)."""
+    """Every tap's: an effect JAX keeps, and its dispatch ignores (see above)."""
 
     __str__ = lambda _: "tapd.tap"  # noqa: E731
 
 
 class OrderedTapEffect(effects.Effect):
-    """A tap that keeps program order: XLA threads a token through it."""
+    """A strict tap's: JAX threads its runtime token through it."""
 
     __str__ = lambda _: "tapd.tap(ordered)"  # noqa: E731
 
@@ -63,6 +74,7 @@ for _effect_type in (TapEffect, OrderedTapEffect):
     effects.partial_eval_kept_effects.add_type(_effect_type)
 effects.ordered_effects.add_type(OrderedTapEffect)
 effects.shardable_ordered_effects.add_type(OrderedTapEffect)
+jax_compat.dispatch_ignores(TapEffect)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +90,14 @@ class TapSiteParams:
     has_step: bool = False
     has_coords: bool = False
     ordered: bool = True
+    strict: bool = False
 
     @property
-    def effect(self) -> effects.Effect:
-        return ORDERED if self.ordered else UNORDERED
+    def effects(self) -> set[effects.Effect]:
+        """The site's JAX effects (see the module docstring)."""
+        if self.strict and self.ordered:
+            return jax_compat.tap_effects(ORDERED, UNORDERED)
+        return {UNORDERED}
 
     def decoded_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = msgpack.unpackb(self.fields, raw=False)
@@ -143,9 +159,7 @@ def _abstract_eval(
     *avals: core.AbstractValue, site: TapSiteParams
 ) -> tuple[list[core.AbstractValue], set[effects.Effect]]:
     leaves, _ = _split(avals, site)
-    # An ordered tap carries the unordered effect too: JAX's AOT fast path would drop
-    # its token otherwise (tapd.emitter.jax_compat.tap_effects, docs/UPSTREAM.md).
-    return leaves, jax_compat.tap_effects(site.effect, UNORDERED)
+    return leaves, site.effects
 
 
 def _jvp(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +37,14 @@ logger = logging.getLogger("tapd.emitter")
 
 _META_TYPES = (str, int, float, bool, type(None))
 _MAX_CONSUMER_LENGTH = MAX_NAME
-# Whether taps keep program order (an ordered effect) when `tap` is not told: None is the
-# emitter setting (TAPD_ORDERED, default on). bench/overhead_probe.py sets it for one
-# variant, to measure what the order costs. Read when a tap is traced.
-ordered_taps: bool | None = None
+# How a tap keeps order: True (program order inside one computation, tapd's own token),
+# False (none), or "strict" (JAX's ordered effect: also between computations).
+STRICT = "strict"
+Ordering = bool | Literal["strict"]
+# Whether taps keep program order when `tap` is not told: None is the emitter setting
+# (TAPD_ORDERED, default on). bench/overhead_probe.py sets it for one variant, to
+# measure what the order costs. Read when a tap is traced.
+ordered_taps: Ordering | None = None
 
 
 def tap(
@@ -49,7 +53,7 @@ def tap(
     *,
     step: Any = None,
     spec: PartitionSpec | None = None,
-    ordered: bool | None = None,
+    ordered: Ordering | None = None,
     every: int = 1,
     **static_meta: Any,
 ) -> Any:
@@ -58,9 +62,15 @@ def tap(
     `step` may be a traced integer. Inside `shard_map`/`pmap`, `spec` says how this
     device's block tiles the global value, as shard_map's `out_specs` would (default:
     blocks stacked along new leading axes, as pmap stacks them); one spec serves every
-    leaf of `arg`; see `tapd.emitter.sharding`. `ordered=False` lowers the tap without
-    the ordering token (default: TAPD_ORDERED, on): XLA may then run it before or after
-    the site's neighbours, and the subscriber orders its records by `meta.seq`. Other
+    leaf of `arg`; see `tapd.emitter.sharding`.
+
+    `ordered` (default: TAPD_ORDERED, on) keeps the taps of one computation in program
+    order, inside scan, cond and while bodies too, with a token that lives inside the
+    XLA computation: the step keeps JAX's C++ dispatch path. `ordered="strict"` uses
+    JAX's ordered effect instead, as `io_callback(ordered=True)` does: order also holds
+    between computations and across `jax.effects_barrier()`, at JAX's per-call cost.
+    `ordered=False` threads no token: XLA may run the tap before or after its
+    neighbours, and the subscriber orders a site's records by `meta.seq`. Other
     keywords are static metadata (str, int, float, bool, None) handed to the handler in
     `meta.meta`.
 
@@ -71,10 +81,16 @@ def tap(
     sends every tap).
     """
     _check_consumer(name)
-    if ordered is not None and not isinstance(ordered, bool):
-        raise TapDefinitionError(f"tap {name!r}: ordered={ordered!r} must be True or False")
+    _check_ordered(name, ordered)
     _check_every(name, every)
     return emit(name, arg, step, static_meta, spec, ordered=ordered, every=every)
+
+
+def _check_ordered(name: str, ordered: object) -> None:
+    if ordered is not None and not isinstance(ordered, bool) and ordered != STRICT:
+        raise TapDefinitionError(
+            f"tap {name!r}: ordered={ordered!r} must be True, False or {STRICT!r}"
+        )
 
 
 _MAX_EVERY = 2**63 - 1  # the handler's attribute is an int64
@@ -110,7 +126,7 @@ def emit(
     static_meta: dict[str, Any],
     spec: PartitionSpec | None = None,
     *,
-    ordered: bool | None = None,
+    ordered: Ordering | None = None,
     every: int = 1,
     always: bool = False,
 ) -> Any:
@@ -119,6 +135,7 @@ def emit(
     site is never made dormant nor thinned by the daemon (id_tap's, and every site where
     TAPD_DORMANT=0)."""
     jax_compat.require_supported()
+    jax_compat.require_seams()
     settings = lifecycle.settings()
     if ordered is None:
         ordered = settings.ordered if ordered_taps is None else ordered_taps
@@ -153,7 +170,7 @@ def emit(
 
 
 def _bind_placed(
-    consumer: str, fields: dict[str, Any], arrays: list[Any], step: Any, *, ordered: bool
+    consumer: str, fields: dict[str, Any], arrays: list[Any], step: Any, *, ordered: Ordering
 ) -> list[Any]:
     """A tap outside shard_map/pmap. Over an Explicit mesh each shard is tapped where it
     lives; otherwise the whole value is tapped once (where the compiler partitions the
@@ -183,7 +200,7 @@ def _bind_per_device(
     step: Any,
     specs: Sequence[PartitionSpec | None],
     *,
-    ordered: bool,
+    ordered: Ordering,
 ) -> list[Any]:
     """A tap inside pmap/shard_map: each device taps its block with its coordinates."""
     axes = sharding.manual_axes()
@@ -203,14 +220,15 @@ def _bind_per_device(
 
 
 def _site(
-    consumer: str, fields: dict[str, Any], has_step: bool, *, has_coords: bool, ordered: bool
+    consumer: str, fields: dict[str, Any], has_step: bool, *, has_coords: bool, ordered: Ordering
 ) -> primitive.TapSiteParams:
     return primitive.TapSiteParams(
         consumer=consumer,
         fields=primitive.pack_fields(fields),
         has_step=has_step,
         has_coords=has_coords,
-        ordered=ordered,
+        ordered=bool(ordered),
+        strict=ordered == STRICT,
     )
 
 

@@ -78,6 +78,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTap, TapImpl,
                                   .Attr<int64_t>("has_step")
                                   .Attr<int64_t>("every"));
 
+// tapd's order handler (tapd/emitter/order.py): does nothing. Its custom calls exist for
+// their operands and results: a tap comes after the loop whose results it takes, and a
+// loop after the tap whose token its operand takes (that result aliases the operand).
+// Platform-independent, so the CUDA platform registers it too.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdOrder, [](ffi::RemainingArgs, ffi::RemainingRets) {
+  return ffi::Error::Success();
+}, ffi::Ffi::Bind().RemainingArgs().RemainingRets());
+
 // The XLA FFI API version this handler was compiled against (major << 16 | minor): a
 // jaxlib of the same major version and at least this minor runs it.
 extern "C" uint32_t tapd_ffi_api_version_cpu() {

@@ -80,6 +80,15 @@ def has_handler(platform: str) -> bool:
     return handler(platform) is not None
 
 
+def order_handler() -> Any:
+    """The order handler's C function (tapd/emitter/order.py), where the CPU handler was
+    built (it comes with it), else None."""
+    if handler("cpu") is None:
+        return None
+    assert _library is not None
+    return getattr(_library, "TapdOrder", None)
+
+
 def handler(platform: str) -> Any:
     """The handler's C function (for `jax.ffi.pycapsule`), or None (see
     `handler_reason`)."""

@@ -1,0 +1,226 @@
+"""Program order for taps that keep JAX's fast dispatch path: tapd's own token.
+
+A tap that is not strict has no JAX-level ordering (`tapd.emitter.primitive`), so XLA
+would schedule it wherever its operands allow: before a loop written above it, say.
+tapd makes the order a data dependence inside the XLA computation instead, in two steps.
+
+While JAX lowers, each ordered tap's custom call takes a token and returns one; the taps
+of one block (a function body, a loop's body or condition, a branch) form a chain, each
+taking the token of the previous one (`before_tap`, `after_tap`).
+
+Once the module is lowered (`order_module`, which `jax_compat.after_lowering` runs), an
+operation of a block whose regions tap (the `while` of a scan or loop, the `case` of a
+cond) or a call of a function that taps is a *tapping operation*, and is ordered within
+its block's chain with two custom calls of tapd's order handler, which does nothing:
+- before it, one that takes the chain's token and an operand of the operation (the
+  smallest), and returns that operand (aliased: no copy), which the operation then
+  reads: the operation comes after the taps before it;
+- after it, one that takes the operation's results and returns the token the block's
+  next tap takes: those taps come after the operation.
+
+Where the module is partitioned (a sharded `jit` over several devices) or the platform
+has no order handler (TPU), only the chains hold: the taps of each block keep their
+order, and `ordered="strict"` orders the rest with JAX's runtime token.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
+from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
+
+ORDER_TARGET = "tapd_order"  # tapd.emitter.native_backend registers its handler
+_MARK = "tapd.ordered_tap"  # on each ordered tap's custom call
+# The tapping operations an order call may precede: their operands are plain values.
+_PRECEDABLE = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if", "func.call"})
+
+
+class _Lowering(threading.local):
+    """The chains of the module this thread lowers (lowering is per thread)."""
+
+    context: Any = None
+    tokens: dict[Any, Any]  # block -> the token of its last ordered tap
+    taps: int = 0  # ordered taps lowered since `start_module`
+
+
+_lowering = _Lowering()
+
+
+def start_module() -> None:
+    _lowering.taps = 0
+
+
+def lowered_taps() -> int:
+    return _lowering.taps
+
+
+def before_tap(ctx: mlir.LoweringRuleContext) -> Any:
+    """The token a tap lowered at the current insertion point takes."""
+    if _lowering.context is not ctx.module_context:
+        _lowering.context = ctx.module_context
+        _lowering.tokens = {}
+    block = ir.InsertionPoint.current.block
+    token = _lowering.tokens.get(block)
+    if token is None:
+        token = hlo.create_token()
+    return token
+
+
+def after_tap(ctx: mlir.LoweringRuleContext, token: Any) -> None:
+    """Record the ordered tap just emitted, whose custom call returned `token`."""
+    del ctx
+    _lowering.tokens[ir.InsertionPoint.current.block] = token
+    token.owner.attributes[_MARK] = ir.UnitAttr.get()
+    _lowering.taps += 1
+
+
+# ---- once the module is lowered -----------------------------------------------------
+
+
+def order_module(module: Any) -> None:
+    """Order each block's tapping operations within its chain (see the module doc)."""
+    functions = [op for op in module.body.operations if op.operation.name == "func.func"]
+    tapping = _tapping_functions(functions)
+    for function in functions:
+        for block in function.regions[0].blocks:
+            _order_block(block, tapping)
+
+
+def partitions(module: Any) -> int:
+    attributes = module.operation.attributes
+    if "mhlo.num_partitions" not in attributes:
+        return 1
+    return int(ir.IntegerAttr(attributes["mhlo.num_partitions"]).value)
+
+
+def _symbol(function: Any) -> str:
+    return str(ir.StringAttr(function.attributes["sym_name"]).value)
+
+
+def _tapping_functions(functions: list[Any]) -> set[str]:
+    """The functions that tap, directly or through what they call."""
+    tapping: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for function in functions:
+            name = _symbol(function)
+            if name not in tapping and _taps_within(function.operation, tapping):
+                tapping.add(name)
+                changed = True
+    return tapping
+
+
+def _taps_within(operation: Any, tapping: set[str]) -> bool:
+    for region in operation.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                if _is_tapping(inner.operation, tapping):
+                    return True
+    return False
+
+
+def _is_tap(operation: Any) -> bool:
+    return _MARK in operation.attributes
+
+
+def _is_tapping(operation: Any, tapping: set[str]) -> bool:
+    if _is_tap(operation):
+        return True
+    if operation.name == "func.call":
+        callee = ir.FlatSymbolRefAttr(operation.attributes["callee"]).value
+        return callee in tapping
+    return _taps_within(operation, tapping)
+
+
+def _order_block(block: Any, tapping: set[str]) -> None:
+    chain = None  # the token the block's next tap takes
+    after: Any = None  # a tapping operation since that token, whose results come first
+    for op in list(block.operations):
+        operation = op.operation
+        if not _is_tapping(operation, tapping):
+            continue
+        if after is not None:
+            chain, after = _follow(block, after, chain), None
+        if _is_tap(operation):
+            if chain is not None:
+                operation.operands[0] = chain
+            chain = _token_result(operation)
+            continue
+        for region in operation.regions:
+            for inner in region.blocks:
+                _order_block(inner, tapping)
+        if chain is not None and operation.name in _PRECEDABLE:
+            _precede(operation, chain)
+        if len(operation.results):
+            after = operation
+
+
+def _token_result(operation: Any) -> Any:
+    for result in operation.results:
+        if hlo.TokenType.isinstance(result.type):
+            return result
+    raise AssertionError(f"tapd: an ordered tap without a token result: {operation}")
+
+
+def _precede(operation: Any, token: Any) -> None:
+    """Make `operation` read its smallest operand through an order call that takes
+    `token`."""
+    candidates = [
+        (_bytes(value.type), index)
+        for index, value in enumerate(operation.operands)
+        if _is_tensor(value.type)
+    ]
+    if not candidates:
+        return
+    _, index = min(candidates)
+    value = operation.operands[index]
+    with ir.InsertionPoint(operation), operation.location:
+        call = mlir.custom_call(
+            ORDER_TARGET,
+            result_types=[value.type],
+            operands=[token, value],
+            backend_config={},
+            api_version=4,
+            operand_output_aliases={1: 0},
+        )
+    operation.operands[index] = call.results[0]
+
+
+def _follow(block: Any, operation: Any, token: Any) -> Any:
+    """An order call just after `operation`, taking its results (and `token`); returns
+    the token it gives."""
+    operands = [*([token] if token is not None else []), *operation.results]
+    # (a tapping operation after the last tap of a block gets no such call)
+    with ir.InsertionPoint.at_block_terminator(block), operation.location:
+        call = mlir.custom_call(
+            ORDER_TARGET,
+            result_types=[hlo.TokenType.get()],
+            operands=operands,
+            backend_config={},
+            api_version=4,
+        )
+    call = getattr(call, "operation", call)
+    call.move_after(operation)
+    return call.results[0]
+
+
+def _is_tensor(value_type: Any) -> bool:
+    # (MLIR's bindings have `RankedTensorType.isinstance` up to jaxlib 0.9, and give
+    # typed values, which `isinstance` tells, after)
+    check = getattr(ir.RankedTensorType, "isinstance", None)
+    if check is not None:
+        return bool(check(value_type))
+    return isinstance(value_type, ir.RankedTensorType)
+
+
+def _bytes(tensor_type: Any) -> int:
+    tensor = ir.RankedTensorType(tensor_type)
+    count = 1
+    for size in tensor.shape:
+        count *= size
+    width = getattr(tensor.element_type, "width", 32)
+    return count * max(1, width // 8)

@@ -1,0 +1,150 @@
+"""A real JAX emitter process for the per-call dispatch tests (tests/test_dispatch.py).
+`python dispatch_app.py SCENARIO [ARGS]` taps into the daemon at $TAPD_ENDPOINT and prints
+one JSON line of results last."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import pjit, stages
+
+import tapd
+
+
+class PythonDispatches:
+    """Counts the calls JAX dispatches through Python, those its C++ fast path did not
+    take: of jitted functions (`_pjit_call_impl_python`) and of executables compiled
+    ahead of time (`Compiled.call`)."""
+
+    def __init__(self) -> None:
+        self.jit = 0
+        self.aot = 0
+        jit_call = pjit._pjit_call_impl_python
+        aot_call = stages.Compiled.call
+
+        def counted_jit(*args: Any, **kwargs: Any) -> Any:
+            self.jit += 1
+            return jit_call(*args, **kwargs)
+
+        def counted_aot(*args: Any, **kwargs: Any) -> Any:
+            self.aot += 1
+            return aot_call(*args, **kwargs)
+
+        pjit._pjit_call_impl_python = counted_jit
+        stages.Compiled.call = staticmethod(counted_aot)  # type: ignore[method-assign]
+
+
+def _ordering(text: str) -> Any:
+    return {"1": True, "0": False, "strict": "strict"}[text]
+
+
+def fast_path(ordered: str, calls: str = "200") -> dict[str, Any]:
+    """A jitted step with one tap, called `calls` times after two warm-up calls, then
+    the same step compiled ahead of time, likewise: how many calls went through Python."""
+    dispatches = PythonDispatches()
+    ordering = _ordering(ordered)
+    step = jax.jit(lambda x: tapd.tap(x, "fast", ordered=ordering) * 1.0001)
+    x = jnp.ones(16)
+    for _ in range(2):
+        x = step(x)
+    warm = dispatches.jit
+    for _ in range(int(calls)):
+        x = step(x)
+    jit_python = dispatches.jit - warm
+    compiled = step.lower(x).compile()
+    for _ in range(2):
+        x = compiled(x)
+    warm = dispatches.aot
+    for _ in range(int(calls)):
+        x = compiled(x)
+    aot_python = dispatches.aot - warm
+    tapd.barrier_wait()
+    return {"jit_python_calls": jit_python, "aot_python_calls": aot_python, "stats": tapd.stats()}
+
+
+def program_order(calls: str) -> dict[str, Any]:
+    """Taps of consumer "order" before, inside and after a scan, a cond, a while loop
+    and a nested jit, none of them depending on the others' values; big enough arrays
+    that XLA's CPU runtime may run independent work concurrently. Each call's taps must
+    arrive in program order: values 0, 1, 1, 1, 2, 3, 4, 5, 5, 6, 7, 8."""
+    big = jnp.ones((256, 256))
+
+    @jax.jit
+    def nested(v: jax.Array, call: jax.Array) -> jax.Array:
+        tapd.tap(jnp.int32(7), "order", step=call)
+        return v * 2
+
+    @jax.jit
+    def step(x: jax.Array, w: jax.Array, call: jax.Array) -> jax.Array:
+        tapd.tap(jnp.int32(0), "order", step=call)
+        y = jnp.tanh(x @ w)
+
+        def body(c: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
+            tapd.tap(jnp.int32(1), "order", step=call)
+            return jnp.tanh(c @ w), None
+
+        z, _ = lax.scan(body, y, jnp.arange(3))
+        tapd.tap(jnp.int32(2), "order", step=call)
+        u = lax.cond(
+            x[0, 0] > 0,
+            lambda v: tapd.tap(v, "cond_value") + 0 * tapd.tap(jnp.int32(3), "order", step=call),
+            lambda v: v,
+            z,
+        )
+        tapd.tap(jnp.int32(4), "order", step=call)
+
+        def while_body(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            tapd.tap(jnp.int32(5), "order", step=call)
+            return carry[0] + 1, jnp.tanh(carry[1] @ w)
+
+        _, v = lax.while_loop(lambda c: c[0] < 2, while_body, (0, u))
+        tapd.tap(jnp.int32(6), "order", step=call)
+        v = nested(v, call)
+        tapd.tap(jnp.int32(8), "order", step=call)
+        return v
+
+    for call in range(int(calls)):
+        step(big, big * 0.001, jnp.int32(call))
+    tapd.barrier_wait()
+    return {"stats": tapd.stats()}
+
+
+def in_flight(calls: str) -> dict[str, Any]:
+    """`calls` calls of a step that taps, dispatched without waiting (each takes a while
+    on the CPU), then one `barrier_wait()`: the in-process tap function must have run for
+    every call by then, and the subscribed consumer been delivered every tap."""
+    seen: list[int] = []
+    w = jnp.full((192, 192), 0.001)
+
+    @jax.jit
+    def step(x: jax.Array, i: jax.Array) -> jax.Array:
+        for _ in range(4):
+            x = jnp.tanh(x @ w)
+        tapd.tap(x[0, 0], "flight", step=i)
+        tapd.id_tap(lambda value, transforms: seen.append(int(value)), i)
+        return x
+
+    x = jnp.ones((192, 192))
+    x = step(x, jnp.int32(-1))
+    tapd.barrier_wait()  # the warm-up call's tap function has run
+    seen.clear()
+    for i in range(int(calls)):
+        x = step(x, jnp.int32(i))
+    dispatched_before_done = not x.is_ready()
+    tapd.barrier_wait()
+    return {
+        "seen_at_barrier": len(seen),
+        "in_order": seen == list(range(int(calls))),
+        "dispatched_before_done": dispatched_before_done,
+        "stats": tapd.stats(),
+    }
+
+
+if __name__ == "__main__":
+    result = globals()[sys.argv[1]](*sys.argv[2:])
+    print(json.dumps(result), flush=True)
