@@ -11,9 +11,12 @@ import re
 import traceback
 
 import pytest
+import zmq
 
 import tapd
 from tapd.errors import failure_text
+from tapd.protocol import decode
+from tapd_client.daemon_link import DaemonLink
 
 # host_callback_test.py, test_tap_eval_exception (jax commit 2228115cf4).
 JAX_REGEX = re.compile(
@@ -97,3 +100,32 @@ def test_an_exception_whose_repr_spans_lines_keeps_the_summary_on_one_line() -> 
     summary, _, formatted = text.partition("\n")
     assert summary == "handle raised Odd( 'two lines')"
     assert formatted.rstrip().endswith("Odd: m")
+
+
+def test_one_ack_carries_only_the_newest_traceback_however_many_taps_fail() -> None:
+    """300 failures with 4000-character tracebacks would be a 1.2 MB ack, past what a
+    daemon decodes (1 MiB): each keeps its first line, the newest its traceback too."""
+    context = zmq.Context()
+    daemon = context.socket(zmq.ROUTER)
+    subscriber = context.socket(zmq.DEALER)
+    try:
+        daemon.bind("inproc://acks")
+        subscriber.connect("inproc://acks")
+        link = DaemonLink("inproc://acks", subscriber)
+        texts = [failure_text(f"deep{n}", raised_by(deep, 200)) for n in range(300)]
+        assert all(len(text) > 3900 for text in texts)
+        for tid, text in enumerate(texts):
+            link.fail(tid, text)
+        link.last_tid = 299
+        link.ack()
+        assert daemon.poll(10_000), "no ack"
+        ack = decode(daemon.recv_multipart()[1:])  # (after the subscriber's identity)
+        errors = [entry["error"] for entry in ack.header["errors"]]
+        assert errors == [text.partition("\n")[0] for text in texts[:-1]] + [texts[-1]]
+        assert JAX_REGEX.search(
+            str(tapd.CallbackException([f"d#{n}: {e}" for n, e in enumerate(errors)]))
+        )
+    finally:
+        subscriber.close(linger=0)
+        daemon.close(linger=0)
+        context.term()

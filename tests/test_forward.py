@@ -5,6 +5,7 @@ real emitters on B, subscribers on A only (and on B, for comparison)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -72,9 +73,20 @@ def test_a_handler_error_upstream_surfaces_in_barrier_wait_on_the_forwarding_hos
     far = start_subscriber(upstream, "bad", "good", raise_on="bad")
     result = run_emitter(forwarder.endpoint, "raising")
     assert result["raised"] is not None, "barrier_wait did not raise TapFunctionException"
-    assert "handle raised ValueError('deliberate failure at seq 0')" in result["raised"]
-    assert f"at {upstream.endpoint}" in result["raised"]
-    assert result["errors"][0].startswith("bad#0:")
+    # The far subscriber's traceback ends the "Last one was:" part, as host_callback's.
+    assert re.search(
+        "There were exceptions during callback processing. Last one was:.*"
+        r'subscriber_app\.py", line \d+, in handle\n.*'
+        "ValueError: deliberate failure at seq 0\n\n",
+        result["raised"],
+        re.DOTALL,
+    ), result["raised"]
+    [error] = result["errors"]  # one line, naming where it ran
+    assert re.fullmatch(
+        r"bad#0: main\.<locals>\.handle raised ValueError\('deliberate failure at seq 0'\) "
+        rf"\(in subscriber .+ at {re.escape(upstream.endpoint)}\)",
+        error,
+    ), error
     assert [r["consumer"] for r in far.records()] == ["good"]
 
 

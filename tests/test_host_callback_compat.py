@@ -300,11 +300,10 @@ def sorted_by_device(text: str) -> str:
 
 def assert_device_output(expected: str, result: CaseResult) -> None:
     """As host_callback_test's assertMultiDeviceOutputEqual: `cpu:N` in `expected` is the
-    N-th local device, printed as str(device) (jax 0.10: "cpu:0"; jax 0.8, 0.4:
-    "TFRT_CPU_0") in the JAX process; a subscriber process, which has no JAX, prints it
-    as jax 0.10 and later do ("cpu:0"), whatever the emitter's jax."""
-    if result.mode == "closure":
-        expected = re.sub(r"cpu:(\d+)", lambda m: result.devices[int(m.group(1))], expected)
+    N-th local device, printed as str(device) of the emitting process's JAX (jax 0.10:
+    "cpu:0"; jax 0.8, 0.4: "TFRT_CPU_0"), in that process and in a subscriber process,
+    which has no JAX, alike."""
+    expected = re.sub(r"cpu:(\d+)", lambda m: result.devices[int(m.group(1))], expected)
     assert normalize(sorted_by_device(result.output)) == normalize(expected)
 
 
@@ -777,14 +776,25 @@ for _dtype in ("bool", "int8", "int16", "int32", "uint8", "uint16", "uint32", "b
 
 
 def _exception_check(exc_name: str, message: str | None) -> Check:
+    # host_callback_test's own regex (test_tap_eval_exception, test_tap_jit_tap_exception):
+    # the message holds the tap function's exception as `traceback.format_exc()` gave it.
+    formatted = f"{exc_name}: {message}" if message else exc_name
+    jax_regex = re.compile(
+        f"There were exceptions during callback processing. Last one was:.*{formatted}", re.DOTALL
+    )
+
     def fn(result: CaseResult) -> None:
         got = values_of(result)
         assert got["result"] == 3  # the computation is not affected by the tap's error
         assert got["raised"] is not None, "barrier_wait did not raise"
         assert got["is_callback_exception"], f"barrier_wait raised {got['raised']}"
-        assert exc_name in got["message"], got["message"]
-        if message:
-            assert message in got["message"], got["message"]
+        assert jax_regex.search(got["message"]), got["message"]
+        assert "Traceback (most recent call last):" in got["message"], got["message"]
+        assert ", in tap_err" in got["message"], got["message"]  # the tap function's frame
+        if result.mode == "closure":  # raised here: chained, as host_callback did
+            assert got["cause"] == (f"{exc_name}({message!r})" if message else f"{exc_name}()")
+        else:  # raised in a subscriber process: its traceback came as text
+            assert got["cause"] is None, got["cause"]
         # Everything but the failing tap was delivered; the error is reported once.
         assert_output("what: x1\n1\nwhat: x3\n3", got["output_before"])
         assert got["second"] == {"raised": None}

@@ -104,7 +104,11 @@ class DaemonLink:
             self.last_tid = max(tids)
 
     def fail(self, tid: int, text: str) -> None:
-        """Tap `tid` failed: `text` goes back with the ack (cut to what is sent)."""
+        """Tap `tid` failed: `text` goes back with the ack (cut to what is sent). Only
+        the newest error keeps the lines after its first (a traceback: barrier_wait shows
+        the last failure's), so that an ack stays small however many taps fail."""
+        if self.errors:
+            self.errors[-1]["error"] = self.errors[-1]["error"].partition("\n")[0]
         self.errors.append({"tid": tid, "error": text[:ERROR_CHARS]})
 
     def ack(self) -> None:

@@ -21,11 +21,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from tapd.consumers import first_match
-from tapd.errors import TapdError
+from tapd.errors import TapdError, failure_text
 from tapd.protocol import Message
 from tapd.protocol.batch import SiteRun
 from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap
-from tapd_client.daemon_link import DaemonLink
+from tapd_client.daemon_link import ERROR_CHARS, DaemonLink
 from tapd_client.meta import MetaTemplate, TapMeta
 from tapd_client.sampling import Sampling
 
@@ -178,7 +178,7 @@ class Handlers:
             seq,
             traceback.format_exc(),
         )
-        link.fail(tid, f"{name} raised {exc!r}")
+        link.fail(tid, failure_text(name, exc, ERROR_CHARS))  # with its traceback
 
     def _run_batch(
         self,
@@ -217,6 +217,6 @@ class Handlers:
                 header["seq"],
                 traceback.format_exc(),
             )
-            text = f"{name} raised {exc!r}"
+            text = failure_text(name, exc, ERROR_CHARS)
             for tid in tids:
                 link.fail(tid, text)

@@ -1220,7 +1220,8 @@ def _barrier_raises() -> dict[str, Any]:
         callback_exception = getattr(hcb, "CallbackException", None)
         return {"raised": type(exc).__name__, "message": str(exc),
                 "is_callback_exception": callback_exception is not None
-                and isinstance(exc, callback_exception)}  # fmt: skip
+                and isinstance(exc, callback_exception),
+                "cause": None if exc.__cause__ is None else repr(exc.__cause__)}  # fmt: skip
     return {"raised": None}
 
 
