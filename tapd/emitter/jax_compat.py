@@ -21,7 +21,14 @@ second call on, which is turned off for host callbacks and unordered effects but
 for ordered ones, and then runs without the ordering token (`MeshExecutable.
 create_cpp_call` in `jax/_src/interpreters/pxla.py`). `tap_effects` gives every ordered
 tap an unordered effect as well, which turns that fast path off; the regular `jit` path
-already keeps ordered effects off its own fast path, so nothing else changes.
+already keeps ordered effects off its own fast path, so nothing else changes. (A strict
+tap's; the default tap has no ordered effect.)
+
+Two internals are wrapped rather than called, for the default tap to keep JAX's C++
+dispatch path (issue 26): `pxla.ExecuteReplicated.__init__` (`dispatch_ignores`: an
+executable whose only effect is tapd's unordered one is served from C++) and
+`mlir.lower_jaxpr_to_module` (`wrap_module_lowering`: tapd orders the lowered module's
+taps, tapd/emitter/order.py). Both are seams too: their keywords are checked.
 
 tapd asks for `SUPPORTED` (jax>=0.8.0, no upper bound: pip must not refuse tapd beside
 a jax released after it). CI tests both ends of `TESTED` (.ci/run): the floor on Python
@@ -166,7 +173,24 @@ SEAMS = {  # keep in step with the functions below
         "set_sharding",
         lambda parameters: (3 if len(parameters) >= 3 else 2, ()),
     ),
+    # (these two: tapd needs the keywords named, whatever else the call takes)
+    "pxla.ExecuteReplicated": Seam(
+        "jax._src.interpreters.pxla",
+        "ExecuteReplicated",
+        lambda parameters: (0, _naming(parameters, "unordered_effects", "ordered_effects")),
+    ),
+    "mlir.lower_jaxpr_to_module": Seam(
+        "jax._src.interpreters.mlir",
+        "lower_jaxpr_to_module",
+        lambda parameters: (0, _naming(parameters, "platforms")),
+    ),
 }
+
+
+def _naming(parameters: Mapping[str, Any], *needed: str) -> tuple[str, ...]:
+    """Every parameter by keyword, if `needed` are among them; else just `needed` (which
+    then do not bind)."""
+    return tuple(parameters) if set(needed) <= set(parameters) else needed
 
 
 def seam_misfit(seams: Mapping[str, Seam] = SEAMS) -> str | None:
@@ -312,10 +336,7 @@ def dispatch_ignores(effect_type: type) -> None:
 
     signature = inspect.signature(init)
     if not {"unordered_effects", "ordered_effects"} <= set(signature.parameters):
-        _seam_mismatch.append(
-            "pxla.ExecuteReplicated.__init__ takes no unordered_effects/ordered_effects"
-        )
-        return
+        return  # (SEAMS names it: a tap fails at trace time)
 
     @functools.wraps(init)
     def init_ignoring_taps(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -346,15 +367,3 @@ def wrap_module_lowering(wrapper: Any) -> None:
 
     lower_module.tapd_wrapped = True  # type: ignore[attr-defined]
     mlir.lower_jaxpr_to_module = lower_module
-
-
-# The seams that did not fit this JAX: a tap fails at trace time, naming them.
-_seam_mismatch: list[str] = []
-
-
-def require_seams() -> None:
-    """At trace time: TapDefinitionError naming each JAX internal that did not fit."""
-    if _seam_mismatch:
-        raise TapDefinitionError(
-            "tapd does not fit this jax's internals: " + "; ".join(_seam_mismatch)
-        )

@@ -135,7 +135,6 @@ def emit(
     site is never made dormant nor thinned by the daemon (id_tap's, and every site where
     TAPD_DORMANT=0)."""
     jax_compat.require_supported()
-    jax_compat.require_seams()
     settings = lifecycle.settings()
     if ordered is None:
         ordered = settings.ordered if ordered_taps is None else ordered_taps
