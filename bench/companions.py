@@ -1,7 +1,8 @@
 """The benchmarks that run in processes of their own, as sections of bench/run.py's report.
 
 shm.py (same-host subscribers reading the ring), fanin.py (one upstream taking many
-forwarding daemons) and dormant.py (what a tap costs when nobody listens) each start
+forwarding daemons), dormant.py (what a tap costs when nobody listens) and per_call.py
+(what a tap costs per call of a jitted step) each start
 their own daemons and JAX processes. run.py runs them one after the other, after its own
 sections, so that RESULTS.md holds every figure of one run; each one's Markdown report
 is taken in whole, its headings moved below the section's.
@@ -33,6 +34,12 @@ COMPANIONS = (
     (
         "8. Dormant and sampled taps: the cost of a tap nobody takes",
         "dormant.py",
+        [],
+        ["--quick"],
+    ),
+    (
+        "9. Per-call cost: one jitted step per Python step, tapped or not",
+        "per_call.py",
         [],
         ["--quick"],
     ),
