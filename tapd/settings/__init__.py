@@ -268,9 +268,9 @@ class EmitterFields:
     dormant: bool = DORMANT.field()
     ordered: bool = emitter(
         True,
-        "taps keep program order (an ordering token); 0: lowered without one, order per "
-        'site rebuilt from seq (docs/TAPPING.md, "Unordered taps"); `tap(..., ordered=)` '
-        "overrides it",
+        "taps keep program order inside each computation (tapd's own token); 0: lowered "
+        'without one, order per site rebuilt from seq (docs/TAPPING.md, "Ordered, strict '
+        'and unordered taps"); `tap(..., ordered=)` overrides it',
     )
 
 
