@@ -45,8 +45,10 @@ __all__ = [
     "backend",
     "barrier_wait",
     "configure",
+    "debug",
     "id_print",
     "id_tap",
+    "install_debug",
     "install_host_callback",
     "stats",
     "tap",
@@ -161,6 +163,17 @@ def install_host_callback() -> None:
     hcb.install()
 
 
+def install_debug(*, io_callback: bool = False) -> None:
+    """Make `jax.debug.callback`, `jax.debug.print` (and `jax.debug.log`) give
+    `tapd.debug`'s, and `jax.effects_barrier()` wait for their callbacks too, in this
+    process from now on: for libraries that call them themselves. `io_callback=True`
+    also takes `jax.experimental.io_callback` calls whose result is None (progress
+    bars). `python -m tapd.debug script.py [args]` does it with no code changed."""
+    from tapd.debug import install
+
+    install(io_callback=io_callback)
+
+
 def configure(**settings: Any) -> Any:
     """Emitter settings (endpoint, policy, buffer_bytes, exit_timeout, ordered) before
     the first tap."""
@@ -201,6 +214,10 @@ jax_compat.warn_if_unsupported()
 
 
 def __getattr__(name: str) -> Any:
+    if name == "debug":  # a subpackage that imports JAX: imported when first used
+        import importlib
+
+        return importlib.import_module("tapd.debug")
     if name in _NOT_HERE:
         raise AttributeError(f"module 'tapd' has no attribute {name!r}: {_NOT_HERE[name]}")
     raise AttributeError(f"module 'tapd' has no attribute {name!r}")

@@ -23,8 +23,6 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
-import os
-import runpy
 import sys
 import threading
 from collections.abc import Sequence
@@ -38,6 +36,7 @@ from tapd import (
     barrier_wait,
     id_print,
     id_tap,
+    script_runner,
 )
 
 MODULE = "jax.experimental.host_callback"
@@ -103,32 +102,13 @@ def install() -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """`python -m tapd.hcb script.py [args]` or `python -m tapd.hcb -m module [args]`."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or args == ["-m"]:
-        sys.stderr.write(
-            "usage: python -m tapd.hcb script.py [args...]\n"
-            "       python -m tapd.hcb -m module [args...]\n"
-            "Runs the script as Python would, with `jax.experimental.host_callback` "
-            "served by tapd.\n"
-        )
-        raise SystemExit(0 if args and args[0] in ("-h", "--help") else 2)
-    install()
-    if args[0] == "-m":
-        # sys.path[0] is the current directory already, as `python -m module` has it;
-        # run_module sets argv[0] to the module's file.
-        sys.argv = [args[1], *args[2:]]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        return
-    script = args[0]
-    sys.argv = [script, *args[1:]]
-    if not sys.flags.safe_path:
-        # `python script.py` puts the script's directory first on sys.path, where this
-        # `-m` put the current directory.
-        directory = os.path.dirname(os.path.abspath(script))
-        if sys.path and sys.path[0] in ("", os.getcwd()):
-            sys.path[0] = directory
-        else:
-            sys.path.insert(0, directory)
-    runpy.run_path(script, run_name="__main__")
+    usage = (
+        "usage: python -m tapd.hcb script.py [args...]\n"
+        "       python -m tapd.hcb -m module [args...]\n"
+        "Runs the script as Python would, with `jax.experimental.host_callback` "
+        "served by tapd.\n"
+    )
+    script_runner.main(args, usage, install)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,12 @@ def test_exported_members() -> None:
     assert sorted(tapd.__all__) == sorted([
         "BarrierTimeout", "CallbackException", "CallbackFlavor", "ConfigError",
         "ProtocolError", "TapDefinitionError", "TapFunctionException", "TapdError",
-        "__version__", "backend", "barrier_wait",
-        "configure", "id_print", "id_tap", "install_host_callback", "stats", "tap",
+        "__version__", "backend", "barrier_wait", "configure", "debug",
+        "id_print", "id_tap", "install_debug", "install_host_callback", "stats", "tap",
     ])  # fmt: skip
+    assert sorted(tapd.debug.__all__) == [
+        "callback", "install", "jax_callback", "jax_io_callback", "jax_print", "log", "print",
+    ]  # fmt: skip
     assert sorted(tapd_client.__all__) == [
         "Assembler",
         "BatchHandler",

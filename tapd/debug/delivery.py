@@ -1,0 +1,239 @@
+"""The receiver side of `tapd.debug`: from a tap back to `jax.debug`'s calls.
+
+A `tapd.debug.callback` or `tapd.debug.print` site taps its dynamic arguments (the
+array leaves) once per execution; tapd's receiver thread in this process hands each tap
+to a `Delivery`, which makes from it the calls `jax.debug` would have made:
+
+- under `vmap` the tap carries the whole batch, and `("batch", dims)` among its
+  transforms, where `jax.debug` unrolls the batch into one call per element. Delivery
+  unrolls it the same way, in the same order: with nested `vmap`s the innermost
+  mapped axis varies slowest, as JAX's batching rule unrolls it (each unrolled call of
+  the inner rule is then unrolled by the outer one);
+- a tap of a cotangent (`"transpose"`, a tap inside the linear part of a `grad`) is
+  dropped: `jax.debug`'s transpose rule calls nothing;
+- each leaf becomes a `jax.Array` on the first CPU device, as `jax.debug.callback`
+  hands it (numpy arrays where this process has no CPU backend), weakly typed where
+  the traced value was (a Python scalar's), a PRNG key its typed key again; the static
+  arguments (strings, None, objects) go back in their places;
+- the call runs with the CPU device as JAX's default device, as `jax.debug`'s does.
+
+`PrintSite` formats as `jax.debug.print` does (its `_format_print_callback`): `fmt.format`
+under the numpy print options of trace time, or the arguments joined after a format
+without placeholders, written to `sys.stdout` (or handed to the `jax._src.debugging`
+logger, for `jax.debug.log`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from tapd.emitter.local_functions import describe
+
+# jax.debug.print's logger (jax.debug.log hands its records to it).
+_JAX_LOGGER = logging.getLogger("jax._src.debugging")
+
+
+def merge(in_tree: Any, dynamic: Sequence[Any], static: dict[int, Any]) -> tuple[Any, Any]:
+    """(args, kwargs) from the flat dynamic leaves and the static ones, by position (as
+    `jax._src.debugging.merge_callback_args` does)."""
+    leaves: list[Any] = []
+    values = iter(dynamic)
+    for index in range(len(static) + len(dynamic)):
+        leaves.append(static[index] if index in static else next(values))
+    args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+    return args, kwargs
+
+
+class CallbackSite:
+    """One `tapd.debug.callback` site: the function and what is static about its call."""
+
+    def __init__(self, callback: Callable[..., Any], in_tree: Any, static: dict[int, Any]):
+        self.callback = callback
+        self.in_tree = in_tree
+        self.static = dict(static)
+        self.name = describe(callback)
+
+    def run(self, dynamic: Sequence[Any]) -> None:
+        args, kwargs = merge(self.in_tree, dynamic, self.static)
+        self.callback(*args, **kwargs)
+
+
+class PrintSite:
+    """One `tapd.debug.print` site: the format, the numpy print options of trace time,
+    and the logging record of `jax.debug.log` (None: stdout)."""
+
+    name = "jax.debug.print"
+
+    def __init__(
+        self,
+        fmt: str,
+        printoptions: dict[str, Any],
+        has_placeholders: bool,
+        record: logging.LogRecord | None,
+        in_tree: Any,
+        static: dict[int, Any],
+    ) -> None:
+        self.fmt = fmt
+        self.printoptions = printoptions
+        self.has_placeholders = has_placeholders
+        self.record = record
+        self.in_tree = in_tree
+        self.static = dict(static)
+
+    def run(self, dynamic: Sequence[Any]) -> None:
+        args, kwargs = merge(self.in_tree, dynamic, self.static)
+        if self.has_placeholders:
+            with np.printoptions(**self.printoptions):
+                text = self.fmt.format(*args, **kwargs)
+        else:
+            assert not kwargs, "Format without placeholders should not have kwargs."
+            text = " ".join((self.fmt, *(str(arg) for arg in args)))
+        if self.record is not None:
+            record = copy.copy(self.record)
+            record.msg = text
+            _JAX_LOGGER.handle(record)
+        else:
+            sys.stdout.write(text + "\n")
+
+
+Site = CallbackSite | PrintSite
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafTypes:
+    """What the tap does not carry of the leaves' types: which were typed PRNG keys (by
+    index: their implementation) and which were weakly typed."""
+
+    key_impls: dict[int, Any] = dataclasses.field(default_factory=dict)
+    weak: frozenset[int] = frozenset()
+
+
+class Delivery:
+    """The local tap function of one site: (value, transforms) -> the site's calls.
+    Named after the callback, so that a failure at `barrier_wait` says which."""
+
+    def __init__(self, site: Site, types: LeafTypes) -> None:
+        self.site = site
+        self.types = types
+        self.__qualname__ = site.name
+
+    def __call__(self, value: Any, transforms: Any, **_: Any) -> None:
+        deliver(self.site, list(value), transforms, self.types)
+
+
+def deliver(site: Site, leaves: list[Any], transforms: Any, types: LeafTypes) -> None:
+    """Make the calls `jax.debug` makes for one tap of `site`."""
+    batch_dims: list[Sequence[int | None]] = []
+    for name, params in transforms:
+        if name == "transpose":
+            return  # jax.debug's transpose rule calls nothing
+        if name == "batch":
+            batch_dims.append(params["batch_dims"])
+    elements = unbatched([np.asarray(leaf) for leaf in leaves], batch_dims)
+    device = _cpu_device()
+    if device is None:  # no CPU backend here: numpy arrays
+        for element in elements:
+            site.run(element)
+        return
+    with jax.default_device(device):
+        for element in elements:
+            site.run(_as_jax(element, device, types))
+
+
+def unbatched(leaves: list[Any], batch_dims: Sequence[Sequence[int | None]]) -> list[list[Any]]:
+    """The per-element leaves of a batched tap, in the order `jax.debug` calls them.
+
+    `batch_dims` lists the tap's `vmap`s innermost first; each one's dims index the
+    value with the dims of the `vmap`s outside it removed. An unmapped leaf (None) is
+    the same in every element."""
+    if not batch_dims:
+        return [leaves]
+    *inner, outer = batch_dims
+    size = next(
+        (leaf.shape[dim] for leaf, dim in zip(leaves, outer, strict=True) if dim is not None), 1
+    )
+    per_index = [
+        unbatched(
+            [
+                leaf if dim is None else np.take(leaf, index, axis=dim)
+                for leaf, dim in zip(leaves, outer, strict=True)
+            ],
+            inner,
+        )
+        for index in range(size)
+    ]
+    if not per_index:
+        return []
+    # The inner vmaps' elements vary slowest, this (outer) one's index fastest.
+    return [per_index[i][k] for k in range(len(per_index[0])) for i in range(size)]
+
+
+def _as_jax(leaves: list[Any], device: Any, types: LeafTypes) -> list[Any]:
+    arrays = list(jax.device_put(leaves, device))
+    for index in types.weak:
+        arrays[index] = _weakly_typed(arrays[index])
+    for index, impl in types.key_impls.items():
+        arrays[index] = jax.random.wrap_key_data(arrays[index], impl=impl)
+    return arrays
+
+
+def _weakly_typed(array: Any) -> Any:
+    """`array` as the weakly typed jax.Array JAX gives for a Python scalar (the same
+    buffer); `array` itself if this JAX's internals differ."""
+    try:
+        from jax._src import array as jax_array
+        from jax._src import core
+
+        aval = core.ShapedArray(array.shape, array.dtype, weak_type=True)
+        return jax_array.ArrayImpl(aval, array.sharding, array._arrays, committed=array._committed)
+    except Exception:
+        return array
+
+
+@functools.cache
+def _cpu_device() -> Any:
+    """The first CPU device (where jax.debug puts a callback's arguments), or None."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return None
+
+
+class EagerDeliveries:
+    """The local tap function of every call made outside `jit` (JAX runs those at once):
+    the first leaf is a ticket naming the call's site, which is taken from here once
+    delivered. One site (and one compiled tap) per number of leaves serves them all,
+    where a site per call would compile a tap per call."""
+
+    __qualname__ = "tapd.debug call outside jit"
+
+    def __init__(self) -> None:
+        self._sites: dict[int, tuple[Site, LeafTypes]] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def ticket(self, site: Site, types: LeafTypes) -> int:
+        with self._lock:
+            ticket = self._next
+            self._next = (self._next + 1) % _TICKETS
+            self._sites[ticket] = (site, types)
+            return ticket
+
+    def __call__(self, value: Any, transforms: Any, **_: Any) -> None:
+        ticket, *leaves = value
+        with self._lock:
+            site, types = self._sites.pop(int(ticket))
+        deliver(site, leaves, transforms, types)
+
+
+_TICKETS = 2**31  # tickets travel as int32
