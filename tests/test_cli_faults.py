@@ -232,7 +232,7 @@ def test_sigterm_to_a_detached_daemon_leaves_no_lock_holder(runtime_dir: Path) -
 def test_one_ring_is_drained_by_one_daemon_at_most(tmp_path: Path) -> None:
     """Issue 10, item 10, for rings: daemons sharing a ring directory (two endpoints in
     one runtime dir) never both drain a ring; the ring's lock says who does."""
-    from tapd.daemon.rings import RingBusy, lock_ring_file
+    from tapd.daemon.ring_watch import RingBusy, lock_ring_file
 
     ring = fake_ring(tmp_path / "rings", dead_pid())
     first = lock_ring_file(ring)

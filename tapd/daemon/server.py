@@ -30,7 +30,8 @@ from tapd.daemon.bounds import DepartedEmitters, ReplyBudget, configure_listener
 from tapd.daemon.forward import Forwarder
 from tapd.daemon.idle import IdleExit
 from tapd.daemon.metrics import MetricsServer, Snapshots
-from tapd.daemon.rings import RingSet, sweep_stale_rings
+from tapd.daemon.ring_watch import sweep_stale_rings
+from tapd.daemon.rings import RingSet
 from tapd.daemon.router import Router
 from tapd.daemon.targets.shm import RingReaders
 from tapd.daemon.wants import WantsTable
@@ -234,7 +235,7 @@ class Daemon:
                 if self._wake_read in events:
                     _drain_pipe(self._wake_read)
                 if wake is not None and wake.fileno() in events:
-                    self.rings.drain_wake_socket()
+                    wake.drain()
                 if self.zap is not None and self.zap.socket in events:
                     self.zap.handle()
                 for monitor in self.handshakes:

@@ -26,7 +26,8 @@ from typing import Any
 import zmq
 
 from tapd.daemon.deliveries import PeerKey
-from tapd.daemon.rings import RingSet, RingSource
+from tapd.daemon.ring_source import RingSource
+from tapd.daemon.rings import RingSet
 from tapd.daemon.router import Router
 from tapd.daemon.runs import Site
 from tapd.daemon.sampling import every_of, taken_every
@@ -67,11 +68,11 @@ class WantsTable:
         for key, source in sources.items():
             known = self._rings.get(key)
             if known is None:
-                source.read_new_sites()  # a ring met now: every site it has, not just read ones
-            if changed or known is None or known[1] != source.sites_version:
+                source.sites.read_new()  # a ring met now: every site it has, not just read ones
+            if changed or known is None or known[1] != source.sites.version:
                 written = known[2] if known is not None else {}
                 self._write(source, written)
-                self._rings[key] = (source, source.sites_version, written)
+                self._rings[key] = (source, source.sites.version, written)
         if changed or self._hellos != self.router.emitter_hellos:
             # (a forwarder that says hello again, reconnected, is told anew)
             self._hellos = self.router.emitter_hellos
@@ -80,7 +81,7 @@ class WantsTable:
     def _write(self, source: RingSource, written: dict[int, int]) -> None:
         emitter = self.router.emitters.get(source.key)
         name = None if emitter is None else emitter.name
-        for site_id, site in source.sites().items():
+        for site_id, site in source.sites.known().items():
             if site_id >= SITE_SLOTS:
                 continue  # no slot: always sent
             every = self._every(site, source.key, name)
@@ -157,7 +158,7 @@ class WantsTable:
         self.update()  # (a hello read with the stats request counts)
         out = {}
         for source, _, written in self._rings.values():
-            sites = source.sites()
+            sites = source.sites.known()
             out[str(source.path)] = [
                 [site_id, sites[site_id].consumer, every]
                 for site_id, every in sorted(written.items())

@@ -83,7 +83,7 @@ class Record(NamedTuple):  # (a NamedTuple: the daemon makes one per tap, quickl
 class Records(Sequence[Record]):
     """Records read from a ring, as columns (lists, in ring order); a `Record` is made
     only when one is asked for: the daemon routes runs of thousands of small records by
-    their columns (tapd/daemon/rings.py, runs.py)."""
+    their columns (tapd/daemon/ring_source.py, runs.py)."""
 
     __slots__ = (
         "devices",

@@ -116,7 +116,7 @@ def _tap_paths(address: str) -> list[tuple[str, str]]:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    from tapd.daemon.rings import sweep_stale_rings
+    from tapd.daemon.ring_watch import sweep_stale_rings
 
     removed = sweep_stale_rings(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
