@@ -25,8 +25,8 @@ from typing import Any
 
 import jax
 
-from tapd.emitter import local_functions
-from tapd.emitter.tapping import emit
+from tapd.emitter import lifecycle, local_functions
+from tapd.emitter.tapping import STRICT, Ordering, emit
 from tapd.errors import TapDefinitionError
 from tapd.printing import print_tap
 from tapd_client.tap_functions import RESERVED_META
@@ -61,7 +61,10 @@ def id_tap(
     `device_index` picks the device whose tap runs the function where the computation
     taps a value once for all devices; `callback_flavor` (host_callback's choice of JAX
     callback) is accepted and has no effect: tapd taps are asynchronous, and ordered
-    unless TAPD_ORDERED=0."""
+    unless TAPD_ORDERED=0, strictly, as host_callback's were: JAX's runtime token orders
+    them between computations too, at JAX's per-call cost (`tapd.tap` is the tap that
+    keeps JAX's C++ dispatch path; docs/TAPPING.md, "Ordered, strict and unordered
+    taps")."""
     if kwargs:
         raise TypeError(_KWARGS_REMOVED)
     if not callable(tap_func):
@@ -69,8 +72,13 @@ def id_tap(
     meta = _site_meta(tap_with_device, device_index)
     consumer, bound = _placement(tap_func, arg)
     # Always taken (host_callback's semantics: an id_tap function always runs).
-    tapped = emit(consumer, arg, None, {**bound, **meta}, always=True)
+    tapped = emit(consumer, arg, None, {**bound, **meta}, always=True, ordered=_ordering())
     return tapped if result is None else result
+
+
+def _ordering() -> Ordering:
+    """host_callback's order (strict), unless TAPD_ORDERED=0."""
+    return STRICT if lifecycle.settings().ordered else False
 
 
 def id_print(

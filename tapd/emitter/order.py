@@ -59,8 +59,10 @@ def lowered_taps() -> int:
 
 def before_tap(ctx: mlir.LoweringRuleContext) -> Any:
     """The token a tap lowered at the current insertion point takes."""
-    if _lowering.context is not ctx.module_context:
-        _lowering.context = ctx.module_context
+    # (per MLIR module: JAX lowers a nested pmap or shard_map with a module context of
+    # its own, into the same module)
+    if _lowering.context is not ctx.module_context.module:
+        _lowering.context = ctx.module_context.module
         _lowering.tokens = {}
     block = ir.InsertionPoint.current.block
     token = _lowering.tokens.get(block)

@@ -39,7 +39,7 @@ _META_TYPES = (str, int, float, bool, type(None))
 _MAX_CONSUMER_LENGTH = MAX_NAME
 # How a tap keeps order: True (program order inside one computation, tapd's own token),
 # False (none), or "strict" (JAX's ordered effect: also between computations).
-STRICT = "strict"
+STRICT: Literal["strict"] = "strict"
 Ordering = bool | Literal["strict"]
 # Whether taps keep program order when `tap` is not told: None is the emitter setting
 # (TAPD_ORDERED, default on). bench/overhead_probe.py sets it for one variant, to
