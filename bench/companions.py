@@ -1,8 +1,9 @@
 """The benchmarks that run in processes of their own, as sections of bench/run.py's report.
 
 shm.py (same-host subscribers reading the ring), fanin.py (one upstream taking many
-forwarding daemons), dormant.py (what a tap costs when nobody listens) and per_call.py
-(what a tap costs per call of a jitted step) each start
+forwarding daemons), dormant.py (what a tap costs when nobody listens), per_call.py
+(what a tap costs per call of a jitted step) and debug_cost.py (tapd.debug against
+jax.debug) each start
 their own daemons and JAX processes. run.py runs them one after the other, after its own
 sections, so that RESULTS.md holds every figure of one run; each one's Markdown report
 is taken in whole, its headings moved below the section's.
@@ -40,6 +41,12 @@ COMPANIONS = (
     (
         "9. Per-call cost: one jitted step per Python step, tapped or not",
         "per_call.py",
+        [],
+        ["--quick"],
+    ),
+    (
+        "10. tapd.debug.callback against jax.debug.callback",
+        "debug_cost.py",
         [],
         ["--quick"],
     ),

@@ -1,0 +1,189 @@
+"""What `tapd.debug.callback` costs beside `jax.debug.callback` (issue 28), native backend.
+
+(a) In a jitted `fori_loop` of 2000 steps, one no-op callback per step: µs per step
+    added over the untapped loop, `tapd.debug.callback` against `jax.debug.callback`.
+    Target: tapd's added <= 0.05 of JAX's.
+(b) One jitted call per Python step (2000 calls of `x * 1.0001` on 16 floats), with one
+    no-op callback: the call's time ÷ the untapped call's. Target: <= 1.5 for tapd.
+(c) A 200-step `fori_loop` whose every step multiplies a 256 x 256 matrix and calls a
+    50 ms callback on one value: the loop's time (to
+    `block_until_ready`, the callbacks still running after it for tapd) ÷ the untapped
+    loop's. Target: <= 1.1 for tapd (JAX's: 200 x 50 ms). tapd's callbacks are waited
+    for (`barrier_wait`, untimed) before the next run.
+
+Each variant interleaved with the others within a repeat; medians over repeats.
+
+    python bench/debug_cost.py [--quick] [--output bench/DEBUG.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+def _noop(*_: Any) -> None:
+    return None
+
+
+def _sleep_50ms(*_: Any) -> None:
+    time.sleep(0.05)
+
+
+def measure(quick: bool) -> dict[str, list[float]]:
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from processes import Processes
+
+    import tapd
+    import tapd.debug
+
+    workdir = Path(tempfile.mkdtemp(prefix="tapd-debug-", dir="/tmp"))
+    procs = Processes(workdir)
+    procs.start_daemon(flags=["--startup-grace", "0"])
+    os.environ["TAPD_ENDPOINT"] = procs.endpoint
+    os.environ["TAPD_BACKEND"] = "native"
+    callbacks = {"none": None, "jax": jax.debug.callback, "tapd": tapd.debug.callback}
+    repeats = 3 if quick else 7
+    steps, calls, slow_steps = (500, 500, 40) if quick else (2000, 2000, 200)
+
+    def loop(callback: Callable[..., Any] | None, function: Callable[..., Any]) -> Any:
+        def body(i: Any, x: Any) -> Any:
+            if callback is not None:
+                callback(function, x)
+            return x * 0.999 + 0.001 * jnp.sin(x)
+
+        return jax.jit(lambda x, n: lax.fori_loop(0, n, body, x))
+
+    w = jnp.full((256, 256), 1.0 / 256, jnp.float32)
+
+    def working_loop(callback: Callable[..., Any] | None) -> Any:
+        """(c)'s: a step with work in it (a 256 x 256 matrix product), which calls a
+        50 ms callback on one value."""
+
+        def body(i: Any, x: Any) -> Any:
+            if callback is not None:
+                callback(_sleep_50ms, x[0, 0])
+            return jnp.tanh(x @ w)
+
+        return jax.jit(lambda x, n: lax.fori_loop(0, n, body, x))
+
+    def step(callback: Callable[..., Any] | None) -> Any:
+        def call(x: Any) -> Any:
+            if callback is not None:
+                callback(_noop, x)
+            return x * 1.0001
+
+        return jax.jit(call)
+
+    loops = {name: loop(cb, _noop) for name, cb in callbacks.items()}
+    slow = {name: working_loop(cb) for name, cb in callbacks.items() if name != "jax"}
+    steps_ = {name: step(cb) for name, cb in callbacks.items()}
+    x = jnp.ones(64, jnp.float32)
+    small = jnp.ones(16, jnp.float32)
+    try:
+        matrix = jnp.ones((256, 256), jnp.float32)
+        for function in loops.values():
+            jax.block_until_ready(function(x, 2))
+        for function in slow.values():
+            jax.block_until_ready(function(matrix, 2))
+        for function in steps_.values():
+            jax.block_until_ready(function(function(small)))
+        tapd.barrier_wait(timeout=120)
+        us: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            for name, function in loops.items():
+                started = time.perf_counter()
+                jax.block_until_ready(function(x, steps))
+                us.setdefault(f"loop|{name}", []).append(
+                    (time.perf_counter() - started) / steps * 1e6
+                )
+                tapd.barrier_wait(timeout=120)
+            for name, function in steps_.items():
+                y = small
+                started = time.perf_counter()
+                for _ in range(calls):
+                    y = function(y)
+                y.block_until_ready()
+                us.setdefault(f"call|{name}", []).append(
+                    (time.perf_counter() - started) / calls * 1e6
+                )
+                tapd.barrier_wait(timeout=120)
+            for name, function in slow.items():
+                started = time.perf_counter()
+                jax.block_until_ready(function(matrix, slow_steps))
+                us.setdefault(f"slow|{name}", []).append((time.perf_counter() - started) * 1e6)
+                tapd.barrier_wait(timeout=300)  # 200 x 50 ms of callbacks, untimed
+        us["slow|jax(200 x 50 ms)"] = [slow_steps * 50_000.0]
+        return us
+    finally:
+        procs.stop_all()
+
+
+def report(us: dict[str, list[float]], quick: bool) -> str:
+    from report import median, number, table
+
+    m = {key: median(values) for key, values in us.items()}
+    loop_jax = m["loop|jax"] - m["loop|none"]
+    loop_tapd = m["loop|tapd"] - m["loop|none"]
+    call_ratio = m["call|tapd"] / m["call|none"]
+    slow_ratio = m["slow|tapd"] / m["slow|none"]
+    rows = [
+        ["(a) fori_loop, µs/step", number(m["loop|none"], 3), number(m["loop|jax"], 3),
+         number(m["loop|tapd"], 3), f"added: {loop_tapd / loop_jax:.4f} of JAX's"],
+        ["(b) one call per step, µs/call", number(m["call|none"], 2), number(m["call|jax"], 2),
+         number(m["call|tapd"], 2), f"{call_ratio:.2f} x untapped"],
+        ["(c) 256x256 matmul + 50 ms callback a step, ms/loop", number(m["slow|none"] / 1000, 1),
+         number(m["slow|jax(200 x 50 ms)"] / 1000, 0) + " (at least)",
+         number(m["slow|tapd"] / 1000, 1), f"{slow_ratio:.2f} x untapped"],
+    ]  # fmt: skip
+    verdicts = [
+        f"- (a) tapd's added per-step cost is {loop_tapd / loop_jax:.4f} of "
+        "jax.debug.callback's (target <= 0.05: "
+        f"{'met' if loop_tapd <= 0.05 * loop_jax else 'NOT met'})",
+        f"- (b) a step with tapd.debug.callback takes {call_ratio:.2f}x the untapped step "
+        f"(target <= 1.5: {'met' if call_ratio <= 1.5 else 'NOT met'})",
+        f"- (c) with a 50 ms callback, the loop takes {slow_ratio:.2f}x the loop without "
+        f"(target <= 1.1: {'met' if slow_ratio <= 1.1 else 'NOT met'})",
+    ]
+    return "\n".join(
+        [
+            "# tapd.debug.callback against jax.debug.callback (native backend)",
+            "",
+            table(
+                ["measure", "no callback", "jax.debug.callback", "tapd.debug.callback", "tapd"],
+                rows,
+            ),
+            "",
+            *verdicts,
+            "",
+            f"Medians of {3 if quick else 7} repeats. (c)'s JAX figure is not run: each of its "
+            "steps waits for its callback, so it takes at least steps x 50 ms.",
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    parser.add_argument("--output", type=Path, default=BENCH_DIR / "DEBUG.md")
+    args = parser.parse_args()
+    sys.path.insert(0, str(BENCH_DIR))
+    os.environ.setdefault("TAPD_AUTOSTART", "0")
+    text = report(measure(args.quick), args.quick)
+    args.output.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
