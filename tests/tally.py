@@ -33,11 +33,18 @@ class Tally:
 
 
 def start_emitter(
-    endpoint: str, scenario: str, *args: str, env: dict[str, str] | None = None
+    endpoint: str,
+    scenario: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    stdin: int | None = None,
 ) -> subprocess.Popen[str]:
+    """tests/apps/emitter_app.py; `stdin=subprocess.PIPE` for a scenario that waits to
+    be told (steps_when_told)."""
     return subprocess.Popen(
         [sys.executable, str(APPS / "emitter_app.py"), scenario, *args],
         env={**os.environ, "TAPD_ENDPOINT": endpoint, **(env or {})},
+        stdin=stdin,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -92,6 +92,27 @@ def steps(count: str, barrier: str = "barrier") -> dict[str, Any]:
     return {"loop_s": loop, "barrier_s": waited, "stats": tapd.stats()}
 
 
+def steps_when_told(count: str, lower_first: str) -> dict[str, Any]:
+    """`steps` at the test's word, so that it can settle what the daemon knows first.
+    Lowers a tap of `lower_first` ("loss" itself, or another consumer: then "loss" is
+    registered only once told), which creates this process's ring and names the site to
+    the daemon; says {"ready": ...} and waits for a line on stdin. Then lowers (if not
+    yet) and runs `count` taps of "loss", says {"ran": ...} once they are in the ring,
+    and waits for another line before its barrier."""
+    step = jax.jit(lambda i: tapd.tap(i * 1.0, "loss", step=i))
+    first = step if lower_first == "loss" else jax.jit(lambda i: tapd.tap(i, lower_first))
+    first.lower(0)
+    print(json.dumps({"ready": lower_first}), flush=True)
+    sys.stdin.readline()
+    for i in range(int(count)):
+        step(i)
+    jax.effects_barrier()
+    print(json.dumps({"ran": int(count)}), flush=True)
+    sys.stdin.readline()
+    tapd.barrier_wait(timeout=60)
+    return {"stats": tapd.stats()}
+
+
 def loop_pytree(count: str) -> dict[str, Any]:
     """A fori_loop of `count` steps tapping a pytree and a scalar each step, then a
     barrier: many small taps of two sites, interleaved."""
