@@ -345,7 +345,7 @@ class InProcessRouter:
             daemon_id=daemon_id,
         )
         if spool is not None:  # (directory, limit, fallback)
-            self.router.configure_spool(*spool)
+            self.router.subscribers.configure_spool(*spool)
         self._seen: dict[Any, int] = {}  # taps each subscriber was sent and handled
         self._closed = False
 
@@ -359,7 +359,7 @@ class InProcessRouter:
     def subscribe(self, key: str, consumers: list[str], **fields: Any) -> None:
         """A subscriber's hello (window 64, named `key`, unless `fields` say otherwise)."""
         hello = {"consumers": consumers, "window": 64, "name": key, **fields}
-        self.router.subscriber_hello(key, hello, now=0.0)
+        self.router.subscribers.hello(key, hello, now=0.0)
 
     def to(self, peer: Any, kind: str | None = None) -> list[Message]:
         """Decoded messages sent to `peer` (of `kind`, if given), in order."""
@@ -381,20 +381,22 @@ class InProcessRouter:
         comes until no more come; their seqs, in arrival order."""
         seqs: list[int] = []
         for _ in range(1000):
-            self.router.pump()
+            self.router.subscribers.pump()
             taps = self.to(peer, "tap")[self._seen.get(peer, 0) :]
             if not taps:
                 return seqs
             for message in taps:
                 self._seen[peer] = self._seen.get(peer, 0) + 1
                 seqs.append(message.header["seq"])
-                self.router.ack(peer, {"upto": message.header["tid"], "errors": []}, 0.0)
+                self.router.subscribers.ack(
+                    peer, {"upto": message.header["tid"], "errors": []}, 0.0
+                )
         raise AssertionError(f"{peer!r} is still sent taps after 1000 rounds")
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self.router.close_spools()
+            self.router.subscribers.close_spools()
 
 
 MakeRouter = Callable[..., InProcessRouter]

@@ -110,7 +110,7 @@ def test_a_batch_never_exceeds_what_a_subscriber_accepts_whatever_its_window(
     count = 2 * DEFAULT_LIMITS.max_batch + 5
     for seq in range(count):
         router.tap("em", decode(encode("tap", {**fields, "seq": seq}, [np.zeros(1, np.int8)])))
-    router.pump()
+    router.subscribers.pump()
     batches = peers.to("sub", "taps")
     assert [len(b.batch) for b in batches] == [DEFAULT_LIMITS.max_batch] * 2 + [5]
     taps = [t for b in batches for t in b.batch]
@@ -141,7 +141,7 @@ def test_a_run_is_one_unit_for_the_router_and_count_taps_for_everyone_else(
     run, values = ring_run(5)
     router.tap("em", run, credit=False, nbytes=5 * 8)
     router.barrier("em", 1)
-    router.pump()
+    router.subscribers.pump()
     [batch] = peers.to("sub", "taps")
     assert len(batch.frames) == 2  # body 0 (no single taps) and the run's span
     assert [t.header["seq"] for t in batch.batch] == [100, 101, 102, 103, 104]
@@ -149,10 +149,12 @@ def test_a_run_is_one_unit_for_the_router_and_count_taps_for_everyone_else(
     tids = [t.header["tid"] for t in batch.batch]
 
     # A partial ack finishes nothing: the barrier waits for the whole run.
-    router.ack("sub", {"upto": tids[2], "errors": []}, now=1.0)
+    router.subscribers.ack("sub", {"upto": tids[2], "errors": []}, now=1.0)
     assert [m.kind for m in peers.to("em")] == ["welcome"]
     # The rest, with a handler error on the fourth tap: reported with that tap's seq.
-    router.ack("sub", {"upto": tids[4], "errors": [{"tid": tids[3], "error": "boom"}]}, 2.0)
+    router.subscribers.ack(
+        "sub", {"upto": tids[4], "errors": [{"tid": tids[3], "error": "boom"}]}, 2.0
+    )
     error, done = peers.to("em")[1:]
     assert (error.kind, error.header["seq"], error.header["error"]) == ("error", 103, "boom")
     assert (done.kind, done.header["delivered"]) == ("barrier_done", 5)
@@ -167,7 +169,7 @@ def test_a_run_goes_tap_by_tap_to_a_subscriber_that_does_not_batch(
     assert router.run_limit("x", 8) == 1  # so the drain makes no runs for it...
     run, values = ring_run(3)
     router.tap("em", run, credit=False, nbytes=3 * 8)  # ...but one that comes is split
-    router.pump()
+    router.subscribers.pump()
     taps = peers.to("sub", "tap")
     assert [t.arrays()[0].tolist() for t in taps] == [v.tolist() for v in values]
     assert [t.header["tid"] for t in taps] == [0, 1, 2]
@@ -180,8 +182,8 @@ def test_an_error_acked_inside_a_run_reaches_the_emitter_before_the_run_complete
     router = peers.router
     run, _ = ring_run(5)
     router.tap("em", run, credit=False, nbytes=5 * 8)
-    router.pump()
-    router.ack("sub", {"upto": 2, "errors": [{"tid": 1, "error": "boom"}]}, now=1.0)
+    router.subscribers.pump()
+    router.subscribers.ack("sub", {"upto": 2, "errors": [{"tid": 1, "error": "boom"}]}, now=1.0)
     errors = peers.to("em", "error")
     assert [(e.header["seq"], e.header["error"]) for e in errors] == [(101, "boom")]
     assert router.counters["handler_errors"] == 1
@@ -222,7 +224,7 @@ def test_taps_of_64_KiB_share_a_message_each_in_a_body_frame_of_its_own_uncopied
     taps = [big_tap(seq, a) for seq, a in enumerate(arrays)]
     for tap in taps:
         router.tap("em", tap)
-    router.pump()
+    router.subscribers.pump()
     [(_, frames)] = [(k, f) for k, f in peers.sent if k == "sub" and len(f) > 3]
     assert [len(f) for f in frames[2:]] == [0] + [64 * 1024] * 5  # body 0 is empty
     assert all(f is tap.frames[0] for f, tap in zip(frames[3:], taps, strict=True))

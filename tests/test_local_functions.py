@@ -279,7 +279,7 @@ class Peers:
                   "host": "h", "pid": pid, "time": 0, "transforms": [], "meta": {},
                   "tree": ["*"]}  # fmt: skip
         self.router.tap(emitter, decode(encode("tap", fields, [np.zeros(1, np.int8)])))
-        self.router.pump()
+        self.router.subscribers.pump()
 
 
 def test_a_fallback_gets_its_own_emitters_taps_that_nobody_else_takes(
@@ -307,7 +307,7 @@ def test_a_fallback_gets_its_own_emitters_taps_that_nobody_else_takes(
     assert sorted(peers.taken()) == [("receiver", local), ("runner", "m:f"),
                                      ("watcher", local), ("watcher", "m:f")]  # fmt: skip
 
-    peers.router.drop_subscriber("runner", "left")
+    peers.router.subscribers.drop("runner", "left")
     peers.tap("em", "m:f")
     assert sorted(peers.taken()) == [("receiver", "m:f"), ("watcher", "m:f")]
 
@@ -326,9 +326,9 @@ def test_a_subscriber_adds_consumers_without_losing_what_it_holds(
     peers.sent.clear()
     peers.tap("em", "m:f")
     assert peers.taken() == [("receiver", "m:f")]
-    peers.router.ack("receiver", {"upto": 1, "errors": []}, now=0.0)
+    peers.router.subscribers.ack("receiver", {"upto": 1, "errors": []}, now=0.0)
     assert peers.router.emitters["em"].delivered == 2
 
     peers.subscribe("stranger", ["m:f"], update=True)  # unknown here (a restarted daemon)
     assert [decode(f).kind for key, f in peers.sent if key == "stranger"] == ["rehello"]
-    assert "stranger" not in peers.router.subscribers
+    assert "stranger" not in peers.router.subscribers.peers

@@ -35,7 +35,7 @@ class Pending:
     remaining: int  # targets that still have to process this unit
     count: int  # its taps
     lost: bool = False
-    # What a forwarder reports of its taps upstream (`Router.ack`): how many an upstream
+    # What a forwarder reports of its taps upstream (`Subscribers.ack`): how many an upstream
     # subscriber handled is what counts as delivered. Of the unit's taps, those the
     # upstream dropped or lost (the most any subscriber reports) count as dropped; those
     # it had no subscriber for, unless some subscriber here handled them, as unrouted.

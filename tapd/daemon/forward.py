@@ -138,7 +138,7 @@ class Forwarder:
         self._held: dict[int, _Forwarded] = {}
         self._barrier_ids = itertools.count()
         self._last_warning = self._last_sent = now
-        router.add_local_subscriber(self.key, self.name, ["*"], self._take)
+        router.subscribers.add_local(self.key, self.name, ["*"], self._take)
         what = "with CurveZMQ" if keys else "unauthenticated" if config.insecure else "over ipc"
         logger.info("forwarding every tap to %s (%s)", self.endpoint, what)
 
@@ -160,7 +160,7 @@ class Forwarder:
 
     def flush(self, now: float) -> None:
         """Send what the upstream's credit allows, then a barrier behind it."""
-        if not self.router.has_subscriber(self.key):
+        if self.key not in self.router.subscribers.peers:
             return  # stopped: forwarding to ourselves, or shut down
         link = self.link
         batch: list[_Forwarded] = []
@@ -206,7 +206,7 @@ class Forwarder:
         self.connection.send_barrier(barrier)
         self._last_sent = time.monotonic()
         self.unconfirmed.append((barrier, batch))
-        self.router.count("forward_sent", len(batch))
+        self.router.ledger.count("forward_sent", len(batch))
 
     def _malformed(self, exc: ProtocolError) -> None:
         self.router.reject(exc.reason, f"from the upstream at {self.endpoint}: {exc}")
@@ -243,7 +243,7 @@ class Forwarder:
 
     def _looped(self) -> None:
         logger.error("--forward %s leads back to this daemon: forwarding nothing", self.endpoint)
-        self.router.drop_subscriber(self.key, "would forward to itself")
+        self.router.subscribers.drop(self.key, "would forward to itself")
         self.outbox.clear()
         self.unconfirmed.clear()
         self._sent.clear()
@@ -279,7 +279,7 @@ class Forwarder:
             return
         self.outbox = collections.deque(sorted([*again, *self.outbox], key=lambda i: i.tid))
         self.outbox_bytes += sum(item.nbytes for item in again)
-        self.router.count("forward_resent", len(again))
+        self.router.ledger.count("forward_resent", len(again))
 
     def _confirmed(self, header: dict[str, Any], now: float) -> None:
         """The upstream finished every tap it received before barrier `id`, and says
@@ -345,14 +345,14 @@ class Forwarder:
                 counter,
                 "unrouted" if outcome == "unrouted" else "dropped",
             )
-        self.router.count(counter, taps)
+        self.router.ledger.count(counter, taps)
         if outcome != "lost":
-            self.router.count("forward_confirmed", taps)
+            self.router.ledger.count("forward_confirmed", taps)
 
     def _acknowledge(self, now: float) -> None:
         """Acknowledge to the router, in tid order, every tap whose fate is known; with
         handler errors, and which ones the upstream dropped or had no subscriber for."""
-        if not self.router.has_subscriber(self.key):
+        if self.key not in self.router.subscribers.peers:
             return
         held = self._held
         finished = []
@@ -364,7 +364,7 @@ class Forwarder:
             return
         for item in finished:
             del held[item.tid]
-        self.router.ack(
+        self.router.subscribers.ack(
             self.key,
             {
                 "upto": finished[-1].tid,
@@ -412,7 +412,7 @@ class Forwarder:
 
     def _upstream_wants(self) -> str | list[list[Any]]:
         """What the upstream said its takers want ("everything" until it says)."""
-        target = self.router.subscribers.get(self.key)
+        target = self.router.subscribers.peers.get(self.key)
         wanted = None if target is None else target.subscription.wanted
         return "everything" if wanted is None else [list(pair) for pair in wanted]
 

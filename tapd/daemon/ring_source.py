@@ -144,7 +144,7 @@ class RingSource:
         """Tell a writer that waits for ring space why the oldest record not released
         is held (written to the ring's control page when it changes; ring.h, kHeld*)."""
         if reason is None:
-            if not router.knows_emitter(self.key):
+            if self.key not in router.emitters:
                 reason = "not_read"
             elif not router.takes_from(self.key):  # its taps wait for queue room
                 reason = "grace" if router.in_grace() else "queue_full"
@@ -162,7 +162,7 @@ class RingSource:
         router.reject(why.reason, f"ring {self.path}: {why.detail}")
         consumer = self.sites.consumer_of(record.site)
         error = f"the tapd daemon refused this tap: {why}"
-        index = router.refused(self.key, consumer, record.seq, error)
+        index = router.ledger.refused(self.key, consumer, record.seq, error)
         self._in_router.append((index, record.end))
         self.read_position = record.end
 

@@ -75,23 +75,23 @@ class WakeSocket:
     def __init__(self, directory: Path) -> None:
         self.path = directory / WAKE_SOCKET
         self.path.unlink(missing_ok=True)  # a dead daemon's
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(str(self.path))
-        self._sock.setblocking(False)
+        self._wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._wake.bind(str(self.path))
+        self._wake.setblocking(False)
 
     def fileno(self) -> int:
-        return self._sock.fileno()
+        return self._wake.fileno()
 
     def drain(self) -> None:
         """Read every wake-up sent so far (one is as good as many)."""
         try:
-            while self._sock.recv(64):
+            while self._wake.recv(64):
                 pass
         except BlockingIOError:
             pass
 
     def close(self) -> None:
-        self._sock.close()
+        self._wake.close()
         self.path.unlink(missing_ok=True)
 
 

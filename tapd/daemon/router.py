@@ -1,5 +1,7 @@
 """The daemon's routing: emitters and their credit, the order of their barriers, and
-the table from consumer to target.
+each tap's way to the targets that take it (the table from consumer to target:
+tapd/daemon/routes.py; the subscribers, their hellos and acks: tapd/daemon/subscribers.py,
+`Router.subscribers`).
 
 No sockets here: the server feeds decoded messages in and the router answers through the
 `send(peer, frames)` callable it was given. Every unit (a tap, or a run of ring taps:
@@ -15,26 +17,19 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Callable, Container, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 from tapd.daemon.deliveries import Delivery, Emitter, PeerKey, Pending, Send, Unit, unit_count
 from tapd.daemon.ledger import Ledger
+from tapd.daemon.routes import Routes
 from tapd.daemon.sampling import keeping, samples
 from tapd.daemon.subscribers import Subscribers
 from tapd.daemon.targets.base import Offer, Target
-from tapd.daemon.targets.local import Deliver
-from tapd.daemon.targets.peer import Peer
-from tapd.daemon.targets.shm import RingReaders
-from tapd.daemon.targets.spooled import SpoolSettings
 from tapd.protocol import Message, encode
-from tapd.protocol.wire import DEFAULT_LIMITS
+from tapd.protocol.rules import DEFAULT_LIMITS
 
 logger = logging.getLogger("tapd.daemon")
-# Consumer and emitter names whose routing targets are memoized: a peer may send taps of
-# a million distinct names; past this many the memo starts again (tapd/daemon/bounds.py).
-_TARGETS_CACHED = 4096
 
 _HOSTNAME = socket.gethostname()  # emitters that say this host are local: pids checkable
 _FORWARDER_SILENCE_MIN = 5.0  # seconds; forwarders send a barrier every second
@@ -46,20 +41,16 @@ class Router:
         self, send: Send, *, policy: str, queue_bytes: int, window_bytes: int, daemon_id: str
     ) -> None:
         self.send = send
-        self.ledger = Ledger(send)
-        self.refused = self.ledger.refused  # a tap or message refused: told and counted
+        self.ledger = Ledger(send)  # what became of each unit; the daemon's counters
         self.policy = policy
         self.queue_bytes = queue_bytes
         self.window_bytes = window_bytes
         self.daemon_id = daemon_id
-        self._subscribers = Subscribers(
-            self.ledger, queue_bytes=queue_bytes, daemon_id=daemon_id, changed=self._changed
+        self.routes = Routes(lambda: self.subscribers.targets())
+        self.subscribers = Subscribers(
+            self.ledger, queue_bytes=queue_bytes, daemon_id=daemon_id, changed=self.routes.changed
         )
-        # by (consumer, emitter name or None); cleared on any change of the targets
-        self._table: dict[tuple[str, str | None], list[Target]] = {}
-        self.generation = 0  # grows with each change of the targets (tapd/daemon/wants.py)
         self.emitter_hellos = 0  # grows with each emitter's hello (wants.py: forwarders)
-        self._sampling: bool | None = None  # whether any target samples (None: not known)
         # Until then (time.monotonic()), a tap that no subscriber wants waits, in order,
         # instead of counting as unrouted: the daemon's start-up grace, in which the
         # subscribers of a daemon that was down reconnect (and forwarders send backlogs).
@@ -73,40 +64,18 @@ class Router:
     def counters(self) -> Mapping[str, int]:
         return self.ledger.counters
 
-    @property
-    def subscribers(self) -> Mapping[PeerKey, Peer]:
-        """Every subscriber, by peer key (members of worker pools too)."""
-        return self._subscribers.peers
-
-    @property
-    def spool(self) -> SpoolSettings | None:
-        return self._subscribers.spool
-
-    def _changed(self) -> None:
-        self._table.clear()
-        self.generation += 1
-        self._sampling = None
-
-    def subscriber_targets(self) -> list[Target]:
-        """Every routing target (a pool is one)."""
-        return self._subscribers.targets()
-
     def set_wanted(self, key: PeerKey, wanted: tuple[tuple[str, int], ...] | None) -> None:
         """What subscriber `key` takes from sites that may be dormant, where it is
         narrower than its patterns (a forwarder: what its upstream's takers want);
         None: its patterns (tapd/daemon/sampling.py, `taken_every`)."""
-        peer = self._subscribers.peers.get(key)
+        peer = self.subscribers.peers.get(key)
         if peer is not None and peer.subscription.wanted != wanted:
             peer.subscription.wanted = wanted
-            self._changed()
+            self.routes.changed()
 
     def takers(self, consumer: str, key: PeerKey) -> list[Target]:
         """The targets that take `consumer` from emitter `key` (fallbacks included)."""
-        return list(self._targets_of(consumer, self.emitters.get(key)))
-
-    def count(self, name: str, n: int = 1) -> None:
-        """Add `n` to the daemon's counter `name` (tapd status, --metrics)."""
-        self.ledger.count(name, n)
+        return list(self.routes.targets_of(consumer, self.emitters.get(key)))
 
     # ---- emitters -------------------------------------------------------------------
 
@@ -136,9 +105,6 @@ class Router:
         if type(nonce) is int:  # which hello this answers (tapd/protocol/link.py)
             fields["nonce"] = nonce
         self.send(emitter.key, encode("welcome", fields))
-
-    def knows_emitter(self, key: PeerKey) -> bool:
-        return key in self.ledger.emitters
 
     def takes_from(self, key: PeerKey) -> bool:
         """Whether emitter `key` is known and none of its taps wait for queue room: a
@@ -177,8 +143,8 @@ class Router:
         count = unit_count(tap)
         emitter.received += count
         emitter.received_bytes += nbytes
-        self.count("taps_received", count)
-        self.count("bytes_received", nbytes)
+        self.ledger.count("taps_received", count)
+        self.ledger.count("bytes_received", nbytes)
         credit_bytes = nbytes if credit else 0
         if (
             emitter.parked
@@ -280,72 +246,52 @@ class Router:
         emitter = self.ledger.emitters.get(key)
         if emitter is None:
             return None
-        if self.spool is None:
+        if self.subscribers.spool is None:
             return emitter.low
         low = next(iter(emitter.unsafe), emitter.next_index)
         return min(low, emitter.parked[0][0]) if emitter.parked else low
 
     # ---- routing --------------------------------------------------------------------
 
-    def _targets_of(self, consumer: str, emitter: Emitter | None = None) -> list[Target]:
-        """The targets that want `consumer`; for a tap of `emitter` that none of them
-        takes (`Subscription.takes`), also that emitter's fallback subscribers for it."""
-        # Looked up twice per tap: cached until the subscribers change.
-        key = (consumer, None if emitter is None else emitter.name)
-        targets = self._table.get(key)
-        if targets is None:
-            # (each pool is one target; its members are not)
-            every = self._subscribers.targets()
-            targets = [t for t in every if t.subscription.wants(consumer)]
-            if emitter is not None and not any(t.subscription.takes(consumer) for t in targets):
-                targets += [
-                    t
-                    for t in every
-                    if t not in targets and t.subscription.falls_back(consumer, emitter.name)
-                ]
-            if len(self._table) >= _TARGETS_CACHED:  # (names are the peers' to pick)
-                self._table.clear()
-            self._table[key] = targets
-        return targets
-
     def run_limit(self, consumer: str, tap_bytes: int) -> int:
         """The most taps of `consumer` (`tap_bytes` each) a ring run may hold: half the
         smallest window of the targets it goes to, so that batches still overlap acks
         (1 where one does not batch: its window counts one-tap messages), and half a
         queue, so that queue bounds and drops stay as fine-grained as for single taps."""
-        targets = self._targets_of(consumer)
-        if self._samples_any() and samples(targets, consumer):
+        targets = self.routes.targets_of(consumer)
+        if self.routes.samples_any() and samples(targets, consumer):
             return 1  # thinned per tap, by seq (tapd/daemon/sampling.py)
         limits = [t.run_limit() for t in targets]
         by_queue = max(1, self.queue_bytes // (2 * max(1, tap_bytes)))
         return min(*limits, by_queue, DEFAULT_LIMITS.max_batch)
 
     def _has_room(self, tap: Unit, nbytes: int, emitter: Emitter) -> bool:
-        targets = self._targets_of(tap.header["consumer"], emitter)
+        targets = self.routes.targets_of(tap.header["consumer"], emitter)
         return all(t.room_for(nbytes) for t in targets)
 
     @property
     def _blocking(self) -> bool:
         """Whether a tap waits (parked, credit withheld) when a queue has no room."""
-        return self.policy == "block" or (self.spool is not None and self.spool.fallback == "block")
+        spool = self.subscribers.spool
+        return self.policy == "block" or (spool is not None and spool.fallback == "block")
 
     def _held_unrouted(self, tap: Unit, emitter: Emitter) -> bool:
         """Whether `tap` waits, wanted by no subscriber yet, in the start-up grace."""
         return (
             self.hold_unrouted_until > 0
             and self.in_grace()
-            and not self._targets_of(tap.header["consumer"], emitter)
+            and not self.routes.targets_of(tap.header["consumer"], emitter)
         )
 
     def _route(
         self, emitter: Emitter, index: int, tap: Unit, nbytes: int, credit_bytes: int
     ) -> None:
         emitter.credit_due += credit_bytes
-        targets = self._targets_of(tap.header["consumer"], emitter)
+        targets = self.routes.targets_of(tap.header["consumer"], emitter)
         count = unit_count(tap)
-        if targets and self._samples_any() and isinstance(tap, Message):
+        if targets and self.routes.samples_any() and isinstance(tap, Message):
             kept = keeping(targets, tap)
-            self.count("deliveries_thinned", len(targets) - len(kept))
+            self.ledger.count("deliveries_thinned", len(targets) - len(kept))
             if not kept:  # every taker samples it out: to the emitter, an unrouted tap
                 self._unrouted(emitter, index, count, "taps_thinned")
                 return
@@ -354,7 +300,7 @@ class Router:
             self._unrouted(emitter, index, count, "taps_unrouted")
             return
         pending = emitter.pending[index] = Pending(remaining=0, count=count)
-        if self.spool is not None:
+        if self.subscribers.spool is not None:
             emitter.unsafe[index] = None
         for target in targets:
             # (drop_newest where it is full: block never gets here while one is)
@@ -371,19 +317,10 @@ class Router:
 
     def _unrouted(self, emitter: Emitter, index: int, count: int, counter: str) -> None:
         self.ledger.outcomes(emitter, index, 0, 0, count)
-        self.count(counter, count)
+        self.ledger.count(counter, count)
         emitter.pending.pop(index, None)
         self.ledger.outcome(emitter, index, "unrouted")
         self.ledger.advance(emitter)
-
-    def _samples_any(self) -> bool:
-        """Whether any target asks for `every` (else no tap is thinned: one check)."""
-        if self._sampling is None:
-            self._sampling = any(
-                t.subscription.every or any(n > 1 for _, n in t.subscription.wanted or ())
-                for t in self._subscribers.targets()
-            )
-        return self._sampling
 
     def unpark(self) -> None:
         """Route parked taps, in order, as far as queue room allows."""
@@ -398,47 +335,10 @@ class Router:
                 emitter.parked_bytes -= credit_bytes
                 self._route(emitter, index, tap, nbytes, credit_bytes)
 
-    def pump(self) -> None:
-        """Let each target send what its window allows."""
-        self._subscribers.pump()
-
-    # ---- subscribers (tapd/daemon/subscribers.py) -------------------------------------
-
-    def has_subscriber(self, key: PeerKey) -> bool:
-        return key in self._subscribers.peers
-
-    def subscriber_hello(self, key: PeerKey, header: dict[str, Any], now: float) -> None:
-        self._subscribers.hello(key, header, now)
-
-    def add_local_subscriber(
-        self, key: PeerKey, name: str, patterns: Sequence[str], deliver: Deliver
-    ) -> None:
-        self._subscribers.add_local(key, name, patterns, deliver)
-
-    def ack(self, key: PeerKey, header: dict[str, Any], now: float) -> None:
-        self._subscribers.ack(key, header, now)
-
-    def heartbeat(self, key: PeerKey, now: float) -> None:
-        self._subscribers.heartbeat(key, now)
-
-    def drop_subscriber(self, key: PeerKey, why: str, *, shutdown: bool = False) -> None:
-        self._subscribers.drop(key, why, shutdown=shutdown)
-
-    def drop_all_subscribers(self, why: str) -> None:
-        self._subscribers.drop_all(why)
-
-    def serve_rings(self, readers: RingReaders | None) -> None:
-        """Same-host subscribers may read ring taps from the rings (targets/shm.py)."""
-        self._subscribers.rings = readers
-
-    def configure_spool(self, directory: Path, limit: int, fallback: str) -> None:
-        self._subscribers.configure_spool(directory, limit, fallback)
-
-    def close_spools(self) -> None:
-        self._subscribers.close_spools()
+    # ---- subscribers (tapd/daemon/subscribers.py: `subscribers`) ------------------------
 
     def expire(self, now: float, timeout: float) -> None:
-        self._subscribers.expire(now, timeout)
+        self.subscribers.expire(now, timeout)
         # A forwarding daemon killed without a bye: nothing else would remove it.
         silence = max(3 * timeout, _FORWARDER_SILENCE_MIN)
         for emitter in list(self.emitters.values()):
@@ -450,17 +350,17 @@ class Router:
 
     def reject(self, reason: str, detail: str) -> None:
         """Count a refused message; log each reason the first time it is seen."""
-        self.count(f"rejected_{reason}")
+        self.ledger.count(f"rejected_{reason}")
         log = logger.warning if self.counters[f"rejected_{reason}"] == 1 else logger.debug
         log("rejected a message (%s): %s (further ones counted, not logged)", reason, detail)
 
     def idle(self) -> bool:
         """Nothing queued, in flight or parked anywhere."""
         pending = any(e.pending for e in self.emitters.values())
-        return not pending and not self._subscribers.busy()
+        return not pending and not self.subscribers.busy()
 
     def stats(self) -> dict[str, Any]:
-        subscribers, groups = self._subscribers.stats()
+        subscribers, groups = self.subscribers.stats()
         return {
             "counters": dict(self.counters),
             "emitters": [e.stats() for e in self.emitters.values()],

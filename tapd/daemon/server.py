@@ -68,14 +68,16 @@ class Daemon:
         if config.policy == "spool":
             spool_dir = config.spool_dir or spool_dir_for(config.endpoint)
             ensure_private_dir(spool_dir)
-            self.router.configure_spool(spool_dir, config.spool_bytes, config.spool_fallback)
+            self.router.subscribers.configure_spool(
+                spool_dir, config.spool_bytes, config.spool_fallback
+            )
         self.endpoints: list[str] = []
         self.zap: security.ZapHandler | None = None
         self.handshakes: list[security.HandshakeMonitor] = []
         self._lock_fds: list[int] = []
         self.rings = RingSet(ring_dir_for(config.endpoint))
         self.wants = WantsTable(self.router, self.rings, dormant=config.dormant)  # dormant taps
-        self.router.serve_rings(RingReaders.for_daemon(self.rings, config.policy))
+        self.router.subscribers.rings = RingReaders.for_daemon(self.rings, config.policy)
         self.forwarder: Forwarder | None = None
         self.metrics: MetricsServer | None = None  # --metrics
         self.snapshots = Snapshots(self._wake_for_scrape)
@@ -245,7 +247,7 @@ class Daemon:
                     refused = self.zap.refused + sum(m.refused for m in self.handshakes)
                     more = refused - self.router.counters["auth_refused"]
                     if more > 0:  # (a running total of the handlers')
-                        self.router.count("auth_refused", more)
+                        self.router.ledger.count("auth_refused", more)
                 now = time.monotonic()
                 if forwarder is not None and forwarder.socket in events:
                     forwarder.receive(now)
@@ -260,7 +262,7 @@ class Daemon:
                 moved = self.rings.poll(self.router) if now >= rings_from else 0
                 self.wants.update()
                 quiet_rounds = 0 if moved or events else quiet_rounds + 1
-                self.router.pump()
+                self.router.subscribers.pump()
                 if forwarder is not None:
                     forwarder.flush(now)
                 self.router.flush_credit()
@@ -283,7 +285,8 @@ class Daemon:
     def _has_clients(self) -> bool:
         router = self.router
         return (
-            bool(router.emitters or router.subscribers or self.rings.sources) or not router.idle()
+            bool(router.emitters or router.subscribers.peers or self.rings.sources)
+            or not router.idle()
         )
 
     def _poll_timeout(self, quiet_rounds: int) -> int:
@@ -304,8 +307,8 @@ class Daemon:
     def _report_undelivered(self) -> None:
         self.wants.release()  # a clean exit: every tap is sent again, for the next daemon
         self.router.stop_releasing()  # what rings still hold stays for the next daemon
-        self.router.close_spools()  # what is spooled stays for the next daemon
-        self.router.drop_all_subscribers("was still connected at shutdown")
+        self.router.subscribers.close_spools()  # what is spooled stays for the next daemon
+        self.router.subscribers.drop_all("was still connected at shutdown")
         try:  # emitters learn the final totals (they outlive this daemon, maybe)
             self.router.flush_credit(final=True)
         except zmq.ZMQError:
@@ -389,13 +392,13 @@ class Daemon:
         tell it (as an `error`, which its barrier_wait raises) and credit back the
         array bytes it spent on it, so that its window does not shrink for good."""
         self.router.reject(exc.reason, str(exc))
-        if not self.router.knows_emitter(key):
+        if key not in self.router.emitters:
             return
         consumer, seq, is_tap = _named_in(frames, self.limits)
         error = f"the tapd daemon rejected a message from this emitter: {exc}"[:4000]
         credit = sum(len(f) for f in frames[2:]) if is_tap else 0
         report = self.replies.allow(key, time.monotonic())  # past its share: only counted
-        self.router.refused(
+        self.router.ledger.refused(
             key, consumer, seq, error, credit_bytes=credit, tap=is_tap, report=report
         )
 
@@ -406,16 +409,16 @@ class Daemon:
         if kind == "tap":
             router.tap(key, message)
         elif kind == "ack":
-            router.ack(key, header, now)
+            router.subscribers.ack(key, header, now)
         elif kind == "heartbeat":
-            router.heartbeat(key, now)
+            router.subscribers.heartbeat(key, now)
         elif kind == "hello":  # (decode checked the fields of its role: schema.py)
             if header["role"] == "emitter":
                 router.emitter_hello(key, header)
                 if "ring" in header:
                     self.rings.attach(key, header, router)
             else:
-                router.subscriber_hello(key, header, now)
+                router.subscribers.hello(key, header, now)
         elif kind == "barrier":
             position = header.get("ring_position")
             if not (
@@ -424,7 +427,7 @@ class Daemon:
             ):
                 router.barrier(key, header["id"])
         elif kind == "bye":
-            router.drop_subscriber(key, "said goodbye")
+            router.subscribers.drop(key, "said goodbye")
             if key not in self.rings.sources:  # a ring's lifetime is its writer's
                 router.emitter_bye(key)
         elif kind == "stats":

@@ -57,7 +57,7 @@ class WantsTable:
     def update(self) -> None:
         """Write what changed since the last call (cheap when nothing did)."""
         sources = self.rings.sources
-        state = (self.router.generation, self.router.in_grace())
+        state = (self.router.routes.generation, self.router.in_grace())
         changed = state != self._state
         if changed:
             self._state = state
@@ -110,7 +110,7 @@ class WantsTable:
         if not self.dormant or self.router.in_grace():
             return None
         asked: dict[str, int] = {}
-        for target in self.router.subscriber_targets():
+        for target in self.router.subscribers.targets():
             subscription = target.subscription
             pairs = subscription.wanted
             if pairs is None:

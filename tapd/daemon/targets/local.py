@@ -1,7 +1,7 @@
 """A subscriber inside the daemon's own process: the forwarder (tapd/daemon/forward.py).
 
 It takes each delivery as a call, `deliver(tid, tap, emitter name, nbytes)`, instead of
-frames on a socket, and acknowledges through `Router.ack` like any subscriber, saying
+frames on a socket, and acknowledges through `Subscribers.ack` like any subscriber, saying
 besides which taps its upstream dropped or had no subscriber for. It has no message
 window (its bytes are still bounded by the queue bound and the policy) and never
 expires.
