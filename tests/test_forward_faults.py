@@ -5,6 +5,9 @@ and checks that whatever is missing is what the emitter was told was lost."""
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,6 +19,7 @@ from faultproxy import FaultProxy
 from tally import Tally, finish, start_emitter
 
 from conftest import Daemon, MakeRouter, SubscriberProcess, wait_until
+from tapd.native.ring_format import EVERY_DORMANT
 
 StartDaemon = Callable[..., Daemon]
 StartSubscriber = Callable[..., SubscriberProcess]
@@ -54,6 +58,59 @@ def test_an_upstream_starting_late_before_its_subscriber_holds_the_backlog_for_i
     assert "taps_unrouted" not in upstream.counters()
 
 
+def site_every(daemon: Daemon, consumer: str) -> int | None:
+    """N the daemon wrote into `consumer`'s slot (None: it has not read the site)."""
+    for sites in daemon.stats()["wants"].values():
+        for _, name, every in sites:
+            if name == consumer:
+                return int(every)
+    return None
+
+
+def said(emitter: subprocess.Popen[str]) -> dict[str, Any]:
+    """The next line a steps_when_told emitter says (tests/apps/emitter_app.py)."""
+    assert emitter.stdout is not None and emitter.stderr is not None
+    line = emitter.stdout.readline()
+    if not line.startswith("{"):
+        emitter.kill()
+        pytest.fail(f"the emitter said {line!r} (exit {emitter.wait()}): {emitter.stderr.read()}")
+    return dict(json.loads(line))
+
+
+def stopped(daemon: Daemon) -> bool:
+    """The daemon's process is stopped (SIGSTOP): proc(5)'s state T."""
+    stat = Path(f"/proc/{daemon.process.pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def told_emitter(daemon: Daemon, lower_first: str) -> subprocess.Popen[str]:
+    """An emitter of 40 taps of "loss" that runs them when told (steps_when_told)."""
+    return start_emitter(
+        daemon.endpoint, "steps_when_told", "40", lower_first, stdin=subprocess.PIPE
+    )
+
+
+def tell(emitter: subprocess.Popen[str]) -> None:
+    assert emitter.stdin is not None
+    emitter.stdin.write("go\n")
+    emitter.stdin.flush()
+
+
+def upstream_with_other(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, upstream_says: str
+) -> tuple[Daemon, Daemon, SubscriberProcess]:
+    """An upstream with a subscriber of "other" only (no grace; a long subscriber
+    timeout, so that a stopped forwarder stays its subscriber), and a forwarder to it
+    that has the upstream's wants."""
+    flags = ["--no-dormant"] if upstream_says == "everything" else []
+    upstream = start_daemon(*flags, "--subscriber-timeout", "600", name="a.sock")
+    forwarder = start_daemon("--forward", upstream.endpoint, name="b.sock")
+    other = start_subscriber(upstream, "other")
+    wants = "everything" if upstream_says == "everything" else [["other", 1]]
+    wait_until(lambda: forward_stats(forwarder)["upstream_wants"] == wants, "the upstream's wants")
+    return upstream, forwarder, other
+
+
 @pytest.mark.parametrize("upstream_says", ["what it wants", "everything"])
 def test_taps_the_upstream_had_no_subscriber_for_are_unrouted_for_the_emitter(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str, upstream_says: str
@@ -61,28 +118,75 @@ def test_taps_the_upstream_had_no_subscriber_for_are_unrouted_for_the_emitter(
     """Delivered means an upstream subscriber handled it: taps nobody upstream wanted
     reach the emitter's counts as unrouted, not as delivered. An upstream that says what
     its takers want ("other") is sent none of them: the forwarder counts them unrouted
-    itself. One that says "everything" (dormancy off) is sent them and counts them."""
-    flags = ["--no-dormant"] if upstream_says == "everything" else []
-    upstream = start_daemon(*flags, name="a.sock")  # no grace, and no subscriber for "loss"
-    forwarder = start_daemon("--forward", upstream.endpoint, name="b.sock")
-    other = start_subscriber(upstream, "other")
-    wants = "everything" if upstream_says == "everything" else [["other", 1]]
-    wait_until(lambda: forward_stats(forwarder)["upstream_wants"] == wants, "the upstream's wants")
-    emitter = start_emitter(forwarder.endpoint, "steps", "40")
-    stats = finish(emitter)["stats"]
+    itself. One that says "everything" (dormancy off) is sent them and counts them.
+
+    These are the first taps of their site, run before the forwarder has read its entry
+    (the forwarder is stopped while they run): no daemon has written the site's slot, which
+    then says "send every tap" (EVERY_ALL), so the emitter sends all 40 and skips none.
+    (Taps run after the forwarder made the site dormant are skipped: the next test.)"""
+    upstream, forwarder, other = upstream_with_other(start_daemon, start_subscriber, upstream_says)
+    emitter = told_emitter(forwarder, "first")
+    try:
+        assert said(emitter) == {"ready": "first"}
+        # The forwarder has met the emitter's ring and read its sites so far: not "loss",
+        # which is registered only when the emitter is told to run it.
+        wait_until(lambda: site_every(forwarder, "first") is not None, "the ring at B")
+        forwarder.process.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: stopped(forwarder), "B stopped")
+            tell(emitter)
+            assert said(emitter) == {"ran": 40}
+        finally:
+            forwarder.process.send_signal(signal.SIGCONT)
+        if upstream_says != "everything":  # reading the taps, B reads the site: it sleeps
+            wait_until(lambda: site_every(forwarder, "loss") == EVERY_DORMANT, "loss dormant")
+        tell(emitter)
+        stats = finish(emitter)["stats"]
+    finally:
+        if emitter.poll() is None:
+            emitter.kill()
+            emitter.communicate()
     assert other.records() == []
+    assert stats["skipped"] == 0, stats
     counters = forwarder.counters()
     assert "forward_upstream_delivered" not in counters
+    assert (stats["delivered"], stats["unrouted"], stats["daemon_dropped"]) == (0, 40, 0), stats
     if upstream_says == "everything":
-        assert (stats["delivered"], stats["unrouted"], stats["daemon_dropped"]) == (0, 40, 0)
         assert upstream.counters()["taps_unrouted"] == 40
         assert counters["forward_upstream_unrouted"] == 40
-    else:  # (once the forwarder has the site's entry, the site is dormant: skipped)
-        assert (stats["delivered"], stats["daemon_dropped"]) == (0, 0)
-        assert stats["unrouted"] + stats["skipped"] == 40 and stats["unrouted"] > 0, stats
+    else:
         assert "taps_received" not in upstream.counters()
-        assert counters["taps_unrouted"] == stats["unrouted"]
+        assert counters["taps_unrouted"] == 40
         assert counters.get("forward_sent", 0) == 0
+
+
+def test_taps_of_a_site_the_forwarder_made_dormant_are_skipped_not_unrouted(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str
+) -> None:
+    """The other outcome: the forwarder has read the site's entry before its first tap,
+    and with the upstream wanting only "other" it has made the site dormant. The emitter
+    then copies none of its 40 taps: all skipped (not dropped, not unrouted), and
+    nothing reaches either daemon."""
+    upstream, forwarder, other = upstream_with_other(start_daemon, start_subscriber, "")
+    emitter = told_emitter(forwarder, "loss")
+    try:
+        assert said(emitter) == {"ready": "loss"}
+        wait_until(lambda: site_every(forwarder, "loss") == EVERY_DORMANT, "loss dormant at B")
+        tell(emitter)
+        assert said(emitter) == {"ran": 40}
+        tell(emitter)
+        stats = finish(emitter)["stats"]
+    finally:
+        if emitter.poll() is None:
+            emitter.kill()
+            emitter.communicate()
+    assert other.records() == []
+    assert (stats["skipped"], stats["unrouted"], stats["delivered"]) == (40, 0, 0), stats
+    assert stats["daemon_dropped"] == 0 and stats["skipped_by_consumer"] == {"loss": 40}, stats
+    counters = forwarder.counters()
+    assert "taps_unrouted" not in counters and counters.get("forward_sent", 0) == 0, counters
+    assert counters["taps_skipped"] == 40, counters
+    assert "taps_received" not in upstream.counters()
 
 
 # ---- 2 and 3. connections that drop, on both sides or on one -------------------------
