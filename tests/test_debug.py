@@ -65,7 +65,7 @@ def comparable(name: str, result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("group", sorted(debug_cases.GROUPS))
+@pytest.mark.parametrize("group", sorted(set(debug_cases.GROUPS) - {"not_in_this_jax"}))
 @pytest.mark.usefixtures("backend")
 def test_tapd_debug_makes_the_calls_jax_debug_makes(start_daemon: StartDaemon, group: str) -> None:
     daemon = start_daemon()

@@ -20,9 +20,11 @@ taps its own block either way, and over an Explicit mesh each shard is tapped wh
 lives. `partitioned=False` over an Explicit mesh gathers the value first, as JAX does,
 so the callback runs once, on the whole value.
 
-A call outside any trace (JAX runs it at once) is tapped too, so that it keeps its
-place among the calls of computations still running: its site travels as a ticket,
-so that such calls share one compiled tap instead of compiling one each.
+A call run eagerly (outside `jit`, through `grad` or `vmap` too) is one JAX makes at
+once, and its caller gets what the callback raised; there is no step to keep going. It
+is tapped too, so that it keeps its place after the calls of computations still
+running, and then waited for (what it raised is raised here). Such a call travels as a
+ticket, so that they share one compiled tap instead of compiling one each.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numpy as np
 from jax._src import callback as _jax_callback_module
 from jax._src import core, source_info_util
 from jax._src import debugging as _jax_debugging
-from jax._src.interpreters import partial_eval as pe
+from jax._src.interpreters import ad, batching
 
 from tapd.debug import delivery
 from tapd.emitter import jax_compat, local_functions, sharding, tapping
@@ -59,6 +61,7 @@ _abstractify: Callable[[Any], Any] = core.shaped_abstractify
 _reshard: Callable[[Any, Any], Any] = jax.sharding.reshard
 
 _eager = delivery.EagerDeliveries()
+EAGER_TIMEOUT = 60.0  # s a call outside jit waits for tapd's receiver to have run it
 
 # The caller of jax.debug.log is the user's frame that its record names, not tapd.debug's.
 source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
@@ -193,15 +196,20 @@ def dispatch(
     """Tap `dynamic` for `site`, or call `synchronous` where only JAX can do what it does
     (see the module docstring)."""
     jax_compat.require_supported()
-    if core.trace_state_clean():  # outside any trace: JAX runs it now
+    if not _staged(dynamic):  # JAX runs it now, and raises what it raised
+        if local_functions.on_receiver_thread():
+            synchronous()  # a callback's own call: the receiver cannot wait for itself
+            return
         leaves, types = _travelling(dynamic, eager=True)
-        ticket = jnp.asarray(_eager.ticket(site, types), dtype=jnp.int32)
+        call = delivery.EagerCall(site, types)
+        ticket = jnp.asarray(_eager.ticket(call), dtype=jnp.int32)
         _tap(_eager, [ticket, *leaves], ordered=ordered)
+        call.wait(EAGER_TIMEOUT)
         return
     if partitioned and _compiler_decides_shards(dynamic):
         synchronous()
         return
-    leaves, types = _travelling(dynamic, eager=not _staged(dynamic))
+    leaves, types = _travelling(dynamic, eager=False)
     if not partitioned:
         leaves = _gathered(leaves)
     _tap(delivery.Delivery(site, types), leaves, ordered=ordered)
@@ -236,17 +244,31 @@ def _travelling(dynamic: list[Any], *, eager: bool) -> tuple[list[Any], delivery
 
 
 def _staged(dynamic: list[Any]) -> bool:
-    """Whether this call is staged into a computation (jit, scan, ...: a jaxpr trace
-    among the traces it is under or its arguments come from), rather than run eagerly
-    through transformations (a `grad` or `vmap` outside `jit`)."""
+    """Whether this call is staged into a computation (jit, scan, a linear function...),
+    rather than run eagerly, at the top level or through `grad`, `jvp` or `vmap` outside
+    `jit`: whether the traces it runs under (or its arguments come from) are anything but
+    those. (An eager call is waited for: a trace not known to run it now counts as
+    staged, so that nothing waits for a call that may never come.)"""
     traces = [core.trace_ctx.trace]
     traces += [leaf._trace for leaf in dynamic if isinstance(leaf, core.Tracer)]
     for trace in traces:
         while trace is not None:
-            if isinstance(trace, pe.DynamicJaxprTrace):
+            if not isinstance(trace, _EAGER_TRACES):
                 return True
             trace = getattr(trace, "parent_trace", None)
     return False
+
+
+_EAGER_TRACES = tuple(
+    kind
+    for kind in (
+        core.EvalTrace,
+        getattr(ad, "JVPTrace", None),
+        getattr(ad, "LinearizeTrace", None),
+        getattr(batching, "BatchTrace", None),
+    )
+    if isinstance(kind, type)
+)
 
 
 def _compiler_decides_shards(leaves: list[Any]) -> bool:

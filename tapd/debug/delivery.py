@@ -38,6 +38,7 @@ import jax
 import numpy as np
 
 from tapd.emitter.local_functions import describe
+from tapd.errors import BarrierTimeout
 
 # jax.debug.print's logger (jax.debug.log hands its records to it).
 _JAX_LOGGER = logging.getLogger("jax._src.debugging")
@@ -209,31 +210,67 @@ def _cpu_device() -> Any:
         return None
 
 
+@dataclasses.dataclass
+class EagerCall:
+    """A call run eagerly (outside any jit): JAX has made it by the time it returns, and
+    raises what the callback raised, so its caller waits for this."""
+
+    site: Site
+    types: LeafTypes
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def wait(self, timeout: float) -> None:
+        if not self.done.wait(timeout):
+            raise BarrierTimeout(
+                f"{self.site.name} (called outside jit) was not run by tapd's receiver "
+                f"within {timeout:g} s: a callback before it still runs, or the tapd "
+                "daemon does not answer (`tapd status`)"
+            )
+        if self.error is not None:
+            raise self.error
+
+
 class EagerDeliveries:
-    """The local tap function of every call made outside `jit` (JAX runs those at once):
-    the first leaf is a ticket naming the call's site, which is taken from here once
+    """The local tap function of every call run eagerly (outside jit, through `grad` or
+    `vmap` too): the first leaf is a ticket naming the call, taken from here when it is
     delivered. One site (and one compiled tap) per number of leaves serves them all,
-    where a site per call would compile a tap per call."""
+    where a site per call would compile a tap per call. What the callback raises goes
+    to the caller waiting for it, as JAX raises it there."""
 
     __qualname__ = "tapd.debug call outside jit"
 
     def __init__(self) -> None:
-        self._sites: dict[int, tuple[Site, LeafTypes]] = {}
+        self._calls: dict[int, EagerCall] = {}
         self._next = 0
         self._lock = threading.Lock()
 
-    def ticket(self, site: Site, types: LeafTypes) -> int:
+    def ticket(self, call: EagerCall) -> int:
         with self._lock:
             ticket = self._next
             self._next = (self._next + 1) % _TICKETS
-            self._sites[ticket] = (site, types)
+            self._calls[ticket] = call
             return ticket
 
     def __call__(self, value: Any, transforms: Any, **_: Any) -> None:
         ticket, *leaves = value
         with self._lock:
-            site, types = self._sites.pop(int(ticket))
-        deliver(site, leaves, transforms, types)
+            call = self._calls.pop(int(np.asarray(ticket)))
+        # The ticket is the first leaf, unbatched: the value's batch dims without it.
+        transforms = [
+            (
+                name,
+                {**params, "batch_dims": params["batch_dims"][1:]} if name == "batch" else params,
+            )
+            for name, params in transforms
+        ]
+        try:
+            deliver(call.site, leaves, transforms, call.types)
+        except Exception as exc:
+            _JAX_LOGGER.error("jax.debug.callback failed", exc_info=exc)  # as JAX logs it
+            call.error = exc
+        finally:
+            call.done.set()
 
 
 _TICKETS = 2**31  # tickets travel as int32

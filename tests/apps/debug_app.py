@@ -75,6 +75,9 @@ class Logged(logging.Handler):
         self.records: list[list[Any]] = []
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR:  # JAX's own line, from inside JAX or tapd
+            self.records.append([record.levelname, record.getMessage()])
+            return
         self.records.append(
             [
                 record.levelname,
