@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -149,3 +150,28 @@ def test_python_m_tapd_debug_without_a_script_shows_its_usage() -> None:
     )
     assert result.returncode == 2
     assert "usage: python -m tapd.debug [--io-callback] script.py" in result.stderr
+
+
+def test_without_a_daemon_it_makes_jax_debugs_own_calls_and_says_so_once(
+    tmp_path: Path,
+) -> None:
+    code = (
+        "import jax, sys, tapd.debug\n"
+        "api = jax.debug if sys.argv[1] == 'jax' else tapd.debug\n"
+        "f = jax.jit(lambda x: (api.print('x={}', x), x)[1])\n"
+        "f(1.0); f(2.0); jax.effects_barrier()\n"
+        "api.print('eager {}', 3)\n"
+    )
+    env = {
+        **os.environ,
+        "TAPD_ENDPOINT": f"ipc://{tmp_path}/none.sock",
+        "TAPD_CONNECT_TIMEOUT": "0.5",
+    }
+    runs = [
+        subprocess.run([sys.executable, "-c", code, impl], env=env, capture_output=True,
+                       text=True, timeout=PROCESS_TIMEOUT)
+        for impl in ("jax", "tapd")
+    ]  # fmt: skip
+    assert [r.returncode for r in runs] == [0, 0], runs[1].stderr
+    assert runs[1].stdout == runs[0].stdout == "x=1.0\nx=2.0\neager 3\n"
+    assert runs[1].stderr.count("tapd.debug makes jax.debug's own (synchronous) calls") == 1

@@ -45,6 +45,7 @@ from jax._src.interpreters import ad, batching
 
 from tapd.debug import delivery
 from tapd.emitter import jax_compat, local_functions, sharding, tapping
+from tapd.errors import TapDefinitionError
 
 # JAX's own functions, as they were when tapd.debug was first imported (before
 # `install_debug()` replaced them): what `blocking=True` calls.
@@ -196,6 +197,9 @@ def dispatch(
     """Tap `dynamic` for `site`, or call `synchronous` where only JAX can do what it does
     (see the module docstring)."""
     jax_compat.require_supported()
+    if not _receiver_here():
+        synchronous()
+        return
     if not _staged(dynamic):  # JAX runs it now, and raises what it raised
         if local_functions.on_receiver_thread():
             synchronous()  # a callback's own call: the receiver cannot wait for itself
@@ -213,6 +217,25 @@ def dispatch(
     if not partitioned:
         leaves = _gathered(leaves)
     _tap(delivery.Delivery(site, types), leaves, ordered=ordered)
+
+
+def _receiver_here() -> bool:
+    """Whether tapd's receiver runs callbacks in this process. Without a daemon to feed
+    it (none answers, and none could be started), tapd.debug makes jax.debug's own calls
+    instead, saying so once, rather than fail the programs and libraries that call it."""
+    if _unavailable:
+        return False
+    try:
+        local_functions.receiver()
+    except TapDefinitionError as exc:
+        _unavailable.append(str(exc))
+        logger.warning("tapd.debug makes jax.debug's own (synchronous) calls: %s", exc)
+        return False
+    return True
+
+
+_unavailable: list[str] = []  # why not, once known
+logger = logging.getLogger("tapd.debug")
 
 
 def _tap(function: Callable[..., None], leaves: list[Any], *, ordered: bool) -> None:
