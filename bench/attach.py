@@ -35,7 +35,7 @@ from report import (
     with_spread,
 )
 
-from tapd.native.ring_format import EVERY_DORMANT
+from tapd.protocol.ring_format import EVERY_DORMANT
 from tapd_client import Subscriber, TapMeta
 
 # The job: steps forever, one every argv[2] ms, each tapping argv[1] bytes as "acts".

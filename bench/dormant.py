@@ -61,7 +61,7 @@ def child(backend: str, steps: dict[str, tuple[int, ...]], repeats: int) -> dict
 
     import tapd
     from tapd.emitter import lifecycle
-    from tapd.native.ring_format import EVERY_DORMANT
+    from tapd.protocol.ring_format import EVERY_DORMANT
 
     workdir = Path(tempfile.mkdtemp(prefix="tapd-dorm-", dir="/tmp"))
     procs = Processes(workdir)

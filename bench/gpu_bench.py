@@ -130,7 +130,7 @@ def lowered_as(backend: Backend | None = None, **changes: Any) -> Any:
 def make_dormant(consumer: str) -> None:
     """Mark `consumer`'s sites dormant in the ring's site table, as the daemon does for a
     site nobody takes (issue 21): its taps then copy, and enqueue, nothing."""
-    from tapd.native.ring_format import EVERY_DORMANT
+    from tapd.protocol.ring_format import EVERY_DORMANT
 
     native = lifecycle.get_sender().native
     assert native is not None, "a dormant tap needs the ring (a local daemon)"

@@ -64,7 +64,7 @@ def child(quick: bool) -> dict[str, Any]:
 
     import tapd
     from tapd.emitter import lifecycle
-    from tapd.native.ring_format import EVERY_DORMANT
+    from tapd.protocol.ring_format import EVERY_DORMANT
 
     workdir = Path(tempfile.mkdtemp(prefix="tapd-call-", dir="/tmp"))
     procs = Processes(workdir)

@@ -14,7 +14,6 @@ import stat
 from pathlib import Path
 
 from tapd.errors import ConfigError
-from tapd.protocol.rules import PID_MAX
 
 # The runtime directory and the default endpoint are settings' defaults, defined there.
 from tapd.settings import PIDFILE_NAME as PIDFILE_NAME
@@ -24,6 +23,7 @@ from tapd.settings import default_pidfile as default_pidfile
 from tapd.settings import runtime_dir as runtime_dir
 
 IPC_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
+PID_MAX = 2**31 - 1  # pid_t is a 32-bit int; os.kill refuses anything larger
 
 
 def ensure_private_dir(path: Path) -> Path:

@@ -30,7 +30,7 @@ from conftest import (
     tapd_cmd,
     wait_until,
 )
-from tapd.native.ring_format import EVERY_ALL, EVERY_DORMANT
+from tapd.protocol.ring_format import EVERY_ALL, EVERY_DORMANT
 
 pytestmark = pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable()))
 SAMPLE_EVERY = 3  # dormant_app.py's "sampled" site: tap(..., every=3)

@@ -33,7 +33,7 @@ if os.environ.get("TEST_NO_RING"):  # stand in for a host where the library cann
 
 import tapd
 from tapd.emitter import lifecycle
-from tapd.native.ring_format import EVERY_DORMANT, SITE_SLOTS
+from tapd.protocol.ring_format import EVERY_DORMANT, SITE_SLOTS
 from tapd.printing import print_tap
 
 scenario = sys.argv[1]

@@ -19,7 +19,7 @@ from faultproxy import FaultProxy
 from tally import Tally, finish, start_emitter
 
 from conftest import Daemon, MakeRouter, SubscriberProcess, wait_until
-from tapd.native.ring_format import EVERY_DORMANT
+from tapd.protocol.ring_format import EVERY_DORMANT
 
 StartDaemon = Callable[..., Daemon]
 StartSubscriber = Callable[..., SubscriberProcess]

@@ -2,7 +2,10 @@
 trusted to review: nothing the emitter imports, however indirectly, is the daemon's
 (it reaches the daemon through sockets and shared memory only), and tapd/protocol/ has
 no import circle and no import inside a function (the way circles were dodged), with
-schema.py at its bottom."""
+schema.py at its bottom. tapd/protocol/ stands on the ground modules only (errors,
+consumer names, the runtime directory and pids), which import nothing above them; the
+ring's layout is the protocol's (ring_format.py), so the subscriber library reads rings
+without tapd's native library."""
 
 from __future__ import annotations
 
@@ -132,7 +135,43 @@ def test_schema_is_the_bottom_of_protocol() -> None:
         "tapd.protocol.rules",
         "tapd.protocol.dtypes",
         "tapd.protocol.tree",
+        "tapd.protocol.ring_format",
     }, f"schema.py imports {sorted(below)}"
+
+
+# What every layer may stand on: modules at tapd's root that import no tapd package above
+# them (tapd.settings: where the runtime directory's defaults are declared).
+GROUND = {"tapd.errors", "tapd.consumers", "tapd.runtime"}
+ABOVE_GROUND = ("tapd.protocol", "tapd.native", "tapd.daemon", "tapd.emitter", "tapd.clients")
+
+
+@pytest.mark.parametrize("module", sorted(GROUND))
+def test_the_ground_imports_nothing_above_it(module: str) -> None:
+    came_from = reachable(module, IMPORTS)
+    above = sorted(m for m in came_from if m.startswith(ABOVE_GROUND))
+    assert not above, f"a ground module imports upward: {chain(came_from, above[0])}"
+
+
+@pytest.mark.parametrize("module", PROTOCOL)
+def test_protocol_stands_on_the_ground_only(module: str) -> None:
+    outside = {m for m in IMPORTS[module] if not m.startswith("tapd.protocol")}
+    assert outside <= GROUND, f"{module} imports {sorted(outside - GROUND)}"
+
+
+CLIENT = ROOT / "client" / "tapd_client"
+
+
+@pytest.mark.parametrize("path", sorted(CLIENT.rglob("*.py")), ids=lambda p: p.name)
+def test_the_subscriber_library_imports_no_native_daemon_or_emitter_module(path: Path) -> None:
+    """(It reads rings by their layout, tapd/protocol/ring_format.py, with mmap.)"""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        for name in names:
+            assert not name.startswith(("tapd.native", "tapd.daemon", "tapd.emitter")), (
+                f"{path.relative_to(ROOT)}:{node.lineno} imports {name}"
+            )
 
 
 def test_protocol_imports_nothing_inside_a_function() -> None:

@@ -30,9 +30,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tapd.native import build, library, ring_format
+from tapd.native import build, library
 from tapd.native import ring as ring_module
 from tapd.native.ring import RECORD_HEADER, Record, Ring, RingError
+from tapd.protocol import ring_format
 
 if library.load() is None:
     pytest.skip(
@@ -1160,7 +1161,8 @@ print(out[3], out[1])
 _BROKEN_INSTALL = """
 import json, os, sys
 from pathlib import Path
-from tapd.native import build, library, ring_format
+from tapd.native import build, library
+from tapd.protocol import ring_format
 library._packaged = lambda stem="_tapd_native": None  # as if the install built nothing
 if sys.argv[1] == "no-sources":
     build.SOURCE_DIR = Path(sys.argv[2])  # as if the wheel lacked them

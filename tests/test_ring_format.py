@@ -1,4 +1,4 @@
-"""tapd/native/ring_format.py (the ring format as Python reads it) agrees with ring.h,
+"""tapd/protocol/ring_format.py (the ring format as Python reads it) agrees with ring.h,
 where the format is defined: its constants, and the offsets of the fields Python reads,
 worked out from the struct declarations. And with the native library itself: the file
 of a ring it made holds what ring_format says, where it says."""
@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tapd.native import library, ring_format
+from tapd.native import library
 from tapd.native.ring import Ring
+from tapd.protocol import ring_format
 
 RING_H = Path(__file__).parent.parent / "tapd" / "native" / "ring.h"
 SIZES = {"uint64_t": 8, "int64_t": 8, "uint32_t": 4, "int32_t": 4}

@@ -16,7 +16,7 @@ import pytest
 
 from tapd.native import library
 from tapd.native.ring import Ring
-from tapd.native.ring_format import EVERY_ALL, EVERY_DORMANT, SITE_SLOTS
+from tapd.protocol.ring_format import EVERY_ALL, EVERY_DORMANT, SITE_SLOTS
 
 if library.load() is None:
     pytest.skip(f"tapd's native library is unavailable: {library.unavailable_reason()}",

@@ -31,8 +31,7 @@ from conftest import (
     stop_process,
     wait_until,
 )
-from tapd.native import ring_format
-from tapd.protocol import decode, encode
+from tapd.protocol import decode, encode, ring_format
 from tapd.protocol.message import MAGIC, encode_header
 
 HERE = Path(__file__).resolve()

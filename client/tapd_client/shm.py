@@ -24,7 +24,7 @@ name and each leaf's ring position. Here they are read:
   record area twice to make it contiguous; one mapping here keeps this simple).
 
 Imports neither JAX nor tapd's native library: the ring is read with mmap and numpy,
-its layout from tapd/native/ring_format.py.
+its layout from tapd/protocol/ring_format.py.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from tapd.errors import ConfigError, ProtocolError, TapdError
-from tapd.native.ring_format import COMMITTED_OFFSET, TAIL_OFFSET, header_bytes
 from tapd.protocol import Message
+from tapd.protocol.ring_format import COMMITTED_OFFSET, TAIL_OFFSET, header_bytes
 from tapd.protocol.schema import RING_NAME, check_ring_control, check_shard, leaf_sizes
 from tapd.runtime import boot_id, ensure_private_dir, ring_dir_for
 from tapd.settings import SHM_SUBSCRIBERS

@@ -34,7 +34,7 @@ def summarize(stats: dict[str, Any]) -> Sequence[str]:
 
 def _wanted(every: int) -> str:
     """What the daemon wrote in a site's slot, in words (tapd/daemon/wants.py)."""
-    from tapd.native.ring_format import EVERY_ALL, EVERY_DORMANT
+    from tapd.protocol.ring_format import EVERY_ALL, EVERY_DORMANT
 
     if every == EVERY_DORMANT:
         return "dormant"

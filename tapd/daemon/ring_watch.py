@@ -5,7 +5,7 @@ directories that no one can drain any more.
 A ring file is checked before it is mapped (a regular file of ours, not a link, whose
 control page is sound: tapd/protocol/schema.py, check_ring_control). Its liveness is
 read from its control page: the writer's pid, and the reader's (the daemon that drains
-it; tapd/native/ring_format.py gives the offsets).
+it; tapd/protocol/ring_format.py gives the offsets).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tapd.errors import ProtocolError
 from tapd.native.ring import RingError
-from tapd.native.ring_format import READER_PID, READER_PID_OFFSET
+from tapd.protocol.ring_format import READER_PID, READER_PID_OFFSET
 from tapd.protocol.schema import check_ring_control
 from tapd.runtime import SHM_DIR, pid_alive, ring_dir_prefix, runtime_dir_of_rings
 

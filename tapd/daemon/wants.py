@@ -1,7 +1,7 @@
 """The wants table: what this daemon's takers want of each tap site, told to emitters.
 
 For each site of each ring it drains (from the ring's `.sites` file) the daemon writes
-N into the site's slot of the ring (tapd/native/ring_format.py): the gcd of the `every`
+N into the site's slot of the ring (tapd/protocol/ring_format.py): the gcd of the `every`
 its takers ask (a taker that asked none: 1), EVERY_DORMANT where none takes it, so the
 emitter copies nothing (docs/PROTOCOL.md, "Dormant taps"). A taker is any routing
 target of the site's consumer, the emitter's own fallbacks included (Router.takers).
@@ -31,8 +31,8 @@ from tapd.daemon.rings import RingSet
 from tapd.daemon.router import Router
 from tapd.daemon.runs import Site
 from tapd.daemon.sampling import every_of, taken_every
-from tapd.native.ring_format import EVERY_ALL, EVERY_DORMANT, SITE_SLOTS
 from tapd.protocol import encode
+from tapd.protocol.ring_format import EVERY_ALL, EVERY_DORMANT, SITE_SLOTS
 from tapd.protocol.rules import DEFAULT_LIMITS
 
 # What a forwarder is told: None for "everything", else sorted (pattern, n) pairs.

@@ -39,7 +39,7 @@ from tapd.emitter.primitive import ORDERED, TapSiteParams
 from tapd.emitter.sender import TapSite
 from tapd.native import library
 from tapd.native.ring import NO_STEP
-from tapd.native.ring_format import writer_every
+from tapd.protocol.ring_format import writer_every
 
 logger = logging.getLogger("tapd.emitter")
 

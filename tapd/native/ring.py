@@ -20,7 +20,7 @@ import numpy as np
 
 from tapd.errors import TapdError
 from tapd.native import library
-from tapd.native.ring_format import (
+from tapd.protocol.ring_format import (
     EVERY_ALL,
     FLAG_STEP32,
     HELD_REASONS,

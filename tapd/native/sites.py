@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from tapd.native.ring_format import SITE_ENTRY_LENGTH
+from tapd.protocol.ring_format import SITE_ENTRY_LENGTH
 
 
 def encode_entry(entry: dict[str, Any]) -> bytes:

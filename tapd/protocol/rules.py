@@ -37,7 +37,6 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
-PID_MAX = 2**31 - 1  # pid_t is a 32-bit int; os.kill refuses anything larger
 U64_MAX = 2**64 - 1
 I64_MIN = -(2**63)
 

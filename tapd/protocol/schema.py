@@ -10,7 +10,7 @@ every known field is present, of its type, and within its bounds. Site entries o
 ring's `.sites` file and the ring's control page are checked here too
 (`check_site_entry`, `split_site_entries`, `check_ring_control`): the daemon reads them
 from files an emitter wrote, so they are input like any message. Their layout is
-tapd/native/ring_format.py's.
+tapd/protocol/ring_format.py's.
 
 A violation raises `ProtocolError` with a reason code used for counting:
 `bad_field` (missing, mistyped or out of range), `too_large` (a string, list or map
@@ -30,11 +30,10 @@ from typing import Any
 import msgpack
 
 from tapd.errors import ProtocolError, TapDefinitionError
-from tapd.native import ring_format
+from tapd.protocol import ring_format
 from tapd.protocol.dtypes import dtype_from_name
 from tapd.protocol.rules import (
     DEFAULT_LIMITS,
-    PID_MAX,
     U64_MAX,
     Complaint,
     Int,
@@ -49,6 +48,7 @@ from tapd.protocol.rules import (
     req,
 )
 from tapd.protocol.tree import count_leaves
+from tapd.runtime import PID_MAX
 
 # What a tap site's static fields (consumer, tree, meta, transforms, leaves, shard
 # layout) may take of a tap header: the rest of `max_header_bytes` is left for the
@@ -159,7 +159,7 @@ EMITTER_HELLO: Schema = {
 }
 
 # The most a taker may thin a site by (`every`): what a ring's site slot holds, below
-# its "dormant" value (tapd/native/ring_format.py, EVERY_DORMANT).
+# its "dormant" value (tapd/protocol/ring_format.py, EVERY_DORMANT).
 MAX_EVERY = 2**32 - 2
 
 

@@ -1,10 +1,13 @@
 """The shared-memory ring's file format, as Python reads it: the one Python copy of what
-tapd/native/ring.h defines (docs/PROTOCOL.md, "Shared-memory ring").
+tapd/native/ring.h defines (docs/PROTOCOL.md, "Shared-memory ring"). A format that
+emitters, the daemon and same-host subscribers share, so it lives with the protocol;
+the native library only implements it.
 
 Everything in Python that reads ring bytes itself takes its offsets, sizes and values
-from here: the ring binding (ring.py), the checks of a ring file before it is mapped
-(tapd/protocol/schema.py) and the daemon's sweep of stale rings (tapd/daemon/rings.py).
-tests/test_ring_format.py checks that this module and ring.h agree. Imports only numpy.
+from here: the ring binding (tapd/native/ring.py), the checks of a ring file before it
+is mapped (schema.py), the daemon's ring watch (tapd/daemon/ring_watch.py) and the
+subscribers that read rings (tapd_client/shm.py). tests/test_ring_format.py checks that
+this module and ring.h agree. Imports only numpy.
 """
 
 from __future__ import annotations
