@@ -23,18 +23,25 @@ from conftest import APPS, PROCESS_TIMEOUT, Daemon
 StartDaemon = Callable[..., Daemon]
 
 
-def run(daemon: Daemon, *argv: str) -> subprocess.CompletedProcess[str]:
+FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+
+def run(
+    daemon: Daemon, *argv: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *argv],
-        env={**os.environ, "TAPD_ENDPOINT": daemon.endpoint},
+        env={**os.environ, "TAPD_ENDPOINT": daemon.endpoint, **(env or {})},
         capture_output=True,
         text=True,
         timeout=PROCESS_TIMEOUT * 2,
     )
 
 
-def scenario(daemon: Daemon, name: str, impl: str = "tapd") -> dict[str, Any]:
-    result = run(daemon, str(APPS / "debug_runtime_app.py"), name, impl)
+def scenario(
+    daemon: Daemon, name: str, impl: str = "tapd", env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    result = run(daemon, str(APPS / "debug_runtime_app.py"), name, impl, env=env)
     assert result.returncode == 0, f"{name} {impl}: rc {result.returncode}\n{result.stderr}"
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     output: dict[str, Any] = json.loads(lines[-1])
@@ -112,6 +119,14 @@ def test_io_callback_keeps_jaxs_refusals(start_daemon: StartDaemon) -> None:
     for key in ("vmap_ordered", "vmap_unordered", "grad", "jvp"):
         assert got[key] == expected[key], key
     assert expected["vmap_ordered"][0] == expected["grad"][0] == "ValueError"
+
+
+def test_io_callback_without_result_makes_jaxs_calls(start_daemon: StartDaemon) -> None:
+    daemon = start_daemon()
+    expected = scenario(daemon, "io_callback_calls", "jax", env=FOUR_DEVICES)
+    got = scenario(daemon, "io_callback_calls", "tapd", env=FOUR_DEVICES)
+    assert got["calls"] == expected["calls"]
+    assert len(expected["calls"]) == 12  # 1 gathered + 4 devices + 3 elements + 3 + 1
 
 
 def test_jax_effects_barrier_raises_what_tapds_callbacks_raised(

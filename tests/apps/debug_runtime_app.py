@@ -168,6 +168,30 @@ def io_callback_refusals(impl: str) -> dict[str, Any]:
 
 
 @scenario
+def io_callback_calls(impl: str) -> dict[str, Any]:
+    """io_callback without result (4 devices): sharded jit, pmap, vmap, an ordered loop,
+    outside jit; each call's values, in no set order (several devices)."""
+    if impl == "tapd":
+        tapd.install_debug(io_callback=True)
+    from jax.experimental import io_callback
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    calls: list[str] = []
+    note = lambda *a: calls.append(json.dumps([np.asarray(x).tolist() for x in a]))  # noqa: E731
+    mesh = jax.make_mesh((4,), ("i",))
+    xs = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    jax.jit(lambda v: io_callback(note, None, v * 2))(xs)
+    jax.pmap(lambda v: io_callback(note, None, v))(jnp.arange(4.0))
+    jax.vmap(lambda v: io_callback(note, None, v))(jnp.arange(3.0))
+    loop = lambda i, c: (io_callback(note, None, i, ordered=True), c)[1]  # noqa: E731
+    jax.jit(lambda: lax.fori_loop(0, 3, loop, 0))()
+    io_callback(note, None, 5.0)
+    jax.effects_barrier()
+    return {"calls": sorted(calls)}
+
+
+@scenario
 def effects_barrier_raises(impl: str) -> dict[str, Any]:
     """After install_debug(), jax.effects_barrier() waits for tapd's callbacks and raises
     what they raised."""
