@@ -129,6 +129,20 @@ def test_io_callback_without_result_makes_jaxs_calls(start_daemon: StartDaemon) 
     assert len(expected["calls"]) == 12  # 1 gathered + 4 devices + 3 elements + 3 + 1
 
 
+@pytest.mark.usefixtures("backend")
+def test_ordered_true_runs_on_several_devices_where_jax_refuses_it(
+    start_daemon: StartDaemon,
+) -> None:
+    daemon = start_daemon()
+    expected = scenario(daemon, "ordered_on_devices", "jax", env=FOUR_DEVICES)
+    assert (
+        expected["refused"]
+        == "The following ordered effects are not supported for more than 1 device"
+    )
+    got = scenario(daemon, "ordered_on_devices", "tapd", env=FOUR_DEVICES)
+    assert got["by_device"] == [["a", "b", "c"]] * 4
+
+
 def test_jax_effects_barrier_raises_what_tapds_callbacks_raised(
     start_daemon: StartDaemon,
 ) -> None:

@@ -192,6 +192,28 @@ def io_callback_calls(impl: str) -> dict[str, Any]:
 
 
 @scenario
+def ordered_on_devices(impl: str) -> dict[str, Any]:
+    """`ordered=True` under pmap (4 devices): JAX refuses it; tapd runs each device's
+    calls in program order."""
+    api: Any = jax.debug if impl == "jax" else tapd.debug
+    calls: list[list[Any]] = []
+    note = lambda tag, v: calls.append([tag, float(v)])  # noqa: E731
+
+    def body(v: jax.Array) -> jax.Array:
+        for tag in ("a", "b", "c"):
+            api.callback(note, tag, v, ordered=True)
+            v = v + 0
+        return v
+
+    try:
+        jax.pmap(body)(jnp.arange(4.0))
+        tapd.barrier_wait()  # jax.effects_barrier(), then tapd's
+    except ValueError as exc:
+        return {"refused": str(exc).split(":")[0]}
+    return {"by_device": [[tag for tag, v in calls if v == d] for d in range(4)]}
+
+
+@scenario
 def effects_barrier_raises(impl: str) -> dict[str, Any]:
     """After install_debug(), jax.effects_barrier() waits for tapd's callbacks and raises
     what they raised."""
