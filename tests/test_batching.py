@@ -20,7 +20,7 @@ from tapd.daemon.runs import Site, TapRun
 from tapd.native.ring import Record, Records
 from tapd.protocol import Message, decode, encode
 from tapd.protocol.batch import BatchTap, encode_batch
-from tapd.protocol.wire import DEFAULT_LIMITS
+from tapd.protocol.rules import DEFAULT_LIMITS
 from tapd_client import Subscriber
 from tapd_client.daemon_link import DaemonLink
 

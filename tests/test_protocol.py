@@ -32,7 +32,8 @@ from tapd.protocol import (
 from tapd.protocol.batch import BatchRun, BatchTap, encode_batch
 from tapd.protocol.dtypes import SUPPORTED_DTYPES
 from tapd.protocol.rules import DEFAULT_LIMITS
-from tapd.protocol.wire import _SCHEMAS, KINDS
+from tapd.protocol.schema import KINDS_SCHEMA
+from tapd.protocol.wire import KINDS
 
 ALL_DTYPES = sorted(SUPPORTED_DTYPES)
 Frames = list[Any]
@@ -495,6 +496,11 @@ def test_decode_tap_whose_tree_came_from_flatten() -> None:
 
 # --------------------------------------------------------------------------- other kinds
 
+# Each kind's required fields and the types they take: the simple view of the schema.
+SCHEMAS = {
+    kind: {name: field.rule.types for name, field in fields.items() if field.required}
+    for kind, fields in KINDS_SCHEMA.items()
+}
 MINIMAL_FIELDS: dict[str, dict[str, Any]] = {
     "hello": {"role": "emitter", "host": "h", "pid": 1},  # (a role's own fields: schema.py)
     "welcome": {"window_bytes": 1 << 20, "daemon": "d-1"},
@@ -522,10 +528,10 @@ def valid_fields(kind: str) -> dict[str, Any]:
 
 
 def test_minimal_fields_cover_every_non_tap_kind() -> None:
-    assert set(MINIMAL_FIELDS) == set(_SCHEMAS) - {"tap", "taps"}
-    assert set(_SCHEMAS) == KINDS
+    assert set(MINIMAL_FIELDS) == set(SCHEMAS) - {"tap", "taps"}
+    assert set(SCHEMAS) == KINDS
     for kind, fields in MINIMAL_FIELDS.items():
-        assert set(fields) >= set(_SCHEMAS[kind]), kind
+        assert set(fields) >= set(SCHEMAS[kind]), kind
 
 
 @pytest.mark.parametrize("kind", sorted(MINIMAL_FIELDS))
@@ -548,7 +554,7 @@ def test_non_tap_kinds_ignore_unknown_extra_fields() -> None:
 
 # --------------------------------------------------------------------------- strict decoding
 
-REQUIRED_FIELDS = [(kind, name) for kind in sorted(_SCHEMAS) for name in _SCHEMAS[kind]]
+REQUIRED_FIELDS = [(kind, name) for kind in sorted(SCHEMAS) for name in SCHEMAS[kind]]
 
 
 def wrong_type_value(expected: type | tuple[type, ...]) -> Any:
@@ -575,15 +581,15 @@ def test_missing_field(kind: str, name: str) -> None:
 @pytest.mark.parametrize(("kind", "name"), REQUIRED_FIELDS, ids="-".join)
 def test_wrong_field_type(kind: str, name: str) -> None:
     fields = valid_fields(kind)
-    fields[name] = wrong_type_value(_SCHEMAS[kind][name])
+    fields[name] = wrong_type_value(SCHEMAS[kind][name])
     error = expect_error(fields_frames(kind, fields), "bad_field")
     assert repr(name) in str(error)
 
 
 INT_FIELDS = [
     pytest.param(kind, name, id=f"{kind}-{name}")
-    for kind in sorted(_SCHEMAS)
-    for name, expected in _SCHEMAS[kind].items()
+    for kind in sorted(SCHEMAS)
+    for name, expected in SCHEMAS[kind].items()
     if expected is int
 ]
 

@@ -18,7 +18,7 @@ from tapd.daemon.deliveries import Emitter, PeerKey
 from tapd.daemon.ledger import Ledger
 from tapd.daemon.spool import Spool, find_spools
 from tapd.daemon.subscriptions import Hello
-from tapd.daemon.targets.base import Queued, Subscription, Target, Terms
+from tapd.daemon.targets.base import Subscription, Target, Terms
 from tapd.daemon.targets.local import Deliver, LocalTarget
 from tapd.daemon.targets.peer import Peer
 from tapd.daemon.targets.pool import Pool
@@ -145,12 +145,11 @@ class Subscribers:
         self.peers[key] = target
         self._targets[key] = self._spooled(target)
 
-    def _spooled(self, target: Queued) -> Target:
+    def _spooled(self, target: Target) -> Target:
         """Under the spool policy, `target` with its spool (one an earlier daemon left
         for its name, if any); otherwise `target` itself."""
         if self.spool is None:
-            routed: Target = target
-            return routed
+            return target
         left = self._left_spools.pop(target.name, None)
         return Spooled(target, self.spool, self.ledger, self._spooled_before, left)
 

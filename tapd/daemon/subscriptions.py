@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from tapd.daemon.targets.base import Subscription
-from tapd.protocol.wire import DEFAULT_LIMITS
+from tapd.protocol.rules import DEFAULT_LIMITS
 
 
 @dataclasses.dataclass(frozen=True)

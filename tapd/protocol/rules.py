@@ -135,11 +135,6 @@ def opt(rule: Rule) -> Field:
 Schema = Mapping[str, Field]
 
 
-def required_types(schema: Schema) -> dict[str, type | tuple[type, ...]]:
-    """The required fields of `schema` and their types (the simple view of it)."""
-    return {name: f.rule.types for name, f in schema.items() if f.required}  # type: ignore[attr-defined]
-
-
 # ---- checks ----------------------------------------------------------------------------
 
 _MISSING = object()

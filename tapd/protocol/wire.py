@@ -18,12 +18,11 @@ from tapd.protocol import rules, schema
 from tapd.protocol.batch import read_runs
 from tapd.protocol.dtypes import dtype_name
 from tapd.protocol.message import MAGIC, VERSION, Frame, Message, encode_header
-from tapd.protocol.rules import is_int, required_types
-from tapd.protocol.schema import KINDS_SCHEMA, check_header, check_shard, leaf_sizes
+from tapd.protocol.rules import is_int
+from tapd.protocol.schema import check_header, check_shard, leaf_sizes
 
 # Named here too, for the callers that take the whole protocol from wire.py.
 __all__ = [
-    "DEFAULT_LIMITS",
     "KINDS",
     "MAGIC",
     "VERSION",
@@ -41,12 +40,7 @@ __all__ = [
 ]
 
 Limits = rules.Limits
-DEFAULT_LIMITS = rules.DEFAULT_LIMITS
 KINDS = schema.KINDS
-# The kinds, their fields and the limits live in tapd/protocol/schema.py; the simple
-# view here (required fields and their types) is what older callers and tests use.
-Schema = dict[str, type | tuple[type, ...]]
-_SCHEMAS: dict[str, Schema] = {kind: required_types(s) for kind, s in KINDS_SCHEMA.items()}
 
 
 def describe_array(array: np.ndarray) -> tuple[np.ndarray, list[Any]]:
@@ -91,7 +85,7 @@ def _buffer(frame: Any) -> memoryview:
     return buffer if buffer is not None else memoryview(frame)
 
 
-def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
+def decode(frames: Sequence[Any], limits: Limits = rules.DEFAULT_LIMITS) -> Message:
     """Validate and decode one multipart message; raises ProtocolError."""
     if len(frames) < 2:
         raise ProtocolError("bad_frames", f"expected at least 2 frames, got {len(frames)}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 from tapd.consumers import matches_any
@@ -127,10 +126,11 @@ class Target(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
-class Queued(ABC):
+class Queued:
     """What every kind of target has: a queue under a byte bound, and what it does with
     a unit that does not fit (dropped, counted: under `block` none is offered then).
-    The rest of `Target` each kind says for itself."""
+    The rest of `Target` (run_limit, pump, lose, busy, stats) each kind says for itself;
+    mypy checks it where the kind is used as a Target."""
 
     def __init__(self, name: str, subscription: Subscription, terms: Terms) -> None:
         self.name = name
@@ -154,18 +154,3 @@ class Queued(ABC):
     def drop(self, count: int) -> None:
         self.dropped += count
         self.ledger.count("deliveries_dropped", count)
-
-    @abstractmethod
-    def run_limit(self) -> int: ...
-
-    @abstractmethod
-    def pump(self) -> bool: ...
-
-    @abstractmethod
-    def lose(self) -> list[Delivery]: ...
-
-    @abstractmethod
-    def busy(self) -> bool: ...
-
-    @abstractmethod
-    def stats(self) -> dict[str, Any]: ...

@@ -14,7 +14,8 @@ from tapd.daemon.targets.base import Terms
 from tapd.daemon.targets.peer import Peer
 from tapd.protocol import MAGIC
 from tapd.protocol.batch import encode_batch
-from tapd.protocol.wire import DEFAULT_LIMITS, encode_header
+from tapd.protocol.rules import DEFAULT_LIMITS
+from tapd.protocol.wire import encode_header
 
 # Taps up to this size go to subscribers in batches (and runs of ring taps always do),
 # up to MESSAGE_BYTES of taps per message: the per-message costs (a header, a send, a

@@ -22,7 +22,7 @@ from tapd.daemon.deliveries import Delivery, Emitter
 from tapd.daemon.ledger import Ledger
 from tapd.daemon.runs import TapRun
 from tapd.daemon.spool import Spool, SpoolEntry, SpoolError, SpoolFull, Taken
-from tapd.daemon.targets.base import Hold, Offer, Queued, Subscription
+from tapd.daemon.targets.base import Hold, Offer, Subscription, Target
 from tapd.protocol import Message
 
 logger = logging.getLogger("tapd.daemon")
@@ -42,7 +42,7 @@ class SpoolSettings:
 class Spooled:
     def __init__(
         self,
-        inner: Queued,
+        inner: Target,
         settings: SpoolSettings,
         ledger: Ledger,
         before: Emitter,
