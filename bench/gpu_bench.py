@@ -376,7 +376,8 @@ def _explain_before(limit: float, procs: Processes) -> None:
         sender = lifecycle._sender
         if sender is not None and sender.native is not None:
             ring = sender.native.ring
-            print(f"emitter ring: {ring.counters()}, daemon says: {ring.held_reason()}")
+            # (why the daemon holds it: a writer waiting for space says so, above)
+            print(f"emitter ring: {ring.counters()}")
         with contextlib.suppress(Exception):
             print(f"daemon rings: {procs.daemon_stats().get('rings')}")
         print("daemon log (end):\n" + procs.daemon_log_text()[-4000:], flush=True)

@@ -761,10 +761,6 @@ void tapd_ring_set_held(void* handle, uint32_t reason) {
   static_cast<Ring*>(handle)->control->held_reason.store(reason, std::memory_order_release);
 }
 
-uint32_t tapd_ring_held(void* handle) {
-  return static_cast<Ring*>(handle)->control->held_reason.load(std::memory_order_acquire);
-}
-
 // The writer, for a barrier: `committed` once every record reserved before this call
 // is committed or abandoned. Commits on their way from a CUDA side stream, or written by
 // a device, may land after the computation's token is ready: a barrier must cover them.

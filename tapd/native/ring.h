@@ -100,16 +100,16 @@ struct RingControl {
   // clears it and sends a datagram to `wake.sock` beside the ring (see Wake).
   alignas(64) std::atomic<uint32_t> reader_sleeping;
   // Why the daemon holds the oldest record it has not released (kHeld*), written by
-  // the daemon when it changes (tapd/daemon/rings.py); a writer waiting for space says
-  // it. 0 from a daemon that does not say. (Added within format 3: older readers and
-  // writers ignore it.)
+  // the daemon when it changes (tapd/daemon/ring_source.py); a writer waiting for
+  // space says it. 0 from a daemon that does not say. (Added within format 3: older
+  // readers and writers ignore it.)
   alignas(64) std::atomic<uint32_t> held_reason;
   // Taps not copied because their site was dormant or sampled (SiteSlot), in all.
   alignas(64) std::atomic<uint64_t> skipped;
 };
 static_assert(sizeof(RingControl) <= kSiteTableOffset, "control block must fit its page");
 // Read without mapping the ring: the first 32 bytes by tapd/protocol/schema.py
-// (check_ring_control), reader_pid by tapd/daemon/rings.py (sweep_stale_rings).
+// (check_ring_control), reader_pid by tapd/daemon/ring_watch.py (sweep_stale_rings).
 static_assert(offsetof(RingControl, writer_pid) == 24, "");
 static_assert(offsetof(RingControl, reader_pid) == 280, "");
 

@@ -267,10 +267,6 @@ class Ring:
         HELD_REASONS); a writer waiting for space says so."""
         self._lib.tapd_ring_set_held(self.handle, HELD_REASONS[reason])
 
-    def held_reason(self) -> str | None:
-        code = int(self._lib.tapd_ring_held(self.handle))
-        return next((name for name, value in HELD_REASONS.items() if value == code), None)
-
     def write(
         self,
         site: int,
