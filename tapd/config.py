@@ -40,9 +40,6 @@ class Config(DaemonFields):
         check_ipc_endpoint(self.endpoint)
         if self.tcp is not None and not self.tcp.startswith("tcp://"):
             raise ConfigError(f"--tcp {self.tcp!r} must be a tcp:// endpoint")
-        if self.log_level.upper() not in LOG_LEVELS:
-            levels = ", ".join(level.lower() for level in LOG_LEVELS)
-            raise ConfigError(f"log_level {self.log_level!r} is not one of {levels}")
         curve = (self.curve_secret_key, self.curve_allowed)
         listened = [("--tcp", self.tcp), ("--endpoint", self.endpoint)]
         for option, endpoint in listened:
@@ -102,8 +99,6 @@ class Config(DaemonFields):
 
 
 ON_DEMAND_IDLE_EXIT = 600.0
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _TCP_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[^:/\[\]\s]+):(?P<port>[0-9]+)")
 

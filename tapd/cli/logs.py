@@ -1,12 +1,15 @@
-"""Logging of the `tapd` command: only the CLI configures it, never library code."""
+"""Logging of the `tapd` command: only the CLI configures it, never library code. So
+the log level (`--log-level`, TAPD_LOG_LEVEL, the daemon's TOML) is checked here, where
+it is set."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-from tapd.config import LOG_LEVELS
 from tapd.errors import ConfigError
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def configure_logging() -> None:
