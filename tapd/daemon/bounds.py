@@ -14,7 +14,7 @@ that matter are set on the sockets, before a byte is read:
   messages come in a burst, then a few a second (`ReplyBudget`), the rest only counted;
 - emitters whose connection is gone without a `bye` (another host's emitter, killed)
   are found by a probe that ZeroMQ cannot deliver (`DepartedEmitters`), and forgotten;
-- what the router memoizes per consumer and emitter name (router.py, `_TARGETS_CACHED`).
+- what the router memoizes per consumer and emitter name (routes.py, `_TARGETS_CACHED`).
 """
 
 from __future__ import annotations
