@@ -12,9 +12,11 @@ to a `Delivery`, which makes from it the calls `jax.debug` would have made:
 - a tap of a cotangent (`"transpose"`, a tap inside the linear part of a `grad`) is
   dropped: `jax.debug`'s transpose rule calls nothing;
 - each leaf becomes a `jax.Array` on the first CPU device, as `jax.debug.callback`
-  hands it (numpy arrays where this process has no CPU backend), weakly typed where
-  the traced value was (a Python scalar's), a PRNG key its typed key again; the static
-  arguments (strings, None, objects) go back in their places;
+  hands it (numpy arrays where this process has no CPU backend); for a call run
+  eagerly, weakly typed where the value was (a Python scalar's) and a PRNG key its
+  typed key again, as JAX hands those on (a staged call gets what the computation's
+  buffers hold: no weak type, key data); the static arguments (strings, None, objects)
+  go back in their places;
 - the call runs with the CPU device as JAX's default device, as `jax.debug`'s does.
 
 `PrintSite` formats as `jax.debug.print` does (its `_format_print_callback`): `fmt.format`
