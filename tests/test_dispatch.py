@@ -105,3 +105,16 @@ def test_the_exit_drain_delivers_every_tap_of_calls_still_in_flight(
         assert result["dispatched_before_done"]
     # The process has exited: its exit drain waited for the device, then for delivery.
     assert [r["step"] for r in subscriber.records()] == list(range(500))
+
+
+def test_barrier_wait_inside_a_mesh_context(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str
+) -> None:
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "mesh")
+    result = run_dispatch(
+        daemon, "under_a_mesh", XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
+    assert result["out"] == [0.0, 2.0, 4.0, 6.0]
+    assert result["stats"]["delivered"] == 1
+    assert [r["value"] for r in subscriber.records()] == [[0.0, 1.0, 2.0, 3.0]]

@@ -367,3 +367,18 @@ def wrap_module_lowering(wrapper: Any) -> None:
 
     lower_module.tapd_wrapped = True  # type: ignore[attr-defined]
     mlir.lower_jaxpr_to_module = lower_module
+
+
+def outside_any_mesh() -> Any:
+    """A context in which no mesh is set (`jax.set_mesh` of JAX's empty mesh): a
+    single-device computation of tapd's own runs there whatever mesh the caller set."""
+    import contextlib
+
+    import jax
+    from jax._src import mesh as mesh_lib
+
+    empty = getattr(mesh_lib, "empty_concrete_mesh", None)
+    set_mesh = getattr(jax, "set_mesh", None)
+    if empty is None or set_mesh is None:
+        return contextlib.nullcontext()
+    return set_mesh(empty)

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from tapd.autostart import ensure_daemon
+from tapd.emitter import jax_compat
 from tapd.emitter.native_backend import NativeEmitter, registered_platforms
 from tapd.emitter.sender import Sender
 from tapd.emitter.settings import EmitterSettings, from_environment
@@ -144,7 +145,8 @@ def flush_devices() -> None:
     callbacks."""
     jax.effects_barrier()  # type: ignore[no-untyped-call]
     increment = _increment()
-    markers = [increment(jax.device_put(np.uint8(0), device)) for device in jax.local_devices()]
+    with jax_compat.outside_any_mesh():  # (a caller's mesh would refuse one device)
+        markers = [increment(jax.device_put(np.uint8(0), device)) for device in jax.local_devices()]
     jax.block_until_ready(markers)  # type: ignore[no-untyped-call]
 
 

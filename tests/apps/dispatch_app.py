@@ -160,6 +160,17 @@ def exit_in_flight(calls: str) -> dict[str, Any]:
     return {"dispatched_before_done": not x.is_ready()}
 
 
+def under_a_mesh() -> dict[str, Any]:
+    """Taps and a barrier inside `with jax.set_mesh(mesh)` over two devices (XLA_FLAGS
+    gives this process two CPU devices): the barrier's own per-device computations run
+    whatever mesh the caller set."""
+    mesh = jax.make_mesh((2,), ("x",))
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda x: tapd.tap(x, "mesh") * 2)(jnp.arange(4.0))
+        tapd.barrier_wait()
+    return {"out": out.tolist(), "stats": tapd.stats()}
+
+
 if __name__ == "__main__":
     result = globals()[sys.argv[1]](*sys.argv[2:])
     print(json.dumps(result), flush=True)
