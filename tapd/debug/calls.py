@@ -213,10 +213,25 @@ def dispatch(
     if partitioned and _compiler_decides_shards(dynamic):
         synchronous()
         return
+    if ordered:
+        _refuse_ordered_on_devices()
     leaves, types = _travelling(dynamic, eager=False)
     if not partitioned:
         leaves = _gathered(leaves)
     _tap(delivery.Delivery(site, types), leaves, ordered=ordered)
+
+
+def _refuse_ordered_on_devices() -> None:
+    """JAX's refusal of an ordered callback that runs per device (pmap, shard_map), with
+    its type and words (JAX says it when compiling; the caller sees it at the same call)."""
+    devices = 1
+    for _, size in sharding.manual_axes():
+        devices *= size
+    if devices > 1:
+        effect = getattr(_jax_debugging, "ordered_debug_effect", "OrderedDebugEffect")
+        raise ValueError(
+            f"The following ordered effects are not supported for more than 1 device: {[effect]}"
+        )
 
 
 def _receiver_here() -> bool:

@@ -193,8 +193,8 @@ def io_callback_calls(impl: str) -> dict[str, Any]:
 
 @scenario
 def ordered_on_devices(impl: str) -> dict[str, Any]:
-    """`ordered=True` under pmap (4 devices): JAX refuses it; tapd runs each device's
-    calls in program order."""
+    """`ordered=True` under pmap (4 devices): JAX refuses it, and so does tapd, with
+    the same type and words."""
     api: Any = jax.debug if impl == "jax" else tapd.debug
     calls: list[list[Any]] = []
     note = lambda tag, v: calls.append([tag, float(v)])  # noqa: E731
