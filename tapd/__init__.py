@@ -17,7 +17,7 @@ below do, on first call. Subscribers use the `tapd_client` package.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Literal
 
 from tapd.emitter import jax_compat
 from tapd.errors import (
@@ -56,11 +56,17 @@ __all__ = [
 
 
 def tap(
-    arg: Any, name: str, *, step: Any = None, ordered: bool | None = None, **static_meta: Any
+    arg: Any,
+    name: str,
+    *,
+    step: Any = None,
+    ordered: bool | Literal["strict"] | None = None,
+    **static_meta: Any,
 ) -> Any:
-    """Send `arg` to the subscribers of `name`; return `arg` unchanged. `ordered=False`
-    (or TAPD_ORDERED=0) lowers it without the ordering token: see README, "Unordered
-    taps"."""
+    """Send `arg` to the subscribers of `name`; return `arg` unchanged. The taps of one
+    computation keep program order; `ordered="strict"` also orders them between
+    computations, at JAX's per-call cost; `ordered=False` (or TAPD_ORDERED=0) keeps no
+    order (docs/TAPPING.md, "Ordered, strict and unordered taps")."""
     jax_compat.require_supported()
     from tapd.emitter import tapping
 
