@@ -5,7 +5,8 @@
 Starts its own daemon (no subscriber, dormancy off: the taps are read and counted unrouted), then
 times a jitted `fori_loop` of N steps tapping a 16-float vector: untapped, ordered and
 unordered, interleaved R times; prints the median µs each tap adds, as one JSON line.
-Not a test: the figures depend on the machine (docs/TAPPING.md, "Ordered, strict and unordered taps").
+Not a test: the figures depend on the machine (docs/TAPPING.md, "Ordered, strict and
+unordered taps").
 """
 
 from __future__ import annotations
