@@ -68,7 +68,7 @@ def test_taps_around_scan_cond_while_and_a_nested_jit_arrive_in_program_order(
     subscriber = start_subscriber(daemon, "order")
     calls = 20
     result = run_dispatch(daemon, "program_order", str(calls))
-    per_call = [0, 1, 1, 1, 2, 3, 4, 5, 5, 6, 7, 8]
+    per_call = [0, 1, 1, 1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10]
     records = subscriber.records()
     assert result["stats"]["delivered"] == calls * len(per_call)
     # One consumer keeps its records in the order the emitter's ring holds them, which

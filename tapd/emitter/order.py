@@ -8,7 +8,7 @@ While JAX lowers, each ordered tap's custom call takes a token and returns one; 
 of one block (a function body, a loop's body or condition, a branch) form a chain, each
 taking the token of the previous one (`before_tap`, `after_tap`).
 
-Once the module is lowered (`order_module`, which `jax_compat.after_lowering` runs), an
+Once the module is lowered (`order_module`, run through `jax_compat.wrap_module_lowering`), an
 operation of a block whose regions tap (the `while` of a scan or loop, the `case` of a
 cond) or a call of a function that taps is a *tapping operation*, and is ordered within
 its block's chain with two custom calls of tapd's order handler, which does nothing:
@@ -16,7 +16,8 @@ its block's chain with two custom calls of tapd's order handler, which does noth
   smallest), and returns that operand (aliased: no copy), which the operation then
   reads: the operation comes after the taps before it;
 - after it, one that takes the operation's results and returns the token the block's
-  next tap takes: those taps come after the operation.
+  next tap takes: those taps come after the operation. (A `case` with no results, a
+  cond whose results nobody uses, is rebuilt to return its branch's last token.)
 
 Where the module is partitioned (a sharded `jit` over several devices) or the platform
 has no order handler (TPU), only the chains hold: the taps of each block keep their
@@ -32,7 +33,8 @@ from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 
-ORDER_TARGET = "tapd_order"  # tapd.emitter.native_backend registers its handler
+from tapd.emitter.native_backend import ORDER_TARGET
+
 _MARK = "tapd.ordered_tap"  # on each ordered tap's custom call
 # The tapping operations an order call may precede: their operands are plain values.
 _PRECEDABLE = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if", "func.call"})
@@ -138,7 +140,9 @@ def _is_tapping(operation: Any, tapping: set[str]) -> bool:
     return _taps_within(operation, tapping)
 
 
-def _order_block(block: Any, tapping: set[str]) -> None:
+def _order_block(block: Any, tapping: set[str]) -> Any:
+    """Order `block`'s taps and tapping operations; returns the token its last tap (or
+    the order call after its last tapping operation) gave, None if it has none."""
     chain = None  # the token the block's next tap takes
     after: Any = None  # a tapping operation since that token, whose results come first
     for op in list(block.operations):
@@ -148,17 +152,46 @@ def _order_block(block: Any, tapping: set[str]) -> None:
         if after is not None:
             chain, after = _follow(block, after, chain), None
         if _is_tap(operation):
-            if chain is not None:
+            if chain is not None and _takes_token_first(operation):
                 operation.operands[0] = chain
             chain = _token_result(operation)
             continue
-        for region in operation.regions:
-            for inner in region.blocks:
-                _order_block(inner, tapping)
+        inner = [
+            _order_block(inner_block, tapping)
+            for region in operation.regions
+            for inner_block in region.blocks
+        ]
         if chain is not None and operation.name in _PRECEDABLE:
             _precede(operation, chain)
+        if not len(operation.results) and operation.name == "stablehlo.case":
+            operation = _case_with_token(operation, inner)
         if len(operation.results):
             after = operation
+    if after is not None:
+        chain = _follow(block, after, chain)
+    return chain
+
+
+def _case_with_token(case: Any, tokens: list[Any]) -> Any:
+    """The result-less `case` (a cond whose results nobody uses) rebuilt to return a
+    token, the last of its branch's taps': something the taps after it can take."""
+    with ir.InsertionPoint(case), case.location:
+        rebuilt = hlo.CaseOp([hlo.TokenType.get()], case.operands[0], len(case.regions))
+    for old, new, token in zip(case.regions, rebuilt.regions, tokens, strict=True):
+        block = old.blocks[0]
+        block.append_to(new)
+        terminator = list(block.operations)[-1].operation
+        with ir.InsertionPoint(terminator), case.location:
+            returned = token if token is not None else hlo.create_token()
+            hlo.ReturnOp([*terminator.operands, returned])
+        terminator.erase()
+    case.erase()
+    return rebuilt.operation
+
+
+def _takes_token_first(operation: Any) -> bool:
+    operands = operation.operands
+    return len(operands) > 0 and bool(hlo.TokenType.isinstance(operands[0].type))
 
 
 def _token_result(operation: Any) -> Any:

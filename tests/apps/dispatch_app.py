@@ -71,7 +71,7 @@ def program_order(calls: str) -> dict[str, Any]:
     """Taps of consumer "order" before, inside and after a scan, a cond, a while loop
     and a nested jit, none of them depending on the others' values; big enough arrays
     that XLA's CPU runtime may run independent work concurrently. Each call's taps must
-    arrive in program order: values 0, 1, 1, 1, 2, 3, 4, 5, 5, 6, 7, 8."""
+    arrive in program order: values 0, 1, 1, 1, 2, 3, 4, 5, 5, 6, 7, 8, 9, 10."""
     big = jnp.ones((256, 256))
 
     @jax.jit
@@ -106,6 +106,9 @@ def program_order(calls: str) -> dict[str, Any]:
         tapd.tap(jnp.int32(6), "order", step=call)
         v = nested(v, call)
         tapd.tap(jnp.int32(8), "order", step=call)
+        # a cond whose results nobody uses (JAX lowers it without any)
+        lax.cond(x[0, 0] > 0, lambda: tapd.tap(jnp.int32(9), "order", step=call), lambda: 0)
+        tapd.tap(jnp.int32(10), "order", step=call)
         return v
 
     for call in range(int(calls)):
