@@ -238,9 +238,9 @@ def _follow(block: Any, operation: Any, token: Any) -> Any:
             backend_config={},
             api_version=4,
         )
-    call = getattr(call, "operation", call)
-    call.move_after(operation)
-    return call.results[0]
+    made: Any = getattr(call, "operation", call)  # (an OpView, or already an Operation)
+    made.move_after(operation)
+    return made.results[0]
 
 
 def _is_tensor(value_type: Any) -> bool:
