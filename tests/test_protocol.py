@@ -29,7 +29,15 @@ from tapd.protocol import (
     flatten,
     unflatten,
 )
-from tapd.protocol.batch import BatchRun, BatchTap, encode_batch
+from tapd.protocol.batch import (
+    SPAN_BYTES,
+    SPAN_GAP_BYTES,
+    BatchRun,
+    BatchTap,
+    RingPiece,
+    encode_batch,
+    encode_ring_batch,
+)
 from tapd.protocol.dtypes import SUPPORTED_DTYPES
 from tapd.protocol.rules import DEFAULT_LIMITS
 from tapd.protocol.schema import KINDS_SCHEMA
@@ -524,11 +532,13 @@ MINIMAL_FIELDS: dict[str, dict[str, Any]] = {
 def valid_fields(kind: str) -> dict[str, Any]:
     if kind == "taps":
         return {"statics": [], "taps": []}
+    if kind == "ring_taps":
+        return {"statics": [], "rings": [], "taps": []}
     return tap_fields(tree=["n"], leaves=[]) if kind == "tap" else dict(MINIMAL_FIELDS[kind])
 
 
 def test_minimal_fields_cover_every_non_tap_kind() -> None:
-    assert set(MINIMAL_FIELDS) == set(SCHEMAS) - {"tap", "taps"}
+    assert set(MINIMAL_FIELDS) == set(SCHEMAS) - {"tap", "taps", "ring_taps"}
     assert set(SCHEMAS) == KINDS
     for kind, fields in MINIMAL_FIELDS.items():
         assert set(fields) >= set(SCHEMAS[kind]), kind
@@ -1060,6 +1070,172 @@ def test_a_run_travels_as_its_own_body_frame_gaps_and_all() -> None:
 def test_batch_size_is_bounded() -> None:
     frames = batch_of(*[sample("int8", (1,))] * 3)
     expect_error(frames, "too_large", Limits(max_batch=2))
+
+
+# --------------------------------------------------------------------------- ring_taps
+
+RECORD_HEADER = 56  # bytes before each tap's leaves in a ring (ring.h): a gap between taps
+
+
+def ring_piece(
+    positions: list[int],
+    *,
+    ring: str = "12-ab.ring",
+    first_tid: int = 100,
+    shape: tuple[int, ...] = (2,),
+    shard: Any = None,
+    site: str = "site",
+) -> RingPiece:
+    """Taps of one f32 site at `positions` of `ring`: seq i, step 10 + i, time i."""
+    fields = tap_fields() if shard is None else tap_fields(shard=shard)
+    header = header_of(wire(encode("tap", fields, [np.zeros(shape, np.float32)])))
+    count = len(positions)
+    return RingPiece(
+        header, ring, positions, first_tid, "h:1", (site, shape), seqs=list(range(count)),
+        steps=[10 + i for i in range(count)], devices=[0] * count, times=list(range(count)),
+        coords=None if shard is None else [shard["coords"]] * count,
+    )  # fmt: skip
+
+
+def ring_batch(*pieces: RingPiece) -> Frames:
+    return wire(encode_ring_batch(list(pieces)))
+
+
+def test_ring_taps_decode_to_spans_of_neighbouring_taps() -> None:
+    """Records as a ring holds them: a header, then the leaves. Taps of one site close
+    together in one ring are one span; the rows' offsets count from its start."""
+    step = RECORD_HEADER + 8  # one f32[2] tap: 8 bytes
+    first = [1000 + RECORD_HEADER + i * step for i in range(3)]
+    other = ring_piece([RECORD_HEADER], ring="13-cd.ring", first_tid=103)
+    frames = ring_batch(ring_piece(first), other)
+    assert len(frames) == 2  # no bytes travel
+    message = decode(frames)
+    assert message.kind == "ring_taps" and message.runs == ()
+    assert message.header["rings"] == ["12-ab.ring", "13-cd.ring"]
+    assert len(message.header["statics"]) == 1  # one site, one emitter: one static
+    spans = message.spans
+    assert [(s.ring, s.start, s.end, len(s)) for s in spans] == [
+        ("12-ab.ring", first[0], first[-1] + 8, 3),
+        ("13-cd.ring", RECORD_HEADER, RECORD_HEADER + 8, 1),
+    ]
+    assert [row[8] for row in spans[0].rows] == [0, step, 2 * step]
+    # What a subscriber then has, once it has read each span's bytes:
+    values = [np.array([i, -i], np.float32) for i in range(3)]
+    ring = bytearray(4096)
+    for position, value in zip(first, values, strict=True):
+        ring[position - 1000 : position - 1000 + 8] = value.tobytes()
+    run = spans[0].run(memoryview(bytes(ring[first[0] - 1000 : first[-1] + 8 - 1000])))
+    got = [(t.header["tid"], t.header["seq"], t.header["step"], t.header["emitter"])
+           for t in (run.message(i) for i in range(len(run)))]  # fmt: skip
+    assert got == [(100, 0, 10, "h:1"), (101, 1, 11, "h:1"), (102, 2, 12, "h:1")]
+    for got_value, value in zip(run.values(), values, strict=True):
+        assert_same_array(got_value, value)
+
+
+def test_ring_taps_spans_end_at_a_gap_a_size_or_another_site() -> None:
+    far = RECORD_HEADER + 8 + SPAN_GAP_BYTES + 8  # past the gap a span reads through
+    half = SPAN_BYTES // 2 - 64  # f32 taps of nearly half SPAN_BYTES: two to a span
+    frames = ring_batch(
+        ring_piece([0, far]),
+        ring_piece([far + 64, far + 64 + half + 8, far + 64 + 2 * (half + 8)],
+                   shape=(half // 4,), first_tid=102, site="big"),
+        ring_piece([far + 64 + 3 * (half + 8) + 64], first_tid=105),
+    )  # fmt: skip
+    spans = decode(frames).spans
+    assert [len(span) for span in spans] == [1, 1, 2, 1, 1]
+    assert all(span.end - span.start <= SPAN_BYTES for span in spans)
+
+
+def test_ring_taps_carry_shard_coordinates_per_tap() -> None:
+    shard = shard_field()
+    message = decode(ring_batch(ring_piece([64, 184], shape=(2, 3), shard=shard)))
+    [span] = message.spans
+    [static] = message.header["statics"]
+    assert "coords" not in static["shard"]
+    assert all(span.static.tap_header(row)["shard"] == shard for row in span.rows)
+
+
+def test_ring_taps_are_made_by_the_batch_module_only() -> None:
+    with pytest.raises(ValueError, match=r"tapd\.protocol\.batch"):
+        encode("ring_taps", {"statics": [], "rings": [], "taps": []})
+
+
+def _row(index: int, field: int, value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda h: h["taps"][index].__setitem__(field, value)
+
+
+BAD_RING_BATCHES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "ring name with a path": (lambda h: h["rings"].__setitem__(0, "../12-ab.ring"), "bad_field"),
+    "ring name of another file": (lambda h: h["rings"].__setitem__(0, "passwd"), "bad_field"),
+    "ring name not a str": (lambda h: h["rings"].__setitem__(0, 12), "bad_field"),
+    "rings not a list": (lambda h: h.__setitem__("rings", "12-ab.ring"), "bad_field"),
+    "row names no ring": (_row(0, 7, 1), "bad_field"),
+    "negative ring index": (_row(0, 7, -1), "bad_field"),
+    "bool ring index": (_row(0, 7, False), "bad_field"),
+    "position not an int": (_row(0, 8, "64"), "bad_field"),
+    "position nil": (_row(0, 8, None), "bad_field"),
+    "negative position": (_row(0, 8, -8), "bad_field"),
+    "position past 2**64": (_row(0, 8, 2**64 - 4), "bad_field"),
+    "overlapping taps": (_row(1, 8, 64), "bad_field"),
+    "taps out of ring order": (_row(1, 8, 0), "bad_field"),
+    "row too short": (lambda h: h["taps"][0].pop(), "bad_field"),
+    "row not a list": (lambda h: h["taps"].__setitem__(0, {"tid": 1}), "bad_field"),
+    "row names no static": (_row(0, 0, 3), "bad_field"),
+    "negative seq": (_row(0, 2, -1), "bad_field"),
+    "static lacks a field": (lambda h: h["statics"][0].pop("leaves"), "bad_field"),
+    "static leaf size": (lambda h: h["statics"][0]["leaves"][0].__setitem__(2, 9), "bad_frames"),
+    "coordinates on an unsharded tap": (_row(0, 6, [0]), "bad_shard"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_RING_BATCHES))
+def test_bad_ring_taps_are_refused(name: str) -> None:
+    """Malformed `ring_taps` headers: each refused with ProtocolError and its reason."""
+    frames = ring_batch(ring_piece([64, 64 + RECORD_HEADER + 8]))
+    decode(frames)  # valid as made
+    edit, reason = BAD_RING_BATCHES[name]
+    expect_error(with_header(frames, edit), reason)
+
+
+def test_ring_taps_carry_no_body_frames() -> None:
+    frames = ring_batch(ring_piece([64]))
+    expect_error([*frames, b"\0" * 8], "bad_frames")
+
+
+def test_ring_taps_are_bounded_in_taps_rings_and_bytes() -> None:
+    taps = ring_batch(ring_piece([0, 64, 128]))
+    expect_error(taps, "too_large", Limits(max_batch=2))
+    rings = ring_batch(*(ring_piece([0], ring=f"1-{i}a.ring", first_tid=i) for i in range(3)))
+    expect_error(rings, "too_large", Limits(max_batch=2))
+    # What a subscriber would read for one message: the spans' bytes, gaps and all.
+    read = ring_batch(ring_piece([0, 1000]))  # one span of 1008 bytes
+    decode(read, Limits(max_message_bytes=1008))
+    expect_error(read, "too_large", Limits(max_message_bytes=1007))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ring_taps_garbage_raises_only_protocol_errors(seed: int) -> None:
+    """Rows and ring lists of random junk: decoding refuses them with ProtocolError and
+    nothing else (one error type, whatever a peer sends)."""
+    rng = np.random.default_rng(seed)
+    junk: list[Any] = [None, True, -1, 0, 7, 2**64 - 1, 2**63, 1.5, "x", "1-a.ring", b"\x00",
+                       [], [0], {}, {"a": 1}]  # fmt: skip
+    frames = ring_batch(ring_piece([64, 128]))
+    header = header_of(frames)
+    for _ in range(50):
+        edited = msgpack.unpackb(msgpack.packb(header), raw=False)
+        where = rng.integers(3)
+        if where == 0:
+            edited["rings"][0] = junk[rng.integers(len(junk))]
+        elif where == 1:
+            row = edited["taps"][rng.integers(2)]
+            row[rng.integers(len(row))] = junk[rng.integers(len(junk))]
+        else:
+            edited["taps"][rng.integers(2)] = junk[rng.integers(len(junk))]
+        try:
+            decode([frames[0], msgpack.packb(edited, use_bin_type=True)])
+        except ProtocolError:
+            pass
 
 
 # ---- sampling and wants (issue 21) ----------------------------------------------------

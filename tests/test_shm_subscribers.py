@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -125,6 +126,32 @@ def emitter_main(argv: list[str]) -> None:
     stepped = jax.jit(step)
     for i in range(count):
         stepped(jnp.int32(i))
+    tapd.barrier_wait(timeout=120)
+    print(json.dumps({"stats": tapd.stats()}), flush=True)
+
+
+def emitter_when_told_main(argv: list[str]) -> None:
+    """One warm-up tap (seq 0), then `count` more (seq 1..count) in one jitted loop when a
+    line comes on stdin; says when they are in the ring, then waits for the barrier."""
+    count, floats = int(argv[0]), int(argv[1])
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import tapd
+
+    def body(i: jax.Array, carry: jax.Array) -> jax.Array:
+        value = {"a": jnp.arange(floats, dtype=jnp.float32) + i.astype(jnp.float32),
+                 "b": jnp.full((3,), i, jnp.int32)}  # fmt: skip
+        return carry + tapd.tap(value, "big", step=i)["b"][0]
+
+    loop = jax.jit(lambda start, n: lax.fori_loop(start, start + n, body, jnp.int32(0)))
+    loop(0, 1).block_until_ready()
+    tapd.barrier_wait(timeout=120)
+    print(json.dumps({"ready": True}), flush=True)
+    sys.stdin.readline()
+    loop(1, count).block_until_ready()
+    print(json.dumps({"written": count}), flush=True)
     tapd.barrier_wait(timeout=120)
     print(json.dumps({"stats": tapd.stats()}), flush=True)
 
@@ -242,6 +269,128 @@ def test_ring_taps_are_the_socket_path_s_data(
     assert via_socket.stop()["ring_taps"] == 0
 
 
+def test_64_kib_taps_are_read_from_the_ring(
+    ring_backend: str, start_daemon: Any, start_sub: Any
+) -> None:
+    """Taps of 64 KiB (the smallest that go through shared memory) come as descriptors
+    (several to a `ring_taps` message), and are the data."""
+    daemon = start_daemon()
+    count, floats = 40, 16 * 1024  # 64 KiB of floats, and 12 bytes more
+    sub = start_sub(daemon, "--window", "64")
+    emitted(emit(daemon.endpoint, count, floats))
+    assert received(sub) == expected(count, floats)
+    final = sub.stop()
+    assert final["ring_taps"] == count and final["failed"] == 0
+
+
+class RawSubscriber:
+    """A subscriber made of a bare ZeroMQ socket: it says hello (offering rings as the
+    library does, with or without `batch`), and keeps every message it gets, decoded,
+    acknowledging each."""
+
+    def __init__(self, daemon: Daemon, *, batch_offer: bool) -> None:
+        from tapd_client.shm import ring_directory, ring_offer
+
+        self.context = zmq.Context()
+        self.sock = self.context.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(daemon.endpoint)
+        directory = ring_directory(daemon.endpoint, enabled=True)
+        offer = wait_until(lambda: ring_offer(directory), "the daemon's ring directory")
+        assert offer["batch"] is True
+        if not batch_offer:
+            del offer["batch"]  # what a subscriber of the version before ring_taps offers
+        hello = {"role": "subscriber", "consumers": ["big"], "window": 64, "name": "raw",
+                 "batch": True, "rings": offer}  # fmt: skip
+        self.sock.send_multipart(encode("hello", hello))
+        self.messages: list[Any] = []
+
+    def receive(self, taps: int, *, ack: bool = True) -> None:
+        """Take messages until `taps` taps came in all; acknowledge them if `ack`."""
+        got = 0
+        while got < taps:
+            assert self.sock.poll(PROCESS_TIMEOUT * 1000), f"{got} of {taps} taps came"
+            message = decode(self.sock.recv_multipart())
+            if message.kind not in ("tap", "taps", "ring_tap", "ring_taps"):
+                continue
+            self.messages.append(message)
+            got += len(self.tids(message))
+        if ack:
+            self.ack()
+
+    @staticmethod
+    def tids(message: Any) -> list[int]:
+        rows = [row for run in (*message.runs, *message.spans) for row in run.rows]
+        return [row[1] for row in rows] or [message.header["tid"]]
+
+    def ack(self) -> None:
+        upto = max(tid for message in self.messages for tid in self.tids(message))
+        self.sock.send_multipart(encode("ack", {"upto": upto, "errors": []}))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.context.term()
+
+
+@pytest.mark.parametrize("batch_offer", [True, False], ids=["ring_taps", "older_subscriber"])
+def test_ring_taps_describe_many_taps_per_message(
+    batch_offer: bool, start_daemon: Any, runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """40 taps of 64 KiB written while the daemon is stopped (SIGSTOP), so that it finds
+    them all at once: a subscriber that offers `batch` gets their descriptors in a few
+    `ring_taps` messages, in order, which describe the bytes the emitter wrote; one that
+    does not (a subscriber of the version before) gets their bytes, as it did."""
+    if reason := native_unavailable():
+        pytest.skip(reason)
+    from tapd_client.shm import RingReader
+
+    monkeypatch.setenv("TAPD_BACKEND", "native")
+    daemon = start_daemon()
+    raw = RawSubscriber(daemon, batch_offer=batch_offer)
+    count, floats = 40, 16 * 1024
+    full_env = {**os.environ, "TAPD_ENDPOINT": daemon.endpoint}
+    emitter = subprocess.Popen(
+        [sys.executable, str(HERE), "emit_when_told", str(count), str(floats)],
+        env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    reader = RingReader(rings_of(runtime_dir))
+    try:
+        raw.receive(1)  # the warm-up tap: the emitter's ring is known, its site read
+        assert emitter.stdout is not None and emitter.stdin is not None
+        assert json.loads(emitter.stdout.readline()) == {"ready": True}
+        daemon.process.send_signal(signal.SIGSTOP)
+        try:
+            emitter.stdin.write("go\n")
+            emitter.stdin.flush()
+            assert json.loads(emitter.stdout.readline()) == {"written": count}
+        finally:
+            daemon.process.send_signal(signal.SIGCONT)
+        raw.receive(count, ack=False)  # (unacknowledged: the ring keeps them)
+        messages = raw.messages[1:]
+        if not batch_offer:  # (taps over 64 KiB: 64 KiB and less come batched, as bytes)
+            assert [m.kind for m in messages] == ["ring_tap"] * count
+            return
+        assert {m.kind for m in messages} == {"ring_taps"}
+        assert len(messages) < count / 4, [len(m.header["taps"]) for m in messages]
+        rows = [row for m in messages for span in m.spans for row in span.rows]
+        assert [row[2] for row in rows] == list(range(1, count + 1))  # seqs, in order
+        want = expected(count + 1, floats)
+        for message in messages:  # the bytes they name are the taps the emitter wrote
+            for run in reader.read_spans(message.spans, views=False):
+                assert not isinstance(run, Exception), run
+                for i, value in enumerate(run.values()):
+                    assert digest(value) == want[run.rows[i][2]]
+        raw.ack()
+        assert "stats" in json.loads(emitter.stdout.readline())  # its barrier returned
+    finally:
+        reader.close()
+        raw.close()
+        if emitter.poll() is None:
+            emitter.kill()
+        emitter.communicate()
+
+
 def test_a_kept_value_does_not_change_when_the_ring_laps(
     start_daemon: Any, start_sub: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -355,7 +504,7 @@ def test_a_killed_subscriber_s_descriptors_are_released(
         lambda: any(r["committed"] - r["released"] >= 3 * 2**20 for r in daemon.stats()["rings"]),
         f"the ring to fill behind the held taps ({rings})",
     )
-    assert sub.taps()[0]["ring_taps"] == 1  # it held a descriptor, not bytes
+    assert sub.taps()[0]["ring_taps"] >= 1  # it held descriptors, not bytes
     sub.process.kill()
     sub.process.wait(timeout=PROCESS_TIMEOUT)
     result = emitted(emitter)  # (it would block for ever if the ring stayed held)
@@ -421,6 +570,55 @@ def test_a_daemon_cannot_make_a_subscriber_read_another_file(
         context.term()
 
 
+def test_a_daemon_s_bad_ring_taps_are_refused_tap_by_tap(runtime_dir: Path, start_sub: Any) -> None:
+    """A fake daemon sends `ring_taps` that name a path, a ring that is not there, and
+    positions no ring holds: every tap of each is acknowledged with its reason, and no
+    handler runs."""
+    from tapd.protocol.batch import RingPiece, encode_ring_batch
+
+    endpoint = f"ipc://{runtime_dir}/fake.sock"
+    rings_of(runtime_dir).mkdir(mode=0o700, exist_ok=True)
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    static = {"consumer": "big", "process": 0, "host": "h", "pid": 1, "transforms": [],
+              "meta": {}, "tree": ["*"], "leaves": [["float32", [4], 16]]}  # fmt: skip
+
+    def batch(ring: str, first_tid: int) -> list[Any]:
+        piece = RingPiece(static, ring, [0, 64], first_tid, "h:1", "s", [0, 1], [None] * 2,
+                          [0, 0], [0, 0])  # fmt: skip
+        return encode_ring_batch([piece])
+
+    try:
+        sub = start_sub(None, endpoint=endpoint)
+        assert router.poll(PROCESS_TIMEOUT * 1000)
+        peer, *frames = router.recv_multipart()
+        assert decode(frames).header["rings"]["batch"] is True  # it reads ring_taps
+        router.send_multipart([peer, *encode("welcome", {"window_bytes": 0, "daemon": "fake"})])
+        path = batch("12-ab.ring", 0)
+        header = msgpack.unpackb(path[1], raw=False)
+        header["rings"] = ["../../x.ring"]  # (decode refuses it)
+        router.send_multipart([peer, MAGIC, msgpack.packb(header, use_bin_type=True)])
+        router.send_multipart([peer, *batch("123-abc.ring", 2)])
+        why = {0: "not a ring file name", 1: "not a ring file name", 2: "cannot open ring",
+               3: "cannot open ring"}  # fmt: skip
+        errors: dict[int, str] = {}
+        while len(errors) < len(why):
+            assert router.poll(PROCESS_TIMEOUT * 1000), f"no ack; errors so far {errors}"
+            peer, *frames = router.recv_multipart()
+            message = decode(frames)
+            if message.kind == "ack":
+                errors.update({e["tid"]: e["error"] for e in message.header["errors"]})
+        for tid, text in why.items():
+            assert text in errors[tid], (tid, errors[tid])
+        assert sub.taps() == []
+        assert stop_process(sub.process) == 0
+    finally:
+        router.close(linger=0)
+        context.term()
+
+
 @pytest.fixture
 def ring_with_one_tap(runtime_dir: Path) -> Iterator[tuple[Path, Any]]:
     """A real ring file `1-ab.ring` in a 0700 `rings` directory, holding one 16-byte tap
@@ -463,6 +661,46 @@ def test_positions_outside_the_ring_are_refused(ring_with_one_tap: tuple[Path, A
     reader.close()
 
 
+def one_tap_batch(position: int, ring: str = "1-ab.ring") -> Any:
+    """A decoded `ring_taps` naming the fixture's tap (float32 0..3) at `position`."""
+    from tapd.protocol.batch import RingPiece, encode_ring_batch
+
+    static = {"consumer": "big", "process": 0, "host": "h", "pid": 1, "transforms": [],
+              "meta": {}, "tree": ["*"], "leaves": [["float32", [4], 16]]}  # fmt: skip
+    piece = RingPiece(static, ring, [position], 7, "h:1", "site", [0], [None], [0], [0])
+    return decode(encode_ring_batch([piece]))
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["copies", "views"])
+def test_ring_taps_spans_are_read_as_ring_taps_are(
+    views: bool, ring_with_one_tap: tuple[Path, Any]
+) -> None:
+    """A `ring_taps` span inside the ring's unreleased records is read; one outside, or
+    one whose space was released, is refused, naming why (the subscriber's reader, in
+    process)."""
+    from tapd_client.shm import RingReader, RingReadError
+
+    directory, ring = ring_with_one_tap
+    reader = RingReader(directory)
+    message = one_tap_batch(56)
+    [run] = reader.read_spans(message.spans, views=views)
+    assert not isinstance(run, RingReadError), run
+    assert [v.tolist() for v in run.values()] == [[0.0, 1.0, 2.0, 3.0]]
+    assert run.header(0)["tid"] == 7 and run.header(0)["emitter"] == "h:1"
+    assert not reader.torn(message.spans[0])
+    [outside] = reader.read_spans(one_tap_batch(72).spans, views=views)
+    assert isinstance(outside, RingReadError)
+    assert "outside its unreleased records [0, 72)" in str(outside)
+    [missing] = reader.read_spans(one_tap_batch(56, "2-ab.ring").spans, views=views)
+    assert isinstance(missing, RingReadError) and "cannot open ring" in str(missing)
+    ring.release(72)  # delivered: a later tap may be written there
+    assert reader.torn(message.spans[0])  # (what a view read before is no longer sure)
+    [released] = reader.read_spans(message.spans, views=views)
+    assert isinstance(released, RingReadError)
+    del run
+    reader.close()
+
+
 def test_a_removed_ring_is_unmapped(ring_with_one_tap: tuple[Path, Any]) -> None:
     """Once the daemon removed a finished emitter's ring, the subscriber unmaps it (its
     shared memory is freed only then)."""
@@ -500,5 +738,6 @@ def test_the_offsets_subscribers_read_are_ring_h_s() -> None:
 
 
 if __name__ == "__main__":
-    {"sub": subscriber_main, "emit": emitter_main}[sys.argv[1]](sys.argv[2:])
+    mains = {"sub": subscriber_main, "emit": emitter_main, "emit_when_told": emitter_when_told_main}
+    mains[sys.argv[1]](sys.argv[2:])
     sys.exit(0)

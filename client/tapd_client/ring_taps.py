@@ -13,9 +13,11 @@ import logging
 from typing import Any
 
 from tapd.errors import ConfigError
+from tapd.protocol import Message
+from tapd.protocol.batch import SiteRun
 from tapd_client.daemon_link import DaemonLink
 from tapd_client.handlers import Handlers
-from tapd_client.shm import RingReader, RingReadError, ring_directory
+from tapd_client.shm import RingReader, RingReadError, released_while_read, ring_directory
 
 logger = logging.getLogger("tapd.subscriber")
 
@@ -34,6 +36,40 @@ class RingTaps:
         """Where a link to `endpoint` reads rings, if it does."""
         directory = ring_directory(endpoint, self.shm)
         return None if directory is None else RingReader(directory)
+
+    def run_batch(self, link: DaemonLink, message: Message, handlers: Handlers) -> None:
+        """Read the spans of a `ring_taps` message and run their handlers on them, as on
+        a `taps` message's runs; a span that cannot be read fails each of its taps."""
+        spans = message.spans
+        if link.rings is None:
+            nowhere = RingReadError("this subscriber reads no rings from this daemon")
+            read: list[SiteRun | RingReadError] = [nowhere] * len(spans)
+        else:
+            read = link.rings.read_spans(spans, views=self.views)
+        runs = []
+        for span, run in zip(spans, read, strict=True):
+            if isinstance(run, SiteRun):
+                runs.append(run)
+            else:
+                self._refused(link, handlers, span.rows, run)
+        self.read += sum(len(run) for run in runs)
+        handlers.handle_taps(link, runs)
+        if self.views and link.rings is not None:  # what the handlers read must be intact
+            for span, run in zip(spans, read, strict=True):
+                if isinstance(run, SiteRun) and link.rings.torn(span):
+                    torn = RingReadError(released_while_read(span.ring))
+                    self._refused(link, handlers, span.rows, torn)
+
+    def _refused(
+        self, link: DaemonLink, handlers: Handlers, rows: list[list[Any]], why: RingReadError
+    ) -> None:
+        handlers.failed += len(rows)
+        logger.error(
+            "refused %d ring taps from the daemon at %s: %s", len(rows), link.endpoint, why
+        )
+        for row in rows:
+            link.fail(row[1], f"the subscriber could not read this tap: {why}")
+            link.last_tid = max(link.last_tid, row[1])
 
     def run(self, link: DaemonLink, header: dict[str, Any], handlers: Handlers) -> None:
         """Read the tap a `ring_tap` header describes and run its handler on it."""

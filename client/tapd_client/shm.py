@@ -1,10 +1,12 @@
-"""Reading a tap's bytes from the emitter's shared-memory ring (a `ring_tap` from the
-daemon: tapd/daemon/targets/shm.py), the subscriber's side.
+"""Reading taps' bytes from the emitter's shared-memory ring (a `ring_tap` or a
+`ring_taps` from the daemon: tapd/daemon/targets/shm.py), the subscriber's side.
 
 A subscriber of an ipc:// daemon offers it, in its hello, to read rings (`ring_offer`):
 this boot of this host, its uid, and which directory it sees the daemon's rings in. A
 daemon whose own say the same sends large ring taps as descriptors: the ring file's
-name and each leaf's ring position. Here they are read:
+name and each leaf's ring position (`ring_tap`), or many taps' in one message
+(`ring_taps`: rows as a `taps` message's, each with a ring position, read here a span
+of neighbouring taps of one site at a time: `read_spans`). Here they are read:
 
 - Only files in the ring directory this subscriber derives from its own endpoint
   (tapd.runtime.ring_dir_for), checked as every tapd directory is (ours, 0700, not a
@@ -34,7 +36,7 @@ import mmap
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ import numpy as np
 
 from tapd.errors import ConfigError, ProtocolError, TapdError
 from tapd.protocol import Message
+from tapd.protocol.batch import RingSpan, SiteRun
 from tapd.protocol.ring_format import COMMITTED_OFFSET, TAIL_OFFSET, header_bytes
 from tapd.protocol.schema import RING_NAME, check_ring_control, check_shard, leaf_sizes
 from tapd.runtime import boot_id, ensure_private_dir, ring_dir_for
@@ -77,7 +80,8 @@ def ring_offer(directory: Path | None) -> dict[str, Any] | None:
         info = os.stat(directory)
     except (ConfigError, OSError):
         return None
-    return {"boot": boot, "uid": os.getuid(), "dir": [info.st_dev, info.st_ino]}
+    # `batch`: it reads `ring_taps` messages (several taps described in each) too
+    return {"boot": boot, "uid": os.getuid(), "dir": [info.st_dev, info.st_ino], "batch": True}
 
 
 class _MappedRing:
@@ -132,6 +136,24 @@ class _MappedRing:
             return bytes(head) if copy else head
         return b"".join((head, self.view[self.start : self.start + nbytes - first]))
 
+    def pieces(self, span: RingSpan) -> list[memoryview]:
+        """Views of the bytes of `span` (positions [start, end)): one, or two where it
+        wraps round the ring's end; refused unless they lie in the ring's unreleased
+        records. (`torn` says whether they were released once read.)"""
+        start, nbytes = span.start, span.end - span.start
+        tail, committed = self.tail(), self.committed()
+        if start < tail or span.end > committed or nbytes > self.capacity:
+            raise RingReadError(
+                f"ring_taps names bytes [{start}, {span.end}) of ring {self.name}, "
+                f"outside its unreleased records [{tail}, {committed})"
+            )
+        offset = start % self.capacity
+        first = min(nbytes, self.capacity - offset)
+        head = self.view[self.start + offset : self.start + offset + first]
+        if first == nbytes:
+            return [head]
+        return [head, self.view[self.start : self.start + nbytes - first]]
+
     def close(self) -> None:
         self._tail = self._committed = np.empty(0, "<u8")
         try:
@@ -140,6 +162,13 @@ class _MappedRing:
         except BufferError:  # a handler kept a view (views=True): unmapped with the last
             pass
         os.close(self.fd)
+
+
+def released_while_read(ring: str) -> str:
+    return (
+        f"the space of this tap in ring {ring} was released while it was read "
+        "(the daemon gave this subscriber up?): its bytes may be a later tap's"
+    )
 
 
 class RingReader:
@@ -184,15 +213,56 @@ class RingReader:
 
         def intact() -> None:
             if ring.tail() > first:
-                raise RingReadError(
-                    f"the space of this tap in ring {name} was released while it was read "
-                    "(the daemon gave this subscriber up?): its bytes may be a later tap's"
-                )
+                raise RingReadError(released_while_read(name))
 
         intact()  # (the copies: read before any later tap could be written there)
         fields = {k: v for k, v in header.items() if k not in ("ring", "positions")}
         fields["kind"] = "tap"
         return Message(fields, frames), intact
+
+    def read_spans(
+        self, spans: Sequence[RingSpan], *, views: bool
+    ) -> list[SiteRun | RingReadError]:
+        """The taps of a `ring_taps` message's spans (decode checked them): per span, a
+        SiteRun whose body holds its bytes, or why they could not be read. The bodies
+        are copies, all in one buffer (one allocation per message, which the allocator
+        reuses from one message to the next); with views, views of the ring where a
+        span does not wrap, valid until the daemon releases them (`torn` says)."""
+        out: list[SiteRun | RingReadError] = []
+        found: list[tuple[int, RingSpan, list[memoryview]]] = []  # (index in out, ...)
+        for span in spans:
+            try:
+                pieces = self._ring(span.ring).pieces(span)
+            except RingReadError as exc:
+                out.append(exc)
+                continue
+            except ConfigError as exc:  # (the ring directory is not ours and private)
+                out.append(RingReadError(str(exc)))
+                continue
+            if views and len(pieces) == 1:
+                out.append(span.run(pieces[0]))
+                continue
+            found.append((len(out), span, pieces))
+            out.append(RingReadError("(not read)"))
+        if not found:
+            return out
+        copy = memoryview(b"".join(piece for _, _, pieces in found for piece in pieces))
+        offset = 0
+        for index, span, _ in found:
+            size = span.end - span.start
+            out[index] = (
+                RingReadError(released_while_read(span.ring))
+                if self.torn(span)
+                else span.run(copy[offset : offset + size])
+            )
+            offset += size
+        return out
+
+    def torn(self, span: RingSpan) -> bool:
+        """Whether `span`'s ring space was released since it was read (views: the bytes
+        a handler read may be a later tap's)."""
+        ring = self._maps.get(span.ring)
+        return ring is None or ring.tail() > span.start
 
     def _ring(self, name: str) -> _MappedRing:
         ring = self._maps.get(name)

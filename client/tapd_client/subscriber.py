@@ -317,6 +317,8 @@ class Subscriber:
             self._rings.run(link, message.header, self._handlers)
         elif kind == "taps":  # small taps, several per message
             self._handlers.handle_taps(link, message.runs)
+        elif kind == "ring_taps":  # several taps whose bytes are in emitters' rings
+            self._rings.run_batch(link, message, self._handlers)
         elif kind == "welcome":
             link.welcomed = True
         elif kind == "rehello" and link.rehello_wanted():  # a daemon that does not know us

@@ -12,6 +12,14 @@ of ring records as a body as it is, record headers and all, copying nothing.
 checking it through schema.py. It copies only small single taps (into body frame 0, so
 that one frame carries them all); a single tap of one leaf from `OWN_FRAME_BYTES` up,
 and every run's body, go out as body frames of their own, as they are.
+
+A `ring_taps` message is the same rows for taps whose bytes a same-host subscriber
+reads from the emitters' rings itself: each row names a ring (an index into `rings`,
+the ring files' names) and the ring position where the tap's leaves start, instead of
+a body frame and an offset, and the message has no body frames. `encode_ring_batch`
+makes one from `RingPiece`s; `read_spans` reads one, as spans of one static entry that
+lie close together in one ring (`RingSpan`), which the subscriber reads in one go each
+(tapd_client/shm.py).
 """
 
 from __future__ import annotations
@@ -23,18 +31,42 @@ from typing import Any, NamedTuple
 import msgpack
 
 from tapd.errors import ProtocolError
-from tapd.protocol.message import MAGIC, Frame, SiteRun, StaticEntry, encode_header
-from tapd.protocol.rules import Limits
-from tapd.protocol.schema import PER_TAP, check_batch_row, check_batch_static
+from tapd.protocol.message import (
+    MAGIC,
+    Frame,
+    RingSpan,
+    SiteRun,
+    StaticEntry,
+    encode_header,
+)
+from tapd.protocol.rules import U64_MAX, Limits
+from tapd.protocol.schema import PER_TAP, RING_NAME, check_batch_row, check_batch_static
 
 # SiteRun lives in message.py (a decoded `taps` message holds its runs); the subscriber
 # library names it from here, with the rest of the batch.
-__all__ = ["BatchRun", "BatchTap", "SiteRun", "encode_batch", "read_runs"]
+__all__ = [
+    "BatchRun",
+    "BatchTap",
+    "RingPiece",
+    "RingSpan",
+    "SiteRun",
+    "encode_batch",
+    "encode_ring_batch",
+    "read_runs",
+    "read_spans",
+]
 
 _NOT_STATIC = frozenset((*PER_TAP, "kind", "shard"))
 # A single tap of one leaf this large (and padded already: a multiple of 8 bytes) is a
 # body frame of its own: a frame costs less than copying it into the shared one.
 OWN_FRAME_BYTES = 8 * 1024
+# Taps of one static entry in one ring, this close or closer (the bytes between one
+# tap's leaves and the next one's start: a record header, other sites' records), make
+# one span, which a subscriber reads in one go, gap and all.
+SPAN_GAP_BYTES = 4096
+# ... while the span stays within this many bytes (a larger tap is a span of its own):
+# a subscriber's copy of a span lives as long as any value of it a handler keeps.
+SPAN_BYTES = 1024 * 1024
 
 
 class BatchTap(NamedTuple):
@@ -76,26 +108,34 @@ def _static_of(header: Mapping[str, Any], emitter: str) -> dict[str, Any]:
     return static
 
 
-def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame | bytearray]:
-    """The frames of one `taps` message carrying `pieces`' taps, in order: small single
-    taps' arrays copied into the first body frame, each run's body and each large
-    one-leaf tap's array as a frame of its own, uncopied."""
-    statics: list[dict[str, Any]] = []
-    index_of: dict[Hashable, int] = {}
+class _Statics:
+    """A batch's static entries, each once: by site token (and emitter) where there is
+    one, else by the packed fields."""
 
-    def static_index(site: Hashable | None, header: Mapping[str, Any], emitter: str) -> int:
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+        self._index_of: dict[Hashable, int] = {}
+
+    def index(self, site: Hashable | None, header: Mapping[str, Any], emitter: str) -> int:
         key: Hashable = (site, emitter)
-        index = index_of.get(key) if site is not None else None
+        index = self._index_of.get(key) if site is not None else None
         if index is None:
             static = _static_of(header, emitter)
             if site is None:
                 key = msgpack.packb(static, use_bin_type=True)
-                index = index_of.get(key)
+                index = self._index_of.get(key)
             if index is None:
-                index = index_of[key] = len(statics)
-                statics.append(static)
+                index = self._index_of[key] = len(self.entries)
+                self.entries.append(static)
         return index
 
+
+def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame | bytearray]:
+    """The frames of one `taps` message carrying `pieces`' taps, in order: small single
+    taps' arrays copied into the first body frame, each run's body and each large
+    one-leaf tap's array as a frame of its own, uncopied."""
+    statics = _Statics()
+    static_index = statics.index
     rows: list[Sequence[Any]] = []  # (msgpack packs tuples and lists alike, as arrays)
     shared = bytearray()
     bodies: list[Frame | bytearray] = [shared]  # frame 0: small single taps' arrays, copied
@@ -146,8 +186,59 @@ def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame | bytearra
                 offset,
             ]
         )
-    header_bytes = encode_header({"kind": "taps", "statics": statics, "taps": rows})
+    header_bytes = encode_header({"kind": "taps", "statics": statics.entries, "taps": rows})
     return [MAGIC, header_bytes, *bodies]
+
+
+class RingPiece(NamedTuple):
+    """Taps of one site whose leaves lie in an emitter's ring file `ring` (its name), tap
+    i's from ring position `positions[i]` on; `header` holds the site's static fields,
+    the columns the rest (as in `BatchRun`)."""
+
+    header: Mapping[str, Any]
+    ring: str
+    positions: Sequence[int]
+    first_tid: int
+    emitter: str
+    site: Hashable
+    seqs: Sequence[int]
+    steps: Sequence[int | None]
+    devices: Sequence[int | None]
+    times: Sequence[int]
+    coords: Sequence[list[int]] | None = None
+
+
+def encode_ring_batch(pieces: Sequence[RingPiece]) -> list[Frame]:
+    """The frames of one `ring_taps` message describing `pieces`' taps, in order: the
+    header only (no bytes travel)."""
+    statics = _Statics()
+    rings: list[str] = []
+    ring_index: dict[str, int] = {}
+    rows: list[Sequence[Any]] = []
+    for piece in pieces:
+        index = statics.index(piece.site, piece.header, piece.emitter)
+        ring = ring_index.get(piece.ring)
+        if ring is None:
+            ring = ring_index[piece.ring] = len(rings)
+            rings.append(piece.ring)
+        count = len(piece.positions)
+        coords: Iterable[list[int] | None] = piece.coords or itertools.repeat(None, count)
+        rows.extend(
+            zip(
+                itertools.repeat(index, count),
+                range(piece.first_tid, piece.first_tid + count),
+                piece.seqs,
+                piece.steps,
+                piece.devices,
+                piece.times,
+                coords,
+                itertools.repeat(ring, count),
+                piece.positions,
+                strict=True,
+            )
+        )
+    header = {"kind": "ring_taps", "statics": statics.entries, "rings": rings, "taps": rows}
+    return [MAGIC, encode_header(header)]
 
 
 def read_runs(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> list[SiteRun]:
@@ -197,3 +288,74 @@ def read_runs(header: dict[str, Any], payload: list[memoryview], limits: Limits)
             run_key = (row[0], frame)
             runs.append(SiteRun(static, payload[frame], [row]))
     return runs
+
+
+def read_spans(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> list[RingSpan]:
+    """The taps of a decoded `ring_taps` message, checked, as spans of one static entry
+    and one ring each, in order; raises ProtocolError on any inconsistency. Each row's
+    offset (its last field) is rewritten to count from its span's start."""
+    if payload:
+        raise ProtocolError("bad_frames", f"'ring_taps' message has {len(payload)} body frames")
+    rows, statics_given, rings = header["taps"], header["statics"], header["rings"]
+    if max(len(rows), len(statics_given), len(rings)) > limits.max_batch:
+        raise ProtocolError(
+            "too_large",
+            f"{len(rows)} taps, {len(statics_given)} statics, {len(rings)} rings: "
+            f"more than {limits.max_batch}",
+        )
+    for number, name in enumerate(rings):
+        if not isinstance(name, str) or RING_NAME.fullmatch(name) is None:
+            raise ProtocolError("bad_field", f"ring {number}: {name!r:.80} is not a ring file name")
+    statics = [
+        StaticEntry(static, check_batch_static(i, static, limits))
+        for i, static in enumerate(statics_given)
+    ]
+    shard_sizes = [static.shard_sizes for static in statics]
+    used: dict[int, int] = {}  # per ring: where the last tap's leaves ended
+    read = 0  # bytes the spans cover: what a subscriber reads
+    spans: list[RingSpan] = []
+    span: RingSpan | None = None
+    span_key: tuple[int, int] | None = None
+    for number, row in enumerate(rows):
+        check_batch_row(row, number, shard_sizes)
+        static = statics[row[0]]
+        ring, position = row[7], row[8]
+        if not (
+            type(ring) is int
+            and 0 <= ring < len(rings)
+            and type(position) is int
+            and 0 <= position <= U64_MAX - static.extent
+        ):
+            raise ProtocolError(
+                "bad_field",
+                f"ring tap {number}: ring {ring!r:.20}, position {position!r:.30} "
+                "name no ring bytes",
+            )
+        if position < used.get(ring, 0):
+            raise ProtocolError(
+                "bad_field",
+                f"ring tap {number}: position {position} overlaps the tap before it in ring {ring}",
+            )
+        end = used[ring] = position + static.extent
+        row[7] = 0
+        close = (
+            span is not None
+            and position - span.end <= SPAN_GAP_BYTES
+            and end - span.start <= SPAN_BYTES
+        )
+        if span is not None and close and span_key == (row[0], ring):
+            read += end - span.end
+            row[8] = position - span.start
+            span.rows.append(row)
+            span.end = end
+        else:
+            read += static.extent
+            row[8] = 0
+            span_key = (row[0], ring)
+            span = RingSpan(static, rings[ring], position, end, [row])
+            spans.append(span)
+        if read > limits.max_message_bytes:
+            raise ProtocolError(
+                "too_large", f"ring taps of more than {limits.max_message_bytes} bytes"
+            )
+    return spans

@@ -1,6 +1,7 @@
 """A decoded message (`Message`), and the taps a `taps` message carries: runs of one
-static entry (`SiteRun`). What `decode` (wire.py) and `read_runs` (batch.py) return,
-already checked (schema.py); the framing both ends share (`MAGIC`, `encode_header`).
+static entry (`SiteRun`), or a `ring_taps` message: spans of a ring (`RingSpan`). What
+`decode` (wire.py) and `read_runs`/`read_spans` (batch.py) return, already checked
+(schema.py); the framing both ends share (`MAGIC`, `encode_header`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Message:
     header: dict[str, Any]
     frames: Sequence[Frame] = ()
     runs: Sequence[SiteRun] = ()  # a `taps` message's taps, checked, by static entry
+    spans: Sequence[RingSpan] = ()  # a `ring_taps` message's taps, checked, by ring span
     site: Hashable | None = None  # equal for taps of one site: static fields equal too
 
     @functools.cached_property
@@ -174,13 +176,50 @@ class SiteRun:
     def message(self, i: int) -> Message:
         offset, body = self.rows[i][8], self.body
         frames = [body[offset + start : offset + start + n] for start, n in self.static.layout]
-        fields = {"header": self.header(i), "frames": frames, "runs": (), "site": self.static}
+        fields = {"header": self.header(i), "frames": frames, "runs": (), "spans": (),
+                  "site": self.static}  # fmt: skip
         return made(_RunTap, {**fields, "_leaves": self.leaves(), "_index": i})  # type: ignore[no-any-return]
+
+
+class RingSpan:
+    """Consecutive taps of a `ring_taps` message that share one static entry and lie
+    close together in one ring, checked: ring positions [start, end) of ring file `ring`
+    hold them, tap i's leaves from `start + rows[i][8]` on (each row's offset is from
+    `start`). A subscriber reads those bytes (a copy, or a view) and has a `SiteRun`."""
+
+    __slots__ = ("end", "ring", "rows", "start", "static")
+
+    def __init__(
+        self, static: StaticEntry, ring: str, start: int, end: int, rows: list[list[Any]]
+    ) -> None:
+        self.static = static
+        self.ring = ring
+        self.start = start
+        self.end = end
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def run(self, body: memoryview) -> SiteRun:
+        """The span's taps, its bytes read into `body` (end - start bytes)."""
+        return SiteRun(self.static, body, self.rows)
 
 
 def _rows(leaf: np.ndarray) -> list[np.ndarray]:
     """A stacked leaf's rows, each an array (a 0-d one too: iterating would give scalars)."""
     return list(leaf) if leaf.ndim > 1 else [leaf[i, ...] for i in range(len(leaf))]
+
+
+def _c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """The strides of a C-ordered array of `shape` (no extent 0), as numpy gives them,
+    without making one: a large leaf would be allocated for nothing."""
+    strides = []
+    step = itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= extent
+    return tuple(reversed(strides))
 
 
 def _stacked(run: SiteRun) -> list[np.ndarray]:
@@ -189,23 +228,25 @@ def _stacked(run: SiteRun) -> list[np.ndarray]:
     steps = np.diff(offsets)
     stride = int(steps[0]) if count > 1 else 0
     even = count == 1 or bool((steps == stride).all())
-    body = run.body
+    # (An array made on a memoryview keeps only the view's object, not the view: one
+    # made on this array keeps the view's hold on the buffer, so that a ring's mapping
+    # is not unmapped under a value a handler kept: tapd_client/shm.py, views=True.)
+    raw = np.frombuffer(run.body, np.uint8)
     out = []
     for (name, shape, _), (start, size) in zip(run.fields["leaves"], run.layout, strict=True):
         dtype = dtype_from_name(name)
         if size == 0:
             leaf = np.zeros((count, *shape), dtype)
         elif even:
-            inner = np.empty(shape, dtype).strides  # C order
+            inner = _c_strides(shape, dtype.itemsize)
             leaf = np.ndarray(
                 (count, *shape),
                 dtype,
-                buffer=body,
+                buffer=raw,
                 offset=int(offsets[0]) + start,
                 strides=(stride, *inner),
             )
         else:
-            raw = np.frombuffer(body, np.uint8)
             where = offsets[:, np.newaxis] + (start + np.arange(size))
             leaf = raw[where].view(dtype).reshape(count, *shape)
         leaf.flags.writeable = False

@@ -210,6 +210,9 @@ KINDS_SCHEMA: dict[str, Schema] = {
         "positions": req(ListOf(Int(0), "max_leaves")),
     },
     "taps": {"statics": req(Of(list)), "taps": req(Of(list))},  # tapd/protocol/batch.py
+    # Taps whose bytes a same-host subscriber reads from emitters' rings, as `taps` rows
+    # with a ring and a ring position for a body frame and an offset (batch.py).
+    "ring_taps": {"statics": req(Of(list)), "rings": req(Of(list)), "taps": req(Of(list))},
     # `delivered`, `dropped`, `unrouted`: this emitter's totals at this daemon so far.
     "credit": {
         "bytes": req(_COUNT),

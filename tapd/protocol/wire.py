@@ -15,7 +15,7 @@ import numpy as np
 
 from tapd.errors import ProtocolError
 from tapd.protocol import rules, schema
-from tapd.protocol.batch import read_runs
+from tapd.protocol.batch import read_runs, read_spans
 from tapd.protocol.dtypes import dtype_name
 from tapd.protocol.message import MAGIC, VERSION, Frame, Message, encode_header
 from tapd.protocol.rules import is_int
@@ -60,11 +60,11 @@ def array_frame(array: np.ndarray) -> memoryview:
 
 def encode(kind: str, fields: Mapping[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Frame]:
     """Frames for one message. For `tap`, `fields` omits `leaves`: it is built here."""
-    if kind not in KINDS or kind == "taps":
+    if kind not in KINDS or kind in ("taps", "ring_taps"):
         raise ValueError(
             f"unknown message kind {kind!r}"
-            if kind != "taps"
-            else "'taps' messages are made by tapd.protocol.batch"
+            if kind not in KINDS
+            else f"{kind!r} messages are made by tapd.protocol.batch"
         )
     header = {**fields, "kind": kind}
     frames: list[Frame] = []
@@ -104,6 +104,8 @@ def decode(frames: Sequence[Any], limits: Limits = rules.DEFAULT_LIMITS) -> Mess
         _check_tap(header, payload, limits)
     elif kind == "taps":
         return Message(header, payload, read_runs(header, payload, limits))
+    elif kind == "ring_taps":
+        return Message(header, payload, spans=read_spans(header, payload, limits))
     elif payload:
         raise ProtocolError("bad_frames", f"{kind!r} message has {len(payload)} extra frames")
     return Message(header, payload)

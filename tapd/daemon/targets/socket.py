@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from tapd.daemon.deliveries import Delivery, PeerKey, Send
-from tapd.daemon.runs import TapRun
 from tapd.daemon.subscriptions import Hello
 from tapd.daemon.targets.base import Terms
 from tapd.daemon.targets.peer import Peer
@@ -22,7 +21,7 @@ from tapd.protocol.wire import encode_header
 # receive, an ack) are paid once for all of them. Larger taps go one per `tap` message.
 BATCH_BYTES = 64 * 1024
 MESSAGE_BYTES = 1024 * 1024
-_BATCH_HEADER_BYTES = DEFAULT_LIMITS.max_header_bytes // 4  # well within what decoders take
+BATCH_HEADER_BYTES = DEFAULT_LIMITS.max_header_bytes // 4  # well within what decoders take
 
 
 class SocketSubscriber(Peer):
@@ -73,7 +72,7 @@ class SocketSubscriber(Peer):
             taps += deliveries[-1].count
             size += deliveries[-1].nbytes
         frames = encode_batch([d.batch_piece() for d in deliveries])
-        if len(frames[1]) <= _BATCH_HEADER_BYTES or taps == 1:
+        if len(frames[1]) <= BATCH_HEADER_BYTES or taps == 1:
             return self.send(self.key, frames)
         # Many distinct, large headers (rare): a batch could exceed what a subscriber
         # accepts, so these go one by one.
@@ -93,5 +92,6 @@ class SocketSubscriber(Peer):
 
 
 def _batched(delivery: Delivery) -> bool:
-    """Whether a subscriber that batches gets this unit in a `taps` message."""
-    return isinstance(delivery.tap, TapRun) or delivery.nbytes <= BATCH_BYTES
+    """Whether a subscriber that batches gets this unit in a `taps` message: small taps,
+    and runs of them (a run of larger ring taps goes a `tap` message each, uncopied)."""
+    return delivery.nbytes <= BATCH_BYTES * delivery.count
