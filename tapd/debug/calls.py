@@ -257,7 +257,8 @@ def _tap(function: Callable[..., None], leaves: list[Any], *, ordered: bool) -> 
     value = tuple(leaves)
     treedef = jax.tree_util.tree_structure(value)
     consumer = local_functions.receiver().local(function, treedef)
-    tapping.emit(consumer, value, None, {}, ordered=ordered, always=True)
+    with tapping.as_jax_debug():
+        tapping.emit(consumer, value, None, {}, ordered=ordered, always=True)
 
 
 def _travelling(dynamic: list[Any], *, eager: bool) -> tuple[list[Any], delivery.LeafTypes]:

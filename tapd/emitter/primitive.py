@@ -41,6 +41,7 @@ import msgpack
 import numpy as np
 from jax._src import core, dispatch, effects
 from jax._src.interpreters import ad, batching
+from jax._src.interpreters import partial_eval as pe
 
 from tapd.emitter import jax_compat
 from tapd.errors import TapDefinitionError
@@ -91,6 +92,7 @@ class TapSiteParams:
     has_coords: bool = False
     ordered: bool = True
     strict: bool = False
+    like_jax_debug: bool = False  # tapd.debug's (tapping.as_jax_debug)
 
     @property
     def effects(self) -> set[effects.Effect]:
@@ -160,6 +162,36 @@ def _abstract_eval(
 ) -> tuple[list[core.AbstractValue], set[effects.Effect]]:
     leaves, _ = _split(avals, site)
     return leaves, site.effects
+
+
+def _partial_eval_custom(
+    saveable: Any, unknowns_in: Sequence[bool], instantiated_in: Sequence[bool], eqn: Any
+) -> Any:
+    """Partial evaluation under `jax.checkpoint` (and the loops' own rules).
+
+    A tap of known values runs once, on the known side, and its outputs are saved: what
+    JAX does for any effectful equation (host_callback's taps ran twice there; tapping
+    again would double-count steps). A tapd.debug site follows `jax.debug.callback`'s
+    rule instead: staged again, to run when the values are recomputed, unless the
+    policy saves it and some of its operands are not at hand. A tap of unknown values
+    (a tangent's) is staged whole."""
+    count = len(eqn.outvars)
+    not_at_hand = [
+        var
+        for var, instantiated in zip(eqn.invars, instantiated_in, strict=True)
+        if isinstance(var, core.Var) and not instantiated
+    ]
+    if any(unknowns_in):
+        return None, eqn, [True] * count, [True] * count, not_at_hand
+    site: TapSiteParams = eqn.params["site"]
+    if site.like_jax_debug:
+        saved = saveable(tap_p, *[var.aval for var in eqn.invars], **eqn.params)
+        if not saved or all(instantiated_in):
+            return eqn, eqn, [False] * count, [True] * count, not_at_hand
+    return eqn, None, [False] * count, [False] * count, []
+
+
+pe.partial_eval_jaxpr_custom_rules[tap_p] = _partial_eval_custom
 
 
 def _jvp(
@@ -246,7 +278,20 @@ def register_lowering(rule: Any) -> None:
 
 
 def _has_tap(closed_jaxpr: Any) -> bool:
-    return any(isinstance(effect, (TapEffect, OrderedTapEffect)) for effect in closed_jaxpr.effects)
+    """Whether the jaxpr taps other than as an unordered jax.debug callback (which JAX
+    evaluates twice an iteration in a batched condition, and tapd.debug with it)."""
+    if not any(isinstance(e, (TapEffect, OrderedTapEffect)) for e in closed_jaxpr.effects):
+        return False
+    return _taps_as_host_callback(closed_jaxpr.jaxpr)
+
+
+def _taps_as_host_callback(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is tap_p:
+            site: TapSiteParams = eqn.params["site"]
+            if not (site.like_jax_debug and not site.ordered):
+                return True
+    return any(_taps_as_host_callback(sub) for sub in core.subjaxprs(jaxpr))
 
 
 def _install_while_batching() -> None:

@@ -10,9 +10,11 @@ which gets a `shard_map` here) every device taps its own block with its coordina
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import jax
@@ -37,6 +39,24 @@ logger = logging.getLogger("tapd.emitter")
 
 _META_TYPES = (str, int, float, bool, type(None))
 _MAX_CONSUMER_LENGTH = MAX_NAME
+# Taps made for jax.debug calls (tapd.debug) follow jax.debug.callback where it differs
+# from host_callback's taps: `jax.checkpoint` runs them again when it recomputes, and a
+# batched while condition evaluates an unordered one twice an iteration. Set while tracing.
+_as_jax_debug: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "tapd_as_jax_debug", default=False
+)
+
+
+@contextlib.contextmanager
+def as_jax_debug() -> Iterator[None]:
+    """Taps emitted inside follow `jax.debug.callback`'s rules (see above)."""
+    token = _as_jax_debug.set(True)
+    try:
+        yield
+    finally:
+        _as_jax_debug.reset(token)
+
+
 # How a tap keeps order: True (program order inside one computation, tapd's own token),
 # False (none), or "strict" (JAX's ordered effect: also between computations).
 STRICT: Literal["strict"] = "strict"
@@ -228,6 +248,7 @@ def _site(
         has_coords=has_coords,
         ordered=bool(ordered),
         strict=ordered == STRICT,
+        like_jax_debug=_as_jax_debug.get(),
     )
 
 
