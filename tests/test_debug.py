@@ -24,10 +24,6 @@ import debug_cases
 StartDaemon = Callable[..., Daemon]
 FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
-# tapd's run of the first case gives what JAX's run of the second does (none now: the
-# differences documented in docs/MIGRATING.md are checked in tests/test_debug_runtime.py).
-SAME_AS: dict[str, str] = {}
-
 _jax_runs: dict[str, dict[str, Any]] = {}
 
 
@@ -71,7 +67,7 @@ def test_tapd_debug_makes_the_calls_jax_debug_makes(start_daemon: StartDaemon, g
     assert sorted(got) == sorted(expected) == sorted(debug_cases.GROUPS[group])
     differing = []
     for name in sorted(got):
-        want = comparable(name, expected[SAME_AS.get(name, name)])
+        want = comparable(name, expected[name])
         if comparable(name, got[name]) != want:
             differing.append(
                 f"{name}:\n  jax.debug:  {want}\n  tapd.debug: {comparable(name, got[name])}"
@@ -82,18 +78,3 @@ def test_tapd_debug_makes_the_calls_jax_debug_makes(start_daemon: StartDaemon, g
         if name == "log_records" and not result["logged"]:
             continue  # a JAX without jax.debug.log
         assert result["calls"] or result["out"] or result["logged"] or result["error"], name
-
-
-@pytest.mark.parametrize("name", sorted(SAME_AS))
-def test_the_documented_differences_are_still_jaxs_behaviour(
-    start_daemon: StartDaemon, name: str
-) -> None:
-    """Where tapd differs, JAX's two configurations still differ as MIGRATING.md says
-    (JAX prints more where it re-runs a callback)."""
-    group = next(group for group, cases in debug_cases.GROUPS.items() if name in cases)
-    expected = jax_run(group, start_daemon().endpoint)
-    differs, same_as = (
-        expected[name]["out"].splitlines(),
-        expected[SAME_AS[name]]["out"].splitlines(),
-    )
-    assert len(differs) > len(same_as), (differs, same_as)
