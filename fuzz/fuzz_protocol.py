@@ -22,12 +22,8 @@ with atheris.instrument_imports():
     from tapd.errors import ProtocolError
     from tapd.protocol import MAGIC, decode, encode
     from tapd.protocol.batch import BatchTap, encode_batch
-    from tapd.protocol.schema import (
-        check_record,
-        check_ring_control,
-        check_site_entry,
-        split_site_entries,
-    )
+    from tapd.protocol.ring_checks import check_record, check_ring_control
+    from tapd.protocol.schema import check_site_entry, split_site_entries
     from tapd.protocol.tree import unflatten
 
 PAGE = 4096

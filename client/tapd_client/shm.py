@@ -45,8 +45,9 @@ import numpy as np
 from tapd.errors import ConfigError, ProtocolError, TapdError
 from tapd.protocol import Message
 from tapd.protocol.batch import RingSpan, SiteRun
+from tapd.protocol.ring_checks import check_ring_control
 from tapd.protocol.ring_format import COMMITTED_OFFSET, TAIL_OFFSET, header_bytes
-from tapd.protocol.schema import RING_NAME, check_ring_control, check_shard, leaf_sizes
+from tapd.protocol.schema import RING_NAME, check_shard, leaf_sizes
 from tapd.runtime import boot_id, ensure_private_dir, ring_dir_for
 from tapd.settings import SHM_SUBSCRIBERS
 

@@ -28,8 +28,8 @@ from tapd.daemon.runs import Site, TapRun
 from tapd.errors import ProtocolError
 from tapd.native.ring import Record, Records, Ring, RingError
 from tapd.protocol import Message
+from tapd.protocol.ring_checks import check_record
 from tapd.protocol.ring_format import EVERY_ALL  # (ring.h: RingControl)
-from tapd.protocol.schema import check_record
 
 logger = logging.getLogger("tapd.daemon")
 

@@ -3,7 +3,7 @@ ring, the wake socket through which writers wake an idle daemon, and the sweep o
 directories that no one can drain any more.
 
 A ring file is checked before it is mapped (a regular file of ours, not a link, whose
-control page is sound: tapd/protocol/schema.py, check_ring_control). Its liveness is
+control page is sound: tapd/protocol/ring_checks.py, check_ring_control). Its liveness is
 read from its control page: the writer's pid, and the reader's (the daemon that drains
 it; tapd/protocol/ring_format.py gives the offsets).
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from tapd.errors import ProtocolError
 from tapd.native.ring import RingError
+from tapd.protocol.ring_checks import check_ring_control
 from tapd.protocol.ring_format import READER_PID, READER_PID_OFFSET
-from tapd.protocol.schema import check_ring_control
 from tapd.runtime import SHM_DIR, pid_alive, ring_dir_prefix, runtime_dir_of_rings
 
 logger = logging.getLogger("tapd.daemon")
@@ -40,7 +40,7 @@ class RingBusy(RingError):
 
 def lock_ring_file(path: Path) -> int:
     """Check a ring file before it is mapped (a regular file of ours, not a link, whose
-    control page is sound: tapd/protocol/schema.py, check_ring_control) and take its
+    control page is sound: tapd/protocol/ring_checks.py, check_ring_control) and take its
     lock, so that no two daemons drain one ring. Returns the locked descriptor."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
