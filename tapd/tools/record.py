@@ -121,15 +121,23 @@ class Recorder:
         headers = batch.headers()[:count]
         for header in headers:
             header["emitter"] = emitter  # (a tap that came alone may lack it)
-        # The leaves view the received message; the chunk keeps them (and it) until written.
-        self._chunk.append((headers, [leaf[:count] for leaf in batch.leaves]))
-        nbytes = per_tap * count
-        self._chunk_bytes += nbytes
-        self.stats.taps += count
-        self.stats.bytes += nbytes
-        self._accepted_bytes += nbytes + _OVERHEAD * count
-        if self._chunk_bytes >= self.chunk_bytes:
-            self.flush()
+        # A chunk holds at most chunk_bytes, or one tap if a tap is larger: a batch (up
+        # to many MiB of a same-host subscriber's ring taps) is cut to fit, so that
+        # rotation, which keeps whole chunks within max_bytes, always keeps the newest.
+        start = 0
+        while start < count:
+            room = max(1, (self.chunk_bytes - self._chunk_bytes) // max(per_tap, 1))
+            stop = min(count, start + room)
+            # The leaves view the received message; the chunk keeps them until written.
+            self._chunk.append((headers[start:stop], [leaf[start:stop] for leaf in batch.leaves]))
+            nbytes = per_tap * (stop - start)
+            self._chunk_bytes += nbytes
+            self.stats.taps += stop - start
+            self.stats.bytes += nbytes
+            self._accepted_bytes += nbytes + _OVERHEAD * (stop - start)
+            if self._chunk_bytes >= self.chunk_bytes:
+                self.flush()
+            start = stop
 
     def expire(self) -> None:
         """The subscriber's idle tick: write a chunk that has waited `flush_every`."""
