@@ -141,14 +141,12 @@ def register_ffi_target() -> bool:
                     "tapd: no %s tap handler: %s", platform, library.handler_reason(platform)
                 )
                 continue
-            try:
-                capsule = jax.ffi.pycapsule(function)  # type: ignore[no-untyped-call]
-                jax.ffi.register_ffi_target(FFI_TARGET, capsule, platform=xla_platform)
-            except Exception as exc:
-                logger.warning("tapd: could not register the %s tap handler: %s", platform, exc)
+            if not _register(FFI_TARGET, function, xla_platform, "tap"):
                 continue
             registered.add(platform)
-            _register_order_target(xla_platform)
+            order = library.order_handler()
+            if order is not None and _register(ORDER_TARGET, order, xla_platform, "order"):
+                _order_platforms.add(platform)
         if not registered:
             return False
         _registered_platforms = frozenset(registered)
@@ -159,19 +157,17 @@ def register_ffi_target() -> bool:
 _order_platforms: set[str] = set()
 
 
-def _register_order_target(xla_platform: str) -> None:
-    function = library.order_handler()
-    if function is None:
-        return
+def _register(target: str, function: Any, xla_platform: str, what: str) -> bool:
+    """Register one of tapd's C handlers with XLA; a failure is logged, never raised."""
     import jax
 
     try:
         capsule = jax.ffi.pycapsule(function)  # type: ignore[no-untyped-call]
-        jax.ffi.register_ffi_target(ORDER_TARGET, capsule, platform=xla_platform)
+        jax.ffi.register_ffi_target(target, capsule, platform=xla_platform)
     except Exception as exc:
-        logger.warning("tapd: could not register the %s order handler: %s", xla_platform, exc)
-        return
-    _order_platforms.add(xla_platform.lower())
+        logger.warning("tapd: could not register the %s %s handler: %s", xla_platform, what, exc)
+        return False
+    return True
 
 
 def order_platforms() -> frozenset[str]:

@@ -117,19 +117,26 @@ def program_order(calls: str) -> dict[str, Any]:
     return {"stats": tapd.stats()}
 
 
-def in_flight(calls: str) -> dict[str, Any]:
-    """`calls` calls of a step that taps, dispatched without waiting (each takes a while
-    on the CPU), then one `barrier_wait()`: every tap of every call must have been
-    delivered to the subscribed consumer by then."""
+def _slow_step(consumer: str) -> Any:
+    """A jitted step that takes a while on the CPU (four 192x192 products), then taps
+    one value for `consumer` with step `i`."""
     w = jnp.full((192, 192), 0.001)
 
     @jax.jit
     def step(x: jax.Array, i: jax.Array) -> jax.Array:
         for _ in range(4):
             x = jnp.tanh(x @ w)
-        tapd.tap(x[0, 0], "flight", step=i)
+        tapd.tap(x[0, 0], consumer, step=i)
         return x
 
+    return step
+
+
+def in_flight(calls: str) -> dict[str, Any]:
+    """`calls` calls of a step that taps, dispatched without waiting (each takes a while
+    on the CPU), then one `barrier_wait()`: every tap of every call must have been
+    delivered to the subscribed consumer by then."""
+    step = _slow_step("flight")
     x = jnp.ones((192, 192))
     x = step(x, jnp.int32(-1))
     tapd.barrier_wait()
@@ -148,15 +155,7 @@ def in_flight(calls: str) -> dict[str, Any]:
 def exit_in_flight(calls: str) -> dict[str, Any]:
     """`calls` calls of a step that taps, dispatched without waiting, then the process
     ends without a barrier: the exit drain must deliver every tap."""
-    w = jnp.full((192, 192), 0.001)
-
-    @jax.jit
-    def step(x: jax.Array, i: jax.Array) -> jax.Array:
-        for _ in range(4):
-            x = jnp.tanh(x @ w)
-        tapd.tap(x[0, 0], "exit", step=i)
-        return x
-
+    step = _slow_step("exit")
     x = jnp.ones((192, 192))
     for i in range(int(calls)):
         x = step(x, jnp.int32(i))
