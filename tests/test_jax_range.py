@@ -190,3 +190,37 @@ def test_the_installed_jax_is_read_without_importing_it() -> None:
 
     assert result.stdout.split() == [jax.__version__, "False"]
     assert re.match(r"\d+\.\d+", jax.__version__)
+
+
+def test_cpu_arrays_match_jax_device_put_on_the_fast_path_and_the_fallback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tapd.debug` hands its callbacks what `jax.device_put(args, cpu)` gives: the fast
+    internal path and the public fallback agree with it, weak types included."""
+    import jax
+    import numpy as np
+
+    cpu = jax.local_devices(backend="cpu")[0]
+    leaves = [
+        np.arange(6, dtype=np.float32).reshape(2, 3),
+        np.array(3, np.int32),
+        np.frombuffer(bytes(range(16)), np.uint8)[3:11],  # read-only, unaligned
+        np.array([True, False]),
+    ]
+    expected = jax.device_put(leaves, cpu)
+
+    def check(arrays: list) -> None:
+        for index, (got, want) in enumerate(zip(arrays, expected, strict=True)):
+            assert isinstance(got, jax.Array)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            assert got.devices() == {cpu} and got.committed
+            assert got.weak_type == (index == 1)
+
+    check(jax_compat.cpu_arrays(leaves, cpu, frozenset({1})))
+
+    def internals_differ() -> None:
+        raise AttributeError("module 'pxla' has no attribute 'batched_device_put'")
+
+    monkeypatch.setattr(jax_compat, "_device_putter", internals_differ)
+    check(jax_compat.cpu_arrays(leaves, cpu, frozenset({1})))

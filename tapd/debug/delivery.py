@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from tapd.emitter import jax_compat
 from tapd.emitter.local_functions import describe
 from tapd.errors import BarrierTimeout
 
@@ -182,25 +183,10 @@ def unbatched(leaves: list[Any], batch_dims: Sequence[Sequence[int | None]]) -> 
 
 
 def _as_jax(leaves: list[Any], device: Any, types: LeafTypes) -> list[Any]:
-    arrays = list(jax.device_put(leaves, device))
-    for index in types.weak:
-        arrays[index] = _weakly_typed(arrays[index])
+    arrays = jax_compat.cpu_arrays(leaves, device, types.weak)
     for index, impl in types.key_impls.items():
         arrays[index] = jax.random.wrap_key_data(arrays[index], impl=impl)
     return arrays
-
-
-def _weakly_typed(array: Any) -> Any:
-    """`array` as the weakly typed jax.Array JAX gives for a Python scalar (the same
-    buffer); `array` itself if this JAX's internals differ."""
-    try:
-        from jax._src import array as jax_array
-        from jax._src import core
-
-        aval = core.ShapedArray(array.shape, array.dtype, weak_type=True)
-        return jax_array.ArrayImpl(aval, array.sharding, array._arrays, committed=array._committed)
-    except Exception:
-        return array
 
 
 @functools.cache
