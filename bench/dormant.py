@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -121,17 +120,6 @@ def child(backend: str, steps: dict[str, tuple[int, ...]], repeats: int) -> dict
         return {"backend": tapd.backend(), "seconds": seconds, "stats": stats}
     finally:
         procs.stop_all()
-
-
-def run_child(backend: str, quick: bool) -> dict[str, Any]:
-    argv = [sys.executable, __file__, "--child", backend, *(["--quick"] if quick else [])]
-    env = {**os.environ, "TAPD_BACKEND": backend, "TAPD_AUTOSTART": "0"}
-    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(f"{backend} run failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    out: dict[str, Any] = json.loads(lines[-1])
-    return out
 
 
 def plan(backend: str, quick: bool) -> tuple[dict[str, tuple[int, ...]], int]:
@@ -243,7 +231,10 @@ def main() -> int:
         steps, repeats = plan(args.child, args.quick)
         print(json.dumps(child(args.child, steps, repeats)), flush=True)
         return 0
+    from processes import run_backend_child
     from report import code_revision, load_average, machine_description, publish, table
+
+    quick = ["--quick"] if args.quick else []
 
     sections = ["# Dormant and sampled taps: what a tap costs when nobody listens", ""]
     sections.append(__doc__.split("\n\n")[1].replace("\n", " ") + "\n")
@@ -252,7 +243,7 @@ def main() -> int:
     verdicts = []
     for backend in ("native", "portable"):
         print(f"measuring the {backend} backend ...", flush=True)
-        result = run_child(backend, args.quick)
+        result = run_backend_child(__file__, backend, [backend, *quick])
         steps, repeats = plan(backend, args.quick)
         text, said = table_for(backend, result, steps)
         verdicts += said

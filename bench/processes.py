@@ -187,3 +187,17 @@ def read_line(process: subprocess.Popen[bytes], timeout: float) -> str:
     if not ready:
         return ""
     return process.stdout.readline().decode(errors="replace").strip()
+
+
+def run_backend_child(script: str, backend: str, argv: Sequence[str]) -> dict[str, Any]:
+    """Run `script --child ...argv` with TAPD_BACKEND=`backend` (each backend in a process
+    of its own: the backend is chosen once per process); return the JSON object it prints
+    last on stdout."""
+    command = [sys.executable, script, "--child", *argv]
+    env = {**os.environ, "TAPD_BACKEND": backend, "TAPD_AUTOSTART": "0"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(f"{backend} run failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    out: dict[str, Any] = json.loads(lines[-1])
+    return out
