@@ -23,6 +23,7 @@ from test_ring_format import layout
 
 from conftest import Daemon, SubscriberProcess, run_emitter, tapd_cmd, wait_until
 from tapd.native import library
+from tapd.native import ring as ring_module
 from tapd.native.ring import Ring
 from tapd.protocol.ring_format import HELD_REASONS
 
@@ -91,7 +92,7 @@ def test_uniform_runs_of_stream_committed_records_get_their_steps_too(
     ring = rings()
     reader = Ring.open(ring.path)
     try:
-        steps = [-1, 2, -3, 4]
+        steps = [(i + 1) * (-1 if i % 2 == 0 else 1) for i in range(2 * ring_module._COLUMNS_FROM)]
         for i, step in enumerate(steps):
             position = ring.reserve_for_test(1, b"x" * 16, step=0 if i % 2 == 0 else step)
             assert position is not None
