@@ -4,12 +4,13 @@ and a subscriber's records tallied step by step as delivered, duplicated or miss
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from conftest import APPS
@@ -51,14 +52,22 @@ def start_emitter(
     )
 
 
-def finish(emitter: subprocess.Popen[str], timeout: float = 90) -> dict[str, Any]:
-    """Wait for the emitter; return its last JSON line (its stats)."""
+@contextlib.contextmanager
+def running(emitter: subprocess.Popen[str]) -> Iterator[subprocess.Popen[str]]:
+    """`emitter`, killed and reaped if the block leaves it running: a test that fails
+    halfway leaves no process behind."""
     try:
-        out, err = emitter.communicate(timeout=timeout)
+        yield emitter
     finally:
         if emitter.poll() is None:
             emitter.kill()
             emitter.communicate()
+
+
+def finish(emitter: subprocess.Popen[str], timeout: float = 90) -> dict[str, Any]:
+    """Wait for the emitter; return its last JSON line (its stats)."""
+    with running(emitter):
+        out, err = emitter.communicate(timeout=timeout)
     assert emitter.returncode == 0, err[-3000:]
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     result["stderr"] = err

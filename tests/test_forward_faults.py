@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from faultproxy import FaultProxy
-from tally import Tally, finish, start_emitter
+from tally import Tally, finish, running, start_emitter
 
 from conftest import Daemon, MakeRouter, SubscriberProcess, wait_until
 from tapd.protocol.ring_format import EVERY_DORMANT
@@ -40,18 +40,13 @@ def test_an_upstream_starting_late_before_its_subscriber_holds_the_backlog_for_i
     as unrouted the moment it arrives."""
     steps = 300
     forwarder = start_daemon("--forward", f"ipc://{runtime_dir}/a.sock", name="b.sock")
-    emitter = start_emitter(forwarder.endpoint, "steps", str(steps))
-    try:
+    with running(start_emitter(forwarder.endpoint, "steps", str(steps))) as emitter:
         wait_until(lambda: forward_stats(forwarder)["waiting"] == steps, "the taps waiting at B")
         upstream = start_daemon("--startup-grace", "20", name="a.sock")
         # Every tap reached the upstream before its subscriber exists.
         wait_until(lambda: upstream.counters().get("taps_received") == steps, "taps at A")
         far = start_subscriber(upstream, "loss")
         result = finish(emitter)
-    finally:
-        if emitter.poll() is None:
-            emitter.kill()
-            emitter.communicate()
     assert Tally.of(far.records(), steps) == Tally(steps, 0, 0)
     stats = result["stats"]
     assert (stats["delivered"], stats["unrouted"], stats["daemon_dropped"]) == (steps, 0, 0)
@@ -125,8 +120,7 @@ def test_taps_the_upstream_had_no_subscriber_for_are_unrouted_for_the_emitter(
     then says "send every tap" (EVERY_ALL), so the emitter sends all 40 and skips none.
     (Taps run after the forwarder made the site dormant are skipped: the next test.)"""
     upstream, forwarder, other = upstream_with_other(start_daemon, start_subscriber, upstream_says)
-    emitter = told_emitter(forwarder, "first")
-    try:
+    with running(told_emitter(forwarder, "first")) as emitter:
         assert said(emitter) == {"ready": "first"}
         # The forwarder has met the emitter's ring and read its sites so far: not "loss",
         # which is registered only when the emitter is told to run it.
@@ -142,10 +136,6 @@ def test_taps_the_upstream_had_no_subscriber_for_are_unrouted_for_the_emitter(
             wait_until(lambda: site_every(forwarder, "loss") == EVERY_DORMANT, "loss dormant")
         tell(emitter)
         stats = finish(emitter)["stats"]
-    finally:
-        if emitter.poll() is None:
-            emitter.kill()
-            emitter.communicate()
     assert other.records() == []
     assert stats["skipped"] == 0, stats
     counters = forwarder.counters()
@@ -168,18 +158,13 @@ def test_taps_of_a_site_the_forwarder_made_dormant_are_skipped_not_unrouted(
     then copies none of its 40 taps: all skipped (not dropped, not unrouted), and
     nothing reaches either daemon."""
     upstream, forwarder, other = upstream_with_other(start_daemon, start_subscriber, "")
-    emitter = told_emitter(forwarder, "loss")
-    try:
+    with running(told_emitter(forwarder, "loss")) as emitter:
         assert said(emitter) == {"ready": "loss"}
         wait_until(lambda: site_every(forwarder, "loss") == EVERY_DORMANT, "loss dormant at B")
         tell(emitter)
         assert said(emitter) == {"ran": 40}
         tell(emitter)
         stats = finish(emitter)["stats"]
-    finally:
-        if emitter.poll() is None:
-            emitter.kill()
-            emitter.communicate()
     assert other.records() == []
     assert (stats["skipped"], stats["unrouted"], stats["delivered"]) == (40, 0, 0), stats
     assert stats["daemon_dropped"] == 0 and stats["skipped_by_consumer"] == {"loss": 40}, stats
@@ -218,8 +203,7 @@ def test_taps_lost_with_a_dropped_connection_are_sent_again_not_reported_as_erro
 ) -> None:
     _, forwarder, proxy, far = tcp_pair
     steps = 300
-    emitter = start_emitter(forwarder.endpoint, "paced", str(steps), "5")
-    try:
+    with running(start_emitter(forwarder.endpoint, "paced", str(steps), "5")) as emitter:
         wait_until(lambda: len(far.records()) >= 50, "taps through the proxy")
         proxy.pause()
         sent = forwarder.counters()["forward_sent"]
@@ -227,10 +211,6 @@ def test_taps_lost_with_a_dropped_connection_are_sent_again_not_reported_as_erro
         proxy.cut()  # what was in transit is gone; the forwarder reconnects
         proxy.resume()
         result = finish(emitter)
-    finally:
-        if emitter.poll() is None:
-            emitter.kill()
-            emitter.communicate()
     tally = Tally.of(far.records(), steps)
     assert (tally.delivered, tally.missing) == (steps, 0), tally
     assert result["stats"]["delivered"] == steps and result["stats"]["errors"] == 0
@@ -262,15 +242,10 @@ def test_a_connection_reset_on_the_forwarders_side_mid_stream_loses_nothing(
 ) -> None:
     _, forwarder, proxy, far = tcp_pair
     steps = 300
-    emitter = start_emitter(forwarder.endpoint, "paced", str(steps), "5")
-    try:
+    with running(start_emitter(forwarder.endpoint, "paced", str(steps), "5")) as emitter:
         wait_until(lambda: len(far.records()) >= 50, "taps through the proxy")
         proxy.cut_one_side("client")
         result = finish(emitter, timeout=60)
-    finally:
-        if emitter.poll() is None:
-            emitter.kill()
-            emitter.communicate()
     tally = Tally.of(far.records(), steps)
     assert (tally.delivered, tally.missing) == (steps, 0), tally
     assert result["stats"]["delivered"] == steps and result["stats"]["errors"] == 0
@@ -290,18 +265,13 @@ def test_an_upstream_killed_and_restarted_loses_nothing(
     upstream = start_daemon(name="a.sock")
     forwarder = start_daemon("--forward", upstream.endpoint, name="b.sock")
     far = start_subscriber(upstream, "loss", sleep_ms=sleep_ms)
-    emitter = start_emitter(forwarder.endpoint, "paced", str(steps), "5")
-    try:
+    with running(start_emitter(forwarder.endpoint, "paced", str(steps), "5")) as emitter:
         wait_until(lambda: len(far.records()) >= 100, "taps at the first upstream")
         upstream.process.kill()
         upstream.process.wait(timeout=30)
         again = start_daemon("--startup-grace", "10", name="a.sock")
         wait_until(lambda: again.subscriber_count() == 1, "the subscriber back", timeout=30)
         result = finish(emitter)
-    finally:
-        if emitter.poll() is None:
-            emitter.kill()
-            emitter.communicate()
     tally = Tally.of(far.records(), steps)
     assert (tally.delivered, tally.missing) == (steps, 0), tally
     stats = result["stats"]
@@ -321,17 +291,12 @@ def test_a_forwarding_daemon_killed_and_restarted_loses_only_what_its_emitter_co
     upstream = start_daemon(name="a.sock")
     far = start_subscriber(upstream, "loss")
     forwarder = start_daemon("--forward", upstream.endpoint, name="b.sock")
-    emitter = start_emitter(forwarder.endpoint, "paced", str(steps), "5")
-    try:
+    with running(start_emitter(forwarder.endpoint, "paced", str(steps), "5")) as emitter:
         wait_until(lambda: len(far.records()) >= 100, "taps at the upstream")
         forwarder.process.kill()
         forwarder.process.wait(timeout=30)
         again = start_daemon("--forward", upstream.endpoint, name="b.sock")
         result = finish(emitter)
-    finally:
-        if emitter.poll() is None:
-            emitter.kill()
-            emitter.communicate()
     tally = Tally.of(far.records(), steps)
     stats = result["stats"]
     counted = stats["submitted"] - stats["delivered"] - stats["unrouted"] - stats["dropped"]

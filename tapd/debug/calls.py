@@ -100,14 +100,7 @@ def debug_callback(
         site = delivery.CallbackSite(function, in_tree, static)
         dispatch(site, dynamic, ordered=ordered, partitioned=partitioned, synchronous=synchronous)
 
-    if callback is not None:
-        call(callback, *args, **kwargs)
-        return None
-    if args or kwargs:
-        raise TypeError(
-            f"debug_callback received unexpected arguments in the two-call form: {args=} {kwargs=}"
-        )
-    return call
+    return _now_or_later("debug_callback", call, callback, args, kwargs)
 
 
 def debug_print(
@@ -158,20 +151,32 @@ def debug_print(
         )
         dispatch(site, dynamic, ordered=ordered, partitioned=partitioned, synchronous=synchronous)
 
-    if fmt is not None:
-        call(fmt, *args, **kwargs)
-        return None
-    if args or kwargs:
-        raise TypeError(
-            f"debug_print received unexpected arguments in the two-call form: {args=} {kwargs=}"
-        )
-    return call
+    return _now_or_later("debug_print", call, fmt, args, kwargs)
 
 
 def debug_log(fmt: str | None = None, *args: Any, **kwargs: Any) -> Callable[..., None] | None:
     """`jax.debug.log` (jax 0.9 and later): `debug_print` to the `jax._src.debugging`
     logger, at INFO, with the caller's file and line, off the step."""
     return debug_print(fmt, *args, _use_logging=True, **kwargs)
+
+
+def _now_or_later(
+    name: str,
+    call: Callable[..., None],
+    first: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Callable[..., None] | None:
+    """JAX's two call forms: with its first argument, the call is made now; without,
+    (options only) the call is returned, to be made with the arguments."""
+    if first is not None:
+        call(first, *args, **kwargs)
+        return None
+    if args or kwargs:
+        raise TypeError(
+            f"{name} received unexpected arguments in the two-call form: {args=} {kwargs=}"
+        )
+    return call
 
 
 def _logging_record() -> logging.LogRecord:

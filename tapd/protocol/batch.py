@@ -142,25 +142,8 @@ def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame | bytearra
     for piece in pieces:
         if isinstance(piece, BatchRun):
             index = static_index(piece.site, piece.header, piece.emitter)
-            frame = len(bodies)
+            rows.extend(_run_rows(index, piece, len(bodies), piece.offsets))
             bodies.append(piece.body)
-            count = len(piece.offsets)
-            coords: Iterable[list[int] | None] = piece.coords or itertools.repeat(None, count)
-            # Column by column, zipped in C: a run is thousands of small taps.
-            rows.extend(
-                zip(
-                    itertools.repeat(index, count),
-                    range(piece.first_tid, piece.first_tid + count),
-                    piece.seqs,
-                    piece.steps,
-                    piece.devices,
-                    piece.times,
-                    coords,
-                    itertools.repeat(frame, count),
-                    piece.offsets,
-                    strict=True,
-                )
-            )
             continue
         header = piece.header
         shard = header.get("shard")
@@ -221,24 +204,32 @@ def encode_ring_batch(pieces: Sequence[RingPiece]) -> list[Frame]:
         if ring is None:
             ring = ring_index[piece.ring] = len(rings)
             rings.append(piece.ring)
-        count = len(piece.positions)
-        coords: Iterable[list[int] | None] = piece.coords or itertools.repeat(None, count)
-        rows.extend(
-            zip(
-                itertools.repeat(index, count),
-                range(piece.first_tid, piece.first_tid + count),
-                piece.seqs,
-                piece.steps,
-                piece.devices,
-                piece.times,
-                coords,
-                itertools.repeat(ring, count),
-                piece.positions,
-                strict=True,
-            )
-        )
+        rows.extend(_run_rows(index, piece, ring, piece.positions))
     header = {"kind": "ring_taps", "statics": statics.entries, "rings": rings, "taps": rows}
     return [MAGIC, encode_header(header)]
+
+
+def _run_rows(
+    static: int, piece: BatchRun | RingPiece, where: int, offsets: Sequence[int]
+) -> Iterable[tuple[Any, ...]]:
+    """The wire rows of a run of one site's taps: the statics' index, tid, seq, step,
+    device, time, coords, then where each tap's bytes are (a body frame of `taps`, a
+    ring of `ring_taps`) and from which offset. Column by column, zipped in C: a run is
+    thousands of small taps."""
+    count = len(offsets)
+    coords: Iterable[list[int] | None] = piece.coords or itertools.repeat(None, count)
+    return zip(
+        itertools.repeat(static, count),
+        range(piece.first_tid, piece.first_tid + count),
+        piece.seqs,
+        piece.steps,
+        piece.devices,
+        piece.times,
+        coords,
+        itertools.repeat(where, count),
+        offsets,
+        strict=True,
+    )
 
 
 def read_runs(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> list[SiteRun]:
