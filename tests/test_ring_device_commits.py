@@ -92,7 +92,7 @@ def test_uniform_runs_of_stream_committed_records_get_their_steps_too(
     ring = rings()
     reader = Ring.open(ring.path)
     try:
-        steps = [(i + 1) * (-1 if i % 2 == 0 else 1) for i in range(2 * ring_module._COLUMNS_FROM)]
+        steps = [(i + 1) * (-1 if i % 2 == 0 else 1) for i in range(2 * ring_module.COLUMNS_FROM)]
         for i, step in enumerate(steps):
             position = ring.reserve_for_test(1, b"x" * 16, step=0 if i % 2 == 0 else step)
             assert position is not None

@@ -26,7 +26,7 @@ from tapd.daemon.ring_watch import lock_ring_file
 from tapd.daemon.router import Router
 from tapd.daemon.runs import Site, TapRun
 from tapd.errors import ProtocolError
-from tapd.native.ring import Record, Records, Ring, RingError
+from tapd.native.ring import COLUMNS_FROM, Record, Records, Ring, RingError
 from tapd.protocol import Message
 from tapd.protocol.ring_checks import check_record
 from tapd.protocol.ring_format import EVERY_ALL  # (ring.h: RingControl)
@@ -238,8 +238,19 @@ class RingSource:
 def _run_ends(records: Records) -> list[int]:
     """Where each run of records of one site and one length ends (exclusive), ascending:
     the places a run must stop, found for the whole read at once."""
-    if len(records) < 2:
-        return [len(records)]
+    count = len(records)
+    if count < 2:
+        return [count]
+    if count < COLUMNS_FROM:  # (numpy's fixed cost is more than a few steps of Python)
+        ids, starts, ends = records.sites, records.starts, records.ends
+        return [
+            *(
+                i
+                for i in range(1, count)
+                if ids[i] != ids[i - 1] or ends[i] - starts[i] != ends[i - 1] - starts[i - 1]
+            ),
+            count,
+        ]
     sites = np.array(records.sites, np.uint64)
     lengths = np.array(records.ends, np.int64) - np.array(records.starts, np.int64)
     changes = (sites[1:] != sites[:-1]) | (lengths[1:] != lengths[:-1])

@@ -54,7 +54,7 @@ __all__ = [
 
 STALL_WARNING_S = 30.0  # a reserved record holding the ring back this long is logged
 # Records read as numpy columns from this many on (`Ring._read_uniform`); fewer one by one.
-_COLUMNS_FROM = 24  # (the crossover, measured: 2 records 12 µs as columns, 3 one by one)
+COLUMNS_FROM = 24  # (the crossover, measured: 2 records 12 µs as columns, 3 one by one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,7 +439,7 @@ class Ring:
         if length < header_bytes or length % 8:
             return records
         count = min(len(view) // length, max_records)
-        if count < _COLUMNS_FROM:
+        if count < COLUMNS_FROM:
             return records
         headers = np.ndarray((count,), RECORD_HEADER, buffer=view, strides=(length,))
         offsets = np.arange(count, dtype=np.uint64) * np.uint64(length)
