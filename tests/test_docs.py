@@ -58,3 +58,39 @@ def test_readme_links_every_docs_page() -> None:
     links = set(LINK.findall(README.read_text()))
     pages = {f"docs/{page.name}" for page in PAGES[1:]}
     assert pages <= links, f"README does not link {sorted(pages - links)}"
+
+
+# A section a page or a module sends readers to: `docs/PROTOCOL.md, "Barrier"`, or a
+# markdown link to the page followed by `, "Section"`.
+SECTION_REFERENCE = re.compile(
+    r"((?:docs|bench)/[A-Z_]+\.md)(?:\]\([^)\s]*\))?`?\)?,? \"([^\"\n]+)\""
+)
+SOURCES = [
+    *PAGES,
+    *sorted((ROOT / "bench").glob("*.md")),
+    *sorted((ROOT / "tapd").rglob("*.py")),
+    *sorted((ROOT / "client").rglob("*.py")),
+    *sorted(path for path in (ROOT / "deploy").rglob("*") if path.is_file()),
+]
+
+
+def _labels(page: Path) -> set[str]:
+    """What a reader finds on `page` by name: its headings, its bold labels (`**Security**:`)
+    and the first cell of its table rows (a message kind: | `hello` |)."""
+    text = page.read_text()
+    found = re.findall(r"(?m)^#+\s+(.*)$", text)
+    found += re.findall(r"\*\*([^*\n]+)\*\*", text)
+    found += re.findall(r"(?m)^\|\s*([^|\n]+?)\s*\|", text)
+    return {re.sub(r"[`*]", "", label).strip().lower() for label in found}
+
+
+def test_every_section_a_reference_names_is_on_its_page() -> None:
+    """`docs/X.md, "Section"` leads to a heading (or label) that contains those words."""
+    broken = []
+    for source in SOURCES:
+        for page_name, section in SECTION_REFERENCE.findall(source.read_text(errors="replace")):
+            page = ROOT / page_name
+            wanted = re.sub(r"[`*]", "", section).strip().lower()
+            if not page.exists() or not any(wanted in label for label in _labels(page)):
+                broken.append(f"{source.relative_to(ROOT)}: {page_name}, {section!r}")
+    assert not broken, "references to sections that are not there:\n" + "\n".join(broken)

@@ -1,6 +1,6 @@
 """A ring file's control page and records, checked as input: the daemon and same-host
 subscribers map rings an emitter wrote, so what they hold is read like any message
-(docs/PROTOCOL.md, "The ring"). Their layout is tapd/protocol/ring_format.py's; a
+(docs/PROTOCOL.md, "Shared-memory ring"). Their layout is tapd/protocol/ring_format.py's; a
 violation raises `ProtocolError` (`bad_ring`)."""
 
 from __future__ import annotations
