@@ -33,6 +33,8 @@ class Config(DaemonFields):
         for name in ("subscriber_timeout", "drain_timeout", "startup_grace"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.coalesce <= 1:
+            raise ConfigError(f"coalesce must be between 0 and 1 second, got {self.coalesce}")
         if self.idle_exit is not None and self.idle_exit <= 0:
             raise ConfigError(f"idle_exit must be positive, got {self.idle_exit}")
         if not self.endpoint.startswith(("ipc://", "tcp://", "inproc://")):

@@ -262,6 +262,7 @@ DAEMON_CASES = {
     "subscriber_timeout": Case("2.5", "2.5", ("--subscriber-timeout", "2.5"), 2.5),
     "startup_grace": Case("0.25", "0.25", ("--startup-grace", "0.25"), 0.25),
     "drain_timeout": Case("3", "3", ("--drain-timeout", "3"), 3.0),  # a TOML integer
+    "coalesce": Case("0.004", "0.004", ("--coalesce", "0.004"), 0.004),
     "max_message_bytes": Case("4096", "4096", ("--max-message-bytes", "4096"), 4096),
     "pidfile": Case(
         '"/tmp/t/x.pid"', "/tmp/t/x.pid", ("--pidfile", "/tmp/t/x.pid"), Path("/tmp/t/x.pid")
@@ -380,3 +381,9 @@ def test_every_variable_is_declared_once_and_read_through_the_table() -> None:
             continue
         for read in READS.finditer(text):
             assert not read, f"{source.relative_to(ROOT)} reads a variable itself: {read[0]}"
+
+
+@pytest.mark.parametrize("value", ["-0.001", "1.5"])
+def test_a_coalescing_wait_outside_0_to_1_second_is_refused_naming_it(value: str) -> None:
+    with pytest.raises(ConfigError, match=f"coalesce must be between 0 and 1 second, got {value}"):
+        config_module.load({}, None, {"TAPD_COALESCE": value})

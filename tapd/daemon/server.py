@@ -44,6 +44,12 @@ logger = logging.getLogger("tapd.daemon")
 _BATCH = 256  # messages read from one socket before looking at the others
 _EXPIRE_EVERY = 0.5
 _IDLE_POLL_MS = 500  # an idle daemon with rings attached: writers wake it sooner
+# A round that read fewer taps than this from the rings waits `coalesce` before the next.
+# At a few thousand taps a second a round passes on one or two, and each one's message,
+# its subscriber's ack and the wake-ups cost ~110 µs of daemon CPU a tap on the 2-core
+# benchmark box; with 2 ms rounds, 40 (bench/RESULTS.md §10). Rounds of more taps are
+# already that efficient, and waiting would only cap a fast stream.
+_FEW_TAPS = 256
 
 
 class Daemon:
@@ -228,8 +234,11 @@ class Daemon:
         drain_deadline: float | None = None
         idle_exit = IdleExit(self.config.idle_limit, last_check)
         quiet_rounds = 0
+        coalesce_next = False
         try:
             while True:
+                if coalesce_next:
+                    time.sleep(self.config.coalesce)
                 events = dict(poller.poll(timeout=self._poll_timeout(quiet_rounds)))
                 for index, channel in enumerate(self._channels):
                     if channel.socket in events:
@@ -262,6 +271,7 @@ class Daemon:
                 moved = self.rings.poll(self.router) if now >= rings_from else 0
                 self.wants.update()
                 quiet_rounds = 0 if moved or events else quiet_rounds + 1
+                coalesce_next = 0 < moved < _FEW_TAPS and self.config.coalesce > 0
                 self.router.subscribers.pump()
                 if forwarder is not None:
                     forwarder.flush(now)

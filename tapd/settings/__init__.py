@@ -182,6 +182,13 @@ class DaemonFields:
         "emitters' rings are not drained, so that subscribers can reconnect first",
     )
     drain_timeout: float = daemon(10.0, "on SIGTERM, keep delivering this many seconds")
+    coalesce: float = daemon(
+        0.002,
+        "after a round that read only a few taps from the emitters' rings, wait this many "
+        "seconds before the next: taps arriving a few thousand a second then go on many "
+        "to a message, which costs the daemon and its subscribers less CPU a tap, and "
+        "adds at most this much latency; 0 passes each round on at once",
+    )
     max_message_bytes: int = daemon(
         2**30, "largest tap accepted, in bytes of array payload", default_text="1 GiB"
     )
