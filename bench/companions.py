@@ -2,8 +2,8 @@
 
 shm.py (same-host subscribers reading the ring), fanin.py (one upstream taking many
 forwarding daemons), dormant.py (what a tap costs when nobody listens), per_call.py
-(what a tap costs per call of a jitted step) and debug_cost.py (tapd.debug against
-jax.debug) each start
+(what a tap costs per call of a jitted step), debug_cost.py (tapd.debug against
+jax.debug) and coalesce.py (the daemon's coalescing wait) each start
 their own daemons and JAX processes. run.py runs them one after the other, after its own
 sections, so that RESULTS.md holds every figure of one run; each one's Markdown report
 is taken in whole, its headings moved below the section's.
@@ -47,6 +47,12 @@ COMPANIONS = (
     (
         "10. tapd.debug.callback against jax.debug.callback",
         "debug_cost.py",
+        [],
+        ["--quick"],
+    ),
+    (
+        "11. The daemon's coalescing wait, at a few thousand taps a second",
+        "coalesce.py",
         [],
         ["--quick"],
     ),
