@@ -95,6 +95,19 @@ def test_barrier_wait_waits_for_1000_calls_still_in_flight(
     assert [r["step"] for r in subscriber.records()] == [-1, *range(1000)]
 
 
+def test_jax_effects_barrier_still_waits_for_tapped_calls_in_flight(
+    start_daemon: StartDaemon, backend: str
+) -> None:
+    """A tapped call keeps no runtime token for `jax.effects_barrier()` to wait on; tapd
+    makes JAX's barrier wait for the devices too, as it did for any call with an effect."""
+    daemon = start_daemon()
+    result = run_dispatch(daemon, "effects_barrier_in_flight", "1000")
+    if backend == "native":
+        assert result["dispatched_before_done"]
+    assert result["ready_after_barrier"]
+    assert result["taps_run_by_barrier"] == 1000
+
+
 def test_the_exit_drain_delivers_every_tap_of_calls_still_in_flight(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str
 ) -> None:

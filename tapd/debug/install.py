@@ -42,8 +42,9 @@ from jax._src.ad_util import Zero
 from jax._src.interpreters import ad, batching
 
 from tapd.debug import calls, delivery
+from tapd.emitter import jax_compat
 
-jax_effects_barrier: Callable[[], None] = _jax_api.effects_barrier
+jax_effects_barrier: Callable[[], None] = jax_compat.jax_effects_barrier  # JAX's own
 
 _lock = threading.Lock()
 _exiting = threading.Event()

@@ -48,6 +48,7 @@ import importlib.util
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -317,7 +318,7 @@ def tap_effects(effect: Any, unordered: Any) -> set[Any]:
 # ---- the C++ dispatch path ----------------------------------------------------------
 
 
-def dispatch_ignores(effect_type: type) -> None:
+def dispatch_ignores(effect_type: type, flush: Callable[[], None]) -> None:
     """Let JAX's C++ dispatch path serve executables whose only effects are of
     `effect_type` (tapd's unordered tap effect).
 
@@ -326,8 +327,15 @@ def dispatch_ignores(effect_type: type) -> None:
     `MeshExecutable.create_cpp_call`), and runs every call through Python instead, about
     55 µs a call. The effect only has to keep the tap in the program: the tap needs no
     runtime token, and tapd's barrier waits for dispatched computations itself. An
-    executable with ordered effects, or with any other effect, is left as JAX made it."""
+    executable with ordered effects, or with any other effect, is left as JAX made it.
+
+    JAX's `effects_barrier()` waits for the runtime tokens of effectful computations,
+    and an executable served so has none: once one is, `jax.effects_barrier()` calls
+    `flush` after JAX's own barrier (`jax_effects_barrier`), so that it still waits for
+    every computation with an effect dispatched before it."""
     from jax._src.interpreters import pxla
+
+    _flush_after_barrier(flush)
 
     init = pxla.ExecuteReplicated.__init__
     if getattr(init, "tapd_ignores", None) is not None:
@@ -345,9 +353,43 @@ def dispatch_ignores(effect_type: type) -> None:
         unordered, ordered = bound["unordered_effects"], bound["ordered_effects"]
         if not ordered and all(isinstance(effect, effect_type) for effect in unordered):
             self.has_unordered_effects = False
+            _served_without_tokens.set()
 
     init_ignoring_taps.tapd_ignores = effect_type  # type: ignore[attr-defined]
     pxla.ExecuteReplicated.__init__ = init_ignoring_taps  # type: ignore[method-assign]
+
+
+_served_without_tokens = threading.Event()  # an executable took the path dispatch_ignores opens
+_jax_own_barrier: list[Callable[[], None]] = []  # JAX's effects_barrier, before tapd's
+
+
+def jax_effects_barrier() -> None:
+    """JAX's own `jax.effects_barrier()`, whatever tapd (or `tapd.install_debug()`) has
+    made of `jax.effects_barrier` since."""
+    if _jax_own_barrier:
+        _jax_own_barrier[0]()
+        return
+    from jax._src import api
+
+    api.effects_barrier()
+
+
+def _flush_after_barrier(flush: Callable[[], None]) -> None:
+    import jax
+    from jax._src import api
+
+    if _jax_own_barrier:
+        return
+    own = api.effects_barrier
+    _jax_own_barrier.append(own)
+
+    @functools.wraps(own)
+    def effects_barrier() -> None:
+        own()
+        if _served_without_tokens.is_set():
+            flush()
+
+    jax.effects_barrier = api.effects_barrier = effects_barrier
 
 
 def wrap_module_lowering(wrapper: Any) -> None:

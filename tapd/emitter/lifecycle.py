@@ -141,9 +141,9 @@ def flush_devices() -> None:
     `jax.effects_barrier()` to wait on (`jax_compat.dispatch_ignores`). A device runs
     the computations dispatched to it in order (a GPU's stream, the CPU client's
     last-enqueued event), so one tiny computation on each local device, waited for,
-    comes after them all. `jax.effects_barrier()` still covers strict taps and host
-    callbacks."""
-    jax.effects_barrier()  # type: ignore[no-untyped-call]
+    comes after them all. JAX's own barrier still covers strict taps and host
+    callbacks (`jax.effects_barrier()` calls this after it, once tapd is loaded)."""
+    jax_compat.jax_effects_barrier()
     increment = _increment()
     with jax_compat.outside_any_mesh():  # (a caller's mesh would refuse one device)
         markers = [increment(jax.device_put(np.uint8(0), device)) for device in jax.local_devices()]

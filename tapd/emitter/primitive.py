@@ -75,7 +75,19 @@ for _effect_type in (TapEffect, OrderedTapEffect):
     effects.partial_eval_kept_effects.add_type(_effect_type)
 effects.ordered_effects.add_type(OrderedTapEffect)
 effects.shardable_ordered_effects.add_type(OrderedTapEffect)
-jax_compat.dispatch_ignores(TapEffect)
+
+
+def _flush_devices() -> None:
+    """What `jax.effects_barrier()` adds for taps served by JAX's C++ dispatch path:
+    wait for every local device (not from a tap function: a computation blocked on a
+    full ring may be waiting for that very thread)."""
+    from tapd.emitter import lifecycle, local_functions
+
+    if not local_functions.on_receiver_thread():
+        lifecycle.flush_devices()
+
+
+jax_compat.dispatch_ignores(TapEffect, _flush_devices)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,6 +152,33 @@ def in_flight(calls: str) -> dict[str, Any]:
     }
 
 
+def effects_barrier_in_flight(calls: str) -> dict[str, Any]:
+    """`calls` calls of a step that taps, dispatched without waiting, then JAX's own
+    `jax.effects_barrier()`: the calls keep no runtime token, yet the barrier must still
+    wait for them, as it waits for any computation with an effect."""
+    step = _slow_step("jax_barrier")
+    x = jnp.ones((192, 192))
+    x = step(x, jnp.int32(-1))
+    tapd.barrier_wait()
+    before = _taps_run()
+    for i in range(int(calls)):
+        x = step(x, jnp.int32(i))
+    dispatched_before_done = not x.is_ready()
+    jax.effects_barrier()
+    return {
+        "ready_after_barrier": x.is_ready(),
+        "taps_run_by_barrier": _taps_run() - before,
+        "dispatched_before_done": dispatched_before_done,
+    }
+
+
+def _taps_run() -> int:
+    """Taps that have run, each counted where it ran: written, dropped or skipped
+    (no subscriber takes these: their site is dormant)."""
+    stats = tapd.stats()
+    return int(stats["submitted"] + stats["skipped"])
+
+
 def exit_in_flight(calls: str) -> dict[str, Any]:
     """`calls` calls of a step that taps, dispatched without waiting, then the process
     ends without a barrier: the exit drain must deliver every tap."""
