@@ -148,9 +148,11 @@ def _step(variant: Variant, size: str, tapd: Any, jax: Any, io_callback: Any) ->
 
 
 def report(results: dict[str, dict[str, Any]], quick: bool) -> str:
-    from report import median, number, table
+    from report import code_revision, machine_description, median, number, table
 
     lines = ["# Per-call cost of a tapped step (one call per Python step)", ""]
+    lines += [table(["", ""], [[k, v] for k, v in machine_description()]), ""]
+    lines += [f"code: {code_revision(BENCH_DIR.parent)}", ""]
     verdicts = []
     for backend, result in results.items():
         us = {key: median(values) for key, values in result["us"].items()}

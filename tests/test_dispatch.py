@@ -4,6 +4,7 @@ taps. Real daemon, subscriber and JAX processes, once per emitter backend."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -131,3 +132,24 @@ def test_barrier_wait_inside_a_mesh_context(
     assert result["out"] == [0.0, 2.0, 4.0, 6.0]
     assert result["stats"]["delivered"] == 1
     assert [r["value"] for r in subscriber.records()] == [[0.0, 1.0, 2.0, 3.0]]
+
+
+def test_a_big_portable_tap_asks_first_and_a_small_one_does_not() -> None:
+    """On the portable backend a tap of 64 KiB or more is lowered as a question to the
+    host (does its site want this tap?) and a `case` around the callback that takes the
+    operands, so that a dormant one copies nothing to the host; a small tap is one
+    callback. (Its counts: test_dormant_emitter; its order: the program-order test.)"""
+    script = (
+        "import jax, jax.numpy as jnp, tapd\n"
+        "def lowered(n):\n"
+        "    f = jax.jit(lambda x: tapd.tap(x, 'q') * 2)\n"
+        "    return f.lower(jnp.ones(n, jnp.float32)).as_text()\n"
+        "big, small = lowered(2**16), lowered(16)\n"
+        "print(tapd.backend(), big.count('stablehlo.case'), small.count('stablehlo.case'))\n"
+    )
+    env = {**os.environ, "TAPD_BACKEND": "portable", "TAPD_AUTOSTART": "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["portable", "1", "0"], done.stdout

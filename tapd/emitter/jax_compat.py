@@ -288,6 +288,37 @@ def emit_python_callback(
     return new_token
 
 
+def emit_python_callback_with_result(
+    ctx: Any,
+    callback: Any,
+    token: Any,
+    operands: list[Any],
+    operand_avals: list[Any],
+    result_aval: Any,
+    *,
+    sharding: Any,
+) -> tuple[Any, Any]:
+    """A side-effecting host callback with one result, threading `token` (if not None);
+    returns (the result, the new token). The computation waits for it (a result), so
+    the token is returned where this JAX can say so."""
+    from jax._src import callback as jax_callback
+
+    emit = jax_callback.emit_python_callback
+    extra = {"returns_token": True} if _accepts(emit, "returns_token") else {}
+    results, new_token, _ = emit(
+        ctx,
+        callback,
+        token,
+        operands,
+        operand_avals,
+        [result_aval],
+        has_side_effect=True,
+        sharding=sharding,
+        **extra,
+    )
+    return results[0], new_token
+
+
 def callback_op_sharding(axis_context: Any, device_sharding: Any) -> Any:
     """The op sharding JAX gives a callback with no results in `axis_context`."""
     from jax._src import callback as jax_callback

@@ -108,17 +108,26 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         ]
         # The callback's custom call is laid out from its context's avals: ours.
         callback_ctx = dataclasses.replace(ctx, avals_in=callback_avals, avals_out=[])
-        new_token = jax_compat.emit_python_callback(
-            callback_ctx,
-            host_function,
-            token,
-            operand_values,
-            callback_avals,
-            returns_token=site.ordered,
-            sharding=jax_compat.callback_op_sharding(
-                axis_context, _single_device(axis_context, where)
-            ),
+        sharding = jax_compat.callback_op_sharding(
+            axis_context, _single_device(axis_context, where)
         )
+
+        def emit(token: Any) -> Any:
+            return jax_compat.emit_python_callback(
+                callback_ctx,
+                host_function,
+                token,
+                operand_values,
+                callback_avals,
+                returns_token=site.ordered,
+                sharding=sharding,
+            )
+
+        if native is not None and _guarded_here(platform, axis_context, tapped_avals):
+            wanted = _ring_guard(native, site, fields, tapped_avals, _local_ordinals(ctx))
+            new_token = _emit_guarded(ctx, wanted, token, device, device_aval, sharding, emit)
+        else:
+            new_token = emit(token)
     if site.strict and token is not None:
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: new_token})))
     elif own_order:
@@ -229,7 +238,8 @@ def _ring_callback(
     """The host function of a portable tap: one call into the library writes the record.
     A dormant or sampled-out tap (the ring's site table) returns before any copy, its
     seq used up and counted as skipped by `tapd_ring_skip`; JAX's callback itself (and,
-    off CPU, its device-to-host transfer of the operands) is still paid."""
+    off CPU, its device-to-host transfer of the operands) is still paid, unless the
+    tap is big enough to ask first (`_emit_guarded`)."""
     assert native is not None
     site_id = native.register_site(site.consumer, fields, primitive.leaf_descriptions(tapped_avals))
     consumer_id = native.consumer_id(site.consumer)
@@ -267,6 +277,86 @@ def _ring_callback(
         return ()
 
     return write_record
+
+
+# A portable tap of this many bytes or more first asks whether its site wants it
+# (`_ring_guard`): JAX's host callback copies its operands to the host before any of
+# tapd's Python runs, 1 MiB in ~100 µs on CPU, and a device-to-host transfer on a GPU,
+# which a dormant tap would then throw away. Smaller taps are cheaper to copy than to
+# ask about.
+_GUARD_BYTES = 64 * 1024
+# Where a host callback holds up the computation anyway, so that asking costs one more
+# small callback. A TPU goes on past an unordered tap's callback without waiting for the
+# host; there the question would add a wait per tap: not measured, so not asked.
+_GUARD_PLATFORMS = frozenset({"cpu", "cuda", "rocm"})
+
+
+def _guarded_here(platform: str | None, axis_context: Any, tapped_avals: Sequence[Any]) -> bool:
+    """Whether a portable tap into the ring is guarded: big enough, on a platform of
+    `_GUARD_PLATFORMS`, in a computation on one device (a partitioned module's
+    conditional on a host value is not tried)."""
+    nbytes = sum(int(np.prod(aval.shape)) * aval.dtype.itemsize for aval in tapped_avals)
+    one_device = (
+        isinstance(axis_context, sharding_impls.ShardingContext) and axis_context.num_devices == 1
+    )
+    return nbytes >= _GUARD_BYTES and platform in _GUARD_PLATFORMS and one_device
+
+
+def _ring_guard(
+    native: NativeEmitter,
+    site: TapSiteParams,
+    fields: dict[str, Any],
+    tapped_avals: Sequence[Any],
+    ordinals: Sequence[int],
+) -> Callable[..., tuple[Any]]:
+    """The host function a guarded tap asks first: 1 if its site takes this tap, 0 if it
+    is dormant or sampled out (its seq then used up and counted as skipped, as
+    `_ring_callback` does; the one that writes decides again, the same way)."""
+    site_id = native.register_site(site.consumer, fields, primitive.leaf_descriptions(tapped_avals))
+    consumer_id = native.consumer_id(site.consumer)
+    lib = library.load()
+    assert lib is not None  # the ring exists, so the library loaded
+    skip = lib.tapd_ring_skip
+    every = writer_every(site.every, site.always)
+    table = tuple(ordinals)
+
+    def wanted(index_value: Any) -> tuple[Any]:
+        index = int(index_value)
+        device = table[index] if index < len(table) else index
+        return (np.int32(0 if skip(None, site_id, consumer_id, device, every) else 1),)
+
+    return wanted
+
+
+def _emit_guarded(
+    ctx: mlir.LoweringRuleContext,
+    wanted: Callable[..., tuple[Any]],
+    token: Any,
+    device: Any,
+    device_aval: Any,
+    sharding: Any,
+    emit: Callable[[Any], Any],
+) -> Any:
+    """`wanted(device)` as a host callback, then a `case` on its answer whose second
+    branch is the tap's own callback (`emit`); returns the token after both (None
+    without one). The question takes the chain's token first and is marked a tap of it,
+    so that tapd's order pass places it as it places taps; the `case`, which returns
+    the next token, is the tap itself to the pass (`order.after_tap`)."""
+    flag_aval = core.ShapedArray((), np.int32)
+    question_ctx = dataclasses.replace(ctx, avals_in=[device_aval], avals_out=[flag_aval])
+    flag, asked = jax_compat.emit_python_callback_with_result(
+        question_ctx, wanted, token, [device], [device_aval], flag_aval, sharding=sharding
+    )
+    if asked is not None:
+        order.mark_tap(asked.owner)
+    case = hlo.CaseOp([hlo.TokenType.get()] if asked is not None else [], flag, 2)
+    skipped, taken = case.regions[0].blocks.append(), case.regions[1].blocks.append()
+    with ir.InsertionPoint(skipped):
+        hlo.ReturnOp([asked] if asked is not None else [])
+    with ir.InsertionPoint(taken):
+        written = emit(asked)
+        hlo.ReturnOp([written] if asked is not None else [])
+    return case.results[0] if asked is not None else None
 
 
 def _sender_callback(

@@ -81,6 +81,12 @@ def after_tap(ctx: mlir.LoweringRuleContext, token: Any) -> None:
     _lowering.taps += 1
 
 
+def mark_tap(operation: Any) -> None:
+    """Mark `operation`, which takes its block's chain token first and returns the next,
+    a tap of that chain (the question a guarded portable tap asks first)."""
+    operation.attributes[_MARK] = ir.UnitAttr.get()
+
+
 # ---- once the module is lowered -----------------------------------------------------
 
 
