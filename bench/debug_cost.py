@@ -124,23 +124,11 @@ def measure(quick: bool) -> dict[str, list[float]]:
                 )
                 tapd.barrier_wait(timeout=120)
             for name, function in steps_.items():
-                y = small
-                started = time.perf_counter()
-                for _ in range(calls):
-                    y = function(y)
-                y.block_until_ready()
-                us.setdefault(f"call|{name}", []).append(
-                    (time.perf_counter() - started) / calls * 1e6
-                )
+                us.setdefault(f"call|{name}", []).append(_per_call_us(function, small, calls))
                 tapd.barrier_wait(timeout=120)
             for name, function in working_steps.items():
-                y = matrix
-                started = time.perf_counter()
-                for _ in range(working_calls):
-                    y = function(y)
-                y.block_until_ready()
                 us.setdefault(f"work|{name}", []).append(
-                    (time.perf_counter() - started) / working_calls * 1e6
+                    _per_call_us(function, matrix, working_calls)
                 )
                 tapd.barrier_wait(timeout=120)
             for name, function in slow.items():
@@ -152,6 +140,16 @@ def measure(quick: bool) -> dict[str, list[float]]:
         return us
     finally:
         procs.stop_all()
+
+
+def _per_call_us(function: Callable[[Any], Any], x: Any, calls: int) -> float:
+    """µs a call of `x = function(x)` called `calls` times, one Python step a call, to
+    `block_until_ready()` of the last."""
+    started = time.perf_counter()
+    for _ in range(calls):
+        x = function(x)
+    x.block_until_ready()
+    return (time.perf_counter() - started) / calls * 1e6
 
 
 def report(us: dict[str, list[float]], quick: bool) -> str:

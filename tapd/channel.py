@@ -31,8 +31,8 @@ import zmq
 COPY_BELOW = 256 * 1024  # bytes: the daemon's sockets copy smaller frames
 # Flags as plain ints: pyzmq's `send_multipart` and `recv_multipart` combine its Flag
 # enums frame by frame (`SNDMORE | flags`, `getsockopt(RCVMORE)`), Python-level enum
-# arithmetic that cost a daemon forwarding a few thousand small messages a second more
-# than the sends themselves (cProfile with a CPU clock).
+# arithmetic that cost a daemon forwarding a few thousand small messages a second about
+# as much CPU as the sends themselves (cProfile with a CPU clock).
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 

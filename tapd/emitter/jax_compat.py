@@ -270,20 +270,8 @@ def emit_python_callback(
     """A side-effecting host callback with no results, threading `token` (if not None);
     returns the new token (None without one). `returns_token=False` (an unordered tap)
     lets a TPU go on without waiting for the host; JAX before 0.8.2 always waited."""
-    from jax._src import callback as jax_callback
-
-    emit = jax_callback.emit_python_callback
-    extra = {"returns_token": returns_token} if _accepts(emit, "returns_token") else {}
-    _, new_token, _ = emit(
-        ctx,
-        callback,
-        token,
-        operands,
-        operand_avals,
-        [],
-        has_side_effect=True,
-        sharding=sharding,
-        **extra,
+    _, new_token = _emit_callback(
+        ctx, callback, token, operands, operand_avals, [], returns_token, sharding
     )
     return new_token
 
@@ -301,22 +289,38 @@ def emit_python_callback_with_result(
     """A side-effecting host callback with one result, threading `token` (if not None);
     returns (the result, the new token). The computation waits for it (a result), so
     the token is returned where this JAX can say so."""
+    results, new_token = _emit_callback(
+        ctx, callback, token, operands, operand_avals, [result_aval], True, sharding
+    )
+    return results[0], new_token
+
+
+def _emit_callback(
+    ctx: Any,
+    callback: Any,
+    token: Any,
+    operands: list[Any],
+    operand_avals: list[Any],
+    result_avals: list[Any],
+    returns_token: bool,
+    sharding: Any,
+) -> tuple[Any, Any]:
     from jax._src import callback as jax_callback
 
     emit = jax_callback.emit_python_callback
-    extra = {"returns_token": True} if _accepts(emit, "returns_token") else {}
+    extra = {"returns_token": returns_token} if _accepts(emit, "returns_token") else {}
     results, new_token, _ = emit(
         ctx,
         callback,
         token,
         operands,
         operand_avals,
-        [result_aval],
+        result_avals,
         has_side_effect=True,
         sharding=sharding,
         **extra,
     )
-    return results[0], new_token
+    return results, new_token
 
 
 def callback_op_sharding(axis_context: Any, device_sharding: Any) -> Any:

@@ -281,9 +281,11 @@ def _ring_callback(
 
 # A portable tap of this many bytes or more first asks whether its site wants it
 # (`_ring_guard`): JAX's host callback copies its operands to the host before any of
-# tapd's Python runs, 1 MiB in ~100 µs on CPU, and a device-to-host transfer on a GPU,
-# which a dormant tap would then throw away. Smaller taps are cheaper to copy than to
-# ask about.
+# tapd's Python runs (a dormant 1 MiB tap added 172 µs a call on the benchmark CPU,
+# bench/RESULTS.md §9), and a device-to-host transfer on a GPU, which a dormant tap would
+# then throw away. A small tap's copy costs less than the question's own callback (a
+# dormant 64 B portable tap adds ~5 µs, the callback alone); where between the two the
+# crossover lies was not measured: 64 KiB is a guess on the safe side.
 _GUARD_BYTES = 64 * 1024
 # Where a host callback holds up the computation anyway, so that asking costs one more
 # small callback. A TPU goes on past an unordered tap's callback without waiting for the

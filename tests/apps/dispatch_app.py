@@ -132,18 +132,29 @@ def _slow_step(consumer: str) -> Any:
     return step
 
 
+def _warmed_up(consumer: str) -> tuple[Any, jax.Array]:
+    """`_slow_step(consumer)`, compiled, its first tap delivered; and its result."""
+    step = _slow_step(consumer)
+    x = step(jnp.ones((192, 192)), jnp.int32(-1))
+    tapd.barrier_wait()
+    return step, x
+
+
+def _calls_in_flight(step: Any, x: jax.Array, calls: str) -> tuple[jax.Array, bool]:
+    """`calls` calls of `step` (steps 0, 1, ...), dispatched without waiting; the last
+    result, and whether it was still running when the loop ended."""
+    for i in range(int(calls)):
+        x = step(x, jnp.int32(i))
+    return x, not x.is_ready()
+
+
 def in_flight(calls: str) -> dict[str, Any]:
     """`calls` calls of a step that taps, dispatched without waiting (each takes a while
     on the CPU), then one `barrier_wait()`: every tap of every call must have been
     delivered to the subscribed consumer by then."""
-    step = _slow_step("flight")
-    x = jnp.ones((192, 192))
-    x = step(x, jnp.int32(-1))
-    tapd.barrier_wait()
+    step, x = _warmed_up("flight")
     dispatches = PythonDispatches()
-    for i in range(int(calls)):
-        x = step(x, jnp.int32(i))
-    dispatched_before_done = not x.is_ready()
+    x, dispatched_before_done = _calls_in_flight(step, x, calls)
     tapd.barrier_wait()
     return {
         "stats_at_barrier": tapd.stats(),
@@ -156,14 +167,9 @@ def effects_barrier_in_flight(calls: str) -> dict[str, Any]:
     """`calls` calls of a step that taps, dispatched without waiting, then JAX's own
     `jax.effects_barrier()`: the calls keep no runtime token, yet the barrier must still
     wait for them, as it waits for any computation with an effect."""
-    step = _slow_step("jax_barrier")
-    x = jnp.ones((192, 192))
-    x = step(x, jnp.int32(-1))
-    tapd.barrier_wait()
+    step, x = _warmed_up("jax_barrier")
     before = _taps_run()
-    for i in range(int(calls)):
-        x = step(x, jnp.int32(i))
-    dispatched_before_done = not x.is_ready()
+    x, dispatched_before_done = _calls_in_flight(step, x, calls)
     jax.effects_barrier()
     return {
         "ready_after_barrier": x.is_ready(),
@@ -182,11 +188,8 @@ def _taps_run() -> int:
 def exit_in_flight(calls: str) -> dict[str, Any]:
     """`calls` calls of a step that taps, dispatched without waiting, then the process
     ends without a barrier: the exit drain must deliver every tap."""
-    step = _slow_step("exit")
-    x = jnp.ones((192, 192))
-    for i in range(int(calls)):
-        x = step(x, jnp.int32(i))
-    return {"dispatched_before_done": not x.is_ready()}
+    _, dispatched_before_done = _calls_in_flight(_slow_step("exit"), jnp.ones((192, 192)), calls)
+    return {"dispatched_before_done": dispatched_before_done}
 
 
 def under_a_mesh() -> dict[str, Any]:
