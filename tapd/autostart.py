@@ -25,6 +25,7 @@ from tapd.runtime import (
     default_endpoint,
     default_pidfile,
     ensure_private_dir,
+    flock_holder,
     pid_alive,
     runtime_dir,
 )
@@ -111,7 +112,9 @@ def ensure_daemon(
 
 def wait_ready(endpoint: str, pid: int, log: Path, timeout: float) -> None:
     """Wait until a daemon answers at `endpoint`: the one launched as `pid`, or another
-    that won the endpoint lock (then `pid` exits "already running", which is fine)."""
+    that won the endpoint lock (then `pid` exits "already running", which is fine, and
+    the winner, alive and holding the lock, is waited for as long as `pid` would be)."""
+    lock = Path(f"{endpoint.removeprefix('ipc://')}.lock")
     deadline = time.monotonic() + timeout
     ours_gone_at: float | None = None
     while time.monotonic() < deadline:
@@ -119,15 +122,18 @@ def wait_ready(endpoint: str, pid: int, log: Path, timeout: float) -> None:
             return
         if ours_gone_at is None and not pid_alive(pid):
             ours_gone_at = time.monotonic()
-        # Ours is gone and nobody else answered within a few seconds: it failed.
+        # Ours is gone and, a few seconds on, no live daemon holds the lock: it failed.
+        # (The grace covers a winner between its imports and its lock.)
         if ours_gone_at is not None and time.monotonic() - ours_gone_at > 3.0:
-            raise DaemonUnreachable(
-                f"the tapd daemon started on demand (pid {pid}) exited without serving "
-                f"{endpoint}: {_last_line(log)} (log: {log})"
-            )
+            holder = flock_holder(lock)
+            if holder is None or (holder and not pid_alive(holder)):
+                raise DaemonUnreachable(
+                    f"the tapd daemon started on demand (pid {pid}) exited without serving "
+                    f"{endpoint}: {_last_line(log)} (log: {log})"
+                )
     raise DaemonUnreachable(
-        f"the tapd daemon started on demand (pid {pid}) did not answer at {endpoint} "
-        f"within {timeout:g} s; see {log}"
+        f"no tapd daemon answered at {endpoint} within {timeout:g} s (the one started on "
+        f"demand: pid {pid}); see {log}"
     )
 
 

@@ -130,6 +130,25 @@ def boot_id() -> str | None:
         return None
 
 
+def flock_holder(path: Path) -> int | None:
+    """The pid holding a flock on `path`, from /proc/locks; None when nobody holds one
+    (or the kernel does not say), 0 when one is held by a pid this namespace cannot see.
+    Read, never taken: taking the lock even for an instant would make a daemon that
+    starts at that instant exit "already running"."""
+    try:
+        status = path.stat()
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return None
+    inode = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    for line in table.splitlines():
+        # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234567 0 EOF"; a waiter's line has "->".
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == inode:
+            return max(int(fields[4]), 0) if fields[4].lstrip("-").isdigit() else 0
+    return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists. A number no process can have (0 and negative ones
     name process groups to os.kill; over pid_t's range it raises) is not alive."""

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from conftest import native_unavailable, tapd_cmd, wait_until
-from tapd.runtime import pid_alive
+from tapd.autostart import wait_ready
+from tapd.errors import DaemonUnreachable
+from tapd.runtime import flock_holder, pid_alive
 
 PY = sys.executable
 
@@ -120,14 +122,65 @@ def test_eight_processes_that_start_at_once_share_one_daemon(
         )
         for _ in range(8)
     ]
+    results = [(process, *process.communicate(timeout=120)) for process in processes]
     answers = set()
-    for process in processes:
-        out, err = process.communicate(timeout=120)
+    for process, out, err in results:
         assert process.returncode == 0, err
         answers.add(int(out.strip()))
     assert len(answers) == 1, answers
     (daemon,) = answers
     wait_until(lambda: _daemon_pids(runtime_dir) == [daemon], "only one daemon to stay", 30)
+
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("winner", ["alive", "none"])
+def test_a_caller_whose_daemon_lost_the_lock_waits_for_the_winner(
+    runtime_dir: Path, winner: str
+) -> None:
+    """Ours exited "already running": while the lock's holder lives, the caller waits for
+    it (on a loaded box a winner may take seconds to serve), to the end of its timeout;
+    with nobody holding the lock it fails within a few seconds, naming our log."""
+    endpoint = f"ipc://{runtime_dir}/tapd.sock"
+    lock = runtime_dir / "tapd.sock.lock"
+    log = runtime_dir / "tapd.log"
+    log.write_text("tapd.cli ERROR another tapd daemon is already running\n")
+    ours = subprocess.run(
+        [PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    holder = None
+    if winner == "alive":
+        holder = subprocess.Popen(
+            [PY, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True
+        )
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert flock_holder(lock) == holder.pid
+    else:
+        lock.touch()
+        assert flock_holder(lock) is None
+    started = time.monotonic()
+    try:
+        with pytest.raises(DaemonUnreachable) as raised:
+            wait_ready(endpoint, int(ours.stdout), log, timeout=6.0)
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.communicate()
+    waited = time.monotonic() - started
+    if winner == "alive":
+        assert "no tapd daemon answered" in str(raised.value) and waited >= 6.0
+    else:
+        assert "exited without serving" in str(raised.value) and "already running" in str(
+            raised.value
+        )
+        assert waited < 6.0
 
 
 def test_a_stale_pidfile_and_a_dead_socket_are_no_obstacle(
