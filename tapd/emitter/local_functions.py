@@ -81,6 +81,7 @@ def _connect_timeout() -> float:
 class _LocalSite:
     function: Callable[..., Any]
     treedef: Any  # jax.tree_util.PyTreeDef of the tapped value
+    flat: bool  # a tuple of leaves, which the wire's tuple already is (no rebuild)
 
 
 @dataclasses.dataclass
@@ -153,7 +154,8 @@ class LocalReceiver:
                 return known[1]
             shown = describe(function)[:_MAX_QUALNAME]
             name = f"{self.prefix}{next(self._numbers)}/{shown}"
-            self._sites[name] = _LocalSite(function, treedef)
+            flat = treedef == jax.tree_util.tree_structure((0,) * treedef.num_leaves)
+            self._sites[name] = _LocalSite(function, treedef, flat)
             self._names[key] = (function, name)  # keeps the function, so its id stays unique
             return name
 
@@ -231,7 +233,7 @@ class LocalReceiver:
 
     def _run_local(self, value: Any, meta: TapMeta) -> None:
         site = self._sites[meta.consumer]
-        arg = _rebuild(site.treedef, value)
+        arg = value if site.flat and type(value) is tuple else _rebuild(site.treedef, value)
         self._call(site.function, arg, meta)
 
     def _run_fallback(self, value: Any, meta: TapMeta) -> None:

@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 
 from tapd.protocol.dtypes import dtype_from_name
-from tapd.protocol.tree import LEAF, unflatten
+from tapd.protocol.tree import LEAF, rebuilder, unflatten
 
 VERSION = 1
 MAGIC = b"TAPD" + bytes([VERSION])
@@ -169,9 +169,10 @@ class SiteRun:
         tree = self.fields["tree"]
         if tree == LEAF:
             return leaves[0]
+        rebuild = rebuilder(tree)
         if not leaves:  # a value without arrays: (), None, {}
-            return [unflatten(tree, []) for _ in self.rows]
-        return [unflatten(tree, list(arrays)) for arrays in zip(*leaves, strict=True)]
+            return [rebuild([]) for _ in self.rows]
+        return [rebuild(arrays) for arrays in zip(*leaves, strict=True)]
 
     def message(self, i: int) -> Message:
         offset, body = self.rows[i][8], self.body

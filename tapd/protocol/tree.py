@@ -86,33 +86,47 @@ def count_leaves(spec: TreeSpec, max_depth: int) -> int:
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> Any:
     """Rebuild the value `spec` describes from `leaves` (as many as it has leaf slots)."""
-    position = 0
+    return rebuilder(spec)(leaves)
 
-    def walk(node: Any) -> Any:
-        nonlocal position
+
+def rebuilder(spec: TreeSpec) -> Callable[[Sequence[Any]], Any]:
+    """`unflatten(spec, ·)`, with `spec` checked once: for the many taps of one site in a
+    `taps` message, each rebuilt without walking and checking the spec again."""
+    count = 0
+
+    def build(node: Any) -> Callable[[Sequence[Any]], Any]:
+        nonlocal count
         tag, children = _split(node)
         if tag == "*":
-            if position >= len(leaves):
-                raise ProtocolError("bad_tree", "tree has more leaves than the message")
-            position += 1
-            return leaves[position - 1]
+            index = count
+            count += 1
+            return lambda leaves: leaves[index]
         if tag == "n":
-            return None
-        built = [walk(c) for c in children]
+            return lambda leaves: None
+        if children and all(child == LEAF for child in children) and tag in ("t", "l"):
+            first, count = count, count + len(children)  # flat: one slice (the common tap)
+            last, kind = count, (tuple if tag == "t" else list)
+            return lambda leaves: kind(leaves[first:last])
+        parts = [build(c) for c in children]
         if tag == "t":
-            return tuple(built)
+            return lambda leaves: tuple([part(leaves) for part in parts])
         if tag == "l":
-            return built
-        if tag == "d":
-            return dict(zip(node[1], built, strict=True))
+            return lambda leaves: [part(leaves) for part in parts]
         if tag == "nt":
-            return _namedtuple_type(node[1], tuple(node[2]))(*built)
-        return dict(zip(node[2], built, strict=True))  # "k": key path -> child
+            made = _namedtuple_type(node[1], tuple(node[2]))
+            return lambda leaves: made(*[part(leaves) for part in parts])
+        keys = node[1] if tag == "d" else node[2]  # "k": key path -> child
+        return lambda leaves: dict(zip(keys, [part(leaves) for part in parts], strict=True))
 
-    result = walk(spec)
-    if position != len(leaves):
-        raise ProtocolError("bad_tree", f"tree has {position} leaves, message has {len(leaves)}")
-    return result
+    root = build(spec)
+    total = count
+
+    def rebuild(leaves: Sequence[Any]) -> Any:
+        if len(leaves) != total:
+            raise ProtocolError("bad_tree", f"tree has {total} leaves, message has {len(leaves)}")
+        return root(leaves)
+
+    return rebuild
 
 
 def _split(node: Any) -> tuple[str, list[Any]]:

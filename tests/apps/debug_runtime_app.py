@@ -232,4 +232,7 @@ def effects_barrier_raises(impl: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     name, *rest = sys.argv[1:]
-    print(json.dumps(SCENARIOS[name](*(rest or ["tapd"]))), flush=True)
+    # One write: print() writes its text and its newline apart, and a callback still
+    # printing on tapd's receiver thread (exit_drain) may write between them.
+    sys.stdout.write(json.dumps(SCENARIOS[name](*(rest or ["tapd"]))) + "\n")
+    sys.stdout.flush()
