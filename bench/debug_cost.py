@@ -5,14 +5,19 @@
     Target: tapd's added <= 0.05 of JAX's.
 (b) One jitted call per Python step (2000 calls of `x * 1.0001` on 16 floats), with one
     no-op callback: the call's time ÷ the untapped call's. Target: <= 1.5 for tapd.
+    Also to `barrier_wait`: the callbacks still to run when the last call is done are
+    work the loop's thread pays for later, under the same GIL.
 (b2) The same with a step that works (a 256 x 256 matrix product, ~0.3 ms here), as a
     small model's step does: what the callback's share is once the step is more than
     JAX's dispatch. No target; it says what (b) means for such steps.
 (c) A 200-step `fori_loop` whose every step multiplies a 256 x 256 matrix and calls a
-    50 ms callback on one value: the loop's time (to
+    50 ms callback on one value of its result: the loop's time (to
     `block_until_ready`, the callbacks still running after it for tapd) ÷ the untapped
     loop's. Target: <= 1.1 for tapd (JAX's: 200 x 50 ms). tapd's callbacks are waited
     for (`barrier_wait`, untimed) before the next run.
+(c') The same callback on one value of the step's input, read before the product
+    overwrites the loop's carry: XLA copies the carry every step for that, callback or
+    not, which the control row (the value carried out of the loop, no callback) shows.
 
 Each variant interleaved with the others within a repeat; medians over repeats.
 
@@ -70,16 +75,25 @@ def measure(quick: bool) -> dict[str, list[float]]:
 
     w = jnp.full((256, 256), 1.0 / 256, jnp.float32)
 
-    def working_loop(callback: Callable[..., Any] | None) -> Any:
+    def working_loop(callback: Callable[..., Any] | None, reads: str = "result") -> Any:
         """(c)'s: a step with work in it (a 256 x 256 matrix product), which calls a
-        50 ms callback on one value."""
+        50 ms callback on one value of the step's result (a logged metric), or of its
+        input (`reads="input"`: the loop's carry, read before the product overwrites
+        it; XLA then copies the carry every step, as it does for `reads="carry"`,
+        which takes that value out of the loop without any callback)."""
 
-        def body(i: Any, x: Any) -> Any:
-            if callback is not None:
+        def body(i: Any, carry: Any) -> Any:
+            x, total = carry
+            if reads == "carry":
+                total = total + x[0, 0]
+            elif callback is not None and reads == "input":
                 callback(_sleep_50ms, x[0, 0])
-            return jnp.tanh(x @ w)
+            y = jnp.tanh(x @ w)
+            if callback is not None and reads == "result":
+                callback(_sleep_50ms, y[0, 0])
+            return y, total
 
-        return jax.jit(lambda x, n: lax.fori_loop(0, n, body, x))
+        return jax.jit(lambda x, n: lax.fori_loop(0, n, body, (x, jnp.float32(0)))[0])
 
     def step(callback: Callable[..., Any] | None) -> Any:
         def call(x: Any) -> Any:
@@ -100,6 +114,8 @@ def measure(quick: bool) -> dict[str, list[float]]:
     loops = {name: loop(cb, _noop) for name, cb in callbacks.items()}
     working_steps = {name: working_step(cb) for name, cb in callbacks.items()}
     slow = {name: working_loop(cb) for name, cb in callbacks.items() if name != "jax"}
+    slow["tapd, input"] = working_loop(tapd.debug.callback, reads="input")
+    slow["none, input carried"] = working_loop(None, reads="carry")
     steps_ = {name: step(cb) for name, cb in callbacks.items()}
     x = jnp.ones(64, jnp.float32)
     small = jnp.ones(16, jnp.float32)
@@ -124,8 +140,11 @@ def measure(quick: bool) -> dict[str, list[float]]:
                 )
                 tapd.barrier_wait(timeout=120)
             for name, function in steps_.items():
+                started = time.perf_counter()
                 us.setdefault(f"call|{name}", []).append(_per_call_us(function, small, calls))
                 tapd.barrier_wait(timeout=120)
+                drained = (time.perf_counter() - started) / calls * 1e6
+                us.setdefault(f"drained|{name}", []).append(drained)
             for name, function in working_steps.items():
                 us.setdefault(f"work|{name}", []).append(
                     _per_call_us(function, matrix, working_calls)
@@ -159,27 +178,42 @@ def report(us: dict[str, list[float]], quick: bool) -> str:
     loop_jax = m["loop|jax"] - m["loop|none"]
     loop_tapd = m["loop|tapd"] - m["loop|none"]
     call_ratio = m["call|tapd"] / m["call|none"]
+    drained_ratio = m["drained|tapd"] / m["drained|none"]
     slow_ratio = m["slow|tapd"] / m["slow|none"]
+    input_ratio = m["slow|tapd, input"] / m["slow|none"]
+    carried_ratio = m["slow|none, input carried"] / m["slow|none"]
     work_ratio = m["work|tapd"] / m["work|none"]
     rows = [
         ["(a) fori_loop, µs/step", number(m["loop|none"], 3), number(m["loop|jax"], 3),
          number(m["loop|tapd"], 3), f"added: {loop_tapd / loop_jax:.4f} of JAX's"],
         ["(b) one call per step, µs/call", number(m["call|none"], 2), number(m["call|jax"], 2),
          number(m["call|tapd"], 2), f"{call_ratio:.2f} x untapped"],
+        ["(b) the same, to barrier_wait (every callback run), µs/call",
+         number(m["drained|none"], 2), number(m["drained|jax"], 2), number(m["drained|tapd"], 2),
+         f"{drained_ratio:.2f} x untapped"],
         ["(b2) one call per step, 256x256 matmul in it, µs/call", number(m["work|none"], 1),
          number(m["work|jax"], 1), number(m["work|tapd"], 1), f"{work_ratio:.2f} x untapped"],
         ["(c) 256x256 matmul + 50 ms callback a step, ms/loop", number(m["slow|none"] / 1000, 1),
          number(m["slow|jax(200 x 50 ms)"] / 1000, 0) + " (at least)",
          number(m["slow|tapd"] / 1000, 1), f"{slow_ratio:.2f} x untapped"],
+        ["(c') as (c), the callback on the step's input, ms/loop", "", "",
+         number(m["slow|tapd, input"] / 1000, 1), f"{input_ratio:.2f} x untapped"],
+        ["(c') control: no callback, the input carried out, ms/loop",
+         number(m["slow|none, input carried"] / 1000, 1), "", "",
+         f"{carried_ratio:.2f} x untapped"],
     ]  # fmt: skip
     verdicts = [
         f"- (a) tapd's added per-step cost is {loop_tapd / loop_jax:.4f} of "
         "jax.debug.callback's (target <= 0.05: "
         f"{'met' if loop_tapd <= 0.05 * loop_jax else 'NOT met'})",
         f"- (b) a step with tapd.debug.callback takes {call_ratio:.2f}x the untapped step "
-        f"(target <= 1.5: {'met' if call_ratio <= 1.5 else 'NOT met'})",
+        f"(target <= 1.5: {'met' if call_ratio <= 1.5 else 'NOT met'}); "
+        f"{drained_ratio:.2f}x counting the callbacks still to run after the last step",
         f"- (c) with a 50 ms callback, the loop takes {slow_ratio:.2f}x the loop without "
         f"(target <= 1.1: {'met' if slow_ratio <= 1.1 else 'NOT met'})",
+        f"- (c') read before the product overwrites the loop's carry, the value costs XLA a "
+        f"copy of the carry each step, callback or not: {input_ratio:.2f}x with the "
+        f"callback, {carried_ratio:.2f}x with none",
     ]
     return "\n".join(
         [
