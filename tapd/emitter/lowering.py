@@ -228,6 +228,19 @@ def _mesh_devices(mesh: Any) -> tuple[Any, ...]:
     return tuple(jax.local_devices())
 
 
+def _ring_site(
+    native: NativeEmitter, site: TapSiteParams, fields: dict[str, Any], tapped_avals: Sequence[Any]
+) -> tuple[int, int, int, Any]:
+    """(site id, consumer id, every, `tapd_ring_skip`): what a portable tap's host
+    functions hand the library. The same ids each time for the same site (a guarded tap
+    registers it twice: its question and its write)."""
+    site_id = native.register_site(site.consumer, fields, primitive.leaf_descriptions(tapped_avals))
+    lib = library.load()
+    assert lib is not None  # the ring exists, so the library loaded
+    every = writer_every(site.every, site.always)
+    return site_id, native.consumer_id(site.consumer), every, lib.tapd_ring_skip
+
+
 def _ring_callback(
     native: NativeEmitter | None,
     site: TapSiteParams,
@@ -241,18 +254,15 @@ def _ring_callback(
     off CPU, its device-to-host transfer of the operands) is still paid, unless the
     tap is big enough to ask first (`_emit_guarded`)."""
     assert native is not None
-    site_id = native.register_site(site.consumer, fields, primitive.leaf_descriptions(tapped_avals))
-    consumer_id = native.consumer_id(site.consumer)
+    site_id, consumer_id, every, skip = _ring_site(native, site, fields, tapped_avals)
+    table = tuple(ordinals)
     count = len(tapped_avals)
     has_step = site.has_step
     lib = library.load()
-    assert lib is not None  # the ring exists, so the library loaded
+    assert lib is not None
     write = lib.tapd_ring_write_leaves
-    skip = lib.tapd_ring_skip
-    every = writer_every(site.every, site.always)
     pointer_array = ctypes.c_void_p * count
     size_array = ctypes.c_uint64 * count
-    table = tuple(ordinals)
 
     def write_record(*args: Any) -> tuple[()]:
         # Runs on an XLA thread; the arrays view XLA's buffers: copy them into the ring
@@ -281,11 +291,12 @@ def _ring_callback(
 
 # A portable tap of this many bytes or more first asks whether its site wants it
 # (`_ring_guard`): JAX's host callback copies its operands to the host before any of
-# tapd's Python runs (a dormant 1 MiB tap added 172 µs a call on the benchmark CPU,
-# bench/RESULTS.md §9), and a device-to-host transfer on a GPU, which a dormant tap would
-# then throw away. A small tap's copy costs less than the question's own callback (a
-# dormant 64 B portable tap adds ~5 µs, the callback alone); where between the two the
-# crossover lies was not measured: 64 KiB is a guess on the safe side.
+# tapd's Python runs (a dormant 1 MiB tap added 172 µs a call on the benchmark CPU
+# without the question, bench/RESULTS.md §9 at 7ef3e29), and a device-to-host transfer
+# on a GPU, which a dormant tap would then throw away. A small tap's copy costs less
+# than the question's own callback (a dormant 64 B portable tap adds ~5 µs, the callback
+# alone); where between the two the crossover lies was not measured: 64 KiB is a guess
+# on the safe side.
 _GUARD_BYTES = 64 * 1024
 # Where a host callback holds up the computation anyway, so that asking costs one more
 # small callback. A TPU goes on past an unordered tap's callback without waiting for the
@@ -314,12 +325,7 @@ def _ring_guard(
     """The host function a guarded tap asks first: 1 if its site takes this tap, 0 if it
     is dormant or sampled out (its seq then used up and counted as skipped, as
     `_ring_callback` does; the one that writes decides again, the same way)."""
-    site_id = native.register_site(site.consumer, fields, primitive.leaf_descriptions(tapped_avals))
-    consumer_id = native.consumer_id(site.consumer)
-    lib = library.load()
-    assert lib is not None  # the ring exists, so the library loaded
-    skip = lib.tapd_ring_skip
-    every = writer_every(site.every, site.always)
+    site_id, consumer_id, every, skip = _ring_site(native, site, fields, tapped_avals)
     table = tuple(ordinals)
 
     def wanted(index_value: Any) -> tuple[Any]:
