@@ -7,26 +7,30 @@ missing daemon is then an error at once, not after a timeout.
 
 Races need no lock of their own. Several processes that find no daemon may each launch
 one; the daemon's endpoint lock lets one bind, the others exit with "already running",
-and every caller waits for whichever daemon answers.
+and every caller waits for whichever daemon answers (or, if the winner died before it
+served, launches one again).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tapd.clients import control
-from tapd.errors import DaemonUnreachable
+from tapd.errors import ALREADY_RUNNING, DaemonUnreachable
 from tapd.runtime import (
     default_endpoint,
     default_pidfile,
     ensure_private_dir,
     flock_holder,
     pid_alive,
+    read_pidfile,
     runtime_dir,
 )
 from tapd.settings import AUTOSTART
@@ -106,14 +110,27 @@ def ensure_daemon(
     argv += ["--started-by", str(os.getpid())]
     pid = launch_detached(argv, log)
     logger.info("started a tapd daemon on demand (pid %d, log %s)", pid, log)
-    wait_ready(endpoint, pid, log, timeout)
+    relaunch = functools.partial(launch_detached, argv, log)
+    wait_ready(endpoint, pid, log, timeout, pidfile=pidfile, relaunch=relaunch)
     return pid
 
 
-def wait_ready(endpoint: str, pid: int, log: Path, timeout: float) -> None:
+def wait_ready(
+    endpoint: str,
+    pid: int,
+    log: Path,
+    timeout: float,
+    *,
+    pidfile: Path | None = None,
+    relaunch: Callable[[], int] | None = None,
+) -> None:
     """Wait until a daemon answers at `endpoint`: the one launched as `pid`, or another
-    that won the endpoint lock (then `pid` exits "already running", which is fine, and
-    the winner, alive and holding the lock, is waited for as long as `pid` would be)."""
+    that won the endpoint lock (then `pid` exits "already running", which is fine).
+
+    While a live daemon holds the lock (as /proc/locks or the `pidfile` it writes once it
+    holds the lock say), it is waited for as long as `pid` would be. If ours lost the lock
+    to a daemon that is gone too, `relaunch` (when given) starts another; any other exit
+    of ours fails at once, with the last line it logged."""
     lock = Path(f"{endpoint.removeprefix('ipc://')}.lock")
     deadline = time.monotonic() + timeout
     ours_gone_at: float | None = None
@@ -122,27 +139,44 @@ def wait_ready(endpoint: str, pid: int, log: Path, timeout: float) -> None:
             return
         if ours_gone_at is None and not pid_alive(pid):
             ours_gone_at = time.monotonic()
-        # Ours is gone and, a few seconds on, no live daemon holds the lock: it failed.
-        # (The grace covers a winner between its imports and its lock.)
-        if ours_gone_at is not None and time.monotonic() - ours_gone_at > 3.0:
-            holder = flock_holder(lock)
-            if holder is None or (holder and not pid_alive(holder)):
-                raise DaemonUnreachable(
-                    f"the tapd daemon started on demand (pid {pid}) exited without serving "
-                    f"{endpoint}: {_last_line(log)} (log: {log})"
-                )
+        # The grace covers a winner between its imports and its lock.
+        if ours_gone_at is None or time.monotonic() - ours_gone_at <= 3.0:
+            continue
+        if _lock_held_by_a_live_daemon(lock, pidfile):
+            continue
+        said = _last_line(log, pid)
+        if relaunch is not None and ALREADY_RUNNING in said:
+            pid, ours_gone_at = relaunch(), None
+            logger.info("the tapd daemon that held the lock is gone: started pid %d", pid)
+            continue
+        raise DaemonUnreachable(
+            f"the tapd daemon started on demand (pid {pid}) exited without serving "
+            f"{endpoint}: {said} (log: {log})"
+        )
     raise DaemonUnreachable(
         f"no tapd daemon answered at {endpoint} within {timeout:g} s (the one started on "
-        f"demand: pid {pid}); see {log}"
+        f"demand: pid {pid}, whose last line is: {_last_line(log, pid)}); see {log}"
     )
 
 
-def _last_line(log: Path) -> str:
+def _lock_held_by_a_live_daemon(lock: Path, pidfile: Path | None) -> bool:
+    holder = flock_holder(lock)
+    if holder == 0:  # held by a process this pid namespace cannot see
+        return True
+    if holder is None and pidfile is not None:  # where /proc/locks does not say
+        holder = read_pidfile(pidfile)
+    return holder is not None and pid_alive(holder)
+
+
+def _last_line(log: Path, pid: int) -> str:
+    """The last line daemon `pid` logged (each line names its pid: tapd/cli/logs.py), or
+    the log's last line if none names it (a crash's traceback names none)."""
     try:
         lines = log.read_text(errors="replace").strip().splitlines()
     except OSError:
         return "no log"
-    return lines[-1] if lines else "empty log"
+    ours = [line for line in lines if f"[{pid}] " in line]
+    return (ours or lines or ["empty log"])[-1]
 
 
 __all__ = ["answers", "ensure_daemon", "launch_detached", "log_path"]

@@ -64,6 +64,10 @@ class DaemonAlreadyRunning(TapdError, OSError):
     bind; `tapd start` exits with ExitCode.ALREADY_RUNNING."""
 
 
+# How DaemonAlreadyRunning's message starts: autostart finds it in a lost daemon's log.
+ALREADY_RUNNING = "another tapd daemon is already running"
+
+
 class DaemonUnreachable(TapdError, ConnectionError):
     """No daemon answers at the endpoint a client needs, and none was started for it
     (autostart is off, or the daemon it started did not become ready: the message says

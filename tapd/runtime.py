@@ -149,6 +149,14 @@ def flock_holder(path: Path) -> int | None:
     return None
 
 
+def read_pidfile(path: Path) -> int | None:
+    """The pid a pidfile names, or None (no file, or not a number)."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists. A number no process can have (0 and negative ones
     name process groups to os.kill; over pid_t's range it raises) is not alive."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import native_unavailable, tapd_cmd, wait_until
-from tapd.autostart import wait_ready
+from tapd.autostart import launch_detached, wait_ready
 from tapd.errors import DaemonUnreachable
 from tapd.runtime import flock_holder, pid_alive
 
@@ -89,7 +89,8 @@ print("seen", seen, "pid", os.getpid())
 def test_first_tap_starts_a_daemon_that_leaves_when_idle(
     home: dict[str, str], runtime_dir: Path, backend: str
 ) -> None:
-    env = {**home, "TAPD_BACKEND": backend, "TAPD_IDLE_EXIT": "2"}
+    # Idle long enough for `tapd status` (a cold Python: 1.5 s here) to ask it first.
+    env = {**home, "TAPD_BACKEND": backend, "TAPD_IDLE_EXIT": "6"}
     run = subprocess.run(
         [PY, "-c", FIRST_TAP], env=env, capture_output=True, text=True, timeout=120
     )
@@ -101,10 +102,10 @@ def test_first_tap_starts_a_daemon_that_leaves_when_idle(
     assert len(pids) == 1, pids
     status = _status(env)  # (a client too, for a moment)
     assert status["pid"] == pids[0]
-    assert status["started"] == {"on_demand": True, "by": emitter_pid, "idle_exit": 2.0}
+    assert status["started"] == {"on_demand": True, "by": emitter_pid, "idle_exit": 6.0}
     # No emitter and no subscriber: it drains and leaves after --idle-exit seconds.
     wait_until(lambda: not pid_alive(pids[0]), "the on-demand daemon to exit when idle", 30)
-    assert time.monotonic() - last_client_gone >= 1.5  # (idle from its bye, just before)
+    assert time.monotonic() - last_client_gone >= 5.0  # (idle from its bye, just before)
     assert not (runtime_dir / "tapd.sock").exists()
 
 
@@ -141,46 +142,111 @@ time.sleep(600)
 """
 
 
-@pytest.mark.parametrize("winner", ["alive", "none"])
+def _exited_pid() -> int:
+    """The pid of a process that has come and gone: ours, after it lost the lock."""
+    done = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True)
+    return int(done.stdout)
+
+
+@pytest.mark.parametrize("winner", ["holds the lock", "wrote the pidfile"])
 def test_a_caller_whose_daemon_lost_the_lock_waits_for_the_winner(
     runtime_dir: Path, winner: str
 ) -> None:
-    """Ours exited "already running": while the lock's holder lives, the caller waits for
-    it (on a loaded box a winner may take seconds to serve), to the end of its timeout;
-    with nobody holding the lock it fails within a few seconds, naming our log."""
+    """Ours exited "already running": while the winner lives (its lock in /proc/locks, or
+    its pid in the pidfile it writes once it holds the lock, where /proc/locks does not
+    say), the caller waits for it to the end of its timeout (a loaded box's winner may
+    take seconds to serve), and starts no other."""
     endpoint = f"ipc://{runtime_dir}/tapd.sock"
-    lock = runtime_dir / "tapd.sock.lock"
-    log = runtime_dir / "tapd.log"
-    log.write_text("tapd.cli ERROR another tapd daemon is already running\n")
-    ours = subprocess.run(
-        [PY, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
-    )
-    holder = None
-    if winner == "alive":
-        holder = subprocess.Popen(
-            [PY, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True
-        )
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        assert flock_holder(lock) == holder.pid
-    else:
-        lock.touch()
-        assert flock_holder(lock) is None
-    started = time.monotonic()
+    lock, pidfile, log = (runtime_dir / name for name in ("tapd.sock.lock", "tapd.pid", "tapd.log"))
+    ours = _exited_pid()
+    log.write_text(f"tapd.cli[{ours}] ERROR another tapd daemon is already running\n")
+    holder = subprocess.Popen([PY, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True)
+    relaunched: list[int] = []
+
+    def relaunch() -> int:
+        relaunched.append(1)
+        return ours
+
     try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        if winner == "holds the lock":
+            assert flock_holder(lock) == holder.pid
+        else:
+            lock = runtime_dir / "elsewhere.lock"  # as if /proc/locks did not say
+            pidfile.write_text(f"{holder.pid}\n")
+            endpoint = f"ipc://{runtime_dir}/elsewhere"
+        started = time.monotonic()
         with pytest.raises(DaemonUnreachable) as raised:
-            wait_ready(endpoint, int(ours.stdout), log, timeout=6.0)
+            wait_ready(endpoint, ours, log, 6.0, pidfile=pidfile, relaunch=relaunch)
     finally:
-        if holder is not None:
-            holder.kill()
-            holder.communicate()
+        holder.kill()
+        holder.communicate()
+    assert "no tapd daemon answered" in str(raised.value)
+    assert time.monotonic() - started >= 6.0
+    assert not relaunched
+
+
+def test_a_caller_whose_daemon_lost_to_a_daemon_now_gone_starts_another(
+    home: dict[str, str], runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ours exited "already running", and the winner exited before it served: nobody
+    holds the lock, so the caller starts a daemon again, and that one serves."""
+    monkeypatch.setenv("TAPD_RUNTIME_DIR", str(runtime_dir))
+    endpoint = f"ipc://{runtime_dir}/tapd.sock"
+    (runtime_dir / "tapd.sock.lock").touch()
+    log, pidfile = runtime_dir / "tapd.log", runtime_dir / "tapd.pid"
+    ours = _exited_pid()
+    log.write_text(f"tapd.cli[{ours}] ERROR another tapd daemon is already running for it\n")
+    argv = [PY, "-m", "tapd", "start", "--pidfile", str(pidfile), "--started-by", str(os.getpid())]
+    relaunched: list[int] = []
+
+    def relaunch() -> int:
+        relaunched.append(launch_detached(argv, log))
+        return relaunched[-1]
+
+    wait_ready(endpoint, ours, log, 30.0, pidfile=pidfile, relaunch=relaunch)
+    assert len(relaunched) == 1
+    assert _status(home)["pid"] == relaunched[0]
+
+
+@pytest.mark.parametrize("relaunch", [None, "given"])
+@pytest.mark.parametrize("last_words", ["already running", "cannot bind"])
+def test_a_caller_whose_daemon_exited_with_no_winner_fails(
+    runtime_dir: Path, relaunch: str | None, last_words: str
+) -> None:
+    """Nobody holds the lock and ours has exited. A daemon that failed (or lost the lock,
+    with no relaunch at hand) fails the caller within seconds; one that lost the lock is
+    started again, here in vain, to the end of the timeout. Either way the error names
+    our daemon's last line (not another daemon's, in the log they share) and the log."""
+    endpoint = f"ipc://{runtime_dir}/tapd.sock"
+    (runtime_dir / "tapd.sock.lock").touch()
+    assert flock_holder(runtime_dir / "tapd.sock.lock") is None
+    log = runtime_dir / "tapd.log"
+    ours = _exited_pid()
+    said = {
+        "already running": "another tapd daemon is already running for it",
+        "cannot bind": "cannot bind it: Permission denied",
+    }[last_words]
+    log.write_text(
+        f"tapd.cli[{ours}] ERROR {said}\ntapd.daemon[{ours + 1}] INFO another daemon's line\n"
+    )
+    relaunched: list[int] = []
+
+    def relaunch_in_vain() -> int:
+        relaunched.append(ours)
+        return ours  # a daemon that exits "already running" again
+
+    started = time.monotonic()
+    with pytest.raises(DaemonUnreachable) as raised:
+        wait_ready(endpoint, ours, log, 9.0, relaunch=relaunch_in_vain if relaunch else None)
     waited = time.monotonic() - started
-    if winner == "alive":
-        assert "no tapd daemon answered" in str(raised.value) and waited >= 6.0
+    assert said in str(raised.value) and str(log) in str(raised.value)
+    if relaunch and last_words == "already running":
+        assert "no tapd daemon answered" in str(raised.value) and waited >= 9.0
+        assert len(relaunched) >= 1
     else:
-        assert "exited without serving" in str(raised.value) and "already running" in str(
-            raised.value
-        )
-        assert waited < 6.0
+        assert f"(pid {ours}) exited without serving" in str(raised.value)
+        assert waited < 9.0 and not relaunched
 
 
 def test_a_stale_pidfile_and_a_dead_socket_are_no_obstacle(

@@ -16,7 +16,8 @@ def configure_logging() -> None:
     logging.basicConfig(
         level=logging.WARNING,
         stream=sys.stderr,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        # The pid, as syslog's `name[pid]`: daemons started on demand at once share one log.
+        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s",
     )
 
 

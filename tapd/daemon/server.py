@@ -35,7 +35,7 @@ from tapd.daemon.rings import RingSet
 from tapd.daemon.router import Router
 from tapd.daemon.targets.shm import RingReaders
 from tapd.daemon.wants import WantsTable
-from tapd.errors import DaemonAlreadyRunning, ProtocolError
+from tapd.errors import ALREADY_RUNNING, DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
 from tapd.runtime import ensure_private_dir, mark_ring_dir, pid_alive, ring_dir_for
 
@@ -466,7 +466,7 @@ def _lock_endpoint(path: str) -> int:
     except BlockingIOError:
         os.close(fd)
         raise DaemonAlreadyRunning(
-            f"another tapd daemon is already running for ipc://{path} (it holds {lock_path})"
+            f"{ALREADY_RUNNING} for ipc://{path} (it holds {lock_path})"
         ) from None
     return fd
 

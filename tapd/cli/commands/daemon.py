@@ -21,7 +21,7 @@ from tapd.cli.exit_codes import ExitCode
 from tapd.cli.logs import set_log_level
 from tapd.cli.options import add_endpoint, add_setting, endpoint
 from tapd.errors import DaemonAlreadyRunning, DaemonUnreachable
-from tapd.runtime import default_pidfile
+from tapd.runtime import default_pidfile, read_pidfile
 from tapd.settings import CONFIG, DAEMON_SETTINGS, LOG_LEVEL
 
 logger = logging.getLogger("tapd.cli")
@@ -121,7 +121,7 @@ def run_daemon(config: config_module.Config) -> int:
     try:
         daemon.serve(on_ready=announce)
     finally:
-        if pidfile is not None and _read_pid(pidfile) == os.getpid():
+        if pidfile is not None and read_pidfile(pidfile) == os.getpid():
             pidfile.unlink(missing_ok=True)
     return ExitCode.OK
 
@@ -133,19 +133,14 @@ def _start_detached(config: config_module.Config, argv: list[str]) -> int:
     log = autostart.log_path(config.pidfile)
     try:
         pid = autostart.launch_detached(argv, log)
-        autostart.wait_ready(config.endpoint, pid, log, autostart.READY_TIMEOUT)
+        autostart.wait_ready(
+            config.endpoint, pid, log, autostart.READY_TIMEOUT, pidfile=config.pidfile
+        )
     except DaemonUnreachable as exc:
         logger.error("%s", exc)
         return ExitCode.FAILURE
     print(f"tapd daemon started (pid {pid}, log {log})")
     return ExitCode.OK
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -156,7 +151,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
     address = endpoint(args)
     pidfile = args.pidfile or default_pidfile()
-    file_pid = _read_pid(pidfile)
+    file_pid = read_pidfile(pidfile)
     try:
         stats = control.stats(address, timeout=2.0)
     except TimeoutError:
