@@ -163,9 +163,9 @@ def _lock_held_by_a_live_daemon(lock: Path, pidfile: Path | None) -> bool:
     holder = flock_holder(lock)
     if holder == 0:  # held by a process this pid namespace cannot see
         return True
-    if holder is None and pidfile is not None:  # where /proc/locks does not say
-        holder = read_pidfile(pidfile)
-    return holder is not None and pid_alive(holder)
+    # The pidfile too, in case /proc/locks does not say (or names a pid we cannot see).
+    written = read_pidfile(pidfile) if pidfile is not None else None
+    return any(pid is not None and pid_alive(pid) for pid in (holder, written))
 
 
 def _last_line(log: Path, pid: int) -> str:
