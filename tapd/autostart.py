@@ -86,11 +86,12 @@ def ensure_daemon(
 ) -> int | None:
     """Make sure a daemon answers at `endpoint` before a client goes on.
 
-    Returns the pid of a daemon this call launched, None if one already answered or the
-    endpoint is not the default one (then the caller's own timeout applies). Raises
-    DaemonUnreachable when the daemon it launched did not become ready (naming its log),
-    and when autostart is off and there is no daemon, if the caller is `required` to have
-    one now (a subscriber; an emitter's ring can wait for a daemon that starts later)."""
+    Returns the pid of the daemon this call launched (the last, if it had to launch one
+    again), None if one already answered or the endpoint is not the default one (then the
+    caller's own timeout applies). Raises DaemonUnreachable when the daemon it launched
+    did not become ready (naming its log), and when autostart is off and there is no
+    daemon, if the caller is `required` to have one now (a subscriber; an emitter's ring
+    can wait for a daemon that starts later)."""
     if endpoint != default_endpoint():
         return None
     ensure_private_dir(runtime_dir())  # no squatter's socket is probed, nor started beside
@@ -111,8 +112,7 @@ def ensure_daemon(
     pid = launch_detached(argv, log)
     logger.info("started a tapd daemon on demand (pid %d, log %s)", pid, log)
     relaunch = functools.partial(launch_detached, argv, log)
-    wait_ready(endpoint, pid, log, timeout, pidfile=pidfile, relaunch=relaunch)
-    return pid
+    return wait_ready(endpoint, pid, log, timeout, pidfile=pidfile, relaunch=relaunch)
 
 
 def wait_ready(
@@ -123,20 +123,20 @@ def wait_ready(
     *,
     pidfile: Path | None = None,
     relaunch: Callable[[], int] | None = None,
-) -> None:
+) -> int:
     """Wait until a daemon answers at `endpoint`: the one launched as `pid`, or another
     that won the endpoint lock (then `pid` exits "already running", which is fine).
 
     While a live daemon holds the lock (as /proc/locks or the `pidfile` it writes once it
     holds the lock say), it is waited for as long as `pid` would be. If ours lost the lock
     to a daemon that is gone too, `relaunch` (when given) starts another; any other exit
-    of ours fails at once, with the last line it logged."""
+    of ours fails at once, with the last line it logged. Returns the pid last launched."""
     lock = Path(f"{endpoint.removeprefix('ipc://')}.lock")
     deadline = time.monotonic() + timeout
     ours_gone_at: float | None = None
     while time.monotonic() < deadline:
         if answers(endpoint, 0.2):
-            return
+            return pid
         if ours_gone_at is None and not pid_alive(pid):
             ours_gone_at = time.monotonic()
         # The grace covers a winner between its imports and its lock.
