@@ -172,9 +172,8 @@ def test_a_caller_whose_daemon_lost_the_lock_waits_for_the_winner(
         if winner == "holds the lock":
             assert flock_holder(lock) == holder.pid
         else:
-            lock = runtime_dir / "elsewhere.lock"  # as if /proc/locks did not say
             pidfile.write_text(f"{holder.pid}\n")
-            endpoint = f"ipc://{runtime_dir}/elsewhere"
+            endpoint = f"ipc://{runtime_dir}/elsewhere"  # its lock: as if /proc/locks did not say
         started = time.monotonic()
         with pytest.raises(DaemonUnreachable) as raised:
             wait_ready(endpoint, ours, log, 6.0, pidfile=pidfile, relaunch=relaunch)

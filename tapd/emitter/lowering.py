@@ -230,15 +230,15 @@ def _mesh_devices(mesh: Any) -> tuple[Any, ...]:
 
 def _ring_site(
     native: NativeEmitter, site: TapSiteParams, fields: dict[str, Any], tapped_avals: Sequence[Any]
-) -> tuple[int, int, int, Any]:
-    """(site id, consumer id, every, `tapd_ring_skip`): what a portable tap's host
+) -> tuple[int, int, int, ctypes.CDLL]:
+    """(site id, consumer id, every, the ring library): what a portable tap's host
     functions hand the library. The same ids each time for the same site (a guarded tap
     registers it twice: its question and its write)."""
     site_id = native.register_site(site.consumer, fields, primitive.leaf_descriptions(tapped_avals))
     lib = library.load()
     assert lib is not None  # the ring exists, so the library loaded
     every = writer_every(site.every, site.always)
-    return site_id, native.consumer_id(site.consumer), every, lib.tapd_ring_skip
+    return site_id, native.consumer_id(site.consumer), every, lib
 
 
 def _ring_callback(
@@ -254,13 +254,11 @@ def _ring_callback(
     off CPU, its device-to-host transfer of the operands) is still paid, unless the
     tap is big enough to ask first (`_emit_guarded`)."""
     assert native is not None
-    site_id, consumer_id, every, skip = _ring_site(native, site, fields, tapped_avals)
+    site_id, consumer_id, every, lib = _ring_site(native, site, fields, tapped_avals)
+    skip, write = lib.tapd_ring_skip, lib.tapd_ring_write_leaves
     table = tuple(ordinals)
     count = len(tapped_avals)
     has_step = site.has_step
-    lib = library.load()
-    assert lib is not None
-    write = lib.tapd_ring_write_leaves
     pointer_array = ctypes.c_void_p * count
     size_array = ctypes.c_uint64 * count
 
@@ -325,7 +323,8 @@ def _ring_guard(
     """The host function a guarded tap asks first: 1 if its site takes this tap, 0 if it
     is dormant or sampled out (its seq then used up and counted as skipped, as
     `_ring_callback` does; the one that writes decides again, the same way)."""
-    site_id, consumer_id, every, skip = _ring_site(native, site, fields, tapped_avals)
+    site_id, consumer_id, every, lib = _ring_site(native, site, fields, tapped_avals)
+    skip = lib.tapd_ring_skip
     table = tuple(ordinals)
 
     def wanted(index_value: Any) -> tuple[Any]:
