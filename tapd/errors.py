@@ -98,6 +98,7 @@ class CallbackException(TapdError):
             f"{len(lines)} tap function call(s) raised:\n  {shown}{more}"
         )
         self.errors = lines
+        self.texts = list(errors)  # (whole, as given: to merge two barriers' failures)
 
 
 TapFunctionException = CallbackException  # host_callback's alias of the same class

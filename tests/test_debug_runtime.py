@@ -181,26 +181,34 @@ def test_python_m_tapd_debug_without_a_script_shows_its_usage() -> None:
     assert "usage: python -m tapd.debug [--io-callback] script.py" in result.stderr
 
 
-def test_without_a_daemon_it_makes_jax_debugs_own_calls_and_says_so_once(
+def test_without_a_daemon_its_callbacks_still_run_off_the_step_and_start_none(
     tmp_path: Path,
 ) -> None:
+    """tapd.debug's callbacks never leave the process (its local ring): with no daemon
+    at the endpoint, they run on tapd's receiver, print what JAX prints, and no daemon
+    is started or asked for."""
     code = (
-        "import jax, sys, tapd.debug\n"
+        "import threading, jax, sys, tapd.debug\n"
         "api = jax.debug if sys.argv[1] == 'jax' else tapd.debug\n"
         "f = jax.jit(lambda x: (api.print('x={}', x), x)[1])\n"
         "f(1.0); f(2.0); jax.effects_barrier()\n"
         "api.print('eager {}', 3)\n"
+        "where = []\n"
+        "jax.jit(lambda x: api.callback(lambda v: where.append("
+        "threading.current_thread().name), x))(1.0)\n"
+        "jax.effects_barrier(); tapd.barrier_wait()\n"
+        "print(where)\n"
     )
-    env = {
-        **os.environ,
-        "TAPD_ENDPOINT": f"ipc://{tmp_path}/none.sock",
-        "TAPD_CONNECT_TIMEOUT": "0.5",
-    }
+    socket_path = tmp_path / "none.sock"
+    env = {**os.environ, "TAPD_ENDPOINT": f"ipc://{socket_path}", "TAPD_AUTOSTART": "1"}
     runs = [
         subprocess.run([sys.executable, "-c", code, impl], env=env, capture_output=True,
                        text=True, timeout=PROCESS_TIMEOUT)
         for impl in ("jax", "tapd")
     ]  # fmt: skip
     assert [r.returncode for r in runs] == [0, 0], runs[1].stderr
-    assert runs[1].stdout == runs[0].stdout == "x=1.0\nx=2.0\neager 3\n"
-    assert runs[1].stderr.count("tapd.debug makes jax.debug's own (synchronous) calls") == 1
+    printed = "x=1.0\nx=2.0\neager 3\n"
+    assert runs[0].stdout == printed + "['MainThread']\n"
+    assert runs[1].stdout == printed + "['tapd-receiver']\n"
+    assert "tapd" not in runs[1].stderr  # no warning, no fallback
+    assert not socket_path.exists()

@@ -134,12 +134,15 @@ def test_exit_waits_for_the_processes_own_tap_functions(
     wait_until(lambda: daemon.subscriber_count() == 0, "the receiver to say goodbye")
 
 
-def test_without_a_daemon_id_tap_of_a_closure_says_so_at_trace_time(tmp_path: Path) -> None:
-    got = run_app(f"ipc://{tmp_path}/none.sock", "raising", expect_rc=1,
-                  env={"TAPD_CONNECT_TIMEOUT": "0.5"})  # fmt: skip
-    assert "TapDefinitionError" in got["stderr"]
-    assert "did not answer within 0.5 s" in got["stderr"]
-    assert "tapd start" in got["stderr"]
+def test_without_a_daemon_id_tap_of_a_closure_runs_here_and_starts_none(tmp_path: Path) -> None:
+    """A closure's taps stay in the process (the local ring): no daemon is asked for,
+    none is started, and its failure still reaches barrier_wait."""
+    endpoint = tmp_path / "none.sock"
+    got = run_app(f"ipc://{endpoint}", "raising", env={"TAPD_CONNECT_TIMEOUT": "0.5"})
+    assert got["seen"] == [0.0, 1.0, 3.0]
+    assert "deliberate failure at 2" in got["raised"]
+    assert "ValueError" in got["cause"]
+    assert not endpoint.exists()
 
 
 # ---- importable functions: a subscriber's if one takes them, else here -----------------

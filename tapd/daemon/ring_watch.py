@@ -15,20 +15,20 @@ import fcntl
 import logging
 import mmap
 import os
-import socket
 import stat
 import struct
 from pathlib import Path
 
 from tapd.errors import ProtocolError
 from tapd.native.ring import RingError
+from tapd.native.wake import WAKE_SOCKET, WakeSocket
 from tapd.protocol.ring_checks import check_ring_control
 from tapd.protocol.ring_format import READER_PID, READER_PID_OFFSET
 from tapd.runtime import SHM_DIR, pid_alive, ring_dir_prefix, runtime_dir_of_rings
 
 logger = logging.getLogger("tapd.daemon")
 
-WAKE_SOCKET = "wake.sock"  # the native library sends to it from the ring's directory
+__all__ = ["WAKE_SOCKET", "RingBusy", "WakeSocket", "lock_ring_file", "sweep_stale_rings"]
 
 # struct flock (x86-64 and aarch64 Linux): l_type, l_whence, l_start, l_len, l_pid.
 _WRITE_LOCK = struct.pack("hhxxxxqqixxxx", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
@@ -66,33 +66,6 @@ def lock_ring_file(path: Path) -> int:
         os.close(fd)
         raise
     return fd
-
-
-class WakeSocket:
-    """The datagram socket writers wake this daemon through (`wake.sock` in the ring
-    directory), so that an idle daemon can sleep instead of polling rings."""
-
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / WAKE_SOCKET
-        self.path.unlink(missing_ok=True)  # a dead daemon's
-        self._wake = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._wake.bind(str(self.path))
-        self._wake.setblocking(False)
-
-    def fileno(self) -> int:
-        return self._wake.fileno()
-
-    def drain(self) -> None:
-        """Read every wake-up sent so far (one is as good as many)."""
-        try:
-            while self._wake.recv(64):
-                pass
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        self._wake.close()
-        self.path.unlink(missing_ok=True)
 
 
 def sweep_stale_rings(*, dry_run: bool = False) -> list[tuple[Path, int]]:

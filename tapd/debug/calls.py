@@ -44,7 +44,7 @@ from jax._src import debugging as _jax_debugging
 from jax._src.interpreters import ad, batching
 
 from tapd.debug import delivery
-from tapd.emitter import jax_compat, local_functions, sharding, tapping
+from tapd.emitter import jax_compat, lifecycle, local_functions, sharding, tapping
 from tapd.errors import TapDefinitionError
 
 # JAX's own functions, as they were when tapd.debug was first imported (before
@@ -245,6 +245,8 @@ def _receiver_here() -> bool:
     instead, saying so once, rather than fail the programs and libraries that call it."""
     if _unavailable:
         return False
+    if lifecycle.local_path() is not None:
+        return True  # the local ring's receiver: no daemon needed
     try:
         local_functions.receiver()
     except TapDefinitionError as exc:
@@ -261,7 +263,7 @@ logger = logging.getLogger("tapd.debug")
 def _tap(function: Callable[..., None], leaves: list[Any], *, ordered: bool) -> None:
     value = tuple(leaves)
     treedef = jax.tree_util.tree_structure(value)
-    consumer = local_functions.receiver().local(function, treedef)
+    consumer = local_functions.local_consumer(function, treedef)
     with tapping.as_jax_debug():
         tapping.emit(consumer, value, None, {}, ordered=ordered, always=True)
 

@@ -25,7 +25,8 @@ from typing import Any
 
 import jax
 
-from tapd.emitter import lifecycle, local_functions
+from tapd import ipython
+from tapd.emitter import lifecycle, local_functions, local_path
 from tapd.emitter.tapping import STRICT, Ordering, emit
 from tapd.errors import TapDefinitionError
 from tapd.printing import print_tap
@@ -67,10 +68,23 @@ def id_tap(
     taps")."""
     if kwargs:
         raise TypeError(_KWARGS_REMOVED)
+    return _id_tap(tap_func, arg, result, tap_with_device, device_index, here=False)
+
+
+def _id_tap(
+    tap_func: Callable[..., Any],
+    arg: Any,
+    result: Any,
+    tap_with_device: bool,
+    device_index: int,
+    *,
+    here: bool,
+) -> Any:
+    """`id_tap`; `here`: the function runs in this process even if importable."""
     if not callable(tap_func):
         raise TypeError(f"Expected a callable value, got {tap_func!r}")
     meta = _site_meta(tap_with_device, device_index)
-    consumer, bound = _placement(tap_func, arg)
+    consumer, bound = _placement(tap_func, arg, here=here)
     # Always taken (host_callback's semantics: an id_tap function always runs).
     tapped = emit(consumer, arg, None, {**bound, **meta}, always=True, ordered=_ordering())
     return tapped if result is None else result
@@ -102,14 +116,10 @@ def id_print(
     if threshold is not None:
         kwargs["threshold"] = threshold
     printer = functools.partial(print_tap, **kwargs)
-    return id_tap(
-        printer,
-        arg,
-        result=result,
-        tap_with_device=tap_with_device,
-        device_index=device_index,
-        callback_flavor=callback_flavor,
-    )
+    # In a notebook the lines belong in the cell that made them (tapd.ipython), not
+    # with a subscriber elsewhere.
+    here = ipython.running()
+    return _id_tap(printer, arg, result, tap_with_device, device_index, here=here)
 
 
 def consumer_name(tap_func: Callable[..., Any]) -> str:
@@ -118,7 +128,7 @@ def consumer_name(tap_func: Callable[..., Any]) -> str:
     importable = importable_form(tap_func)
     if importable is None:
         raise TapDefinitionError(
-            f"{local_functions.describe(tap_func)} has no import path a subscriber process "
+            f"{local_path.describe(tap_func)} has no import path a subscriber process "
             "could find it by; id_tap runs it in this process"
         )
     return importable[0]
@@ -152,16 +162,18 @@ def importable_form(tap_func: Callable[..., Any]) -> tuple[str, dict[str, Any]] 
     return f"{module}:{qualname}", bound
 
 
-def _placement(tap_func: Callable[..., Any], arg: Any) -> tuple[str, dict[str, Any]]:
+def _placement(
+    tap_func: Callable[..., Any], arg: Any, *, here: bool = False
+) -> tuple[str, dict[str, Any]]:
     """The consumer of this site, and the keywords that travel with it; subscribes this
-    process's receiver first where it is to run the function."""
-    importable = importable_form(tap_func)
+    process's receiver first where it is to run the function (`here`: in any case)."""
+    importable = None if here else importable_form(tap_func)
     if importable is not None:
         if local_functions.fallback_enabled():
             local_functions.receiver().fallback(importable[0])
         return importable
     treedef = jax.tree_util.tree_structure(arg)
-    return local_functions.receiver().local(tap_func, treedef), {}
+    return local_functions.local_consumer(tap_func, treedef), {}
 
 
 def _site_meta(tap_with_device: bool, device_index: int) -> dict[str, Any]:

@@ -446,6 +446,15 @@ def wrap_module_lowering(wrapper: Any) -> None:
     mlir.lower_jaxpr_to_module = lower_module
 
 
+def tracing() -> bool:
+    """Whether JAX is tracing on this thread (a `print` in a jitted function's body):
+    nothing may be dispatched, nor waited for, from there."""
+    from jax._src import core
+
+    clean = getattr(core, "trace_state_clean", None)
+    return clean is not None and not clean()
+
+
 def outside_any_mesh() -> Any:
     """A context in which no mesh is set (`jax.set_mesh` of JAX's empty mesh): a
     single-device computation of tapd's own runs there whatever mesh the caller set."""

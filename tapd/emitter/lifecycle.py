@@ -2,7 +2,9 @@
 
 One `Sender` per process owns the connection to the daemon (hello, barriers, handler
 errors) and, where the native library loads, the shared-memory ring the taps write to;
-`tapd.emitter.tapping` builds the taps that feed it.
+`tapd.emitter.tapping` builds the taps that feed it. Taps whose function runs in this
+process go to its `LocalPath` instead (tapd/emitter/local_path.py): a program that has
+no other taps never starts, nor talks to, a daemon.
 """
 
 from __future__ import annotations
@@ -11,17 +13,20 @@ import atexit
 import functools
 import logging
 import threading
+import time
 from typing import Any
 
 import jax
 import numpy as np
 
+from tapd import ipython
 from tapd.autostart import ensure_daemon
 from tapd.emitter import jax_compat
+from tapd.emitter.local_path import LocalPath
 from tapd.emitter.native_backend import NativeEmitter, registered_platforms
-from tapd.emitter.sender import Sender
+from tapd.emitter.sender import Sender, SenderStats
 from tapd.emitter.settings import EmitterSettings, from_environment
-from tapd.errors import ConfigError
+from tapd.errors import ConfigError, TapFunctionException
 from tapd.native import library
 from tapd.native.ring import RingError
 from tapd.runtime import check_endpoint_dir, ring_dir_for
@@ -31,6 +36,7 @@ logger = logging.getLogger("tapd.emitter")
 _state_lock = threading.Lock()
 _settings: EmitterSettings | None = None
 _sender: Sender | None = None
+_local: LocalPath | None = None
 
 
 def configure(**settings: Any) -> EmitterSettings:
@@ -38,7 +44,7 @@ def configure(**settings: Any) -> EmitterSettings:
     the first tap runs. Unset ones come from `TAPD_*` variables, then defaults."""
     global _settings
     with _state_lock:
-        if _sender is not None:
+        if _sender is not None or _local is not None:
             raise RuntimeError("tapd.configure() must be called before the first tap runs")
         _settings = from_environment(**settings)
         return _settings
@@ -68,7 +74,44 @@ def get_sender() -> Sender:
                     native=_native_emitter(_settings),
                 )
                 _register_exit_drain()
+                ipython.attach()
     return _sender
+
+
+def local_path() -> LocalPath | None:
+    """This process's local ring and receiver (created at the first call), for the tap
+    functions that run here; None where the native library does not load (they then go
+    through the daemon, tapd.emitter.local_functions)."""
+    global _local, _settings
+    if _local is None:
+        with _state_lock:
+            if _local is None:
+                if _settings is None:
+                    _settings = from_environment()
+                if library.load() is None:
+                    return None
+                _local = LocalPath(_settings, process_index=jax.process_index())
+                _register_exit_hook(_drain_local_at_exit)
+                ipython.attach()
+    return _local
+
+
+def local_path_of(consumer: str) -> LocalPath | None:
+    """The local path if `consumer` is one of its functions' (its taps go to the local
+    ring), else None."""
+    local = _local
+    return local if local is not None and local.owns(consumer) else None
+
+
+def on_local_receiver_thread() -> bool:
+    """Whether the caller is a tap function run by the local receiver."""
+    local = _local
+    return local is not None and local.on_receiver_thread()
+
+
+def take_local_exception() -> BaseException | None:
+    """The last exception a tap function of the local ring raised, if any."""
+    return _local.take_exception() if _local is not None else None
 
 
 def _native_emitter(settings: EmitterSettings) -> NativeEmitter | None:
@@ -95,12 +138,13 @@ def _native_emitter(settings: EmitterSettings) -> NativeEmitter | None:
     return None
 
 
-def handler_platforms() -> frozenset[str]:
+def handler_platforms(*, local: bool = False) -> frozenset[str]:
     """The JAX platforms ("cpu", "cuda") whose taps run tapd's FFI handler here; taps on
-    other platforms, or with TAPD_BACKEND=portable, go through a host callback."""
-    sender = get_sender()
+    other platforms, or with TAPD_BACKEND=portable, go through a host callback. `local`:
+    for taps of the local ring (which needs no sender, nor its daemon)."""
+    has_ring = local_path() is not None if local else get_sender().native is not None
     assert _settings is not None
-    if sender.native is None or _settings.backend == "portable":
+    if not has_ring or _settings.backend == "portable":
         return frozenset()
     platforms = registered_platforms()
     if _settings.backend == "native" and default_platform() not in platforms:
@@ -130,8 +174,21 @@ def backend() -> str:
 
 
 def stats() -> dict[str, Any]:
-    """This process's tap counters (zeros before the first tap)."""
-    return _sender.stats() if _sender is not None else {}
+    """This process's tap counters (empty before the first tap): the daemon path's, and
+    the local ring's under "local"."""
+    if _sender is not None:
+        counts: dict[str, Any] = _sender.stats()
+    elif _local is not None:
+        counts = {**SenderStats().as_dict(), "skipped_by_consumer": {}}
+    else:
+        return {}
+    if _local is not None:  # (its taps counted in the totals too: run = delivered)
+        local = counts["local"] = _local.stats()
+        counts["submitted"] += local["sent"] + local["dropped"]
+        counts["delivered"] += local["ran"]
+        for name in ("sent", "dropped", "errors", "skipped", "blocked_ns"):
+            counts[name] = counts.get(name, 0) + local[name]
+    return counts
 
 
 def flush_devices() -> None:
@@ -160,22 +217,89 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.
     handler. Raises `TapFunctionException` if handlers raised, `BarrierTimeout` if not
     done within `timeout` seconds."""
     flush_devices()
-    if _sender is None:
-        return
-    reply = _sender.barrier(timeout)
+    started = time.monotonic()
+    failed: list[TapFunctionException] = []  # (both paths waited for, whatever raised)
+    reply = None
+    try:
+        reply = _sender.barrier(timeout) if _sender is not None else None
+    except TapFunctionException as exc:
+        failed.append(exc)
+    if _local is not None:
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
+        try:
+            _local.barrier(left, asked=timeout)
+        except TapFunctionException as exc:
+            failed.append(exc)
+    if len(failed) == 1:
+        raise failed[0]
+    if failed:
+        raise TapFunctionException([t for exc in failed for t in exc.texts]) from failed[-1]
     if logging_name:
         logger.info("barrier %s passed: %s", logging_name, reply)
 
 
+def drain(timeout: float) -> None:
+    """What `barrier_wait` waits for, leaving what the tap functions raised for the next
+    barrier_wait: for the end of a notebook cell (tapd.ipython)."""
+    flush_devices()
+    started = time.monotonic()
+    if _sender is not None:
+        _sender.barrier(timeout, keep_errors=True)
+    if _local is not None:
+        left = max(0.0, timeout - (time.monotonic() - started))
+        _local.barrier(left, asked=timeout, keep_errors=True)
+
+
+def catch_up(timeout: float) -> None:
+    """Wait (up to `timeout` s) until the computations dispatched so far have run, and
+    the local receiver has run their taps: what JAX's synchronous callbacks would have
+    done by now (tapd.ipython, before a write to stdout). Nothing while JAX traces."""
+    local = _local
+    if local is None or local.on_receiver_thread() or not local.has_sites():
+        return
+    if jax_compat.tracing():
+        return
+    try:
+        flush_devices()
+    except Exception:  # (a device that fails says so where its results are read)
+        pass
+    local.catch_up(timeout)
+
+
 def _register_exit_drain() -> None:
+    _register_exit_hook(_drain_at_exit)
+
+
+def _register_exit_hook(hook: Any) -> None:
     # threading's exit hooks run when the main thread ends, before `atexit` handlers:
     # pyzmq's zero-copy machinery and JAX's backends are both still alive then.
     # (concurrent.futures relies on the same hook.)
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
-        register(_drain_at_exit)
+        register(hook)
     else:
-        atexit.register(_drain_at_exit)
+        atexit.register(hook)
+
+
+def _drain_local_at_exit() -> None:
+    """Run the local ring's taps committed before exit (for up to exit_timeout s)."""
+    local = _local
+    if local is None or _settings is None:
+        return
+    try:
+        flush_devices()
+    except Exception:  # JAX may be half torn down at exit; drain what we have
+        pass
+    not_run = local.close(_settings.exit_timeout)
+    counts = local.stats()
+    if not_run or counts["dropped"]:
+        logger.error(
+            "tapd at exit: not every tap of this process's own tap functions ran: %d not "
+            "run, %d dropped (ring full, drop_newest): %s",
+            not_run,
+            counts["dropped"],
+            counts,
+        )
 
 
 def _drain_at_exit() -> None:

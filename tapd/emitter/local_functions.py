@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import functools
 import itertools
 import logging
 import os
@@ -55,6 +54,7 @@ from typing import Any
 import jax
 
 from tapd.emitter import lifecycle
+from tapd.emitter.local_path import describe, rebuild
 from tapd.errors import DaemonUnreachable, TapDefinitionError
 from tapd.settings import CONNECT_TIMEOUT, LOCAL_FALLBACK
 from tapd_client.meta import TapMeta
@@ -233,7 +233,7 @@ class LocalReceiver:
 
     def _run_local(self, value: Any, meta: TapMeta) -> None:
         site = self._sites[meta.consumer]
-        arg = value if site.flat and type(value) is tuple else _rebuild(site.treedef, value)
+        arg = value if site.flat and type(value) is tuple else rebuild(site.treedef, value)
         self._call(site.function, arg, meta)
 
     def _run_fallback(self, value: Any, meta: TapMeta) -> None:
@@ -249,15 +249,6 @@ class LocalReceiver:
             raise
 
 
-def describe(function: Any) -> str:
-    """A tap function's name for people: its qualified name (a bound method's is
-    `Class.method`), `partial(name)`, or its class's name for a callable object."""
-    if isinstance(function, functools.partial):
-        return f"partial({describe(function.func)})"
-    qualname = getattr(function, "__qualname__", None)
-    return qualname if isinstance(qualname, str) else type(function).__qualname__
-
-
 class _Named:
     """A handler whose name (in the error `barrier_wait` raises) says what it runs."""
 
@@ -267,29 +258,6 @@ class _Named:
 
     def __call__(self, value: Any, meta: TapMeta) -> None:
         self._handler(value, meta)
-
-
-def _rebuild(treedef: Any, value: Any) -> Any:
-    """The tapped value with the site's own pytree types (namedtuple classes, dataclasses,
-    registered nodes) rather than the protocol's stand-ins."""
-    leaves: list[Any] = []
-
-    def walk(node: Any) -> None:
-        if node is None:
-            return
-        if isinstance(node, tuple | list):
-            for child in node:
-                walk(child)
-        elif isinstance(node, dict):  # insertion order is the tree spec's order
-            for child in node.values():
-                walk(child)
-        else:
-            leaves.append(node)
-
-    walk(value)
-    if len(leaves) != treedef.num_leaves:
-        return value
-    return treedef.unflatten(leaves)
 
 
 # ---- this process's receiver -----------------------------------------------------------
@@ -314,13 +282,28 @@ def receiver() -> LocalReceiver:
         return _receiver
 
 
+def local_consumer(function: Callable[..., Any], treedef: Any) -> str:
+    """The consumer name of a tap site whose function runs in this process: one of the
+    local ring's (tapd.emitter.local_path), which needs no daemon; where the native
+    library does not load, one this receiver takes through the daemon."""
+    local = lifecycle.local_path()
+    if local is not None:
+        return local.consumer(function, treedef)
+    return receiver().local(function, treedef)
+
+
 def on_receiver_thread() -> bool:
-    """Whether the caller is a tap function running here (which must not wait for the
-    barrier it is part of)."""
+    """Whether the caller is a tap function running here, on either receiver (which
+    must not wait for the barrier it is part of)."""
+    if lifecycle.on_local_receiver_thread():
+        return True
     return _receiver is not None and threading.current_thread() is _receiver._thread
 
 
 def take_exception() -> BaseException | None:
     """The last exception a tap function raised in this process, if any (for
     `barrier_wait` to chain to the `CallbackException` it raises)."""
-    return _receiver.take_exception() if _receiver is not None else None
+    exc = lifecycle.take_local_exception()
+    if exc is None and _receiver is not None:
+        exc = _receiver.take_exception()
+    return exc

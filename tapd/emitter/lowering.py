@@ -34,12 +34,12 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from tapd.emitter import jax_compat, lifecycle, native_backend, order, primitive
 from tapd.emitter.device_names import device_names
-from tapd.emitter.native_backend import FFI_TARGET, NativeEmitter
+from tapd.emitter.native_backend import FFI_TARGET, RingSites
 from tapd.emitter.primitive import ORDERED, TapSiteParams
 from tapd.emitter.sender import TapSite
 from tapd.native import library
 from tapd.native.ring import NO_STEP
-from tapd.protocol.ring_format import writer_every
+from tapd.protocol.ring_format import RINGS, writer_every
 
 logger = logging.getLogger("tapd.emitter")
 
@@ -57,8 +57,11 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
     tapped = [*leaves, *([coords] if site.has_coords else [])]
     tapped_avals = [*leaf_avals, *([coords_aval] if site.has_coords else [])]
 
-    sender = lifecycle.get_sender()
-    native = sender.native
+    # A site whose function runs in this process writes the local ring, which needs no
+    # daemon (tapd.emitter.local_path); any other, the daemon's ring (or its sender).
+    local = lifecycle.local_path_of(site.consumer)
+    native: RingSites | None = local if local is not None else lifecycle.get_sender().native
+    ring = RINGS["local" if local is not None else "daemon"]
     module = ctx.module_context
     platform = module.platforms[0] if len(module.platforms) == 1 else None
     # Strict: JAX's token; otherwise tapd's own (tapd.emitter.order), or none.
@@ -73,7 +76,8 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
     partitioned = (
         isinstance(axis_context, sharding_impls.ShardingContext) and axis_context.num_devices > 1
     )
-    if native is not None and platform in lifecycle.handler_platforms() and not partitioned:
+    handled_here = platform in lifecycle.handler_platforms(local=local is not None)
+    if native is not None and handled_here and not partitioned:
         site_id = native.register_site(
             site.consumer, _site_fields(site, platform), primitive.leaf_descriptions(tapped_avals)
         )
@@ -89,6 +93,7 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             has_step=site.has_step,
             # (an int64 attribute: the always bit, bit 63, makes it negative)
             every=np.uint64(writer_every(site.every, site.always)).astype(np.int64),
+            ring=ring,
         )
     else:
         # A gathered tap in a partitioned jit runs on one device: id_tap's device_index.
@@ -229,7 +234,7 @@ def _mesh_devices(mesh: Any) -> tuple[Any, ...]:
 
 
 def _ring_site(
-    native: NativeEmitter, site: TapSiteParams, fields: dict[str, Any], tapped_avals: Sequence[Any]
+    native: RingSites, site: TapSiteParams, fields: dict[str, Any], tapped_avals: Sequence[Any]
 ) -> tuple[int, int, int, ctypes.CDLL]:
     """(site id, consumer id, every, the ring library): what a portable tap's host
     functions hand the library. The same ids each time for the same site (a guarded tap
@@ -242,7 +247,7 @@ def _ring_site(
 
 
 def _ring_callback(
-    native: NativeEmitter | None,
+    native: RingSites | None,
     site: TapSiteParams,
     fields: dict[str, Any],
     tapped_avals: Sequence[Any],
@@ -256,6 +261,7 @@ def _ring_callback(
     assert native is not None
     site_id, consumer_id, every, lib = _ring_site(native, site, fields, tapped_avals)
     skip, write = lib.tapd_ring_skip, lib.tapd_ring_write_leaves
+    handle = native.ring.handle  # (the daemon's ring, or the local one)
     table = tuple(ordinals)
     count = len(tapped_avals)
     has_step = site.has_step
@@ -267,12 +273,12 @@ def _ring_callback(
         # now, in this one call, and keep nothing.
         index = int(args[-1])
         device = table[index] if index < len(table) else index
-        if skip(None, site_id, consumer_id, device, every):
+        if skip(handle, site_id, consumer_id, device, every):
             return ()  # dormant or sampled out: counted, nothing copied
         arrays = [np.ascontiguousarray(a) for a in args[:count]]
         step = int(args[count]) if has_step else NO_STEP
         write(
-            None,
+            handle,
             site_id,
             consumer_id,
             device,
@@ -314,7 +320,7 @@ def _guarded_here(platform: str | None, axis_context: Any, tapped_avals: Sequenc
 
 
 def _ring_guard(
-    native: NativeEmitter,
+    native: RingSites,
     site: TapSiteParams,
     fields: dict[str, Any],
     tapped_avals: Sequence[Any],
@@ -325,12 +331,13 @@ def _ring_guard(
     `_ring_callback` does; the one that writes decides again, the same way)."""
     site_id, consumer_id, every, lib = _ring_site(native, site, fields, tapped_avals)
     skip = lib.tapd_ring_skip
+    handle = native.ring.handle
     table = tuple(ordinals)
 
     def wanted(index_value: Any) -> tuple[Any]:
         index = int(index_value)
         device = table[index] if index < len(table) else index
-        return (np.int32(0 if skip(None, site_id, consumer_id, device, every) else 1),)
+        return (np.int32(0 if skip(handle, site_id, consumer_id, device, every) else 1),)
 
     return wanted
 
@@ -367,7 +374,7 @@ def _emit_guarded(
 
 
 def _sender_callback(
-    native: NativeEmitter | None,
+    native: RingSites | None,
     site: TapSiteParams,
     fields: dict[str, Any],
     tapped_avals: Sequence[Any],

@@ -14,7 +14,7 @@ import os
 import secrets
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 
@@ -27,6 +27,17 @@ logger = logging.getLogger("tapd.emitter")
 
 FFI_TARGET = "tapd_tap"
 ORDER_TARGET = "tapd_order"  # (tapd/emitter/order.py)
+
+
+class RingSites(Protocol):
+    """What lowering needs of a ring a tap writes: its sites' ids (the daemon's ring:
+    `NativeEmitter`; the local ring: tapd.emitter.local_path.LocalPath)."""
+
+    ring: Ring
+
+    def register_site(self, consumer: str, fields: dict[str, Any], leaves: list[Any]) -> int: ...
+
+    def consumer_id(self, consumer: str) -> int: ...
 
 
 class NativeEmitter:

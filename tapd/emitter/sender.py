@@ -224,8 +224,9 @@ class Sender:
 
     # ---- called from user threads ---------------------------------------------------
 
-    def barrier(self, timeout: float | None) -> dict[str, Any]:
-        """Wait until every tap submitted so far is processed; raise handler errors."""
+    def barrier(self, timeout: float | None, *, keep_errors: bool = False) -> dict[str, Any]:
+        """Wait until every tap submitted so far is processed; raise handler errors
+        (`keep_errors`: leave them for the next barrier)."""
         # Everything in the ring so far precedes it. (Outside the lock: waiting for a
         # CUDA stream's commits may take seconds, and submits must not wait for that.)
         ring_position = self.native.settled_position() if self.native is not None else None
@@ -249,7 +250,7 @@ class Sender:
                 f"{where}"
             )
         with self._lock:
-            errors, self._errors = self._errors, []
+            errors, self._errors = ([], self._errors) if keep_errors else (self._errors, [])
             self._confirmed = max(self._confirmed, barrier.covers)
             self._stats.lost_in_flight_bytes = barrier.lost_bytes
         if errors:

@@ -26,6 +26,8 @@ class EmitterSettings(EmitterFields):
             raise ConfigError(f"buffer_bytes must be positive, got {self.buffer_bytes}")
         if self.exit_timeout < 0:
             raise ConfigError(f"exit_timeout must be >= 0, got {self.exit_timeout}")
+        if self.cell_timeout < 0:
+            raise ConfigError(f"cell_timeout must be >= 0, got {self.cell_timeout}")
 
 
 def from_environment(**overrides: Any) -> EmitterSettings:

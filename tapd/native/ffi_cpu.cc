@@ -15,11 +15,13 @@ namespace ffi = xla::ffi;
 namespace {
 
 ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets /*token*/,
-                   int64_t site, int64_t consumer, int64_t has_step, int64_t every) {
-  tapd::Ring* ring = tapd::InstalledRing();
+                   int64_t site, int64_t consumer, int64_t has_step, int64_t every,
+                   int64_t which) {
+  tapd::Ring* ring = tapd::InstalledRing(int32_t(which));
   if (ring == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "tapd: native tap ran before the emitter attached its ring");
+                      "tapd: native tap ran before this process installed the ring it "
+                      "writes to (its daemon's ring, or its local ring)");
   }
   // The operands: the leaves, then the step if there is one. An ordered tap's token
   // comes as an argument too (a TOKEN buffer): it is no leaf.
@@ -76,7 +78,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTap, TapImpl,
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("consumer")
                                   .Attr<int64_t>("has_step")
-                                  .Attr<int64_t>("every"));
+                                  .Attr<int64_t>("every")
+                                  .Attr<int64_t>("ring"));  // kRingDaemon, kRingLocal
 
 // tapd's order handler (tapd/emitter/order.py): does nothing. Its custom calls exist for
 // their operands and results: a tap comes after the loop whose results it takes, and a

@@ -443,15 +443,16 @@ cudaError_t EnqueueCommit(void* ring, const Registration& registration, DeviceCo
 
 ffi::Error TapCudaImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
                        ffi::RemainingRets /*token*/, int64_t site, int64_t consumer,
-                       int64_t has_step, int64_t every) {
+                       int64_t has_step, int64_t every, int64_t which) {
   if (g_api == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "tapd: the CUDA tap handler was not attached to the ring library");
   }
-  void* ring = g_api->installed();
+  void* ring = g_api->installed(int32_t(which));
   if (ring == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "tapd: native tap ran before the emitter attached its ring");
+                      "tapd: native tap ran before this process installed the ring it "
+                      "writes to (its daemon's ring, or its local ring)");
   }
   Registration registration = Registered(ring);  // (registered at install: the fast path)
   DeviceCommit* commit = Device(device);
@@ -543,7 +544,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTapCuda, TapCudaImpl,
                                   .Attr<int64_t>("site")
                                   .Attr<int64_t>("consumer")
                                   .Attr<int64_t>("has_step")
-                                  .Attr<int64_t>("every"));
+                                  .Attr<int64_t>("every")
+                                  .Attr<int64_t>("ring"));  // kRingDaemon, kRingLocal
 // No command-buffer trait (ffi::Traits::kCmdBufferCompatible), on purpose: XLA then
 // never captures the tap into a command buffer (CUDA graph), it splits the graph around
 // it and calls this handler on the host at every execution. That is what makes the
@@ -600,7 +602,7 @@ const char* tapd_cuda_commit_name(int variant) { return VariantName(variant); }
 // The installed ring's registration: 0 and the bytes pinned, whether mapped for the
 // devices, and how long cudaHostRegister took; 1 if no ring is installed or registered.
 int tapd_cuda_ring_registration(uint64_t* bytes, int* mapped, double* seconds) {
-  void* ring = g_api != nullptr ? g_api->installed() : nullptr;
+  void* ring = g_api != nullptr ? g_api->installed(tapd::kRingDaemon) : nullptr;
   if (ring == nullptr) return 1;
   std::lock_guard<std::mutex> lock(g_mutex);
   auto found = g_registered.find(ring);

@@ -350,6 +350,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_open": ([c.c_char_p], c.c_void_p),
         "tapd_ring_close": ([c.c_void_p], None),
         "tapd_ring_install": ([c.c_void_p], None),
+        "tapd_ring_install_at": ([c.c_void_p, c.c_int32], None),
         "tapd_ring_readable": ([c.c_void_p, c.c_uint64, c.POINTER(c.c_void_p)], c.c_uint64),
         "tapd_ring_release": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_sleep": ([c.c_void_p, c.c_uint64], c.c_int),

@@ -69,8 +69,9 @@ Ring* MapRing(int fd, uint64_t capacity) {
   return ring;
 }
 
-// The emitter process's ring, used by the FFI handlers and the portable backend.
-std::atomic<Ring*> g_ring{nullptr};
+// The emitter process's rings (kRingDaemon, kRingLocal), used by the FFI handlers and
+// the portable backend.
+std::atomic<Ring*> g_rings[2] = {nullptr, nullptr};
 
 // Large leaves are copied with non-temporal (streaming) stores: the ring is read by
 // another process, later, so pulling its cache lines into this core first (what plain
@@ -407,7 +408,10 @@ bool DeviceCommitPending(Ring* ring, uint64_t committed) {
 
 }  // namespace
 
-Ring* InstalledRing() { return g_ring.load(std::memory_order_acquire); }
+Ring* InstalledRing(int32_t which) {
+  if (which != kRingDaemon && which != kRingLocal) return nullptr;
+  return g_rings[which].load(std::memory_order_acquire);
+}
 
 // A sequence number for (consumer, device) and, unless the tap is dropped, its place in
 // the ring, taken together under one lock: two threads tapping the same consumer on the
@@ -510,7 +514,7 @@ namespace {
 
 // ---- The table a handler library built apart (ffi_cuda.cc) writes through ----------
 
-void* ApiInstalled() { return InstalledRing(); }
+void* ApiInstalled(int32_t which) { return InstalledRing(which); }
 
 uint8_t* ApiBegin(void* ring, uint64_t length, uint64_t site, uint32_t consumer,
                   int32_t device, uint32_t nleaves, int64_t step, uint32_t flags,
@@ -553,7 +557,9 @@ std::atomic<void (*)(void*)> g_install_hook{nullptr};
 void ApiSetInstallHook(void (*hook)(void*)) {
   g_install_hook.store(hook, std::memory_order_release);
   if (hook != nullptr) {
-    if (Ring* ring = InstalledRing()) hook(ring);
+    for (int32_t which : {kRingDaemon, kRingLocal}) {
+      if (Ring* ring = InstalledRing(which)) hook(ring);
+    }
   }
 }
 
@@ -682,8 +688,10 @@ void* tapd_ring_open(const char* path) {
 void tapd_ring_close(void* handle) {
   auto* ring = static_cast<Ring*>(handle);
   if (ring == nullptr) return;
-  Ring* expected = ring;
-  tapd::g_ring.compare_exchange_strong(expected, nullptr);
+  for (auto& installed : tapd::g_rings) {
+    Ring* expected = ring;
+    installed.compare_exchange_strong(expected, nullptr);
+  }
   // Device copies still on their way land in this memory, and their commits read it:
   // wait for them (a stream runs them in order), or leave it mapped.
   // (Commits a stream writes itself run no host code: wait until `committed` is past
@@ -721,11 +729,14 @@ void tapd_ring_close(void* handle) {
 
 // Make `handle` the ring this process's taps write to (and tell the CUDA library, if
 // it is attached: it registers the ring with CUDA now).
-void tapd_ring_install(void* handle) {
-  tapd::g_ring.store(static_cast<Ring*>(handle));
+void tapd_ring_install_at(void* handle, int32_t which) {
+  if (which != tapd::kRingDaemon && which != tapd::kRingLocal) return;
+  tapd::g_rings[which].store(static_cast<Ring*>(handle));
   void (*hook)(void*) = tapd::g_install_hook.load(std::memory_order_acquire);
   if (hook != nullptr && handle != nullptr) hook(handle);
 }
+
+void tapd_ring_install(void* handle) { tapd_ring_install_at(handle, tapd::kRingDaemon); }
 
 // Reader: the committed bytes not yet consumed start at *data; returns their length.
 // The region is contiguous (double mapping); it holds whole records, some of which may

@@ -217,19 +217,26 @@ void AbandonRecord(Ring* ring, uint64_t position);
 // dropped, or 3 if skipped (dormant or sampled out; nothing copied).
 int WriteLeaves(Ring* ring, const RecordFields& fields, uint32_t nleaves,
                 const void* const* data, const uint64_t* sizes);
-// The ring this process's taps write to (tapd_ring_install), or nullptr.
-Ring* InstalledRing();
+// A process has two rings a tap may write to, named by the handler's `ring` attribute:
+// the one its host's daemon drains (tapd_ring_install), and its local ring, drained by
+// the process's own receiver thread for the tap functions that run in it
+// (tapd_ring_install_local; tapd/emitter/local_path.py).
+constexpr int32_t kRingDaemon = 0;
+constexpr int32_t kRingLocal = 1;
+// The ring `which` of this process, or nullptr (none installed, or no such ring).
+Ring* InstalledRing(int32_t which = kRingDaemon);
 
 // ---- The interface a separately built handler library (ffi_cuda.cc) writes through.
 // It gets this table from tapd_ring_internal_api(), so that it uses this library's
 // installed ring and seq counters rather than copies of its own.
 // 2: set_install_hook, commit_tag, device_commit_enqueued (commits written by a stream).
 // 3: begin takes the site's `every` and returns nullptr for a skipped tap too.
-constexpr uint32_t kApiVersion = 3;
+// 4: installed takes which ring (kRingDaemon, kRingLocal).
+constexpr uint32_t kApiVersion = 4;
 struct RingApi {
   uint32_t version;  // kApiVersion
   uint32_t size;     // sizeof(RingApi)
-  void* (*installed)();
+  void* (*installed)(int32_t which);
   // nullptr: dropped or skipped (dormant or sampled out), and counted: do nothing more.
   uint8_t* (*begin)(void* ring, uint64_t length, uint64_t site, uint32_t consumer,
                     int32_t device, uint32_t nleaves, int64_t step, uint32_t flags,

@@ -28,6 +28,7 @@ from tapd.protocol.ring_format import (
     POLICIES,
     RECORD_HEADER,
     RECORD_HEADER_STRUCT,
+    RINGS,
     SITE_SLOTS,
     TAG_ABANDONED,
     TAG_COMMITTED,
@@ -37,12 +38,13 @@ from tapd.protocol.ring_format import (
 
 logger = logging.getLogger("tapd.native")
 
-# NO_STEP, POLICIES and RECORD_HEADER are the format's (ring_format.py), named here too
+# NO_STEP, POLICIES, RECORD_HEADER and RINGS are the format's (ring_format.py), named here too
 # for the emitter and the tests.
 __all__ = [
     "NO_STEP",
     "POLICIES",
     "RECORD_HEADER",
+    "RINGS",
     "STALL_WARNING_S",
     "Counters",
     "Record",
@@ -222,9 +224,11 @@ class Ring:
             self._lib.tapd_ring_close(self._handle)
             self._handle = None
 
-    def install(self) -> None:
-        """Make this the ring the process's FFI taps write to."""
-        self._lib.tapd_ring_install(self.handle)
+    def install(self, which: str = "daemon") -> None:
+        """Make this the ring the process's taps write to: those whose `ring` attribute
+        is RING_DAEMON ("daemon": the one its host's daemon drains) or RING_LOCAL
+        ("local": the one this process's receiver drains; tapd.emitter.local_path)."""
+        self._lib.tapd_ring_install_at(self.handle, RINGS[which])
 
     def counters(self) -> Counters:
         out = (ctypes.c_uint64 * 10)()

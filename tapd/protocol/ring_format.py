@@ -55,6 +55,8 @@ TAIL_OFFSET = 192  # offsetof(RingControl, tail)
 POSITION = struct.Struct("<Q")
 
 POLICIES = {"block": 0, "drop_newest": 1}  # kPolicyBlock, kPolicyDropNewest
+# Which of its process's rings a native tap writes (the handler's `ring` attribute).
+RINGS = {"daemon": 0, "local": 1}  # kRingDaemon, kRingLocal
 NO_STEP = -(2**63)  # kNoStep: a record without a step
 
 # Commit tag states: the low bits of a record's `commit` word (Tag() in ring.h).

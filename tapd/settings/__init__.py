@@ -269,6 +269,11 @@ class EmitterFields:
     exit_timeout: float = emitter(
         10.0, "how long interpreter exit waits for taps to be delivered, in seconds"
     )
+    cell_timeout: float = emitter(
+        10.0,
+        "under IPython (Jupyter), how long the end of a cell waits for the callbacks of its "
+        "computations to run, in seconds (then it says so and they run later)",
+    )
     block_warning_after: float = emitter(
         5.0, "under block, warn when one tap has waited this long for buffer space", variable=None
     )

@@ -1,0 +1,454 @@
+"""Tap functions that live in this process, fed without a daemon: the local ring.
+
+A tap whose function runs in this process (a `tapd.debug` site; an `id_tap` of a
+lambda, closure, bound method or callable object) has no reason to leave it. Its
+records go to this process's *local ring*, which the FFI handler (or the portable
+backend's host callback) writes exactly as it writes the daemon's ring (the handler's
+`ring` attribute says which: tapd/native/ring.h, kRingLocal), and which a receiver
+thread of this process drains itself. No daemon is involved and none is started; the
+step never waits for a tap function. Taps of named sites and of importable tap
+functions keep the daemon's ring (tapd/emitter/local_functions.py runs the importable
+ones here where no subscriber takes them).
+
+What holds on the daemon's path holds here:
+
+- order: the receiver runs records in ring order, which is program order within a
+  computation (tapd's order token) and JAX's order for `ordered="strict"` taps; a
+  site's `seq` counts every execution per device;
+- the bounded ring and its policy: `block` pauses a writer until the receiver has run
+  enough, `drop_newest` drops and counts;
+- `barrier_wait` (tapd.emitter.lifecycle) returns once the receiver has run every
+  record committed before it; what a function raised is raised there, as
+  `CallbackException`, with its name and traceback; a barrier that times out says what
+  it waits for: which sites' taps, and what the receiver thread is doing;
+- the exit drain: at interpreter exit the receiver runs what was committed, for up to
+  `exit_timeout` seconds, and an exact count of what it did not run is logged;
+- the counters, in `tapd.stats()["local"]`.
+
+The receiver runs the taps as a subscriber runs a daemon's (tapd_client.handlers on
+`SiteRun`s), from a copy of the ring's bytes, so that a function that keeps its
+argument keeps an intact value. No daemon sees these taps, so `tapd tail '*'` does not
+either (docs/TAPPING.md, "Taps that stay in the process").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import secrets
+import select
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from tapd.daemon.runs import Site
+from tapd.emitter.settings import EmitterSettings
+from tapd.errors import BarrierTimeout, TapFunctionException
+from tapd.native.ring import Records, Ring
+from tapd.native.wake import WakeSocket
+from tapd.protocol.batch import SiteRun
+from tapd.protocol.message import StaticEntry
+from tapd.protocol.schema import check_batch_static
+from tapd.runtime import SHM_DIR, ensure_private_dir, ring_dir_prefix
+from tapd_client.daemon_link import ERROR_CHARS
+from tapd_client.handlers import Handlers
+from tapd_client.meta import TapMeta
+from tapd_client.tap_functions import tap_function_keywords
+
+logger = logging.getLogger("tapd.emitter")
+
+LOCAL_PREFIX = "local/"  # every local consumer's name starts so (docs/TAPPING.md)
+_MAX_QUALNAME = 96  # of the function's name in a local consumer name
+_RECORDS_PER_READ = 4096
+# The receiver sleeps until a writer's wake-up, or this long: a wake-up lost (none is
+# known to be) would cost this much delay, never a hang.
+_IDLE_LOOK = 0.5  # s
+_ERRORS_KEPT = 100  # failures kept for the next barrier (each one's first line counted)
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalFunction:
+    """A tap function of this process and what it needs of each tap: the site's pytree
+    structure (so that it gets the very types it would have got from host_callback)."""
+
+    function: Callable[..., Any]
+    treedef: Any  # jax.tree_util.PyTreeDef
+    flat: bool  # a tuple of leaves, which a tap's value already is (no rebuild)
+
+
+def describe(function: Any) -> str:
+    """A tap function's name for people: its qualified name (a bound method's is
+    `Class.method`), `partial(name)`, or its class's name for a callable object."""
+    import functools
+
+    if isinstance(function, functools.partial):
+        return f"partial({describe(function.func)})"
+    qualname = getattr(function, "__qualname__", None)
+    return qualname if isinstance(qualname, str) else type(function).__qualname__
+
+
+class _Failures:
+    """What `Handlers` reports of the taps it ran (the link it acknowledges to, for a
+    subscriber): which failed, for the next barrier."""
+
+    endpoint = "this process's local ring"
+
+    def __init__(self) -> None:
+        self.last_tid = -1
+        self.taps: dict[int, tuple[str, int]] = {}  # tid -> (consumer, seq), this read
+        self.errors: list[str] = []
+        self.count = 0
+
+    def fail(self, tid: int, text: str) -> None:
+        consumer, seq = self.taps.get(tid, ("?", -1))
+        self.count += 1
+        if len(self.errors) >= _ERRORS_KEPT:
+            del self.errors[0]
+        # (only the newest keeps its traceback, as a subscriber's acks keep it)
+        if self.errors:
+            self.errors[-1] = self.errors[-1].partition("\n")[0]
+        self.errors.append(f"{consumer}#{seq}: {text[:ERROR_CHARS]}")
+
+
+class LocalPath:
+    """This process's local ring, its sites and functions, and the receiver thread."""
+
+    def __init__(self, settings: EmitterSettings, process_index: int) -> None:
+        self.settings = settings
+        self.emitter = f"{socket.gethostname()}:{os.getpid()}"
+        self.prefix = f"{LOCAL_PREFIX}{self.emitter}/{secrets.token_hex(4)}/"
+        self.directory = _private_directory()
+        try:
+            self.ring = Ring.create(
+                self.directory / f"{os.getpid()}-{secrets.token_hex(4)}.ring",
+                settings.buffer_bytes,
+                settings.policy,
+            )
+            self.ring.path.unlink()  # mapped by this process alone: nothing to find
+            self._wake = WakeSocket(self.directory)
+        except BaseException:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
+        self.ring.set_reader(os.getpid())
+        self.ring.install("local")
+        self._identity = {"process": process_index, "host": socket.gethostname(),
+                          "pid": os.getpid(), "emitter": self.emitter}  # fmt: skip
+        self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)  # `handled` moved on
+        self._functions: dict[str, LocalFunction] = {}
+        self._names: dict[tuple[int, Any], tuple[Callable[..., Any], str]] = {}
+        self._numbers = itertools.count()
+        self._site_keys: dict[tuple[str, str], int] = {}
+        self._sites: list[tuple[Site, StaticEntry]] = []
+        self._consumer_ids: dict[str, int] = {}
+        self._devices = {
+            int(d.local_hardware_id): d
+            for d in jax.local_devices()
+            if d.local_hardware_id is not None
+        }
+        self._handlers = Handlers()
+        self._handlers.add(
+            self.prefix + "*", _Named(self._run, "tap function"), False, False, 1, None
+        )
+        self._failures = _Failures()
+        self._last_exception: BaseException | None = None
+        self._errors_seen = 0  # failures already raised by a barrier
+        self.handled = 0  # ring position up to which every record was run (and released)
+        self.ran = 0  # taps run (whatever they raised)
+        self._running: tuple[str, float] | None = None  # (function, since) while one runs
+        self._closing = False
+        self._stop_read, self._stop_write = os.pipe()
+        self._thread = threading.Thread(target=self._serve, name="tapd-receiver", daemon=True)
+        self._thread.start()
+
+    # ---- trace time ----------------------------------------------------------------
+
+    def consumer(self, function: Callable[..., Any], treedef: Any) -> str:
+        """The consumer name of a site whose function runs here: the same for the same
+        function and tree. The function is kept for the life of the process, as
+        host_callback kept it."""
+        key = (id(function), treedef)
+        with self._lock:
+            known = self._names.get(key)
+            if known is not None:
+                return known[1]
+            shown = describe(function)[:_MAX_QUALNAME]
+            name = f"{self.prefix}{next(self._numbers)}/{shown}"
+            flat = treedef == jax.tree_util.tree_structure((0,) * treedef.num_leaves)
+            self._functions[name] = LocalFunction(function, treedef, flat)
+            self._names[key] = (function, name)  # keeps the function, so its id stays unique
+            return name
+
+    def owns(self, consumer: str) -> bool:
+        """Whether `consumer` names a function of this process's local ring."""
+        return consumer.startswith(self.prefix)
+
+    def register_site(self, consumer: str, fields: dict[str, Any], leaves: list[Any]) -> int:
+        """The id of this tap site in the local ring (the same for the same site)."""
+        entry = {"consumer": consumer, **fields, "leaves": leaves}
+        import msgpack
+
+        key = (consumer, msgpack.packb(entry, use_bin_type=True))
+        with self._lock:
+            site_id = self._site_keys.get(key)
+            if site_id is None:
+                site = Site(entry, self._identity)
+                static = StaticEntry(
+                    site.batch_static, check_batch_static(len(self._sites), site.batch_static)
+                )
+                site_id = self._site_keys[key] = len(self._sites)
+                self._sites.append((site, static))
+                self._consumer_ids.setdefault(consumer, len(self._consumer_ids))
+            return site_id
+
+    def has_sites(self) -> bool:
+        """Whether any tap site writes the local ring (else there is nothing to wait for)."""
+        return bool(self._sites)
+
+    def consumer_id(self, consumer: str) -> int:
+        with self._lock:
+            return self._consumer_ids[consumer]
+
+    # ---- the receiver thread -----------------------------------------------------------
+
+    def on_receiver_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _serve(self) -> None:
+        ring = self.ring
+        position = self.handled
+        try:
+            while True:
+                span, records = ring.read_span(position, _RECORDS_PER_READ)
+                if len(records):
+                    position = self._run_records(span, records, position)
+                    continue
+                if self._closing:
+                    return
+                if ring.sleep(position):
+                    waits = [self._wake.fileno(), self._stop_read]
+                    ready, _, _ = select.select(waits, [], [], _IDLE_LOOK)
+                    if waits[0] in ready:
+                        self._wake.drain()
+        except Exception:
+            logger.exception(
+                "tapd's local receiver failed; this process's tap functions no longer run"
+            )
+        finally:
+            with self._lock:
+                self._closing = True
+                self._progress.notify_all()
+
+    def _run_records(self, span: memoryview, records: Records, position: int) -> int:
+        """Run the tap functions of `records` (read from `position` on, viewed by
+        `span`), in order; release their ring space; the position after them."""
+        body = memoryview(bytes(span[: records.ends[-1] - position]))  # a copy: see above
+        runs: list[SiteRun] = []
+        failures = self._failures
+        failures.taps.clear()
+        with self._lock:
+            sites = self._sites
+        tid = failures.last_tid
+        previous = None
+        for i in range(len(records)):
+            site_id = records.sites[i]
+            if site_id >= len(sites):  # (a record is written after its site is registered)
+                raise RuntimeError(
+                    f"local ring record {records.starts[i]} of unknown site {site_id}"
+                )
+            site, static = sites[site_id]
+            tid += 1
+            failures.taps[tid] = (site.consumer, records.seqs[i])
+            start = records.starts[i] + self.ring.header_bytes - position
+            coords = None
+            if site.shard is not None:
+                coords = site.coords(body[start : records.ends[i] - position])
+            row = [0, tid, records.seqs[i], records.steps[i], records.devices[i],
+                   records.times[i], coords, 0, start]  # fmt: skip
+            if previous is site_id:
+                runs[-1].rows.append(row)
+            else:
+                runs.append(SiteRun(static, body, [row]))
+            previous = site_id
+        self._handlers.handle_taps(failures, runs)  # type: ignore[arg-type]
+        end = records.ends[-1]
+        self.ring.release(end)
+        with self._lock:
+            self.handled = end
+            self.ran += len(records)
+            self._progress.notify_all()
+        return end
+
+    def _run(self, value: Any, meta: TapMeta) -> None:
+        local = self._functions[meta.consumer]
+        arg = value if local.flat and type(value) is tuple else rebuild(local.treedef, value)
+        device = self._devices.get(meta.device) if meta.device is not None else None
+        self._running = (describe(local.function), time.monotonic())
+        try:
+            local.function(arg, meta.transforms, **tap_function_keywords(meta, device))
+        except Exception as exc:
+            self._last_exception = exc
+            raise
+        finally:
+            self._running = None
+
+    # ---- barriers, exit, counters ---------------------------------------------------------
+
+    def barrier(
+        self, timeout: float | None, *, asked: float | None = None, keep_errors: bool = False
+    ) -> None:
+        """Return once every tap committed so far has been run (the devices flushed
+        first: lifecycle.barrier_wait); raise what the functions raised meanwhile
+        (`keep_errors`: leave them for the next barrier). `asked`: the caller's whole
+        timeout, of which `timeout` is what is left."""
+        target = self.ring.settled()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self.handled < target and not self._closing:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    shown = asked if asked is not None else (timeout or 0.0)
+                    raise BarrierTimeout(self._waiting_for(target, shown))
+                self._progress.wait(left)
+            failures = self._failures
+            errors = failures.errors[:] if failures.count > self._errors_seen else []
+            if not keep_errors:
+                self._errors_seen = failures.count
+                failures.errors.clear()
+        if self.handled < target:
+            raise BarrierTimeout(
+                "tapd's local receiver stopped before it ran every tap (see the log)"
+            )
+        if errors and not keep_errors:
+            exc = TapFunctionException(errors)
+            exc.__cause__ = self._last_exception
+            raise exc
+
+    def catch_up(self, timeout: float) -> bool:
+        """Wait (up to `timeout` s) until every record committed so far has been run:
+        the taps of computations that have finished. Whether it was; never raises."""
+        target = self.ring.counters().committed
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self.handled < target and not self._closing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._progress.wait(left)
+        return True
+
+    def _waiting_for(self, target: int, timeout: float) -> str:
+        """A timed-out barrier's message: which sites' taps wait, and what the receiver
+        thread does (its stack), so that a wait never goes unexplained."""
+        waiting: dict[str, int] = {}
+        try:
+            _, records = self.ring.read_span(self.handled, _RECORDS_PER_READ)
+            for site_id in records.sites:
+                consumer = self._sites[site_id][0].consumer
+                waiting[consumer] = waiting.get(consumer, 0) + 1
+        except Exception as exc:  # (what it says is a hint: never fail the report)
+            waiting[f"(could not read: {exc})"] = 0
+        sites = ", ".join(f"{name} ({n} taps)" for name, n in waiting.items()) or "none read yet"
+        running = self._running
+        doing = (
+            f"running {running[0]} for {time.monotonic() - running[1]:.1f} s"
+            if running is not None
+            else "not running a tap function"
+        )
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(gone)\n"
+        return (
+            f"barrier_wait timed out after {timeout:g} s: tapd's local receiver has run the "
+            f"taps of this process's own tap functions up to ring position {self.handled} of "
+            f"{target}; waiting: {sites}. The receiver thread is {doing}; its stack:\n{stack}"
+        )
+
+    def take_exception(self) -> BaseException | None:
+        exc, self._last_exception = self._last_exception, None
+        return exc
+
+    def stats(self) -> dict[str, int]:
+        counters = self.ring.counters()
+        return {
+            "sent": counters.taps,
+            "ran": self.ran,
+            "dropped": counters.dropped,
+            "skipped": counters.skipped,
+            "errors": self._failures.count,
+            "blocked_ns": counters.blocked_ns,
+            "pending": counters.taps - self.ran,
+        }
+
+    def close(self, timeout: float) -> int:
+        """Run what was committed (for up to `timeout` seconds), then stop the
+        receiver and free the ring. The number of taps it did not run."""
+        try:
+            self.barrier(timeout)
+        except TapFunctionException:
+            pass  # (logged as they ran)
+        except BarrierTimeout as exc:
+            logger.error("tapd at exit: %s", exc)
+        with self._lock:
+            self._closing = True
+        os.write(self._stop_write, b"x")
+        self._thread.join(timeout=max(1.0, timeout))
+        if not self._thread.is_alive():
+            self._wake.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+        return self.stats()["pending"]
+
+
+class _Named:
+    """A handler whose name (in the error a barrier raises) says what it runs."""
+
+    def __init__(self, handler: Callable[[Any, TapMeta], None], name: str) -> None:
+        self._handler = handler
+        self.__qualname__ = name
+
+    def __call__(self, value: Any, meta: TapMeta) -> None:
+        self._handler(value, meta)
+
+
+def rebuild(treedef: Any, value: Any) -> Any:
+    """The tapped value with the site's own pytree types (namedtuple classes, dataclasses,
+    registered nodes) rather than the protocol's stand-ins."""
+    leaves: list[Any] = []
+
+    def walk(node: Any) -> None:
+        if node is None:
+            return
+        if isinstance(node, tuple | list):
+            for child in node:
+                walk(child)
+        elif isinstance(node, dict):  # insertion order is the tree spec's order
+            for child in node.values():
+                walk(child)
+        else:
+            leaves.append(node)
+
+    walk(value)
+    if len(leaves) != treedef.num_leaves:
+        return value
+    return treedef.unflatten(leaves)
+
+
+def _private_directory() -> Path:
+    """A new 0700 directory for the local ring's wake socket: in /dev/shm beside the
+    daemons' ring directories (`tapd clean` removes one whose process is gone), else in
+    the temporary directory."""
+    parent = (
+        SHM_DIR if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else Path(tempfile.gettempdir())
+    )
+    directory = parent / f"{ring_dir_prefix()}local-{os.getpid()}-{secrets.token_hex(4)}"
+    return ensure_private_dir(directory)

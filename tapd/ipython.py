@@ -1,0 +1,114 @@
+"""tapd under IPython and Jupyter: what a cell's computations call back shows in that cell.
+
+JAX runs a `jax.debug` callback inside the computation, so its line lands in the output
+of the cell that ran it, before anything the cell prints once it has the result. tapd
+runs callbacks later, on a receiver thread; under IPython it puts their output back
+where JAX shows it:
+
+- when a cell finishes (IPython's `post_run_cell` event), tapd waits until the
+  callbacks of the computations it dispatched have run (`lifecycle.drain`), for up to
+  `TAPD_CELL_TIMEOUT` seconds. A cell that reaches the bound says so in its output; the
+  rest then run, and print, later. What the callbacks raised is left for the next
+  `barrier_wait` (and logged where it happened, as JAX logs it);
+- a write to `sys.stdout` (from any thread but tapd's receivers, and not while JAX
+  traces) first waits for the computations dispatched so far and lets the receiver run
+  their callbacks (`lifecycle.catch_up`), as JAX's synchronous callbacks would have run
+  by then. A cell that prints a result (`print("result", y)` writes "result" before it
+  waits for `y`) shows the computation's lines first, as with JAX, and an
+  `ordered=True` print never splices into the cell's own line. A loop that only
+  dispatches steps never waits for a callback: nothing is written, nothing waits. One
+  that prints as it goes waits at each print, as JAX's would.
+
+Each `tapd.debug.print` is one write of its text and its newline, so the lines of two
+threads never splice. At kernel shutdown or restart, the exit drain runs what is left
+(tapd.emitter.lifecycle).
+
+`attach()` is called when a process's first tap site needs a receiver; it does nothing
+outside IPython. There, `id_print` prints in this process too, as host_callback's did,
+rather than in a `tapd subscribe tapd.printing` that may run elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import Any
+
+logger = logging.getLogger("tapd.emitter")
+
+_attached: set[int] = set()  # ids of the shells hooked
+_lock = threading.Lock()
+
+
+def running() -> bool:
+    """Whether this process is an IPython shell (a Jupyter kernel, `ipython`)."""
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and ipython.get_ipython() is not None
+
+
+def attach() -> None:
+    """Hook the running IPython shell and its `sys.stdout`, once each; nothing outside
+    IPython."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None:
+        return
+    with _lock:
+        if id(shell) not in _attached:
+            _attached.add(id(shell))
+            shell.events.register("pre_run_cell", _cell_starts)
+            shell.events.register("post_run_cell", _cell_finished)
+    _cell_starts()
+
+
+def _cell_starts(info: Any = None) -> None:
+    """IPython's pre_run_cell (and `attach`): hook the `sys.stdout` this cell writes to
+    (a kernel may give each cell a stream of its own)."""
+    stream = sys.stdout
+    write = getattr(stream, "write", None)
+    if callable(write) and not getattr(write, "tapd_catches_up", False):
+        _catch_up_before_writes(stream)
+
+
+def _timeout() -> float:
+    from tapd.emitter import lifecycle
+
+    return float(lifecycle.settings().cell_timeout)
+
+
+def _cell_finished(result: Any = None) -> None:
+    """IPython's post_run_cell: the cell's callbacks run before its output closes."""
+    from tapd.emitter import lifecycle, local_functions
+    from tapd.errors import BarrierTimeout
+
+    if local_functions.on_receiver_thread():
+        return
+    timeout = _timeout()
+    try:
+        lifecycle.drain(timeout)
+    except BarrierTimeout as exc:
+        why = str(exc).partition("\n")[0]
+        sys.stdout.write(
+            f"tapd: this cell's callbacks had not all run after {timeout:g} s "
+            f"(TAPD_CELL_TIMEOUT); the rest run later. {why}\n"
+        )
+    except Exception:  # a hook must not break the shell: say it, and go on
+        logger.exception("tapd: waiting for this cell's callbacks failed")
+    sys.stdout.flush()
+
+
+def _catch_up_before_writes(stream: Any) -> None:
+    """Have `stream.write` first run the callbacks of finished computations (on the
+    instance: `print` looks `write` up there, and the stream stays what it was)."""
+    from tapd.emitter import lifecycle, local_functions
+
+    write = stream.write
+
+    def write_after_callbacks(text: str) -> Any:
+        if not local_functions.on_receiver_thread():
+            lifecycle.catch_up(_timeout())
+        return write(text)
+
+    write_after_callbacks.tapd_catches_up = True  # type: ignore[attr-defined]
+    stream.write = write_after_callbacks

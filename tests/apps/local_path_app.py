@@ -1,0 +1,205 @@
+"""A JAX process whose tap functions all live in it: `tapd.debug` sites and `id_tap`s of
+closures, which go to the process's local ring, drained by its own receiver thread
+(tests/test_local_path.py). `python local_path_app.py SCENARIO [ARGS]` prints one JSON
+line of results last."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import tapd
+import tapd.debug
+
+
+def order() -> dict[str, Any]:
+    """Several local sites inside scan, cond and while bodies, of both kinds: the calls
+    come in program order, step after step, and across computations."""
+    calls: list[Any] = []
+
+    def note(tag: str) -> Any:
+        return lambda arg, transforms: calls.append([tag, float(arg)])
+
+    first, second, third = note("id_tap a"), note("id_tap b"), note("while")
+
+    def body(carry: jax.Array, x: jax.Array) -> tuple[jax.Array, None]:
+        x = tapd.id_tap(first, x)
+        tapd.debug.callback(lambda v: calls.append(["debug", float(v)]), x + 0.5)
+        x = lax.cond(x > 1, lambda v: tapd.id_tap(second, v * 10), lambda v: v, x)
+        return carry + x, None
+
+    def looped(n: jax.Array) -> jax.Array:
+        def step(i: jax.Array) -> jax.Array:
+            tapd.debug.callback(lambda v: calls.append(["while debug", float(v)]), i)
+            return tapd.id_tap(third, i + 1)
+
+        return lax.while_loop(lambda i: i < n, step, jnp.float32(0))
+
+    scan = jax.jit(lambda xs: lax.scan(body, 0.0, xs)[0])
+    loop = jax.jit(looped)
+    for _ in range(2):
+        scan(jnp.arange(3.0))
+        loop(jnp.float32(2))
+    tapd.barrier_wait()
+    return {"calls": calls, "stats": tapd.stats()}
+
+
+def flood(count: str, sleep_ms: str) -> dict[str, Any]:
+    """`count` taps of 4 KiB into a small ring through a slow callback: under `block`
+    the step waits for ring space and nothing is lost; under `drop_newest` taps are
+    dropped, counted, and seqs show the gaps."""
+    seqs: list[int] = []
+    pause = float(sleep_ms) / 1000
+
+    def slow(arg: Any, transforms: Any) -> None:
+        time.sleep(pause)
+        seqs.append(int(arg[0]))
+
+    step = jax.jit(lambda i: tapd.id_tap(slow, jnp.full(1024, i, jnp.float32)))
+    for i in range(int(count)):
+        step(jnp.float32(i))
+    tapd.barrier_wait(timeout=120)
+    return {"seqs": seqs, "stats": tapd.stats()}
+
+
+def barrier_in_flight(count: str) -> dict[str, Any]:
+    """barrier_wait and jax.effects_barrier() (tapd.install_debug) return only once every
+    callback dispatched before them has run, while they are still in flight."""
+    tapd.install_debug()
+    ran: list[int] = []
+
+    def slow(v: Any) -> None:
+        time.sleep(0.01)
+        ran.append(int(v))
+
+    step = jax.jit(lambda i: jax.debug.callback(slow, i))
+    for i in range(int(count)):
+        step(i)
+    before = len(ran)
+    jax.effects_barrier()
+    after_jax = len(ran)
+    for i in range(int(count)):
+        step(i)
+    tapd.barrier_wait()
+    return {"before": before, "after_jax": after_jax, "after_tapd": len(ran), "ran": ran}
+
+
+def exit_drain(path: str, count: str) -> dict[str, Any]:
+    """Exit with slow callbacks still in flight: each one runs before the process ends."""
+    out = open(path, "w")  # noqa: SIM115 (closed by exit, after the drain)
+
+    def slow(v: Any) -> None:
+        time.sleep(0.01)
+        out.write(f"{int(v)}\n")
+        out.flush()
+
+    step = jax.jit(lambda i: tapd.debug.callback(slow, i))
+    for i in range(int(count)):
+        step(i)
+    return {"dispatched": int(count)}
+
+
+def raising() -> dict[str, Any]:
+    """A tapd.debug callback and an id_tap closure that raise: the next barrier raises
+    CallbackException naming each, with the last one's traceback; the others ran; the
+    barrier after is clean."""
+    seen: list[float] = []
+
+    def sometimes(v: Any) -> None:
+        if float(v) == 1.0:
+            raise ValueError("deliberate debug failure")
+        seen.append(float(v))
+
+    def always(arg: Any, transforms: Any) -> None:
+        raise KeyError("deliberate id_tap failure")
+
+    @jax.jit
+    def step(x: jax.Array) -> jax.Array:
+        tapd.debug.callback(sometimes, x)
+        return x
+
+    for i in range(3):
+        step(jnp.float32(i))
+    first = _raised()
+    jax.jit(lambda x: tapd.id_tap(always, x))(jnp.float32(5))
+    second = _raised()
+    third = _raised()
+    return {"seen": seen, "first": first, "second": second, "third": third}
+
+
+def _raised() -> dict[str, Any] | None:
+    try:
+        tapd.barrier_wait()
+    except tapd.CallbackException as exc:
+        return {"text": str(exc), "errors": exc.errors, "cause": repr(exc.__cause__)}
+    return None
+
+
+def stuck() -> dict[str, Any]:
+    """A callback that waits on an event: a barrier with a timeout raises BarrierTimeout
+    saying which site waits and what the receiver thread runs; released, all is well."""
+    release = threading.Event()
+
+    def wait_for_release(v: Any) -> None:
+        release.wait(60)
+
+    jax.jit(lambda x: tapd.debug.callback(wait_for_release, x))(1.0)
+    message = None
+    try:
+        tapd.barrier_wait(timeout=0.5)
+    except tapd.BarrierTimeout as exc:
+        message = str(exc)
+    release.set()
+    tapd.barrier_wait()
+    return {"message": message}
+
+
+def eager_and_print() -> dict[str, Any]:
+    """Calls outside jit (run before they return, as jax.debug's are) and prints."""
+    got: list[float] = []
+    tapd.debug.callback(lambda v: got.append(float(v)), jnp.float32(3))
+    tapd.debug.print("eager {x}", x=jnp.arange(2))
+    jax.jit(lambda x: tapd.debug.print("jitted {x}", x=x))(jnp.float32(7))
+    tapd.barrier_wait()
+    sys.stdout.flush()
+    return {"got": got}
+
+
+def mixed(count: str) -> dict[str, Any]:
+    """A named site that a subscriber process takes and a closure that runs here, in one
+    step: both deliver every tap."""
+    local: list[float] = []
+
+    @jax.jit
+    def step(x: jax.Array) -> jax.Array:
+        x = tapd.tap(x, "named")
+        return tapd.id_tap(lambda a, t: local.append(float(a)), x + 100)
+
+    for i in range(int(count)):
+        step(jnp.float32(i))
+    tapd.barrier_wait()
+    return {"local": local, "stats": tapd.stats()}
+
+
+SCENARIOS = {
+    "order": order,
+    "flood": flood,
+    "barrier_in_flight": barrier_in_flight,
+    "exit_drain": exit_drain,
+    "raising": raising,
+    "stuck": stuck,
+    "eager_and_print": eager_and_print,
+    "mixed": mixed,
+}
+
+if __name__ == "__main__":
+    result = SCENARIOS[sys.argv[1]](*sys.argv[2:])
+    print(json.dumps({"pid": os.getpid(), **result}, default=str), flush=True)

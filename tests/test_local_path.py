@@ -1,0 +1,160 @@
+"""Tap functions that live in the JAX process go through its local ring, drained by its
+own receiver thread, with no daemon (tapd/emitter/local_path.py): order, the ring's
+policies, barriers with calls in flight, the exit drain, exceptions, a barrier that
+times out saying why, and a program that also has named sites. Real JAX processes
+(tests/apps/local_path_app.py), on both backends."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import APPS, PROCESS_TIMEOUT, Daemon, SubscriberProcess, wait_until
+
+StartDaemon = Callable[..., Daemon]
+StartSubscriber = Callable[..., SubscriberProcess]
+
+pytestmark = pytest.mark.usefixtures("backend")
+
+
+def run_app(
+    scenario: str, *args: str, env: dict[str, str] | None = None, runtime: Path
+) -> dict[str, Any]:
+    """Run one scenario with `runtime` as its runtime directory (the default endpoint's,
+    where a daemon would be started if one were asked for: autostart on, as users have
+    it); the JSON it prints last, with its stderr."""
+    full_env = {**os.environ, "TAPD_RUNTIME_DIR": str(runtime), "TAPD_AUTOSTART": "1"}
+    full_env.pop("TAPD_ENDPOINT", None)
+    result = subprocess.run(
+        [sys.executable, str(APPS / "local_path_app.py"), scenario, *args],
+        env={**full_env, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=PROCESS_TIMEOUT * 2,
+    )
+    assert result.returncode == 0, f"{scenario}: rc {result.returncode}\n{result.stderr}"
+    lines = [line for line in result.stdout.splitlines() if line.startswith('{"pid"')]
+    assert lines, f"{scenario} printed no result\n{result.stdout}\n{result.stderr}"
+    got: dict[str, Any] = json.loads(lines[-1])
+    got["stdout"], got["stderr"] = result.stdout, result.stderr
+    return got
+
+
+def assert_no_daemon_was_started(runtime: Path) -> None:
+    """Nothing of a daemon in the runtime directory: no socket, no pidfile, no log."""
+    leftovers = sorted(p.name for p in runtime.iterdir()) if runtime.exists() else []
+    assert leftovers == [], f"a daemon was started for in-process callbacks: {leftovers}"
+
+
+def test_local_taps_keep_program_order_and_start_no_daemon(runtime_dir: Path) -> None:
+    got = run_app("order", runtime=runtime_dir)
+    calls = [tuple(call) for call in got["calls"]]
+    scan = [("id_tap a", 0.0), ("id_tap a", 1.0), ("id_tap a", 2.0)]
+    id_taps = [*scan, ("id_tap b", 20.0), ("while", 1.0), ("while", 2.0)] * 2
+    debug_calls = [("debug", x + 0.5) for x in (0.0, 1.0, 2.0)]
+    debug_calls += [("while debug", 0.0), ("while debug", 1.0)]
+    # Each kind in program order (id_tap's strict order; tapd.debug's unordered calls
+    # in one computation are still one site each, in seq order) ...
+    id_order = [c for c in calls if c[0] in ("id_tap a", "id_tap b", "while")]
+    assert sorted(id_order[:4], key=lambda c: c[0]) == sorted(id_taps[:4], key=lambda c: c[0])
+    assert [c for c in id_order if c[0] != "id_tap b"] == [c for c in id_taps if c[0] != "id_tap b"]
+    assert [c for c in calls if c[0] in ("debug", "while debug")] == debug_calls * 2
+    # ... and a call after the tap whose result it takes.
+    for x in (0.0, 1.0, 2.0):
+        assert calls.index(("id_tap a", x)) < calls.index(("debug", x + 0.5))
+    assert got["stats"]["local"]["ran"] == len(calls) == 22
+    assert got["stats"]["delivered"] == got["stats"]["submitted"] == 22
+    assert_no_daemon_was_started(runtime_dir)
+
+
+def test_block_policy_pauses_the_step_and_loses_nothing(runtime_dir: Path) -> None:
+    env = {"TAPD_BUFFER_BYTES": str(64 * 1024), "TAPD_EMITTER_POLICY": "block"}
+    got = run_app("flood", "200", "2", env=env, runtime=runtime_dir)
+    assert got["seqs"] == list(range(200))
+    local = got["stats"]["local"]
+    assert local["dropped"] == 0 and local["ran"] == 200
+    assert local["blocked_ns"] > 0  # the ring (15 taps) filled: the step waited
+    assert_no_daemon_was_started(runtime_dir)
+
+
+def test_drop_newest_policy_drops_and_counts_every_drop(runtime_dir: Path) -> None:
+    env = {"TAPD_BUFFER_BYTES": str(64 * 1024), "TAPD_EMITTER_POLICY": "drop_newest"}
+    got = run_app("flood", "200", "2", env=env, runtime=runtime_dir)
+    local = got["stats"]["local"]
+    seqs = got["seqs"]
+    assert local["dropped"] > 0
+    assert len(seqs) == local["ran"] and local["ran"] + local["dropped"] == 200
+    assert seqs == sorted(set(seqs)) and set(seqs) <= set(range(200))
+    assert got["stats"]["dropped"] == local["dropped"]
+    assert "not every tap of this process's own tap functions ran" in got["stderr"]
+
+
+def test_barriers_wait_for_callbacks_in_flight(runtime_dir: Path) -> None:
+    got = run_app("barrier_in_flight", "30", runtime=runtime_dir)
+    assert got["after_jax"] == 30  # jax.effects_barrier(), once tapd.install_debug()
+    assert got["after_tapd"] == 60
+    assert got["ran"] == list(range(30)) * 2
+    assert_no_daemon_was_started(runtime_dir)
+
+
+def test_exit_runs_every_callback_in_flight(runtime_dir: Path, tmp_path: Path) -> None:
+    sink = tmp_path / "ran.txt"
+    got = run_app("exit_drain", str(sink), "40", runtime=runtime_dir)
+    assert got["dispatched"] == 40
+    assert sink.read_text().split() == [str(i) for i in range(40)]
+    assert "not every tap" not in got["stderr"]
+    assert_no_daemon_was_started(runtime_dir)
+
+
+def test_exceptions_surface_at_the_next_barrier_with_name_and_traceback(
+    runtime_dir: Path,
+) -> None:
+    got = run_app("raising", runtime=runtime_dir)
+    assert got["seen"] == [0.0, 2.0]  # the others ran
+    first, second = got["first"], got["second"]
+    assert "ValueError: deliberate debug failure" in first["text"]
+    assert "Traceback" in first["text"] and "in sometimes" in first["text"]
+    assert len(first["errors"]) == 1 and "sometimes" in first["errors"][0]
+    assert "ValueError" in first["cause"]
+    assert "KeyError: 'deliberate id_tap failure'" in second["text"]
+    assert "always" in second["errors"][0]
+    assert got["third"] is None  # each failure raised once
+    assert_no_daemon_was_started(runtime_dir)
+
+
+def test_a_barrier_that_times_out_says_what_it_waits_for(runtime_dir: Path) -> None:
+    got = run_app("stuck", runtime=runtime_dir)
+    message = got["message"]
+    assert message is not None and "timed out after 0.5 s" in message
+    assert "wait_for_release" in message  # the site that waits, and what runs
+    assert "running stuck.<locals>.wait_for_release" in message
+    assert "in wait_for_release" in message  # the receiver thread's stack
+
+
+def test_calls_outside_jit_and_prints_need_no_daemon(runtime_dir: Path) -> None:
+    got = run_app("eager_and_print", runtime=runtime_dir)
+    assert got["got"] == [3.0]
+    printed = [line for line in got["stdout"].splitlines() if not line.startswith("{")]
+    assert printed == ["eager [0 1]", "jitted 7.0"]
+    assert_no_daemon_was_started(runtime_dir)
+
+
+def test_named_and_local_sites_in_one_program_both_deliver(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, runtime_dir: Path
+) -> None:
+    daemon = start_daemon()  # at the default endpoint of `runtime_dir`
+    subscriber = start_subscriber(daemon, "named")
+    got = run_app("mixed", "20", runtime=runtime_dir, env={"TAPD_AUTOSTART": "0"})
+    assert got["local"] == [float(i + 100) for i in range(20)]
+    wait_until(lambda: len(subscriber.records()) == 20, "the named site's 20 taps")
+    assert sorted(r["value"] for r in subscriber.records()) == [float(i) for i in range(20)]
+    stats = got["stats"]
+    assert stats["local"]["ran"] == 20
+    assert stats["delivered"] == stats["submitted"] == 40
