@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -94,6 +95,18 @@ RUNTIME_MARKER = "runtime"  # in a ring directory: the socket directory it serve
 
 def ring_dir_prefix() -> str:
     return f"tapd-{os.getuid()}-"
+
+
+def local_ring_dir_name(pid: int, token: str) -> str:
+    """The name of a process's local ring directory (its wake socket; the ring itself is
+    unlinked once mapped: tapd/emitter/local_path.py), beside the daemons' in /dev/shm."""
+    return f"{ring_dir_prefix()}local-{pid}-{token}"
+
+
+def local_ring_dir_pid(name: str) -> int | None:
+    """The pid a local ring directory's name gives, or None if it is not one's."""
+    found = re.fullmatch(rf"{re.escape(ring_dir_prefix())}local-(\d+)-[0-9a-f]+", name)
+    return int(found.group(1)) if found else None
 
 
 def mark_ring_dir(directory: Path, endpoint: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import APPS, PROCESS_TIMEOUT, Daemon, SubscriberProcess, wait_until
+from conftest import APPS, PROCESS_TIMEOUT, Daemon, SubscriberProcess, tapd_cmd, wait_until
 
 StartDaemon = Callable[..., Daemon]
 StartSubscriber = Callable[..., SubscriberProcess]
@@ -158,3 +158,41 @@ def test_named_and_local_sites_in_one_program_both_deliver(
     stats = got["stats"]
     assert stats["local"]["ran"] == 20
     assert stats["delivered"] == stats["submitted"] == 40
+
+
+def test_tapd_clean_removes_what_a_killed_process_left_of_its_local_ring(
+    runtime_dir: Path,
+) -> None:
+    """kill -9 leaves a local ring's directory behind (its wake socket; the ring itself
+    was unlinked once mapped, so its memory went with the process): `tapd clean` removes
+    it, and leaves a live process's alone."""
+    code = (
+        "import sys, jax, tapd, tapd.debug\n"
+        "from tapd.emitter import lifecycle\n"
+        "jax.jit(lambda x: tapd.debug.callback(lambda v: None, x))(1.0)\n"
+        "print(lifecycle.local_path().directory, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    env = {**os.environ, "TAPD_RUNTIME_DIR": str(runtime_dir)}
+
+    def start() -> tuple[subprocess.Popen[str], Path]:
+        process = subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        assert process.stdout is not None
+        return process, Path(process.stdout.readline().strip())
+
+    killed, left = start()
+    alive, kept = start()
+    try:
+        assert killed.poll() is None and alive.poll() is None
+        assert left.is_dir() and [p.name for p in left.iterdir()] == ["wake.sock"]
+        killed.kill()
+        killed.communicate(timeout=PROCESS_TIMEOUT)  # (and its pipes closed)
+        result = tapd_cmd("clean", env=env)
+        assert result.returncode == 0, result.stderr
+        assert not left.exists() and kept.is_dir()
+    finally:
+        for process in (killed, alive):
+            if process.poll() is None or (process.stdin and not process.stdin.closed):
+                process.communicate("", timeout=PROCESS_TIMEOUT)
+    assert alive.returncode == 0 and not kept.exists()  # a clean exit removes its own

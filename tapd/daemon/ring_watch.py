@@ -15,6 +15,7 @@ import fcntl
 import logging
 import mmap
 import os
+import shutil
 import stat
 import struct
 from pathlib import Path
@@ -24,7 +25,13 @@ from tapd.native.ring import RingError
 from tapd.native.wake import WAKE_SOCKET, WakeSocket
 from tapd.protocol.ring_checks import check_ring_control
 from tapd.protocol.ring_format import READER_PID, READER_PID_OFFSET
-from tapd.runtime import SHM_DIR, pid_alive, ring_dir_prefix, runtime_dir_of_rings
+from tapd.runtime import (
+    SHM_DIR,
+    local_ring_dir_pid,
+    pid_alive,
+    ring_dir_prefix,
+    runtime_dir_of_rings,
+)
 
 logger = logging.getLogger("tapd.daemon")
 
@@ -77,6 +84,13 @@ def sweep_stale_rings(*, dry_run: bool = False) -> list[tuple[Path, int]]:
     if not SHM_DIR.is_dir():
         return removed
     for directory in sorted(SHM_DIR.glob(f"{ring_dir_prefix()}*")):
+        writer = local_ring_dir_pid(directory.name)
+        if writer is not None:  # a process's local ring: only its wake socket is left
+            if not pid_alive(writer) and directory.lstat().st_uid == os.getuid():
+                if not dry_run:
+                    shutil.rmtree(directory, ignore_errors=True)
+                removed.append((directory, 0))
+            continue
         runtime = runtime_dir_of_rings(directory)
         try:
             info = directory.lstat()

@@ -60,7 +60,7 @@ from tapd.native.wake import WakeSocket
 from tapd.protocol.batch import SiteRun
 from tapd.protocol.message import StaticEntry
 from tapd.protocol.schema import check_batch_static
-from tapd.runtime import SHM_DIR, ensure_private_dir, ring_dir_prefix
+from tapd.runtime import SHM_DIR, ensure_private_dir, local_ring_dir_name
 from tapd_client.daemon_link import ERROR_CHARS
 from tapd_client.handlers import Handlers
 from tapd_client.meta import TapMeta
@@ -450,5 +450,5 @@ def _private_directory() -> Path:
     parent = (
         SHM_DIR if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else Path(tempfile.gettempdir())
     )
-    directory = parent / f"{ring_dir_prefix()}local-{os.getpid()}-{secrets.token_hex(4)}"
+    directory = parent / local_ring_dir_name(os.getpid(), secrets.token_hex(4))
     return ensure_private_dir(directory)
