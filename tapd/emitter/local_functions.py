@@ -1,22 +1,17 @@
-"""Tap functions that run in the emitting process, on a receiver thread tapd owns.
+"""Tap functions that run in the emitting process, fed by the daemon: fallbacks.
 
-host_callback ran every tap function in the JAX process, on its outfeed receiver's
-threads, and most code relies on it: `id_tap(lambda a, t: pbar.update(1), x)` drives a
-tqdm bar, a closure calls `wandb.log`, a bound method updates its object. Such a
-function cannot move to another process, so tapd runs it here, on one receiver thread
-that the daemon feeds like any subscriber (a `tapd_client.Subscriber`): the step never
-waits for it, the taps of this process reach it in program order, `barrier_wait` waits
-for it, and what it raises makes `barrier_wait` raise `CallbackException`.
-
-Two kinds of consumer reach the receiver:
+host_callback ran every tap function in the JAX process, and most code relies on it:
+`id_tap(lambda a, t: pbar.update(1), x)` drives a tqdm bar, a closure calls `wandb.log`,
+a bound method updates its object. Such a function cannot move to another process, so
+tapd runs it here. Two kinds of consumer do:
 
 - **local**: a lambda, closure, bound method, callable object, a function of `__main__`,
-  or a `functools.partial` whose arguments cannot travel as metadata. Each id_tap site
-  gets a consumer name unique to this process, `local/<host>:<pid>/<token>/<n>/<qualname>`,
-  under one prefix the receiver subscribed to before the first such id_tap returned, so
-  none of their taps can be unrouted. The receiver keeps the function (and the site's
-  pytree structure, so the function gets the very types it would have got from
-  host_callback) for the life of the process, as host_callback's registry did.
+  or a `functools.partial` whose arguments cannot travel as metadata. Its taps never
+  leave the process: they go to its local ring, drained by its own receiver thread, with
+  no daemon (tapd/emitter/local_path.py; `local_consumer` names the site). Only where
+  tapd's native library does not load is there no local ring: then the daemon feeds
+  them back to the receiver here, under the consumer name
+  `local/<host>:<pid>/<token>/<n>/<qualname>` whose prefix it subscribed to first.
 - **fallback**: an importable function `mymodule:f` (or a partial of one whose keywords
   msgpack can carry). A subscriber process (`tapd subscribe mymodule`) takes its taps
   when there is one; otherwise the daemon hands them to this process's receiver, which
@@ -27,11 +22,13 @@ Two kinds of consumer reach the receiver:
   `TAPD_LOCAL_FALLBACK=0` turns fallbacks off: importable functions then run only where
   a subscriber takes them (e.g. on another host, behind a forwarding daemon).
 
-The receiver connects to the emitter's daemon when the first id_tap that needs it is
-traced, and waits for the daemon to confirm (at most `TAPD_CONNECT_TIMEOUT` seconds,
-default 10): without a daemon no tap function can run, and that id_tap raises
-`TapDefinitionError` saying so. At exit the receiver stays up while the emitter drains,
-then says goodbye.
+This receiver (a `tapd_client.Subscriber` on one thread) connects to the emitter's
+daemon when the first id_tap that needs it is traced, and waits for the daemon to
+confirm (at most `TAPD_CONNECT_TIMEOUT` seconds, default 10): without a daemon such a
+function cannot run, and that id_tap raises `TapDefinitionError` saying so. At exit the
+receiver stays up while the emitter drains, then says goodbye. The step never waits for
+it, the taps of this process reach it in program order, `barrier_wait` waits for it, and
+what it raises makes `barrier_wait` raise `CallbackException`.
 
 Functions here get numpy arrays, and `device=` as a `jax.Device`, as host_callback gave
 them. They must not call JAX on the arrays (use numpy): under the `block` policy a

@@ -85,6 +85,7 @@ class LocalFunction:
     function: Callable[..., Any]
     treedef: Any  # jax.tree_util.PyTreeDef
     flat: bool  # a tuple of leaves, which a tap's value already is (no rebuild)
+    name: str  # for people (describe)
 
 
 def describe(function: Any) -> str:
@@ -186,7 +187,7 @@ class LocalPath:
             shown = describe(function)[:_MAX_QUALNAME]
             name = f"{self.prefix}{next(self._numbers)}/{shown}"
             flat = treedef == jax.tree_util.tree_structure((0,) * treedef.num_leaves)
-            self._functions[name] = LocalFunction(function, treedef, flat)
+            self._functions[name] = LocalFunction(function, treedef, flat, describe(function))
             self._names[key] = (function, name)  # keeps the function, so its id stays unique
             return name
 
@@ -294,7 +295,7 @@ class LocalPath:
         local = self._functions[meta.consumer]
         arg = value if local.flat and type(value) is tuple else rebuild(local.treedef, value)
         device = self._devices.get(meta.device) if meta.device is not None else None
-        self._running = (describe(local.function), time.monotonic())
+        self._running = (local.name, time.monotonic())
         try:
             local.function(arg, meta.transforms, **tap_function_keywords(meta, device))
         except Exception as exc:
