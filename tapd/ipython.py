@@ -10,14 +10,12 @@ where JAX shows it:
   `TAPD_CELL_TIMEOUT` seconds. A cell that reaches the bound says so in its output; the
   rest then run, and print, later. What the callbacks raised is left for the next
   `barrier_wait` (and logged where it happened, as JAX logs it);
-- a write to `sys.stdout` (from any thread but tapd's receivers, and not while JAX
-  traces) first waits for the computations dispatched so far and lets the receiver run
-  their callbacks (`lifecycle.catch_up`), as JAX's synchronous callbacks would have run
-  by then. A cell that prints a result (`print("result", y)` writes "result" before it
-  waits for `y`) shows the computation's lines first, as with JAX, and an
-  `ordered=True` print never splices into the cell's own line. A loop that only
-  dispatches steps never waits for a callback: nothing is written, nothing waits. One
-  that prints as it goes waits at each print, as JAX's would.
+- a write to the cell's `sys.stdout` first waits for the computations dispatched so far
+  and lets the receiver run their callbacks (tapd.stdout_order), as JAX's synchronous
+  callbacks would have run by then. A cell that prints a result (`print("result", y)`
+  writes "result" before it waits for `y`) shows the computation's lines first, as with
+  JAX, and an `ordered=True` print never splices into the cell's own line. A loop that
+  only dispatches steps never waits for a callback.
 
 Each `tapd.debug.print` is one write of its text and its newline, so the lines of two
 threads never splice. At kernel shutdown or restart, the exit drain runs what is left
@@ -34,6 +32,8 @@ import logging
 import sys
 import threading
 from typing import Any
+
+from tapd import stdout_order
 
 logger = logging.getLogger("tapd.emitter")
 
@@ -65,10 +65,7 @@ def attach() -> None:
 def _cell_starts(info: Any = None) -> None:
     """IPython's pre_run_cell (and `attach`): hook the `sys.stdout` this cell writes to
     (a kernel may give each cell a stream of its own)."""
-    stream = sys.stdout
-    write = getattr(stream, "write", None)
-    if callable(write) and not getattr(write, "tapd_catches_up", False):
-        _catch_up_before_writes(stream)
+    stdout_order.order_writes(sys.stdout, _timeout())
 
 
 def _timeout() -> float:
@@ -96,19 +93,3 @@ def _cell_finished(result: Any = None) -> None:
     except Exception:  # a hook must not break the shell: say it, and go on
         logger.exception("tapd: waiting for this cell's callbacks failed")
     sys.stdout.flush()
-
-
-def _catch_up_before_writes(stream: Any) -> None:
-    """Have `stream.write` first run the callbacks of finished computations (on the
-    instance: `print` looks `write` up there, and the stream stays what it was)."""
-    from tapd.emitter import lifecycle, local_functions
-
-    write = stream.write
-
-    def write_after_callbacks(text: str) -> Any:
-        if not local_functions.on_receiver_thread():
-            lifecycle.catch_up(_timeout())
-        return write(text)
-
-    write_after_callbacks.tapd_catches_up = True  # type: ignore[attr-defined]
-    stream.write = write_after_callbacks

@@ -455,6 +455,22 @@ def tracing() -> bool:
     return clean is not None and not clean()
 
 
+# The frames of JAX's own host callbacks: the trampoline XLA calls (jax/_src/callback.py
+# since jax 0.4.3x), and jax.debug's implementation it calls.
+_HOST_CALLBACK_FRAMES = frozenset({"_wrapped_callback", "debug_callback_impl"})
+
+
+def in_host_callback() -> bool:
+    """Whether the caller runs inside one of JAX's own host callbacks (a computation
+    waits for it to return: nothing there may wait for the devices)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _HOST_CALLBACK_FRAMES and "jax" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def outside_any_mesh() -> Any:
     """A context in which no mesh is set (`jax.set_mesh` of JAX's empty mesh): a
     single-device computation of tapd's own runs there whatever mesh the caller set."""

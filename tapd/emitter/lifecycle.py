@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import sys
 import threading
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from tapd import ipython
+from tapd import ipython, stdout_order
 from tapd.autostart import ensure_daemon
 from tapd.emitter import jax_compat
 from tapd.emitter.local_path import LocalPath
@@ -92,6 +93,7 @@ def local_path() -> LocalPath | None:
                     return None
                 _local = LocalPath(_settings, process_index=jax.process_index())
                 _register_exit_hook(_drain_local_at_exit)
+                stdout_order.order_writes(sys.stdout, _settings.cell_timeout)
                 ipython.attach()
     return _local
 

@@ -271,8 +271,9 @@ class EmitterFields:
     )
     cell_timeout: float = emitter(
         10.0,
-        "under IPython (Jupyter), how long the end of a cell waits for the callbacks of its "
-        "computations to run, in seconds (then it says so and they run later)",
+        "how long a print to stdout (and, under IPython, the end of a cell) waits for the "
+        "in-process callbacks of the computations before it to run, in seconds (a cell "
+        "that reaches it says so; they run later)",
     )
     block_warning_after: float = emitter(
         5.0, "under block, warn when one tap has waited this long for buffer space", variable=None
