@@ -113,6 +113,28 @@ def test_exit_runs_every_callback_in_flight(runtime_dir: Path, tmp_path: Path) -
     assert_no_daemon_was_started(runtime_dir)
 
 
+def test_exit_waits_while_callbacks_progress_past_the_exit_timeout(
+    runtime_dir: Path, tmp_path: Path
+) -> None:
+    """TAPD_EXIT_TIMEOUT bounds a wait without progress, not the whole drain: 40 callbacks
+    of 50 ms (2 s) all run at exit with a 1 s timeout."""
+    sink = tmp_path / "ran.txt"
+    env = {"TAPD_EXIT_TIMEOUT": "1"}
+    got = run_app("exit_drain", str(sink), "40", "50", env=env, runtime=runtime_dir)
+    assert sink.read_text().split() == [str(i) for i in range(40)]
+    assert "not every tap" not in got["stderr"]
+
+
+def test_exit_gives_up_on_a_callback_that_never_returns_and_counts_the_rest(
+    runtime_dir: Path,
+) -> None:
+    got = run_app("exit_stuck", "5", env={"TAPD_EXIT_TIMEOUT": "1"}, runtime=runtime_dir)
+    stderr = got["stderr"]
+    assert "not every tap of this process's own tap functions ran: 6 not run" in stderr
+    assert "exit_stuck.<locals>.<lambda>" in stderr  # what it waited for, and where
+    assert "still running exit_stuck.<locals>.<lambda>" in stderr
+
+
 def test_exceptions_surface_at_the_next_barrier_with_name_and_traceback(
     runtime_dir: Path,
 ) -> None:

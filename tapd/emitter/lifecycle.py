@@ -171,8 +171,11 @@ def default_platform() -> str:
 
 def backend() -> str:
     """The backend this process's taps use on JAX's default platform: "native" (tapd's
-    FFI handler writes the ring) or "portable" (a host callback)."""
-    return "native" if default_platform() in handler_platforms() else "portable"
+    FFI handler writes the ring) or "portable" (a host callback). A process whose taps
+    have all stayed in it so far is asked about its local ring: no daemon is started
+    for the question."""
+    local = _sender is None and _local is not None
+    return "native" if default_platform() in handler_platforms(local=local) else "portable"
 
 
 def stats() -> dict[str, Any]:

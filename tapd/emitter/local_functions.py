@@ -133,6 +133,10 @@ class LocalReceiver:
                 f"feeds: {self._failure}"
             ) from self._failure
         if self._failure is not None or not self._connected.is_set():
+            # A connect that answers later must not leave a subscribed receiver behind,
+            # one that no exit drain closes: the thread stops as soon as it connects.
+            self._closing = True
+            self._subscriber.stop()
             raise TapDefinitionError(
                 f"tapd runs this process's own tap functions (lambdas, closures, bound "
                 f"methods, and importable functions no subscriber takes) on a receiver "
@@ -200,7 +204,7 @@ class LocalReceiver:
             return
         self._connected.set()
         try:
-            while not self._closing:
+            while not self._closing:  # (closing already: `start` gave up waiting)
                 subscriber.run(until=lambda: self._closing or bool(self._pending))
                 self._subscribe_pending()
         except Exception:

@@ -21,8 +21,10 @@ What holds on the daemon's path holds here:
   record committed before it; what a function raised is raised there, as
   `CallbackException`, with its name and traceback; a barrier that times out says what
   it waits for: which sites' taps, and what the receiver thread is doing;
-- the exit drain: at interpreter exit the receiver runs what was committed, for up to
-  `exit_timeout` seconds, and an exact count of what it did not run is logged;
+- the exit drain: at interpreter exit the receiver runs what was committed, as long as
+  it makes progress (it gives up after `exit_timeout` seconds without one tap run, and
+  then runs no function while JAX and the interpreter shut down); an exact count of
+  what it did not run is logged;
 - the counters, in `tapd.stats()["local"]`.
 
 The receiver runs the taps as a subscriber runs a daemon's (tapd_client.handlers on
@@ -168,6 +170,9 @@ class LocalPath:
         self.handled = 0  # ring position up to which every record was run (and released)
         self.ran = 0  # taps run (whatever they raised)
         self._running: tuple[str, float] | None = None  # (function, since) while one runs
+        self.calls = 0  # tap functions that returned (or raised): the receiver's progress
+        self._abandoned = False  # exit gave up waiting: run nothing more
+        self.not_run = 0  # taps read after that, not run
         self._closing = False
         self._stop_read, self._stop_write = os.pipe()
         self._thread = threading.Thread(target=self._serve, name="tapd-receiver", daemon=True)
@@ -292,6 +297,9 @@ class LocalPath:
         return end
 
     def _run(self, value: Any, meta: TapMeta) -> None:
+        if self._abandoned:  # (the exit drain gave up: see `close`)
+            self.not_run += 1
+            return
         local = self._functions[meta.consumer]
         arg = value if local.flat and type(value) is tuple else rebuild(local.treedef, value)
         device = self._devices.get(meta.device) if meta.device is not None else None
@@ -303,6 +311,7 @@ class LocalPath:
             raise
         finally:
             self._running = None
+            self.calls += 1
 
     # ---- barriers, exit, counters ---------------------------------------------------------
 
@@ -380,34 +389,52 @@ class LocalPath:
         return exc
 
     def stats(self) -> dict[str, int]:
+        """sent (written to the ring), ran, dropped (ring full, drop_newest), skipped
+        (sampled out), errors (functions that raised), pending (sent, not yet read),
+        not_run (read after the exit drain gave up), blocked_ns (writers' wait for room)."""
         counters = self.ring.counters()
         return {
             "sent": counters.taps,
-            "ran": self.ran,
+            "ran": self.ran - self.not_run,
             "dropped": counters.dropped,
             "skipped": counters.skipped,
             "errors": self._failures.count,
             "blocked_ns": counters.blocked_ns,
             "pending": counters.taps - self.ran,
+            "not_run": self.not_run,
         }
 
     def close(self, timeout: float) -> int:
-        """Run what was committed (for up to `timeout` seconds), then stop the
-        receiver and free the ring. The number of taps it did not run."""
-        try:
-            self.barrier(timeout)
-        except TapFunctionException:
-            pass  # (logged as they ran)
-        except BarrierTimeout as exc:
-            logger.error("tapd at exit: %s", exc)
+        """At exit: run every tap committed so far, for as long as the receiver makes
+        progress (giving up after `timeout` seconds without one tap run), then stop the
+        receiver and free the ring. A receiver that gives up runs no further function:
+        none may still run when JAX and the interpreter shut down. Returns the number of
+        taps not run."""
+        target = self.ring.settled()
+        progress = (self.calls, time.monotonic())
         with self._lock:
+            while self.handled < target and not self._closing:
+                if self.calls != progress[0]:
+                    progress = (self.calls, time.monotonic())
+                elif time.monotonic() - progress[1] >= timeout:
+                    logger.error("tapd at exit: %s", self._waiting_for(target, timeout))
+                    self._abandoned = True  # the rest are counted, not run
+                    break
+                self._progress.wait(min(0.5, timeout))
             self._closing = True
         os.write(self._stop_write, b"x")
-        self._thread.join(timeout=max(1.0, timeout))
-        if not self._thread.is_alive():
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            running = self._running
+            logger.error(
+                "tapd at exit: the local receiver is still running %s; the process ends around it",
+                running[0] if running else "(between taps)",
+            )
+        else:
             self._wake.close()
             shutil.rmtree(self.directory, ignore_errors=True)
-        return self.stats()["pending"]
+        counts = self.stats()
+        return counts["not_run"] + counts["pending"]
 
 
 class _Named:

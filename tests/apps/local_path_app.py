@@ -92,12 +92,13 @@ def barrier_in_flight(count: str) -> dict[str, Any]:
     return {"before": before, "after_jax": after_jax, "after_tapd": len(ran), "ran": ran}
 
 
-def exit_drain(path: str, count: str) -> dict[str, Any]:
+def exit_drain(path: str, count: str, sleep_ms: str = "10") -> dict[str, Any]:
     """Exit with slow callbacks still in flight: each one runs before the process ends."""
     out = open(path, "w")  # noqa: SIM115 (closed by exit, after the drain)
+    pause = float(sleep_ms) / 1000
 
     def slow(v: Any) -> None:
-        time.sleep(0.01)
+        time.sleep(pause)
         out.write(f"{int(v)}\n")
         out.flush()
 
@@ -105,6 +106,17 @@ def exit_drain(path: str, count: str) -> dict[str, Any]:
     for i in range(int(count)):
         step(i)
     return {"dispatched": int(count)}
+
+
+def exit_stuck(count: str) -> dict[str, Any]:
+    """Exit while a callback waits for ever and `count` more wait behind it: the exit
+    drain gives up after TAPD_EXIT_TIMEOUT s without progress, says how many did not
+    run, and the process ends (no function runs on while the interpreter shuts down)."""
+    forever = threading.Event()
+    step = jax.jit(lambda i: tapd.debug.callback(lambda v: forever.wait(), i))
+    for i in range(int(count) + 1):
+        step(i)
+    return {"dispatched": int(count) + 1}
 
 
 def raising() -> dict[str, Any]:
@@ -194,6 +206,7 @@ SCENARIOS = {
     "flood": flood,
     "barrier_in_flight": barrier_in_flight,
     "exit_drain": exit_drain,
+    "exit_stuck": exit_stuck,
     "raising": raising,
     "stuck": stuck,
     "eager_and_print": eager_and_print,
