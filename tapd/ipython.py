@@ -38,6 +38,7 @@ from tapd import stdout_order
 logger = logging.getLogger("tapd.emitter")
 
 _attached: set[int] = set()  # ids of the shells hooked
+_cell_timeout = [10.0]  # TAPD_CELL_TIMEOUT, as `attach` was given it
 _lock = threading.Lock()
 
 
@@ -47,9 +48,10 @@ def running() -> bool:
     return ipython is not None and ipython.get_ipython() is not None
 
 
-def attach() -> None:
+def attach(timeout: float) -> None:
     """Hook the running IPython shell and its `sys.stdout`, once each; nothing outside
-    IPython."""
+    IPython. `timeout`: TAPD_CELL_TIMEOUT (given: this runs under the emitter's state
+    lock, where reading the settings would wait for itself)."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None:
@@ -57,6 +59,7 @@ def attach() -> None:
     with _lock:
         if id(shell) not in _attached:
             _attached.add(id(shell))
+            _cell_timeout[0] = timeout
             shell.events.register("pre_run_cell", _cell_starts)
             shell.events.register("post_run_cell", _cell_finished)
     _cell_starts()
@@ -69,9 +72,7 @@ def _cell_starts(info: Any = None) -> None:
 
 
 def _timeout() -> float:
-    from tapd.emitter import lifecycle
-
-    return float(lifecycle.settings().cell_timeout)
+    return _cell_timeout[0]
 
 
 def _cell_finished(result: Any = None) -> None:

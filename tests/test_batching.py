@@ -16,8 +16,9 @@ import pytest
 import zmq
 
 from conftest import BackgroundEmitter, Daemon, InProcessRouter, MakeRouter, native_unavailable
-from tapd.daemon.runs import Site, TapRun
+from tapd.daemon.runs import TapRun
 from tapd.native.ring import Record, Records
+from tapd.native.sites import Site
 from tapd.protocol import Message, decode, encode
 from tapd.protocol.batch import BatchTap, encode_batch
 from tapd.protocol.rules import DEFAULT_LIMITS

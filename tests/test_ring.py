@@ -848,7 +848,7 @@ leaves = (jnp.arange(5, dtype=jnp.float32), jnp.array([[1, 2], [3, 4]], jnp.int1
 def tap(a, b, step):
     jax.ffi.ffi_call("tapd_ring_test_tap", (), has_side_effect=True)(
         a, b, step, site=np.int64(5), consumer=np.int64(77), has_step=np.int64(1),
-        every=np.int64(1))
+        every=np.int64(1), ring=np.int64(0))
     return a
 
 tap(*leaves, jnp.int32(-3)).block_until_ready()

@@ -15,8 +15,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from tapd.daemon.runs import Site
 from tapd.errors import ProtocolError
+from tapd.native.sites import Site
 from tapd.protocol.rules import DEFAULT_LIMITS
 from tapd.protocol.schema import check_site_entry, split_site_entries
 

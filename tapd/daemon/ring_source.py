@@ -24,9 +24,10 @@ import numpy as np
 from tapd.daemon.ring_sites import RingSites
 from tapd.daemon.ring_watch import lock_ring_file
 from tapd.daemon.router import Router
-from tapd.daemon.runs import Site, TapRun
+from tapd.daemon.runs import TapRun
 from tapd.errors import ProtocolError
 from tapd.native.ring import COLUMNS_FROM, Record, Records, Ring, RingError
+from tapd.native.sites import Site
 from tapd.protocol import Message
 from tapd.protocol.ring_checks import check_record
 from tapd.protocol.ring_format import EVERY_ALL  # (ring.h: RingControl)

@@ -29,8 +29,8 @@ from tapd.daemon.deliveries import PeerKey
 from tapd.daemon.ring_source import RingSource
 from tapd.daemon.rings import RingSet
 from tapd.daemon.router import Router
-from tapd.daemon.runs import Site
 from tapd.daemon.sampling import every_of, taken_every
+from tapd.native.sites import Site
 from tapd.protocol import encode
 from tapd.protocol.ring_format import EVERY_ALL, EVERY_DORMANT, SITE_SLOTS
 from tapd.protocol.rules import DEFAULT_LIMITS

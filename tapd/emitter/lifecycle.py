@@ -75,7 +75,7 @@ def get_sender() -> Sender:
                     native=_native_emitter(_settings),
                 )
                 _register_exit_drain()
-                ipython.attach()
+                ipython.attach(_settings.cell_timeout)
     return _sender
 
 
@@ -94,7 +94,7 @@ def local_path() -> LocalPath | None:
                 _local = LocalPath(_settings, process_index=jax.process_index())
                 _register_exit_hook(_drain_local_at_exit)
                 stdout_order.order_writes(sys.stdout, _settings.cell_timeout)
-                ipython.attach()
+                ipython.attach(_settings.cell_timeout)
     return _local
 
 

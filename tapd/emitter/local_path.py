@@ -54,10 +54,10 @@ from typing import Any
 
 import jax
 
-from tapd.daemon.runs import Site
 from tapd.emitter.settings import EmitterSettings
 from tapd.errors import BarrierTimeout, TapFunctionException
 from tapd.native.ring import Records, Ring
+from tapd.native.sites import Site
 from tapd.native.wake import WakeSocket
 from tapd.protocol.batch import SiteRun
 from tapd.protocol.message import StaticEntry

@@ -27,7 +27,7 @@ from tapd.native import build
 
 logger = logging.getLogger("tapd.native")
 
-API_VERSION = 3  # tapd::kApiVersion in ring.h: the table the CUDA library writes through
+API_VERSION = 4  # tapd::kApiVersion in ring.h: the table the CUDA library writes through
 PLATFORMS = ("cpu", "cuda")
 
 _lock = threading.Lock()

@@ -30,10 +30,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from tapd.daemon.deliveries import Delivery, PeerKey
-from tapd.daemon.runs import Site, TapRun
+from tapd.daemon.runs import TapRun
 from tapd.daemon.subscriptions import Hello
 from tapd.daemon.targets.base import IN_FLIGHT_BYTES, Terms
 from tapd.daemon.targets.socket import BATCH_BYTES, BATCH_HEADER_BYTES, SocketSubscriber
+from tapd.native.sites import Site
 from tapd.protocol import MAGIC, Message
 from tapd.protocol.batch import RingPiece, encode_ring_batch
 from tapd.protocol.message import encode_header
