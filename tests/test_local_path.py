@@ -60,15 +60,13 @@ def test_local_taps_keep_program_order_and_start_no_daemon(runtime_dir: Path) ->
     id_taps = [*scan, ("id_tap b", 20.0), ("while", 1.0), ("while", 2.0)] * 2
     debug_calls = [("debug", x + 0.5) for x in (0.0, 1.0, 2.0)]
     debug_calls += [("while debug", 0.0), ("while debug", 1.0)]
-    # Each kind in program order (id_tap's strict order; tapd.debug's unordered calls
-    # in one computation are still one site each, in seq order) ...
+    # Each kind in program order (id_tap's order; tapd.debug's unordered calls in one
+    # computation are one site each here, in seq order).
     id_order = [c for c in calls if c[0] in ("id_tap a", "id_tap b", "while")]
     assert sorted(id_order[:4], key=lambda c: c[0]) == sorted(id_taps[:4], key=lambda c: c[0])
     assert [c for c in id_order if c[0] != "id_tap b"] == [c for c in id_taps if c[0] != "id_tap b"]
     assert [c for c in calls if c[0] in ("debug", "while debug")] == debug_calls * 2
-    # ... and a call after the tap whose result it takes.
-    for x in (0.0, 1.0, 2.0):
-        assert calls.index(("id_tap a", x)) < calls.index(("debug", x + 0.5))
+    # (Between an unordered jax.debug.callback and an id_tap, JAX promises no order.)
     assert got["stats"]["local"]["ran"] == len(calls) == 22
     assert got["stats"]["delivered"] == got["stats"]["submitted"] == 22
     assert_no_daemon_was_started(runtime_dir)
