@@ -76,6 +76,13 @@ _RECORDS_PER_READ = 4096
 # The receiver sleeps until a writer's wake-up, or this long: a wake-up lost (none is
 # known to be) would cost this much delay, never a hang.
 _IDLE_LOOK = 0.5  # s
+# After a read of fewer taps than this, the receiver waits this long (or until a barrier,
+# a print or exit hurries it) before it reads again. Woken for each tap of a loop that
+# dispatches small steps one by one, it took the GIL from the dispatching thread at
+# every step (bench/RESULTS.md §10 (b): 65 µs a call of a 4.5 µs step); a few taps a
+# read cost it a fraction of that. The daemon coalesces the same way (--coalesce).
+_COALESCE_BELOW = 256
+_COALESCE = 0.002  # s
 _ERRORS_KEPT = 100  # failures kept for the next barrier (each one's first line counted)
 
 
@@ -174,6 +181,7 @@ class LocalPath:
         self._abandoned = False  # exit gave up waiting: run nothing more
         self.not_run = 0  # taps read after that, not run
         self._closing = False
+        self._hurry = threading.Event()  # someone waits for the receiver: no coalescing
         self._stop_read, self._stop_write = os.pipe()
         self._thread = threading.Thread(target=self._serve, name="tapd-receiver", daemon=True)
         self._thread.start()
@@ -239,6 +247,11 @@ class LocalPath:
                 span, records = ring.read_span(position, _RECORDS_PER_READ)
                 if len(records):
                     position = self._run_records(span, records, position)
+                    if len(records) < _COALESCE_BELOW:
+                        # Let more taps come before the next read, unless someone waits
+                        # (a barrier, a print, exit): see _COALESCE.
+                        self._hurry.wait(_COALESCE)
+                        self._hurry.clear()
                     continue
                 if self._closing:
                     return
@@ -323,6 +336,7 @@ class LocalPath:
         (`keep_errors`: leave them for the next barrier). `asked`: the caller's whole
         timeout, of which `timeout` is what is left."""
         target = self.ring.settled()
+        self._hurry.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self.handled < target and not self._closing:
@@ -330,6 +344,7 @@ class LocalPath:
                 if left is not None and left <= 0:
                     shown = asked if asked is not None else (timeout or 0.0)
                     raise BarrierTimeout(self._waiting_for(target, shown))
+                self._hurry.set()  # (each time: the receiver clears it as it goes)
                 self._progress.wait(left)
             failures = self._failures
             errors = failures.errors[:] if failures.count > self._errors_seen else []
@@ -349,12 +364,16 @@ class LocalPath:
         """Wait (up to `timeout` s) until every record committed so far has been run:
         the taps of computations that have finished. Whether it was; never raises."""
         target = self.ring.counters().committed
+        if self.handled >= target:
+            return True
+        self._hurry.set()
         deadline = time.monotonic() + timeout
         with self._lock:
             while self.handled < target and not self._closing:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
+                self._hurry.set()
                 self._progress.wait(left)
         return True
 
@@ -411,6 +430,7 @@ class LocalPath:
         none may still run when JAX and the interpreter shut down. Returns the number of
         taps not run."""
         target = self.ring.settled()
+        self._hurry.set()
         progress = (self.calls, time.monotonic())
         with self._lock:
             while self.handled < target and not self._closing:
@@ -420,6 +440,7 @@ class LocalPath:
                     logger.error("tapd at exit: %s", self._waiting_for(target, timeout))
                     self._abandoned = True  # the rest are counted, not run
                     break
+                self._hurry.set()
                 self._progress.wait(min(0.5, timeout))
             self._closing = True
         os.write(self._stop_write, b"x")
