@@ -4,15 +4,19 @@ Each variant is `x = step(x)` called in a Python loop, `step` a jitted `x * 1.00
 64 B (16 float32) or a 1 MiB array, with (or without) one tap or callback of `x`:
 untapped; a dormant `tapd.tap` (no taker: its site's slot says EVERY_DORMANT, set by
 hand as the daemon would); a woken one (a subscriber process takes it); a strict one
-(`ordered="strict"`, dormant); a no-op `jax.debug.callback`; a no-op `io_callback`.
-Timed from the first call to `block_until_ready()` of the last; woken taps are drained
-(`barrier_wait`, untimed) between runs. Once per backend, each in its own process, the
-variants interleaved within each repeat; the table gives the median over repeats.
+(`ordered="strict"`, dormant); host_callback's `id_tap` of a no-op closure and `id_print`
+to an `output_stream` (both run in this process, from its local ring, by its receiver
+thread, while the loop runs), and a strict `id_tap`; a no-op `jax.debug.callback`; a
+no-op `io_callback`. Timed from the first call to `block_until_ready()` of the last;
+woken and in-process taps are drained (`barrier_wait`, untimed) between runs. Once per
+backend, each in its own process, the variants interleaved within each repeat; the
+table gives the median over repeats.
 
-Targets (native): a dormant tap's call <= 1.5 x the untapped call's; a woken one <= 1.5
-x plus its copy: a numpy copy of the same bytes, measured in the same process as the tap
-makes it, into the next slot of a buffer the ring's size, out of cache (1 MiB: ~3x a
-copy into one warm buffer, which the first figures used). Portable:
+Targets (native): a dormant tap's call <= 1.5 x the untapped call's, and an `id_tap`'s
+or `id_print`'s (issue 33); a woken one <= 1.5 x plus its copy: a numpy copy of the same
+bytes, measured in the same process as the tap makes it, into the next slot of a buffer
+the ring's size, out of cache (1 MiB: ~3x a copy into one warm buffer, which the first
+figures used). Portable:
 a tap's added time <= 0.25 of what a no-op `jax.debug.callback` adds.
 
     python bench/per_call.py [--quick] [--output bench/PER_CALL.md]
@@ -46,6 +50,9 @@ VARIANTS = [
     Variant("dormant", "tapd.tap, dormant", "dormant"),
     Variant("woken", "tapd.tap, woken", "woken"),
     Variant("strict", 'tapd.tap(ordered="strict"), dormant', "strict"),
+    Variant("id_tap", "id_tap of a no-op closure", "id_tap"),
+    Variant("id_print", "id_print to an output_stream", "id_print"),
+    Variant("id_tap_strict", 'id_tap(ordered="strict") of a no-op closure', "id_tap_strict"),
     Variant("callback", "jax.debug.callback, no-op", "debug.callback"),
     Variant("io", "io_callback, no-op", "io_callback"),
 ]
@@ -100,7 +107,7 @@ def child(quick: bool) -> dict[str, Any]:
                 x.block_until_ready()
                 elapsed = time.perf_counter() - started
                 seconds.setdefault(f"{key}|{size}", []).append(elapsed / calls[size] * 1e6)
-                if key == "woken":
+                if key in ("woken", "id_tap", "id_print", "id_tap_strict"):
                     tapd.barrier_wait(timeout=120)
         copies = {
             size: _copy_us(n, lifecycle.get_sender().settings.buffer_bytes)
@@ -130,6 +137,13 @@ def _copy_us(elements: int, ring_bytes: int) -> dict[str, float]:
     return result
 
 
+class _Discard:
+    """An `output_stream` that keeps nothing (id_print's formatting still runs)."""
+
+    def write(self, text: str) -> None:
+        return None
+
+
 def _step(variant: Variant, size: str, tapd: Any, jax: Any, io_callback: Any) -> Any:
     name = f"bench.call.{variant.kind}.{size}"
 
@@ -138,6 +152,12 @@ def _step(variant: Variant, size: str, tapd: Any, jax: Any, io_callback: Any) ->
             x = tapd.tap(x, name)
         elif variant.kind == "strict":
             x = tapd.tap(x, name, ordered="strict")
+        elif variant.kind == "id_tap":
+            x = tapd.id_tap(lambda arg, transforms: None, x)
+        elif variant.kind == "id_tap_strict":
+            x = tapd.id_tap(lambda arg, transforms: None, x, ordered="strict")
+        elif variant.kind == "id_print":
+            x = tapd.id_print(x, what="x", output_stream=_Discard())
         elif variant.kind == "debug.callback":
             jax.debug.callback(_noop, x)
         elif variant.kind == "io_callback":
@@ -175,6 +195,13 @@ def report(results: dict[str, dict[str, Any]], quick: bool) -> str:
                 )
             copy = result["copy_us"][size]["ring"]
             dormant, woken = us[f"dormant|{size}"] / plain, us[f"woken|{size}"] / plain
+            if backend == "native" and size == "64 B":
+                for key in ("id_tap", "id_print"):
+                    ratio = us[f"{key}|{size}"] / plain
+                    verdicts.append(
+                        f"- native, {size}: {key} {ratio:.2f}x the untapped call (target "
+                        f"<= 1.5: {'met' if ratio <= 1.5 else 'NOT met'})"
+                    )
             if backend == "native":
                 verdicts.append(
                     f"- native, {size}: dormant {dormant:.2f}x the untapped call (target "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Literal
 
+from tapd import export_hook
 from tapd.emitter import jax_compat
 from tapd.errors import (
     BarrierTimeout,
@@ -46,6 +47,7 @@ __all__ = [
     "barrier_wait",
     "configure",
     "debug",
+    "deserialize",
     "id_print",
     "id_tap",
     "install_debug",
@@ -180,6 +182,18 @@ def install_debug(*, io_callback: bool = False) -> None:
     install(io_callback=io_callback)
 
 
+def deserialize(serialized: bytes | bytearray) -> Any:
+    """`jax.export.deserialize`, in a process that may never have traced a tap: first
+    registers what a tapped computation exported elsewhere needs here (tapd's effects,
+    its XLA FFI handler, and the hook through which the handler registers the
+    computation's tap sites in this process's sites file as they first run). Calling
+    the result taps to this process's daemon, by the sites' names (docs/TAPPING.md,
+    "Exported and cached computations")."""
+    from tapd.emitter import exported
+
+    return exported.deserialize(serialized)
+
+
 def configure(**settings: Any) -> Any:
     """Emitter settings (endpoint, policy, buffer_bytes, exit_timeout, ordered) before
     the first tap."""
@@ -217,6 +231,8 @@ _NOT_HERE = {
 
 
 jax_compat.warn_if_unsupported()
+# A tapped jax.export artifact loads in a process that only imported tapd.
+export_hook.install()
 
 
 def __getattr__(name: str) -> Any:

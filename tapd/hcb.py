@@ -84,6 +84,12 @@ _FINDER = _Finder()
 _lock = threading.Lock()
 
 
+def installed() -> bool:
+    """Whether `install()` has run in this process (then `jax.effects_barrier()` raises
+    what this process's tap functions raised, as host_callback's did)."""
+    return _FINDER in sys.meta_path
+
+
 def install() -> None:
     """Make `jax.experimental.host_callback` this module in this process (idempotent).
     Does not import JAX; a module already imported under that name is replaced."""

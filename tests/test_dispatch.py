@@ -31,6 +31,7 @@ def run_dispatch(daemon: Daemon, scenario: str, *args: str, **env: str) -> dict[
     )
     assert result.returncode == 0, f"{scenario}: {result.stdout}\n{result.stderr}"
     output: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    output["stdout"] = result.stdout
     return output
 
 
@@ -60,6 +61,85 @@ def test_a_strict_tap_keeps_jax_ordered_effect_and_its_python_path(
     assert result["jit_python_calls"] == 50
     assert result["aot_python_calls"] == 50
     assert result["stats"]["delivered"] == 104
+
+
+@pytest.mark.parametrize("kind", ["closure", "print"])
+def test_id_tap_and_id_print_keep_jax_cpp_path_in_a_one_device_jit(
+    start_daemon: StartDaemon, backend: str, kind: str
+) -> None:
+    """host_callback's order, in a computation on one device, comes from tapd's token:
+    an id_tap (of a closure: the local ring) or an id_print (of plain keywords: through
+    the daemon, printed here where no subscriber takes it) leaves the step on JAX's C++
+    dispatch path, and the calls' taps still run in dispatch order."""
+    daemon = start_daemon()
+    result = run_dispatch(daemon, "hcb_fast_path", kind, "default", "200")
+    assert result["jit_python_calls"] == 0
+    if kind == "closure":
+        assert result["seen"] == 202
+        assert result["in_order"]
+    else:
+        assert result["stdout"].count("what: fastprint") == 202
+
+
+@pytest.mark.parametrize("how", ["keyword", "setting"])
+def test_a_strict_id_tap_keeps_jax_ordered_effect_and_its_python_path(
+    start_daemon: StartDaemon, backend: str, how: str
+) -> None:
+    """`id_tap(..., ordered="strict")`, or TAPD_ORDERED=strict for every tap, is JAX's
+    ordered effect: every call through JAX's Python dispatch."""
+    daemon = start_daemon()
+    if how == "keyword":
+        result = run_dispatch(daemon, "hcb_fast_path", "closure", "strict", "50")
+    else:
+        result = run_dispatch(
+            daemon, "hcb_fast_path", "closure", "default", "50", TAPD_ORDERED="strict"
+        )
+    assert result["jit_python_calls"] == 50
+    assert result["seen"] == 52
+    assert result["in_order"]
+
+
+def test_id_taps_of_a_jit_of_pmap_are_strict_and_keep_host_callback_order(
+    start_daemon: StartDaemon, backend: str
+) -> None:
+    """host_callback's `tap_jit_pmap_extra`: a tap before a pmap, one inside it, one after
+    it, in one jit over two devices. The module is partitioned, where tapd's order pass
+    does not run: the taps inside the pmap (and the one after it, of a value on both
+    devices) are strict, and the one before it is joined to their token, so each device
+    runs its taps in program order, and the calls in dispatch order."""
+    daemon = start_daemon()
+    calls = 20
+    result = run_dispatch(
+        daemon, "hcb_jit_of_pmap", str(calls), XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
+    assert result["jit_python_calls"] == calls
+    assert result["ran"] == {
+        "0": ["before", "inside", "after"] * (calls + 2),
+        "1": ["inside"] * (calls + 2),
+    }
+
+
+def test_taps_of_tapd_token_and_strict_taps_in_one_jit_keep_one_program_order(
+    start_daemon: StartDaemon, backend: str
+) -> None:
+    """Where one computation holds both kinds, tapd's chain is joined to JAX's token in
+    each block (`order.join_chains`): around a scan that taps both ways, and a cond
+    whose strict tap takes JAX's token from above."""
+    daemon = start_daemon()
+    result = run_dispatch(daemon, "hcb_mixed_order", "5")
+    per_call = ["a", "s1", "loop", "strict_loop", "loop", "strict_loop", "big", "strict_cond", "b"]
+    assert result["ran"] == per_call * 5
+
+
+def test_an_id_tap_under_a_mesh_of_two_devices_is_strict(
+    start_daemon: StartDaemon, backend: str
+) -> None:
+    daemon = start_daemon()
+    result = run_dispatch(
+        daemon, "hcb_under_a_mesh", "20", XLA_FLAGS="--xla_force_host_platform_device_count=2"
+    )
+    assert result["jit_python_calls"] == 20
+    assert result["seen"] == 22
 
 
 def test_taps_around_scan_cond_while_and_a_nested_jit_arrive_in_program_order(

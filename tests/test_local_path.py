@@ -102,6 +102,35 @@ def test_barriers_wait_for_callbacks_in_flight(runtime_dir: Path) -> None:
     assert_no_daemon_was_started(runtime_dir)
 
 
+@pytest.mark.parametrize("ordered", ["default", "strict", "false"])
+def test_jax_effects_barrier_waits_for_id_tap_functions_without_any_install(
+    runtime_dir: Path, ordered: str
+) -> None:
+    """As host_callback's tests use it: a bare `jax.effects_barrier()` returns once the
+    tap functions of this process (id_print's output_stream, a slow id_tap closure) have
+    run, also for calls served from the compiled executable."""
+    got = run_app("effects_barrier_without_install", ordered, runtime=runtime_dir)
+    # (id_print writes its keywords' line and the value: two writes a tap)
+    assert got["written_after_each"] == [[6, 1], [12, 2], [18, 3]]
+    assert_no_daemon_was_started(runtime_dir)
+
+
+@pytest.mark.parametrize("installed", ["1", "0"])
+def test_jax_effects_barrier_raises_what_tap_functions_raised_once_host_callback_is_installed(
+    runtime_dir: Path, installed: str
+) -> None:
+    """host_callback's `jax.effects_barrier()` raised CallbackException (its tests'
+    `test_call_error_*`); without install_host_callback it leaves that to barrier_wait."""
+    raised = run_app("effects_barrier_raising", installed, runtime=runtime_dir)["raised"]
+    first = "There were exceptions during callback processing. Last one was:"
+    if installed == "1":
+        assert raised["effects_barrier"] is not None and raised["effects_barrier"].startswith(first)
+        assert raised["barrier_wait"] is None  # (raised once)
+    else:
+        assert raised["effects_barrier"] is None
+        assert raised["barrier_wait"] is not None and raised["barrier_wait"].startswith(first)
+
+
 def test_exit_runs_every_callback_in_flight(runtime_dir: Path, tmp_path: Path) -> None:
     sink = tmp_path / "ran.txt"
     got = run_app("exit_drain", str(sink), "40", runtime=runtime_dir)

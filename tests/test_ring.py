@@ -844,10 +844,12 @@ jax.ffi.register_ffi_target(
     "tapd_ring_test_tap", jax.ffi.pycapsule(library.handler("cpu")), platform="cpu")
 leaves = (jnp.arange(5, dtype=jnp.float32), jnp.array([[1, 2], [3, 4]], jnp.int16))
 
+ring.put_entry(b"tapd1:test-site", 5, 77)  # (the ids lowering would have put)
+
 @jax.jit
 def tap(a, b, step):
     jax.ffi.ffi_call("tapd_ring_test_tap", (), has_side_effect=True)(
-        a, b, step, site=np.int64(5), consumer=np.int64(77), has_step=np.int64(1),
+        a, b, step, entry="tapd1:test-site", has_step=np.int64(1),
         every=np.int64(1), ring=np.int64(0))
     return a
 

@@ -387,3 +387,18 @@ def test_every_variable_is_declared_once_and_read_through_the_table() -> None:
 def test_a_coalescing_wait_outside_0_to_1_second_is_refused_naming_it(value: str) -> None:
     with pytest.raises(ConfigError, match=f"coalesce must be between 0 and 1 second, got {value}"):
         config_module.load({}, None, {"TAPD_COALESCE": value})
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [("1", True), ("on", True), ("0", False), ("strict", "strict"), ("STRICT", "strict")],
+)
+def test_ordered_is_a_boolean_that_also_takes_strict(raw: str, value: object) -> None:
+    assert from_environment_of({"TAPD_ORDERED": raw}).ordered == value
+
+
+def test_an_ordered_value_that_is_neither_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match="TAPD_ORDERED: ordered='sometimes' is not a valid"):
+        from_environment_of({"TAPD_ORDERED": "sometimes"})
+    with pytest.raises(ConfigError, match="ordered 'sometimes' is not True, False or strict"):
+        EmitterSettings(ordered="sometimes")  # type: ignore[arg-type]

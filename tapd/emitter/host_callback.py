@@ -13,6 +13,17 @@ Where a tap function runs (docs/MIGRATING.md, "Where tap functions run"):
 
 Either way the function is called as host_callback called it: `f(arg, transforms)`,
 with `device=` when the site said `tap_with_device=True`.
+
+How its taps keep order (`_ordering`, decided per tap when it is traced; docs/MIGRATING.md,
+"Order"): host_callback threaded one token through every tap. tapd keeps that order with
+its own token inside the computation (`tapd.emitter.order`), which leaves the step on
+JAX's C++ dispatch path, wherever that token can place every tap: in a computation on
+one device. A tap traced where the computation is split over several devices (inside
+`pmap` or `shard_map`, under a mesh of more than one device, or of a value sharded over
+several) is *strict* instead: JAX's ordered effect and runtime token, at JAX's per-call
+cost, since tapd's order pass does not run on a partitioned module. A tap of tapd's token
+next to strict ones in one computation (a `jit` around a `pmap`) is joined to their
+chain where the module is lowered (`order.join_chains`).
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import jax
 
 from tapd import ipython
 from tapd.emitter import lifecycle, local_functions, local_path
-from tapd.emitter.tapping import STRICT, Ordering, emit
+from tapd.emitter.tapping import STRICT, Ordering, check_ordered, emit, spans_devices
 from tapd.errors import TapDefinitionError
 from tapd.printing import print_tap
 from tapd_client.tap_functions import RESERVED_META
@@ -53,6 +64,7 @@ def id_tap(
     tap_with_device: bool = False,
     device_index: int = 0,
     callback_flavor: Any = None,
+    ordered: Ordering | None = None,
     **kwargs: Any,
 ) -> Any:
     """host_callback's `id_tap`: `tap_func(arg, transforms)` runs in a subscriber process
@@ -61,14 +73,18 @@ def id_tap(
 
     `device_index` picks the device whose tap runs the function where the computation
     taps a value once for all devices; `callback_flavor` (host_callback's choice of JAX
-    callback) is accepted and has no effect: tapd taps are asynchronous, and ordered
-    unless TAPD_ORDERED=0, strictly, as host_callback's were: JAX's runtime token orders
-    them between computations too, at JAX's per-call cost (`tapd.tap` is the tap that
-    keeps JAX's C++ dispatch path; docs/TAPPING.md, "Ordered, strict and unordered
-    taps")."""
+    callback) is accepted and has no effect: tapd taps are asynchronous.
+
+    `ordered` (tapd's, not host_callback's; default: TAPD_ORDERED, on) keeps
+    host_callback's order: tapd's own token inside the computation, on JAX's C++
+    dispatch path, or JAX's ordered effect where the computation is split over several
+    devices (see the module docstring). `"strict"`: JAX's ordered effect in any case
+    (also between computations, at JAX's per-call cost); `True`: tapd's token in any
+    case, as `tapd.tap`'s; `False`: no order between sites (docs/TAPPING.md, "Ordered,
+    strict and unordered taps")."""
     if kwargs:
         raise TypeError(_KWARGS_REMOVED)
-    return _id_tap(tap_func, arg, result, tap_with_device, device_index, here=False)
+    return _id_tap(tap_func, arg, result, tap_with_device, device_index, ordered, here=False)
 
 
 def _id_tap(
@@ -77,22 +93,33 @@ def _id_tap(
     result: Any,
     tap_with_device: bool,
     device_index: int,
+    ordered: Ordering | None,
     *,
     here: bool,
 ) -> Any:
     """`id_tap`; `here`: the function runs in this process even if importable."""
     if not callable(tap_func):
         raise TypeError(f"Expected a callable value, got {tap_func!r}")
+    check_ordered("id_tap", ordered)
     meta = _site_meta(tap_with_device, device_index)
     consumer, bound = _placement(tap_func, arg, here=here)
+    ordering = _ordering(arg, ordered)
     # Always taken (host_callback's semantics: an id_tap function always runs).
-    tapped = emit(consumer, arg, None, {**bound, **meta}, always=True, ordered=_ordering())
+    tapped = emit(consumer, arg, None, {**bound, **meta}, always=True, ordered=ordering)
     return tapped if result is None else result
 
 
-def _ordering() -> Ordering:
-    """host_callback's order (strict), unless TAPD_ORDERED=0."""
-    return STRICT if lifecycle.settings().ordered else False
+def _ordering(arg: Any, ordered: Ordering | None) -> Ordering:
+    """How an id_tap of `arg` traced here keeps host_callback's order (see the module
+    docstring): `ordered` if given; else TAPD_ORDERED's `False` or `"strict"`; else
+    (on, the default) strict where the computation is split over several devices,
+    tapd's own token elsewhere."""
+    if ordered is not None:
+        return ordered
+    setting: Ordering = lifecycle.settings().ordered
+    if setting is True and spans_devices(jax.tree_util.tree_leaves(arg)):
+        return STRICT
+    return setting
 
 
 def id_print(
@@ -104,13 +131,14 @@ def id_print(
     output_stream: Any = None,
     threshold: int | None = None,
     callback_flavor: Any = None,
+    ordered: Ordering | None = None,
     **kwargs: Any,
 ) -> Any:
     """host_callback's `id_print`: prints `arg` as host_callback did, after the keywords
     (`what: ...`). With `output_stream`, `output_stream.write(line)` is called in this
     process; otherwise it is printed by `tapd subscribe tapd.printing` (or shown by
     `tapd tail`) if one runs, else on this process's stdout. `threshold` goes to
-    `numpy.array2string`."""
+    `numpy.array2string`; `ordered` is id_tap's (not printed)."""
     if output_stream is not None:
         kwargs["output_stream"] = output_stream
     if threshold is not None:
@@ -119,7 +147,7 @@ def id_print(
     # In a notebook the lines belong in the cell that made them (tapd.ipython), not
     # with a subscriber elsewhere.
     here = ipython.running()
-    return _id_tap(printer, arg, result, tap_with_device, device_index, here=here)
+    return _id_tap(printer, arg, result, tap_with_device, device_index, ordered, here=here)
 
 
 def consumer_name(tap_func: Callable[..., Any]) -> str:

@@ -24,6 +24,11 @@ tap an unordered effect as well, which turns that fast path off; the regular `ji
 already keeps ordered effects off its own fast path, so nothing else changes. (A strict
 tap's; the default tap has no ordered effect.)
 
+`jax.export` serializes only custom calls whose targets keep a compatibility promise,
+listed in `export._export._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE`: `export_targets_stable`
+adds tapd's two, whose attributes are a versioned format (docs/PROTOCOL.md, "The tap's
+custom call"). Without the set, export refuses a tapped function, as JAX would.
+
 Two internals are wrapped rather than called, for the default tap to keep JAX's C++
 dispatch path (issue 26): `pxla.ExecuteReplicated.__init__` (`dispatch_ignores`: an
 executable whose only effect is tapd's unordered one is served from C++) and
@@ -365,9 +370,10 @@ def dispatch_ignores(effect_type: type, flush: Callable[[], None]) -> None:
     executable with ordered effects, or with any other effect, is left as JAX made it.
 
     JAX's `effects_barrier()` waits for the runtime tokens of effectful computations,
-    and an executable served so has none: once one is, `jax.effects_barrier()` calls
-    `flush` after JAX's own barrier (`jax_effects_barrier`), so that it still waits for
-    every computation with an effect dispatched before it."""
+    and an executable served so has none: `jax.effects_barrier()` calls `flush` after
+    JAX's own barrier (`jax_effects_barrier`), which waits for every computation with an
+    effect dispatched before it once one was served so (`served_without_tokens`), and
+    for what else tapd adds to the barrier."""
     from jax._src.interpreters import pxla
 
     _flush_after_barrier(flush)
@@ -398,6 +404,11 @@ _served_without_tokens = threading.Event()  # an executable took the path dispat
 _jax_own_barrier: list[Callable[[], None]] = []  # JAX's effects_barrier, before tapd's
 
 
+def served_without_tokens() -> bool:
+    """Whether any executable has taken the path `dispatch_ignores` opens."""
+    return _served_without_tokens.is_set()
+
+
 def jax_effects_barrier() -> None:
     """JAX's own `jax.effects_barrier()`, whatever tapd (or `tapd.install_debug()`) has
     made of `jax.effects_barrier` since."""
@@ -421,8 +432,7 @@ def _flush_after_barrier(flush: Callable[[], None]) -> None:
     @functools.wraps(own)
     def effects_barrier() -> None:
         own()
-        if _served_without_tokens.is_set():
-            flush()
+        flush()
 
     jax.effects_barrier = api.effects_barrier = effects_barrier
 
@@ -469,6 +479,40 @@ def in_host_callback() -> bool:
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
+
+
+def export_targets_stable(*targets: str) -> None:
+    """Let `jax.export` serialize custom calls of `targets` (see the module docstring)."""
+    try:
+        from jax._src.export import _export
+    except ImportError:  # pragma: no cover (every supported JAX has it)
+        return
+    stable = getattr(_export, "_CUSTOM_CALL_TARGETS_GUARANTEED_STABLE", None)
+    if isinstance(stable, set):
+        stable.update(targets)
+
+
+def lowering_for_export(ctx: Any) -> bool:
+    """Whether this lowering is `jax.export`'s (its `lowering_parameters.for_export`)."""
+    parameters = getattr(ctx.module_context, "lowering_parameters", None)
+    return bool(getattr(parameters, "for_export", False))
+
+
+def ambient_meshes() -> list[Any]:
+    """The meshes a trace runs under: the abstract one (the manual axes of pmap and
+    shard_map, `jax.set_mesh`) and the concrete ones (`jax.set_mesh`, `with mesh:`);
+    any of them may be empty or None."""
+    found: list[Any] = []
+    from jax._src import mesh as mesh_lib
+
+    for get in ("get_abstract_mesh", "get_concrete_mesh"):
+        try:
+            found.append(getattr(mesh_lib, get)())
+        except (AttributeError, TypeError):
+            continue
+    resources = getattr(getattr(mesh_lib, "thread_resources", None), "env", None)
+    found.append(getattr(resources, "physical_mesh", None))
+    return found
 
 
 def outside_any_mesh() -> Any:

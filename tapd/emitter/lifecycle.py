@@ -255,6 +255,31 @@ def drain(timeout: float) -> None:
         _local.barrier(left, asked=timeout, keep_errors=True)
 
 
+def after_jax_barrier() -> None:
+    """What `jax.effects_barrier()` adds once tapd is loaded (jax_compat.dispatch_ignores),
+    after JAX's own barrier: the computations JAX's C++ dispatch path served (no runtime
+    token for JAX to wait on) have run their taps, and this process's own tap functions
+    (id_tap closures, output_stream, tapd.debug) have run them, as JAX's synchronous
+    callbacks and host_callback's would have by then. What they raised is left for the
+    next `barrier_wait`, or raised here once `install_host_callback()` has run, as
+    host_callback's `jax.effects_barrier()` raised it. Nothing on the receiver thread,
+    which would wait for itself."""
+    from tapd import hcb
+    from tapd.emitter import local_functions
+
+    local = _local
+    if local_functions.on_receiver_thread() or (local is not None and local.on_receiver_thread()):
+        return
+    if jax_compat.served_without_tokens():
+        flush_devices()
+    if local is not None and local.has_sites():
+        local.barrier(_EFFECTS_BARRIER_TIMEOUT, keep_errors=not hcb.installed())
+
+
+# (as long as barrier_wait's default: a wait past it says what it waits for)
+_EFFECTS_BARRIER_TIMEOUT = 60.0
+
+
 def catch_up(timeout: float) -> None:
     """Wait (up to `timeout` s) until the computations dispatched so far have run, and
     the local receiver has run their taps: what JAX's synchronous callbacks would have

@@ -32,11 +32,12 @@ from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from tapd.emitter import jax_compat, lifecycle, native_backend, order, primitive
+from tapd.emitter import entries, jax_compat, lifecycle, native_backend, order, primitive
 from tapd.emitter.device_names import device_names
 from tapd.emitter.native_backend import FFI_TARGET, RingSites
 from tapd.emitter.primitive import ORDERED, TapSiteParams
 from tapd.emitter.sender import TapSite
+from tapd.errors import TapDefinitionError
 from tapd.native import library
 from tapd.native.ring import NO_STEP
 from tapd.protocol.ring_format import RINGS, writer_every
@@ -77,10 +78,19 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         isinstance(axis_context, sharding_impls.ShardingContext) and axis_context.num_devices > 1
     )
     handled_here = platform in lifecycle.handler_platforms(local=local is not None)
-    if native is not None and handled_here and not partitioned:
-        site_id = native.register_site(
-            site.consumer, _site_fields(site, platform), primitive.leaf_descriptions(tapped_avals)
-        )
+    native_here = native is not None and handled_here and not partitioned
+    if jax_compat.lowering_for_export(ctx):
+        _check_exportable(site, local=local is not None, native=native_here, platform=platform)
+    if native_here:
+        assert native is not None
+        fields = _site_fields(site, platform)
+        leaf_entries = primitive.leaf_descriptions(tapped_avals)
+        site_id = native.register_site(site.consumer, fields, leaf_entries)
+        # The custom call names its site by its entry, not by this process's site id:
+        # the same HLO in every process (the persistent cache), and a computation
+        # compiled elsewhere still names it (jax.export; tapd.emitter.entries).
+        entry = entries.encode(site.consumer, fields, leaf_entries)
+        native.ring.put_entry(entry.encode("ascii"), site_id, native.consumer_id(site.consumer))
         operand_values = [*tapped, *([step] if site.has_step else [])]
         operand_avals = [*tapped_avals, *([step_aval] if site.has_step else [])]
         new_token = _emit_ffi_call(
@@ -88,8 +98,7 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             token,
             operand_values,
             operand_avals,
-            site=site_id,
-            consumer=native.consumer_id(site.consumer),
+            entry=entry,
             has_step=site.has_step,
             # (an int64 attribute: the always bit, bit 63, makes it negative)
             every=np.uint64(writer_every(site.every, site.always)).astype(np.int64),
@@ -135,9 +144,29 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             new_token = emit(token)
     if site.strict and token is not None:
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: new_token})))
+        order.strict_tap_lowered()
     elif own_order:
         order.after_tap(ctx, new_token)
     return leaves
+
+
+def _check_exportable(site: TapSiteParams, *, local: bool, native: bool, platform: Any) -> None:
+    """What `jax.export` cannot carry to another process, refused as it is exported,
+    naming the site: a tap function of this process, and a tap that would be a host
+    callback (a Python function of this process; the portable backend)."""
+    if local:
+        raise TapDefinitionError(
+            f"tap site {site.consumer!r} cannot be exported: its tap function runs in the "
+            "process that traced it (an id_tap of a closure, tapd.debug). Tap it by a "
+            "name a subscriber takes (tapd.tap(x, 'name'), or an importable function)"
+        )
+    if not native:
+        raise TapDefinitionError(
+            f"tap site {site.consumer!r} cannot be exported for platform {platform!r}: it "
+            "would be a host callback there (the portable backend, or a jit the compiler "
+            "partitions); only tapd's native handler travels (tapd doctor says where "
+            "it is built)"
+        )
 
 
 def _site_fields(site: TapSiteParams, platform: str | None) -> dict[str, Any]:
@@ -170,7 +199,10 @@ def _emit_ffi_call(
         call_ctx,
         *([token] if with_token else []),
         *operands,
-        **{name: np.int64(value) for name, value in attributes.items()},
+        **{
+            name: value if isinstance(value, str) else np.int64(value)
+            for name, value in attributes.items()
+        },
     )
     sharding = jax_compat.callback_op_sharding(ctx.module_context.axis_context, None)
     if sharding is not None:
@@ -408,7 +440,8 @@ def _sender_callback(
 def _lower_module_in_order(lower: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """`mlir.lower_jaxpr_to_module`, then tapd's order for the taps it lowered
     (tapd.emitter.order): where the module is one partition and its platforms have the
-    order handler."""
+    order handler; and, in any module with strict taps too, tapd's chain joined to
+    JAX's token."""
     order.start_module()
     result = lower(*args, **kwargs)
     if order.lowered_taps() and order.partitions(result.module) == 1:
@@ -416,6 +449,9 @@ def _lower_module_in_order(lower: Callable[..., Any], *args: Any, **kwargs: Any)
         if platforms and platforms <= native_backend.order_platforms():
             with result.module.context:
                 order.order_module(result.module)
+    if order.lowered_taps() and order.lowered_strict_taps():
+        with result.module.context:
+            order.join_chains(result.module)
     return result
 
 

@@ -160,6 +160,13 @@ def register_ffi_target() -> bool:
                 _order_platforms.add(platform)
         if not registered:
             return False
+        # (a computation compiled elsewhere asks for its sites: tapd.emitter.entries)
+        from tapd.emitter import entries, jax_compat
+
+        lib = library.load()
+        assert lib is not None
+        entries.install_resolver(lib)
+        jax_compat.export_targets_stable(FFI_TARGET, ORDER_TARGET)
         _registered_platforms = frozenset(registered)
         _ffi_registered = True
         return True

@@ -22,6 +22,14 @@ its block's chain with two custom calls of tapd's order handler, which does noth
 Where the module is partitioned (a sharded `jit` over several devices) or the platform
 has no order handler (TPU), only the chains hold: the taps of each block keep their
 order, and `ordered="strict"` orders the rest with JAX's runtime token.
+
+A module may hold both kinds: taps of tapd's chain, and strict taps threading JAX's
+token (a `jit` around a `pmap` whose `id_tap`s are strict, `tapd.emitter.host_callback`).
+`join_chains` then joins the two in each block, which needs no handler and holds in a
+partitioned module too: an operation that takes JAX's token (a strict tap, a call or a
+`pmap`/`shard_map` region threading it) takes it joined (`after_all`) with the token of
+the block's tapd taps before it, and the tapd tap after it takes its chain's token
+joined with the JAX token that operation returned.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ class _Lowering(threading.local):
     context: Any = None
     tokens: dict[Any, Any]  # block -> the token of its last ordered tap
     taps: int = 0  # ordered taps lowered since `start_module`
+    strict: int = 0  # strict taps (JAX's token) lowered since `start_module`
 
 
 _lowering = _Lowering()
@@ -53,10 +62,20 @@ _lowering = _Lowering()
 
 def start_module() -> None:
     _lowering.taps = 0
+    _lowering.strict = 0
 
 
 def lowered_taps() -> int:
     return _lowering.taps
+
+
+def strict_tap_lowered() -> None:
+    """Count a strict tap (one that threads JAX's token) lowered into this module."""
+    _lowering.strict += 1
+
+
+def lowered_strict_taps() -> int:
+    return _lowering.strict
 
 
 def before_tap(ctx: mlir.LoweringRuleContext) -> Any:
@@ -176,6 +195,128 @@ def _order_block(block: Any, tapping: set[str]) -> Any:
     if after is not None:
         chain = _follow(block, after, chain)
     return chain
+
+
+def join_chains(module: Any) -> None:
+    """Join tapd's chain and JAX's token in every block of `module` (see the module
+    docstring): after `order_module`, if it ran."""
+    for op in module.body.operations:
+        if op.operation.name == "func.func":
+            for block in op.operation.regions[0].blocks:
+                _join_block(block)
+
+
+def _join_block(block: Any) -> None:
+    """One block's joins (and, first, those of the blocks nested in its operations).
+
+    `tapd_token`: the token of the block's last tapd tap that no operation taking JAX's
+    token has taken since; `jax_tokens`: the JAX tokens the block's last such operation
+    returned, which no tapd tap has taken since. Each join takes tokens defined earlier
+    in the block, so no cycle is made."""
+    tapd_token: Any = None
+    jax_tokens: list[Any] = []
+    operations = [op.operation for op in block.operations]
+    for position, operation in enumerate(operations):
+        for region in operation.regions:
+            for inner in region.blocks:
+                _join_block(inner)
+        if _is_tap(operation):
+            if jax_tokens and _takes_token_first(operation):
+                operation.operands[0] = _after_all(operation, [operation.operands[0], *jax_tokens])
+                jax_tokens = []
+            given_token = _token_result_or_none(operation)
+            if given_token is not None:
+                tapd_token = given_token
+            continue
+        if operation.name in _TOKEN_MAKERS or _is_order_call(operation):
+            continue
+        # JAX's token, taken (as an operand, or from above by a cond's branches) and,
+        # unless the operation ends the block, given back, or returned from the block:
+        # after the tapd taps before it.
+        if tapd_token is not None:
+            taken = [
+                index for index, value in enumerate(operation.operands) if _is_token(value.type)
+            ]
+            for index in taken:
+                operation.operands[index] = _after_all(
+                    operation, [operation.operands[index], tapd_token]
+                )
+            if _join_captured(operation, tapd_token) or taken:
+                tapd_token = None
+        if position == len(operations) - 1:
+            continue  # (the block's terminator)
+        given = [result for result in operation.results if _is_token(result.type)]
+        if given:
+            jax_tokens = given
+
+
+def _join_captured(operation: Any, tapd_token: Any) -> bool:
+    """Have the operations inside `operation`'s regions that take a token defined
+    outside it (a `case` whose branches take JAX's token from above) take it joined
+    with `tapd_token`; whether there were any."""
+    joined: list[tuple[Any, Any]] = []  # (a captured token, its join)
+    for inner, index, value in _captured_tokens(operation, operation):
+        join = next((new for old, new in joined if old == value), None)
+        if join is None:
+            join = _after_all(operation, [value, tapd_token])
+            joined.append((value, join))
+        inner.operands[index] = join
+    return bool(joined)
+
+
+def _captured_tokens(operation: Any, outer: Any) -> list[tuple[Any, int, Any]]:
+    """(operation, operand index, token) of each token that an operation nested in
+    `operation`'s regions takes from outside `outer`."""
+    found: list[tuple[Any, int, Any]] = []
+    for region in operation.regions:
+        for block in region.blocks:
+            for op in block.operations:
+                inner = op.operation
+                for index, value in enumerate(inner.operands):
+                    if _is_token(value.type) and not _defined_within(value, outer):
+                        found.append((inner, index, value))
+                found += _captured_tokens(inner, outer)
+    return found
+
+
+def _defined_within(value: Any, operation: Any) -> bool:
+    """Whether `value` is defined inside `operation`'s regions."""
+    owner = value.owner
+    parent = owner.owner if isinstance(owner, ir.Block) else owner
+    while parent is not None:
+        parent = parent.operation
+        if parent == operation:
+            return True
+        parent = parent.parent
+    return False
+
+
+# Operations that make tokens of nothing but tokens (tapd's chains start with one).
+_TOKEN_MAKERS = frozenset({"stablehlo.after_all", "stablehlo.create_token"})
+
+
+def _is_order_call(operation: Any) -> bool:
+    if operation.name != "stablehlo.custom_call":
+        return False
+    target = operation.attributes["call_target_name"]
+    return bool(ir.StringAttr(target).value == ORDER_TARGET)
+
+
+def _after_all(operation: Any, tokens: list[Any]) -> Any:
+    """A token after all of `tokens`, made just before `operation`."""
+    with ir.InsertionPoint(operation), operation.location:
+        return hlo.after_all(tokens)
+
+
+def _token_result_or_none(operation: Any) -> Any:
+    for result in operation.results:
+        if _is_token(result.type):
+            return result
+    return None
+
+
+def _is_token(value_type: Any) -> bool:
+    return bool(hlo.TokenType.isinstance(value_type))
 
 
 def _case_with_token(case: Any, tokens: list[Any]) -> Any:

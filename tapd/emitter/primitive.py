@@ -13,7 +13,8 @@ its own waiting: `lifecycle.flush_devices`). Order comes from the lowering: the 
 one block (a function body, a loop body, a branch) thread tapd's own token, inside the
 XLA computation (`tapd.emitter.lowering`).
 
-A *strict* tap (`ordered="strict"`) carries JAX's ordered effect as well: JAX threads one
+A *strict* tap (`ordered="strict"`; an `id_tap` where its computation spans several
+devices, `tapd.emitter.host_callback`) carries JAX's ordered effect as well: JAX threads one
 runtime token through every ordered effect of the process, through `scan`, `cond` and
 `while` bodies and from one computation to the next, as host_callback's outfeed token
 did, at JAX's per-call cost (the Python dispatch path and a token per call). (Inside
@@ -50,13 +51,24 @@ from tapd.errors import TapDefinitionError
 Transform = tuple[str, tuple[int | None, ...] | None]
 
 
-class TapEffect(effects.Effect):
+class _OneOfAKind(effects.Effect):
+    """An effect whose instances are all equal: `jax.export` writes an effect by its class
+    and makes it again with `Class()`, which must give an equal one."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+
+class TapEffect(_OneOfAKind):
     """Every tap's: an effect JAX keeps, and its dispatch ignores (see above)."""
 
     __str__ = lambda _: "tapd.tap"  # noqa: E731
 
 
-class OrderedTapEffect(effects.Effect):
+class OrderedTapEffect(_OneOfAKind):
     """A strict tap's: JAX threads its runtime token through it."""
 
     __str__ = lambda _: "tapd.tap(ordered)"  # noqa: E731
@@ -77,17 +89,14 @@ effects.ordered_effects.add_type(OrderedTapEffect)
 effects.shardable_ordered_effects.add_type(OrderedTapEffect)
 
 
-def _flush_devices() -> None:
-    """What `jax.effects_barrier()` adds for taps served by JAX's C++ dispatch path:
-    wait for every local device (not from a tap function: a computation blocked on a
-    full ring may be waiting for that very thread)."""
-    from tapd.emitter import lifecycle, local_functions
+def _after_jax_barrier() -> None:
+    """What `jax.effects_barrier()` adds to JAX's own: lifecycle.after_jax_barrier."""
+    from tapd.emitter import lifecycle
 
-    if not local_functions.on_receiver_thread():
-        lifecycle.flush_devices()
+    lifecycle.after_jax_barrier()
 
 
-jax_compat.dispatch_ignores(TapEffect, _flush_devices)
+jax_compat.dispatch_ignores(TapEffect, _after_jax_barrier)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -101,16 +101,42 @@ def tap(
     sends every tap).
     """
     _check_consumer(name)
-    _check_ordered(name, ordered)
+    check_ordered(name, ordered)
     _check_every(name, every)
     return emit(name, arg, step, static_meta, spec, ordered=ordered, every=every)
 
 
-def _check_ordered(name: str, ordered: object) -> None:
+def check_ordered(name: str, ordered: object) -> None:
     if ordered is not None and not isinstance(ordered, bool) and ordered != STRICT:
         raise TapDefinitionError(
             f"tap {name!r}: ordered={ordered!r} must be True, False or {STRICT!r}"
         )
+
+
+def spans_devices(leaves: Sequence[Any]) -> bool:
+    """Whether a tap of `leaves` traced here lands in a computation split over more than
+    one device, whose taps tapd's order pass cannot place (`lowering`, `order`): inside
+    `pmap`/`shard_map` over several devices, in a trace under a mesh of several devices
+    (`jax.set_mesh`, a `with mesh:` block), or of a leaf sharded over several. A `jit`
+    that the compiler partitions only from its `in_shardings` is not seen here."""
+    for mesh in jax_compat.ambient_meshes():
+        if _device_count(mesh) > 1:
+            return True
+    for leaf in leaves:
+        try:
+            leaf_sharding = getattr(jax.typeof(leaf), "sharding", None)
+        except TypeError:  # not a JAX value (the protocol's own leaves: None, str...)
+            continue
+        if _device_count(getattr(leaf_sharding, "mesh", None)) > 1:
+            return True
+    return False
+
+
+def _device_count(mesh: Any) -> int:
+    if mesh is None or getattr(mesh, "empty", True):
+        return 0
+    size = getattr(mesh, "size", 0)
+    return size if isinstance(size, int) else 0
 
 
 _MAX_EVERY = 2**63 - 1  # the handler's attribute is an int64

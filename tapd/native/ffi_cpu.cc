@@ -5,6 +5,8 @@
 // found (jax.ffi.include_dir()).
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "ring.h"
@@ -15,13 +17,16 @@ namespace ffi = xla::ffi;
 namespace {
 
 ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets /*token*/,
-                   int64_t site, int64_t consumer, int64_t has_step, int64_t every,
-                   int64_t which) {
-  tapd::Ring* ring = tapd::InstalledRing(int32_t(which));
+                   std::string_view entry, int64_t has_step, int64_t every, int64_t which) {
+  // The site's ids in this process, by its entry (ring.h, SiteOfEntry): known once the
+  // emitter lowered it, else registered now (a computation compiled elsewhere).
+  uint64_t site = 0;
+  uint32_t consumer = 0;
+  std::string error;
+  tapd::Ring* ring =
+      tapd::SiteOfEntry(int32_t(which), entry.data(), entry.size(), &site, &consumer, &error);
   if (ring == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "tapd: native tap ran before this process installed the ring it "
-                      "writes to (its daemon's ring, or its local ring)");
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, error);
   }
   // The operands: the leaves, then the step if there is one. An ordered tap's token
   // comes as an argument too (a TOKEN buffer): it is no leaf.
@@ -62,8 +67,7 @@ ffi::Error TapImpl(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets /
   // A dormant or sampled-out tap (ring.h, SiteSlot) copies nothing; drops and skips are
   // counted in the ring.
   tapd::WriteLeaves(ring,
-                    tapd::RecordFields{uint64_t(site), uint32_t(consumer), device, step,
-                                       uint64_t(every)},
+                    tapd::RecordFields{site, consumer, device, step, uint64_t(every)},
                     uint32_t(count), data, sizes);
   return ffi::Error::Success();
 }
@@ -75,8 +79,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTap, TapImpl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .RemainingRets()  // an ordered tap's token (jaxlib < 0.10 passes it)
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("consumer")
+                                  // docs/PROTOCOL.md, "The tap's custom call"
+                                  .Attr<std::string_view>("entry")
                                   .Attr<int64_t>("has_step")
                                   .Attr<int64_t>("every")
                                   .Attr<int64_t>("ring"));  // kRingDaemon, kRingLocal

@@ -442,17 +442,20 @@ cudaError_t EnqueueCommit(void* ring, const Registration& registration, DeviceCo
 }
 
 ffi::Error TapCudaImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
-                       ffi::RemainingRets /*token*/, int64_t site, int64_t consumer,
+                       ffi::RemainingRets /*token*/, std::string_view entry,
                        int64_t has_step, int64_t every, int64_t which) {
   if (g_api == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "tapd: the CUDA tap handler was not attached to the ring library");
   }
-  void* ring = g_api->installed(int32_t(which));
+  // The site's ids in this process, by its entry (ring.h, SiteOfEntry).
+  uint64_t site = 0;
+  uint32_t consumer = 0;
+  char error[1024] = {0};
+  void* ring = g_api->site_of_entry(int32_t(which), entry.data(), entry.size(), &site,
+                                    &consumer, error, sizeof(error));
   if (ring == nullptr) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "tapd: native tap ran before this process installed the ring it "
-                      "writes to (its daemon's ring, or its local ring)");
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, error);
   }
   Registration registration = Registered(ring);  // (registered at install: the fast path)
   DeviceCommit* commit = Device(device);
@@ -489,7 +492,7 @@ ffi::Error TapCudaImpl(cudaStream_t stream, int32_t device, ffi::RemainingArgs a
                    (by_stream ? tapd::kFlagDeviceCommit : 0);
   // The site table is read here, on the host, as XLA enqueues the tap: a dormant or
   // sampled-out tap (ring.h, SiteSlot) enqueues nothing at all, no copy and no commit.
-  uint8_t* out = g_api->begin(ring, length, uint64_t(site), uint32_t(consumer), device,
+  uint8_t* out = g_api->begin(ring, length, site, consumer, device,
                               uint32_t(nleaves), has_step ? 0 : tapd::kNoStep, flags,
                               uint64_t(every), &position);
   if (out == nullptr) {  // dropped or skipped, and counted
@@ -541,8 +544,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TapdTapCuda, TapCudaImpl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .RemainingRets()  // an ordered tap's token (jaxlib < 0.10 passes it)
-                                  .Attr<int64_t>("site")
-                                  .Attr<int64_t>("consumer")
+                                  // docs/PROTOCOL.md, "The tap's custom call"
+                                  .Attr<std::string_view>("entry")
                                   .Attr<int64_t>("has_step")
                                   .Attr<int64_t>("every")
                                   .Attr<int64_t>("ring"));  // kRingDaemon, kRingLocal

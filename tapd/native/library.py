@@ -27,7 +27,7 @@ from tapd.native import build
 
 logger = logging.getLogger("tapd.native")
 
-API_VERSION = 4  # tapd::kApiVersion in ring.h: the table the CUDA library writes through
+API_VERSION = 5  # tapd::kApiVersion in ring.h: the table the CUDA library writes through
 PLATFORMS = ("cpu", "cuda")
 
 _lock = threading.Lock()
@@ -405,9 +405,13 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_skipped_by_site": ([c.c_void_p, u64p], c.c_uint32),
         # (ring or None, site, consumer, device, every): 1 if skipped (counted).
         "tapd_ring_skip": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32, c.c_uint64], c.c_int),
+        # (ring, entry, its length, site, consumer): tapd/emitter/entries.py
+        "tapd_ring_put_entry": ([c.c_void_p, c.c_char_p, c.c_uint64, c.c_uint64, c.c_uint32], None),
     }
     for name, (argtypes, restype) in signatures.items():
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = restype
+    # (takes a ctypes callback of entries._RESOLVER_TYPE, passed as it is)
+    lib.tapd_set_site_resolver.restype = None
     return lib

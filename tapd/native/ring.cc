@@ -46,6 +46,9 @@ void StoreTag(RecordHeader* h, uint64_t tag) {
   __atomic_store_n(&h->commit, tag, __ATOMIC_RELEASE);
 }
 
+// Each ring mapped gets the next (Ring::generation).
+std::atomic<uint64_t> g_ring_generations{0};
+
 Ring* MapRing(int fd, uint64_t capacity) {
   size_t total = kHeaderArea + 2 * capacity;
   void* base = mmap(nullptr, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -61,6 +64,7 @@ Ring* MapRing(int fd, uint64_t capacity) {
     return nullptr;
   }
   auto* ring = new Ring();
+  ring->generation = g_ring_generations.fetch_add(1, std::memory_order_relaxed) + 1;
   ring->control = reinterpret_cast<RingControl*>(bytes);
   ring->sites = reinterpret_cast<SiteSlot*>(bytes + kSiteTableOffset);
   ring->data = bytes + kHeaderArea;
@@ -72,6 +76,7 @@ Ring* MapRing(int fd, uint64_t capacity) {
 // The emitter process's rings (kRingDaemon, kRingLocal), used by the FFI handlers and
 // the portable backend.
 std::atomic<Ring*> g_rings[2] = {nullptr, nullptr};
+
 
 // Large leaves are copied with non-temporal (streaming) stores: the ring is read by
 // another process, later, so pulling its cache lines into this core first (what plain
@@ -413,6 +418,89 @@ Ring* InstalledRing(int32_t which) {
   return g_rings[which].load(std::memory_order_acquire);
 }
 
+// ---- Sites by their entry (the handlers' `entry` attribute) ---------------------------
+
+namespace {
+
+// Asked for an entry new to a ring: returns 0 with the ids (having put them, and
+// installed the ring if there was none), or nonzero with the reason in `error`.
+using SiteResolver = int (*)(int32_t which, const char* entry, uint64_t length,
+                             uint64_t* site, uint32_t* consumer, char* error,
+                             uint64_t error_size);
+std::atomic<SiteResolver> g_site_resolver{nullptr};
+// One resolution at a time (the resolver runs Python; a second thread with the same new
+// entry then finds it put).
+std::mutex g_resolve_mutex;
+
+// A tap finds its site here without a lock, in the common case: the last entries this
+// thread looked up, by the attribute's address, its length and its bytes (an address
+// freed with its executable may hold another entry later).
+struct CachedEntry {
+  uint64_t generation = 0;  // the ring's; 0: empty
+  int32_t which = -1;
+  const char* address = nullptr;
+  std::string bytes;
+  uint64_t site = 0;
+  uint32_t consumer = 0;
+};
+constexpr size_t kCachedEntries = 16;
+thread_local CachedEntry t_entries[kCachedEntries];
+
+bool FindEntry(Ring* ring, const std::string& key, uint64_t* site, uint32_t* consumer) {
+  std::lock_guard<std::mutex> lock(ring->entries_mutex);
+  auto found = ring->entries.find(key);
+  if (found == ring->entries.end()) return false;
+  *site = found->second.first;
+  *consumer = found->second.second;
+  return true;
+}
+
+}  // namespace
+
+Ring* SiteOfEntry(int32_t which, const char* entry, uint64_t length, uint64_t* site,
+                  uint32_t* consumer, std::string* error) {
+  Ring* ring = InstalledRing(which);
+  CachedEntry& cached =
+      t_entries[(reinterpret_cast<uintptr_t>(entry) >> 3) % kCachedEntries];
+  if (ring != nullptr && cached.generation == ring->generation && cached.which == which &&
+      cached.address == entry && cached.bytes.size() == length &&
+      memcmp(cached.bytes.data(), entry, length) == 0) {
+    *site = cached.site;
+    *consumer = cached.consumer;
+    return ring;
+  }
+  std::string key(entry, length);
+  if (ring == nullptr || !FindEntry(ring, key, site, consumer)) {
+    std::lock_guard<std::mutex> lock(g_resolve_mutex);
+    ring = InstalledRing(which);
+    if (ring == nullptr || !FindEntry(ring, key, site, consumer)) {
+      SiteResolver resolve = g_site_resolver.load(std::memory_order_acquire);
+      if (resolve == nullptr) {
+        *error = "tapd: this process has not loaded tapd's emitter (import tapd), which "
+                 "registers the sites of a computation compiled elsewhere";
+        return nullptr;
+      }
+      char reason[1024] = {0};
+      if (resolve(which, entry, length, site, consumer, reason, sizeof(reason)) != 0) {
+        *error = reason;
+        return nullptr;
+      }
+      ring = InstalledRing(which);
+      if (ring == nullptr) {
+        *error = "tapd: the site resolver installed no ring";
+        return nullptr;
+      }
+    }
+  }
+  cached.generation = ring->generation;
+  cached.which = which;
+  cached.address = entry;
+  cached.bytes = std::move(key);
+  cached.site = *site;
+  cached.consumer = *consumer;
+  return ring;
+}
+
 // A sequence number for (consumer, device) and, unless the tap is dropped, its place in
 // the ring, taken together under one lock: two threads tapping the same consumer on the
 // same device then land in the ring in sequence order. (Apart, a thread could take seq
@@ -581,11 +669,21 @@ void ApiDeviceCommitEnqueued(void* handle, uint64_t position, uint64_t length) {
   Wake(ring);  // a sleeping reader then polls until the tag lands (tapd_ring_sleep)
 }
 
+void* ApiSiteOfEntry(int32_t which, const char* entry, uint64_t length, uint64_t* site,
+                     uint32_t* consumer, char* error, uint64_t error_size) {
+  std::string reason;
+  Ring* ring = SiteOfEntry(which, entry, length, site, consumer, &reason);
+  if (ring == nullptr && error_size > 0) {
+    snprintf(error, error_size, "%s", reason.c_str());
+  }
+  return ring;
+}
+
 const RingApi kApi = {
     kApiVersion,       sizeof(RingApi), ApiInstalled, ApiBegin,
     ApiCommit,         ApiAbandon,      ApiHold,      ApiUnhold,
     ApiRecords,        ApiSetCloseHook, ApiSetInstallHook, ApiCommitTag,
-    ApiDeviceCommitEnqueued,
+    ApiDeviceCommitEnqueued, ApiSiteOfEntry,
 };
 
 }  // namespace
@@ -600,6 +698,20 @@ extern "C" {
 
 const tapd::RingApi* tapd_ring_internal_api(uint32_t version) {
   return version == tapd::kApiVersion ? &tapd::kApi : nullptr;
+}
+
+// The emitter puts the ids it gave a site it lowered, under the site's entry (the
+// handler's `entry` attribute), so that its taps find them without asking.
+void tapd_ring_put_entry(void* handle, const char* entry, uint64_t length, uint64_t site,
+                         uint32_t consumer) {
+  auto* ring = static_cast<Ring*>(handle);
+  std::lock_guard<std::mutex> lock(ring->entries_mutex);
+  ring->entries[std::string(entry, length)] = {site, consumer};
+}
+
+// What a tap asks of an entry new to its ring (tapd/emitter/entries.py); nullptr: none.
+void tapd_set_site_resolver(tapd::SiteResolver resolver) {
+  tapd::g_site_resolver.store(resolver, std::memory_order_release);
 }
 
 // Create a ring file (mode 0600, must not exist); capacity: a multiple of the page size.

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 namespace tapd {
@@ -168,6 +169,14 @@ struct Ring {
   void (*close_hook)(void* ring) = nullptr;
   // How long a tap waits for space before it explains itself (TAPD_RING_WAIT_WARNING_S).
   int64_t wait_warning_ns = 5000000000LL;
+  // The ids of this ring's sites by their entry, the handler's `entry` attribute
+  // (docs/PROTOCOL.md, "The tap's custom call"): put by the emitter as it lowers a tap,
+  // or asked of the site resolver when an entry is new here (a computation compiled
+  // elsewhere: jax.export, the persistent compilation cache). Never erased: a new ring
+  // (a new sites file) starts empty. `generation` tells thread caches apart.
+  std::mutex entries_mutex;
+  std::unordered_map<std::string, std::pair<uint64_t, uint32_t>> entries;
+  uint64_t generation = 0;
 };
 
 inline uint64_t Align8(uint64_t n) { return (n + 7) & ~uint64_t{7}; }
@@ -226,13 +235,22 @@ constexpr int32_t kRingLocal = 1;
 // The ring `which` of this process, or nullptr (none installed, or no such ring).
 Ring* InstalledRing(int32_t which = kRingDaemon);
 
+// The ids of the site whose entry (the handler's `entry` attribute) is `entry`, in the
+// ring `which`: known, or asked of the resolver the emitter set (tapd_set_site_resolver),
+// which may install that ring first. Returns the ring, or nullptr with `*error` saying
+// why (no resolver, or it refused the entry: a site of another process's own tap
+// function, an entry of an unknown version, no ring to write).
+Ring* SiteOfEntry(int32_t which, const char* entry, uint64_t length, uint64_t* site,
+                  uint32_t* consumer, std::string* error);
+
 // ---- The interface a separately built handler library (ffi_cuda.cc) writes through.
 // It gets this table from tapd_ring_internal_api(), so that it uses this library's
 // installed ring and seq counters rather than copies of its own.
 // 2: set_install_hook, commit_tag, device_commit_enqueued (commits written by a stream).
 // 3: begin takes the site's `every` and returns nullptr for a skipped tap too.
 // 4: installed takes which ring (kRingDaemon, kRingLocal).
-constexpr uint32_t kApiVersion = 4;
+// 5: site_of_entry (the handler's `entry` attribute replaces `site` and `consumer`).
+constexpr uint32_t kApiVersion = 5;
 struct RingApi {
   uint32_t version;  // kApiVersion
   uint32_t size;     // sizeof(RingApi)
@@ -262,6 +280,9 @@ struct RingApi {
   // After the device's commit was enqueued: count the tap, note the record for close,
   // and wake a sleeping reader, which then polls until the tag lands.
   void (*device_commit_enqueued)(void* ring, uint64_t position, uint64_t length);
+  // SiteOfEntry; `error` (of `error_size` bytes) gets the reason when it returns nullptr.
+  void* (*site_of_entry)(int32_t which, const char* entry, uint64_t length, uint64_t* site,
+                         uint32_t* consumer, char* error, uint64_t error_size);
 };
 
 }  // namespace tapd

@@ -230,6 +230,11 @@ class Ring:
         ("local": the one this process's receiver drains; tapd.emitter.local_path)."""
         self._lib.tapd_ring_install_at(self.handle, RINGS[which])
 
+    def put_entry(self, entry: bytes, site: int, consumer: int) -> None:
+        """The ids its handler's taps find under the site's entry (the custom call's
+        `entry` attribute; tapd/emitter/entries.py)."""
+        self._lib.tapd_ring_put_entry(self.handle, entry, len(entry), site, consumer)
+
     def counters(self) -> Counters:
         out = (ctypes.c_uint64 * 10)()
         self._lib.tapd_ring_counters(self.handle, out)

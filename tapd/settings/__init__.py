@@ -279,11 +279,14 @@ class EmitterFields:
         5.0, "under block, warn when one tap has waited this long for buffer space", variable=None
     )
     dormant: bool = DORMANT.field()
-    ordered: bool = emitter(
+    ordered: bool | Literal["strict"] = emitter(
         True,
-        "taps keep program order inside each computation (tapd's own token); 0: lowered "
-        'without one, order per site rebuilt from seq (docs/TAPPING.md, "Ordered, strict '
-        'and unordered taps"); `tap(..., ordered=)` overrides it',
+        "taps keep program order inside each computation (tapd's own token; an id_tap's is "
+        "strict where its computation spans several devices); strict: every tap takes "
+        "JAX's ordered effect (order between computations too, at JAX's per-call cost); 0: "
+        'lowered without one, order per site rebuilt from seq (docs/TAPPING.md, "Ordered, '
+        'strict and unordered taps"); `tap(..., ordered=)` and `id_tap(..., ordered=)` '
+        "override it",
     )
 
 

@@ -11,6 +11,8 @@ NO_VARIABLE = "(none)"  # the variable cell of a setting that only `tapd.configu
 def _type_text(setting: Setting) -> str:
     if setting.choices:
         return " \\| ".join(f"`{choice}`" for choice in setting.choices)
+    if setting.words:
+        return " \\| ".join(["boolean", *(f"`{word}`" for word in setting.words)])
     names = {
         bool: "boolean",
         int: "integer",

@@ -36,6 +36,18 @@ def boolean(raw: Any) -> bool:
     raise ValueError(raw)
 
 
+def boolean_or(words: tuple[str, ...]) -> Callable[[Any], Any]:
+    """`boolean`, which also takes `words` (any case), as themselves."""
+
+    def convert(raw: Any) -> Any:
+        if isinstance(raw, str) and raw.strip().lower() in words:
+            return raw.strip().lower()
+        return boolean(raw)
+
+    convert.__name__ = " or ".join(["boolean", *words])
+    return convert
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
     name: str
@@ -57,10 +69,23 @@ class Setting:
 
     @property
     def base_type(self) -> Any:
-        """The type without `| None`."""
+        """The type without `| None` (`bool` for a boolean that also takes `words`)."""
+        if self.words:
+            return bool
         if isinstance(self.type, types.UnionType):
             return next(arg for arg in typing.get_args(self.type) if arg is not type(None))
         return self.type
+
+    @property
+    def words(self) -> tuple[str, ...]:
+        """What a boolean setting takes besides on and off: `bool | Literal["strict"]`."""
+        if typing.get_origin(self.type) not in (typing.Union, types.UnionType):
+            return ()
+        args = typing.get_args(self.type)
+        if bool not in args:
+            return ()
+        literals = [arg for arg in args if typing.get_origin(arg) is Literal]
+        return tuple(word for literal in literals for word in typing.get_args(literal))
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -71,7 +96,7 @@ class Setting:
     def converter(self) -> Callable[[Any], Any]:
         base = self.base_type
         if base is bool:
-            return boolean
+            return boolean_or(self.words) if self.words else boolean
         if base in (int, float, Path):
             return typing.cast(Callable[[Any], Any], base)
         return str
@@ -216,6 +241,10 @@ def check_choices(fields: Any) -> None:
         if setting.choices and value not in setting.choices:
             raise ConfigError(
                 f"{setting.name} {value!r} is not one of {', '.join(setting.choices)}"
+            )
+        if setting.words and not isinstance(value, bool) and value not in setting.words:
+            raise ConfigError(
+                f"{setting.name} {value!r} is not True, False or {', '.join(setting.words)}"
             )
 
 

@@ -4,6 +4,7 @@ one JSON line of results last."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from typing import Any
@@ -65,6 +66,120 @@ def fast_path(ordered: str, calls: str = "200") -> dict[str, Any]:
     aot_python = dispatches.aot - warm
     tapd.barrier_wait()
     return {"jit_python_calls": jit_python, "aot_python_calls": aot_python, "stats": tapd.stats()}
+
+
+def _step_count(
+    dispatches: PythonDispatches, step: Any, x: Any, calls: str, *, chained: bool = True
+) -> int:
+    """Calls `step` twice (compiling it), then `calls` times, each on the last one's
+    result (`chained`) or all on `x`: how many of those went through JAX's Python
+    dispatch."""
+    first = x
+    for _ in range(2):
+        x = step(x if chained else first)
+    warm = dispatches.jit
+    for _ in range(int(calls)):
+        x = step(x if chained else first)
+    return dispatches.jit - warm
+
+
+def hcb_fast_path(kind: str, ordered: str, calls: str = "200") -> dict[str, Any]:
+    """A jitted step with one `id_tap` of a closure (`kind` "closure": it runs in this
+    process, from the local ring) or one `id_print` of plain keywords ("print": through
+    the daemon to `tapd.printing`, which runs here where no subscriber takes it), called
+    `calls` times after two warm-up calls. `ordered`: "default" gives no `ordered=`
+    (TAPD_ORDERED, which the test may set), else id_tap's `ordered=` keyword."""
+    dispatches = PythonDispatches()
+    keywords = {} if ordered == "default" else {"ordered": _ordering(ordered)}
+    seen: list[float] = []
+
+    def record(value: Any, transforms: Any) -> None:
+        seen.append(float(value[0]))
+
+    if kind == "closure":
+        step = jax.jit(lambda x: tapd.id_tap(record, x, **keywords) * 1.0001)
+    else:
+        step = jax.jit(
+            lambda x: tapd.id_print(x[0], result=x, what="fastprint", **keywords) * 1.0001
+        )
+    python_calls = _step_count(dispatches, step, jnp.ones(16), calls)
+    tapd.barrier_wait()
+    # (a closure's values grow with each call: the calls' taps ran in dispatch order)
+    in_order = all(a < b for a, b in itertools.pairwise(seen))
+    return {"jit_python_calls": python_calls, "seen": len(seen), "in_order": in_order}
+
+
+def hcb_jit_of_pmap(calls: str) -> dict[str, Any]:
+    """host_callback's `tap_jit_pmap_extra` step (an id_tap before a pmap, one inside it,
+    one after it, all in one jit; XLA_FLAGS gives this process two CPU devices) called
+    `calls` times after two warm-up calls: how many calls went through Python, and which
+    taps ran on each device (by id), in the order they ran."""
+    dispatches = PythonDispatches()
+    ran: dict[int, list[str]] = {}
+
+    def record(name: str) -> Any:
+        def tap_func(value: Any, transforms: Any, *, device: Any) -> None:
+            ran.setdefault(device.id, []).append(name)
+
+        return tap_func
+
+    def fun(xv: jax.Array) -> jax.Array:
+        xv = tapd.id_tap(record("before"), xv + 1.0, tap_with_device=True)
+        inside = jax.pmap(lambda x: tapd.id_tap(record("inside"), x * 2.0, tap_with_device=True))
+        return tapd.id_tap(record("after"), inside(xv) + 1.0, tap_with_device=True)
+
+    step = jax.jit(fun)
+    # (not chained: jax 0.8 gives each trace of a pmap a mesh of its own, and refuses a
+    # jit of it on a value sharded over another)
+    x = jnp.zeros((jax.local_device_count(), 3))
+    python_calls = _step_count(dispatches, step, x, calls, chained=False)
+    tapd.barrier_wait()
+    return {"jit_python_calls": python_calls, "ran": ran}
+
+
+def hcb_mixed_order(calls: str) -> dict[str, Any]:
+    """id_taps of tapd's token and strict ones (`ordered="strict"`: JAX's token) in one
+    jit, around and inside a scan and a cond whose branch takes JAX's token from above,
+    and a tap big enough to be guarded on the portable backend: each call's tap
+    functions must run in program order, the calls in dispatch order."""
+    ran: list[str] = []
+
+    def record(name: str) -> Any:
+        return lambda value, transforms: ran.append(name)
+
+    @jax.jit
+    def step(x: jax.Array) -> jax.Array:
+        tapd.id_tap(record("a"), x, ordered=True)
+        x = tapd.id_tap(record("s1"), x, ordered="strict")
+
+        def body(c: jax.Array, i: jax.Array) -> tuple[jax.Array, None]:
+            tapd.id_tap(record("loop"), c[0], ordered=True)
+            tapd.id_tap(record("strict_loop"), c[0], ordered="strict")
+            return c * 1.0, None
+
+        x, _ = lax.scan(body, x, jnp.arange(2))
+        tapd.id_tap(record("big"), jnp.ones(70_000), ordered=True)
+        strict_cond = lambda: tapd.id_tap(record("strict_cond"), 1, ordered="strict")  # noqa: E731
+        lax.cond(x[0] > 0, strict_cond, lambda: 1)
+        return tapd.id_tap(record("b"), x, ordered=True)
+
+    x = jnp.ones(4)
+    for _ in range(int(calls)):
+        x = step(x)
+    tapd.barrier_wait()
+    return {"ran": ran}
+
+
+def hcb_under_a_mesh(calls: str) -> dict[str, Any]:
+    """A jitted step with one id_tap of a closure, under `jax.set_mesh` of two devices:
+    how many of `calls` calls went through Python."""
+    dispatches = PythonDispatches()
+    seen: list[Any] = []
+    step = jax.jit(lambda x: tapd.id_tap(lambda v, t: seen.append(v), x) * 1.0001)
+    with jax.set_mesh(jax.make_mesh((2,), ("x",))):
+        python_calls = _step_count(dispatches, step, jnp.arange(4.0), calls)
+    tapd.barrier_wait()
+    return {"jit_python_calls": python_calls, "seen": len(seen)}
 
 
 def program_order(calls: str) -> dict[str, Any]:

@@ -92,6 +92,64 @@ def barrier_in_flight(count: str) -> dict[str, Any]:
     return {"before": before, "after_jax": after_jax, "after_tapd": len(ran), "ran": ran}
 
 
+def effects_barrier_without_install(ordered: str) -> dict[str, Any]:
+    """host_callback's tests' shape: id_print to an output_stream, and an id_tap of a slow
+    closure, in one jit called three times (the later calls served from the compiled
+    executable), each followed by a bare `jax.effects_barrier()` (no install_debug):
+    after each, every line of that call has been written. `ordered`: id_tap's keyword
+    ("default": none)."""
+    keywords: dict[str, Any] = {} if ordered == "default" else {"ordered": _ordering(ordered)}
+    lines: list[str] = []
+    ran: list[int] = []
+
+    class Stream:
+        def write(self, text: str) -> None:
+            lines.append(text)
+
+    def slow(value: Any, transforms: Any) -> None:
+        time.sleep(0.05)
+        ran.append(int(value))
+
+    def func(x: jax.Array) -> jax.Array:
+        for i in range(1, 4):
+            x = tapd.id_print(x * i, what=f"x times {i}", output_stream=Stream(), **keywords)
+        return tapd.id_tap(slow, x[0, 0].astype(jnp.int32), result=x, **keywords)
+
+    written_after_each = []
+    for _ in range(3):
+        jax.jit(func)(jnp.arange(6.0).reshape((2, 3)) + 1)
+        jax.effects_barrier()
+        written_after_each.append([len(lines), len(ran)])
+    return {"written_after_each": written_after_each}
+
+
+def effects_barrier_raising(install: str) -> dict[str, Any]:
+    """An id_tap of a function that raises, then `jax.effects_barrier()`: after
+    `tapd.install_host_callback()` ("1") it raises CallbackException, as host_callback's
+    did; without ("0") it returns, and the next `barrier_wait` raises."""
+    if install == "1":
+        tapd.install_host_callback()
+
+    def fails(value: Any, transforms: Any) -> None:
+        raise ValueError("deliberate")
+
+    jax.jit(lambda x: tapd.id_tap(fails, x))(jnp.ones(2))
+    raised: dict[str, str | None] = {"effects_barrier": None, "barrier_wait": None}
+    for name, barrier in (
+        ("effects_barrier", jax.effects_barrier),
+        ("barrier_wait", tapd.barrier_wait),
+    ):
+        try:
+            barrier()
+        except tapd.CallbackException as exc:
+            raised[name] = str(exc).splitlines()[0]
+    return {"raised": raised}
+
+
+def _ordering(text: str) -> Any:
+    return {"true": True, "false": False}.get(text, text)
+
+
 def exit_drain(path: str, count: str, sleep_ms: str = "10") -> dict[str, Any]:
     """Exit with slow callbacks still in flight: each one runs before the process ends."""
     out = open(path, "w")  # noqa: SIM115 (closed by exit, after the drain)
@@ -205,6 +263,8 @@ SCENARIOS = {
     "order": order,
     "flood": flood,
     "barrier_in_flight": barrier_in_flight,
+    "effects_barrier_without_install": effects_barrier_without_install,
+    "effects_barrier_raising": effects_barrier_raising,
     "exit_drain": exit_drain,
     "exit_stuck": exit_stuck,
     "raising": raising,
