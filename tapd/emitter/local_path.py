@@ -95,6 +95,7 @@ class LocalFunction:
     treedef: Any  # jax.tree_util.PyTreeDef
     flat: bool  # a tuple of leaves, which a tap's value already is (no rebuild)
     name: str  # for people (describe)
+    leaf: bool = False  # one leaf, no container: a tap's value is the argument itself
 
 
 def describe(function: Any) -> str:
@@ -200,7 +201,10 @@ class LocalPath:
             shown = describe(function)[:_MAX_QUALNAME]
             name = f"{self.prefix}{next(self._numbers)}/{shown}"
             flat = treedef == jax.tree_util.tree_structure((0,) * treedef.num_leaves)
-            self._functions[name] = LocalFunction(function, treedef, flat, describe(function))
+            leaf = treedef.num_nodes == 1 and treedef.num_leaves == 1
+            self._functions[name] = LocalFunction(
+                function, treedef, flat, describe(function), leaf
+            )
             self._names[key] = (function, name)  # keeps the function, so its id stays unique
             return name
 
@@ -314,7 +318,12 @@ class LocalPath:
             self.not_run += 1
             return
         local = self._functions[meta.consumer]
-        arg = value if local.flat and type(value) is tuple else rebuild(local.treedef, value)
+        if local.leaf and not isinstance(value, tuple | list | dict):
+            arg = value
+        elif local.flat and type(value) is tuple:
+            arg = value
+        else:
+            arg = rebuild(local.treedef, value)
         device = self._devices.get(meta.device) if meta.device is not None else None
         self._running = (local.name, time.monotonic())
         try:
