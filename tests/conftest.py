@@ -7,6 +7,7 @@ its subscribers), never by a fixed sleep. Every process is stopped with a time b
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -35,6 +36,71 @@ os.environ["TAPD_AUTOSTART"] = "0"
 APPS = Path(__file__).parent / "apps"
 READY_PREFIX = "tapd ready:"
 PROCESS_TIMEOUT = 60.0
+
+
+# ---- the fast tier (`pytest -m fast`) -----------------------------------------------
+# A test marked `fast` starts no process: no daemon, no subscriber, no JAX subprocess,
+# no CLI run. The audit hook holds it to that, so that the tier stays fast as tests are
+# added: starting one fails the test, naming it.
+
+_FAST_TEST: str | None = None  # the node id of the fast test running, if one is
+_SPAWNS = frozenset({"subprocess.Popen", "os.posix_spawn", "os.fork", "os.system", "os.exec"})
+
+
+def _no_process_in_a_fast_test(event: str, args: tuple[Any, ...]) -> None:
+    if _FAST_TEST is not None and event in _SPAWNS:
+        raise RuntimeError(
+            f"{_FAST_TEST} is marked fast, so it starts no process, but it ran {event} "
+            f"{args[:2]!r}: drop its fast mark"
+        )
+
+
+sys.addaudithook(_no_process_in_a_fast_test)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`scripts/test` runs `-n ... --dist loadgroup`), the tests that
+    share a module-scoped fixture (one per value of its params) run on one worker, which
+    makes it once; every other test goes to whichever worker is free."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        shared = sorted(
+            name
+            for name, definitions in info.name2fixturedefs.items()
+            if definitions[-1].scope == "module"
+        )
+        if shared:
+            params = getattr(item, "callspec", None)
+            values = [str(params.params[n]) for n in shared if params and n in params.params]
+            group = "-".join([item.module.__name__ if item.module else "", *values])
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    global _FAST_TEST
+    _FAST_TEST = item.nodeid if item.get_closest_marker("fast") else None
+    try:
+        return (yield)
+    finally:
+        _FAST_TEST = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """What a failed test left behind is collected in its own teardown: pytest keeps the
+    failure's traceback (and every frame's locals: processes, sockets) in sys.last_*
+    until the next test, whose ResourceWarnings they then became. This runs after the
+    fixtures' teardown and before pytest collects unraisable warnings for this test."""
+    if getattr(sys, "last_value", None) is not None:
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                delattr(sys, name)
+        gc.collect()
 
 
 def wait_until(condition: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:
