@@ -58,10 +58,21 @@ def _no_process_in_a_fast_test(event: str, args: tuple[Any, ...]) -> None:
 sys.addaudithook(_no_process_in_a_fast_test)
 
 
+# The modules with the longest tests (a minute or more of one worker, measured), run
+# first: started last, one of them would keep its worker busy after the others finish.
+LONG_FIRST = ("test_debug_repeated", "test_host_callback_compat", "test_multihost")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`scripts/test` runs `-n ... --dist loadgroup`), the tests that
     share a module-scoped fixture (one per value of its params) run on one worker, which
     makes it once; every other test goes to whichever worker is free."""
+
+    def rank(item: pytest.Item) -> int:
+        name = item.module.__name__ if item.module else ""
+        return LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # (stable: the rest keep their order)
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue
