@@ -101,17 +101,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _FAST_TEST = None
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_runtest_teardown(item: pytest.Item) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Any:
     """What a failed test left behind is collected in its own teardown: pytest keeps the
-    failure's traceback (and every frame's locals: processes, sockets) in sys.last_*
-    until the next test, whose ResourceWarnings they then became. This runs after the
-    fixtures' teardown and before pytest collects unraisable warnings for this test."""
+    failure's traceback (and every frame's locals: processes, pipes, sockets) in
+    sys.last_* until the next test's call, whose ResourceWarnings they then became.
+    Dropped here, before the teardown, whose end collects this test's warnings."""
     if getattr(sys, "last_value", None) is not None:
         for name in ("last_type", "last_value", "last_traceback", "last_exc"):
             if hasattr(sys, name):
                 delattr(sys, name)
         gc.collect()
+    return (yield)
 
 
 def wait_until(condition: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:

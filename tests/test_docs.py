@@ -46,6 +46,12 @@ def test_readme_gives_the_two_commands_and_ci_runs_its_test_command() -> None:
     assert "tapd demo" in (ROOT / "scripts" / "demo").read_text()
 
 
+def test_readme_names_the_fast_tier_and_the_suite_has_one() -> None:
+    assert "`.venv/bin/pytest -m fast`" in README.read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^\s*"fast: ', pyproject, re.M), "the fast mark is registered"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
 def test_every_link_and_path_a_page_names_is_in_the_repository(page: Path) -> None:
     text = page.read_text()
