@@ -7,6 +7,7 @@ its subscribers), never by a fixed sleep. Every process is stopped with a time b
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -31,10 +32,92 @@ from tapd.runtime import ring_dir_for
 # Every test starts the daemons it uses; none is started on demand behind its back
 # (tests/test_autostart.py turns autostart on for its own runtime directories).
 os.environ["TAPD_AUTOSTART"] = "0"
+# Rings of 32 MiB unless a test sets its own size. A ring is mapped with MAP_POPULATE:
+# at the 256 MB default each emitter, and the daemon that reads it, faults in the whole
+# double mapping up front (0.2-0.3 s of system CPU a process, a sixth of the suite's).
+# No test fills one by default; test_settings checks the default with TAPD_* cleared.
+os.environ.setdefault("TAPD_BUFFER_BYTES", str(32 * 2**20))
 
 APPS = Path(__file__).parent / "apps"
 READY_PREFIX = "tapd ready:"
 PROCESS_TIMEOUT = 60.0
+
+
+# ---- the fast tier (`pytest -m fast`) -----------------------------------------------
+# A test marked `fast` starts no process: no daemon, no subscriber, no JAX subprocess,
+# no CLI run. The audit hook holds it to that, so that the tier stays fast as tests are
+# added: starting one fails the test, naming it.
+
+_FAST_TEST: str | None = None  # the node id of the fast test running, if one is
+_SPAWNS = frozenset({"subprocess.Popen", "os.posix_spawn", "os.fork", "os.system", "os.exec"})
+
+
+def _no_process_in_a_fast_test(event: str, args: tuple[Any, ...]) -> None:
+    if _FAST_TEST is not None and event in _SPAWNS:
+        raise RuntimeError(
+            f"{_FAST_TEST} is marked fast, so it starts no process, but it ran {event} "
+            f"{args[:2]!r}: drop its fast mark"
+        )
+
+
+sys.addaudithook(_no_process_in_a_fast_test)
+
+
+# The modules with the longest tests (a minute or more of one worker, measured), run
+# first: started last, one of them would keep its worker busy after the others finish.
+LONG_FIRST = ("test_debug_repeated", "test_host_callback_compat", "test_multihost")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`scripts/test` runs `-n ... --dist loadgroup`), the tests that
+    share a module-scoped fixture (one per value of its params) run on one worker, which
+    makes it once; every other test goes to whichever worker is free."""
+
+    def rank(item: pytest.Item) -> int:
+        name = item.module.__name__ if item.module else ""
+        return LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # (stable: the rest keep their order)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        shared = sorted(
+            name
+            for name, definitions in info.name2fixturedefs.items()
+            if definitions[-1].scope == "module"
+        )
+        if shared:
+            params = getattr(item, "callspec", None)
+            values = [str(params.params[n]) for n in shared if params and n in params.params]
+            group = "-".join([item.module.__name__ if item.module else "", *values])
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    global _FAST_TEST
+    _FAST_TEST = item.nodeid if item.get_closest_marker("fast") else None
+    try:
+        return (yield)
+    finally:
+        _FAST_TEST = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Any:
+    """What a failed test left behind is collected in its own teardown: pytest keeps the
+    failure's traceback (and every frame's locals: processes, pipes, sockets) in
+    sys.last_* until the next test's call, whose ResourceWarnings they then became.
+    Dropped here, before the teardown, whose end collects this test's warnings."""
+    if getattr(sys, "last_value", None) is not None:
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            if hasattr(sys, name):
+                delattr(sys, name)
+        gc.collect()
+    return (yield)
 
 
 def wait_until(condition: Callable[[], Any], what: str, timeout: float = 20.0) -> Any:

@@ -57,6 +57,7 @@ def test_unordered_taps_deliver_every_tap_numbered_by_seq(
     assert result["stats"]["delivered"] == 100
 
 
+@pytest.mark.fast
 def test_tap_refuses_an_ordered_that_is_not_a_bool_nor_strict() -> None:
     import jax.numpy as jnp
 

@@ -6,8 +6,11 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import pytest
 
 from tapd_client import Assembler, ShardInfo, TapMeta
+
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
 
 
 def meta(process: int, device: int, step: int, consumer: str = "g") -> TapMeta:

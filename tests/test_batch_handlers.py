@@ -77,6 +77,7 @@ def assert_same_taps(got: list[tuple[Any, TapMeta]], want: list[tuple[Any, TapMe
             np.testing.assert_array_equal(value[key], reference[key])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("gaps", [[48], [48, 16, 8]], ids=["even", "uneven"])
 def test_a_run_of_ring_records_is_one_batch_equal_to_its_taps(gaps: list[int]) -> None:
     frames = encode_batch([ring_run(5, gaps)])
@@ -97,6 +98,7 @@ def test_a_run_of_ring_records_is_one_batch_equal_to_its_taps(gaps: list[int]) -
     assert (subscriber.processed, link.last_tid, link.errors) == (5, 104, [])
 
 
+@pytest.mark.fast
 def test_a_sites_taps_in_a_message_are_one_batch_where_the_first_is() -> None:
     """A message mixing single taps (copied into body 0), a run of another site of the
     same consumer, and another consumer's tap between them: the batch handler gets one
@@ -119,6 +121,7 @@ def test_a_sites_taps_in_a_message_are_one_batch_where_the_first_is() -> None:
     assert subscriber.processed == 6 and link.last_tid == 102
 
 
+@pytest.mark.fast
 def test_a_large_tap_is_a_batch_of_one() -> None:
     header, leaves = tree_tap(4)
     got, subscriber, _ = handled(encode("tap", {**header, "tid": 5}, leaves), batch=True)
@@ -129,6 +132,7 @@ def test_a_large_tap_is_a_batch_of_one() -> None:
     assert meta.step == 14 and subscriber.processed == 1
 
 
+@pytest.mark.fast
 def test_a_failing_batch_handler_fails_each_of_its_taps() -> None:
     subscriber = Subscriber("ipc:///nonexistent/never-connected.sock")
 
@@ -143,6 +147,7 @@ def test_a_failing_batch_handler_fails_each_of_its_taps() -> None:
     assert all("cannot write 3 taps" in e["error"] for e in link.errors)
 
 
+@pytest.mark.fast
 def test_a_handler_object_that_takes_batches_is_registered_as_one() -> None:
     class Sink:
         takes_batch = True

@@ -97,6 +97,7 @@ def one_subscriber(make: MakeRouter, *, window: int = 64, batch: bool = True) ->
     return peers
 
 
+@pytest.mark.fast
 def test_a_batch_never_exceeds_what_a_subscriber_accepts_whatever_its_window(
     in_process_router: MakeRouter,
 ) -> None:
@@ -134,6 +135,7 @@ def ring_run(count: int) -> tuple[TapRun, list[np.ndarray]]:
     return TapRun(site, records, span, header_bytes=48), values
 
 
+@pytest.mark.fast
 def test_a_run_is_one_unit_for_the_router_and_count_taps_for_everyone_else(
     in_process_router: MakeRouter,
 ) -> None:
@@ -162,6 +164,7 @@ def test_a_run_is_one_unit_for_the_router_and_count_taps_for_everyone_else(
     assert router.counters["deliveries_acked"] == 5 and router.counters["handler_errors"] == 1
 
 
+@pytest.mark.fast
 def test_a_run_goes_tap_by_tap_to_a_subscriber_that_does_not_batch(
     in_process_router: MakeRouter,
 ) -> None:
@@ -176,6 +179,7 @@ def test_a_run_goes_tap_by_tap_to_a_subscriber_that_does_not_batch(
     assert [t.header["tid"] for t in taps] == [0, 1, 2]
 
 
+@pytest.mark.fast
 def test_an_error_acked_inside_a_run_reaches_the_emitter_before_the_run_completes(
     in_process_router: MakeRouter,
 ) -> None:
@@ -190,6 +194,7 @@ def test_an_error_acked_inside_a_run_reaches_the_emitter_before_the_run_complete
     assert router.counters["handler_errors"] == 1
 
 
+@pytest.mark.fast
 def test_a_batch_static_the_metadata_parser_chokes_on_is_a_handler_error_not_a_crash() -> None:
     subscriber = Subscriber("ipc:///nonexistent/never-connected.sock")
     handled: list[Any] = []
@@ -214,6 +219,7 @@ def big_tap(seq: int, values: np.ndarray) -> Any:
     return decode(encode("tap", fields, [values]))
 
 
+@pytest.mark.fast
 def test_taps_of_64_KiB_share_a_message_each_in_a_body_frame_of_its_own_uncopied(
     in_process_router: MakeRouter,
 ) -> None:
@@ -233,6 +239,7 @@ def test_taps_of_64_KiB_share_a_message_each_in_a_body_frame_of_its_own_uncopied
     assert [t.value().tolist() for t in batch.batch] == [a.tolist() for a in arrays]
 
 
+@pytest.mark.fast
 def test_small_single_taps_and_unpadded_leaves_are_copied_into_body_0() -> None:
     big, odd = np.arange(4096, dtype=np.float32), np.arange(2049, dtype=np.float32)
     small = np.arange(3, dtype=np.int16)
@@ -246,6 +253,7 @@ def test_small_single_taps_and_unpadded_leaves_are_copied_into_body_0() -> None:
     assert [v.dtype for v in values] == [np.float32, np.float32, np.int16]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("shape", [(), (3,), (2, 2)])
 def test_a_run_taps_values_are_read_only_arrays_as_a_tap_messages_are(
     shape: tuple[int, ...],
@@ -283,6 +291,7 @@ def test_a_run_taps_values_are_read_only_arrays_as_a_tap_messages_are(
         assert not value.flags.writeable and value.flags.c_contiguous
 
 
+@pytest.mark.fast
 def test_a_meta_made_without_init_has_exactly_tap_meta_s_fields() -> None:
     """MetaTemplate builds TapMeta's __dict__ by hand (the per-tap path): a field added
     to TapMeta must be added there too, or metas would lack it."""
@@ -295,6 +304,7 @@ def test_a_meta_made_without_init_has_exactly_tap_meta_s_fields() -> None:
     assert made == TapMeta.from_header(header)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "value",
     [(), {"a": np.zeros(2, np.float32), "b": np.zeros(3, np.int16)}, (np.float32(0), None)],

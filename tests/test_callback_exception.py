@@ -18,6 +18,8 @@ from tapd.errors import failure_text
 from tapd.protocol import decode
 from tapd_client.daemon_link import DaemonLink
 
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
+
 # host_callback_test.py, test_tap_eval_exception (jax commit 2228115cf4).
 JAX_REGEX = re.compile(
     "There were exceptions during callback processing. Last one was:.*"

@@ -13,6 +13,8 @@ import zmq
 
 from tapd.channel import Channel, WrongThread
 
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
+
 DAEMON = Path(__file__).parent.parent / "tapd" / "daemon"
 # What sends or receives by the frame, or a message in other shapes than a list of frames.
 RAW = {

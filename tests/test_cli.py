@@ -135,6 +135,7 @@ def test_subscribe_module_runs_host_callback_style_tap_functions(
     assert "what: scaled\n[10. 10.]" in printed  # host_callback's id_print format
 
 
+@pytest.mark.fast
 def test_config_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
     toml = tmp_path / "tapd.toml"
     toml.write_text('[daemon]\npolicy = "drop_newest"\nqueue-bytes = 1000\ndrain_timeout = 3.5\n')

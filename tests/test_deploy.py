@@ -54,6 +54,7 @@ def test_kubernetes_manifests_validate_strictly() -> None:
     assert "did not validate" not in result.stdout
 
 
+@pytest.mark.fast
 def test_kubernetes_sidecar_probes_and_grace_fit_the_daemon() -> None:
     manifest = (ROOT / "deploy/k8s/tapd-job.yaml").read_text()
     assert "command: [tapd, check]" in manifest  # readiness via the named exit code
@@ -62,6 +63,7 @@ def test_kubernetes_sidecar_probes_and_grace_fit_the_daemon() -> None:
     assert "secretName: tapd-curve" in manifest
 
 
+@pytest.mark.fast
 def test_kubernetes_pod_shares_its_process_namespace() -> None:
     """The daemon drains and removes the ring of an emitter whose pid is gone; in a pod
     whose containers cannot see each other's pids, every live trainer would look dead."""
@@ -82,6 +84,7 @@ def unit_settings(text: str) -> dict[str, list[str]]:
     return settings
 
 
+@pytest.mark.fast
 def test_systemd_unit_leaves_dev_shm_to_the_daemon() -> None:
     """The rings are in /dev/shm; the daemon there must see and remove the jobs' files.
     PrivateDevices=yes keeps the host's /dev/shm, writable (systemd.exec(5): only the
@@ -101,6 +104,7 @@ def test_systemd_unit_leaves_dev_shm_to_the_daemon() -> None:
             assert not any(p in ("/dev", "/dev/shm", "/dev/shm/") for p in paths), (key, value)
 
 
+@pytest.mark.fast
 def test_deployed_jobs_never_start_a_daemon_of_their_own() -> None:
     # The deployment runs the daemon; a job that finds it down must say so (issue 19).
     import yaml

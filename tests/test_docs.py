@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
@@ -42,6 +44,12 @@ def test_readme_gives_the_two_commands_and_ci_runs_its_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^(\w+=\S+ )*scripts/test\b", ci, re.M), "CI runs README's test command"
     assert "tapd demo" in (ROOT / "scripts" / "demo").read_text()
+
+
+def test_readme_names_the_fast_tier_and_the_suite_has_one() -> None:
+    assert "`.venv/bin/pytest -m fast`" in README.read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^\s*"fast: ', pyproject, re.M), "the fast mark is registered"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)

@@ -389,6 +389,7 @@ def test_tapd_tail_every_takes_a_positive_int() -> None:
         assert result.returncode == 2 and "--every takes an int from 1" in result.stderr, bad
 
 
+@pytest.mark.fast
 def test_a_subscriber_handles_only_the_taps_it_sampled_even_when_sent_more() -> None:
     """A run parked before a sampling subscriber came is routed to it whole: its library
     drops what it did not ask for, by the daemon's rule seq % (K * n) == 0."""

@@ -271,6 +271,7 @@ def test_without_a_ring_the_sender_samples_by_every_but_knows_no_dormancy(
     assert (stats["sent"], stats["delivered"], stats["unrouted"]) == (16, 4, 12)
 
 
+@pytest.mark.fast
 def test_tap_every_must_be_a_positive_int() -> None:
     jax = pytest.importorskip("jax")
     import tapd

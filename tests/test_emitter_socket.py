@@ -22,6 +22,8 @@ from tapd.protocol import Message, decode, encode
 from tapd.protocol.link import LinkEvent, Welcomed
 from tapd.protocol.tree import LEAF
 
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
+
 IDENTITY = {"role": "emitter", "host": "h", "pid": 1, "process": 0}
 TIMEOUT_MS = 10_000  # bounds a hang only
 

@@ -113,6 +113,9 @@ def test_a_forwarded_header_keeps_every_field_and_the_barrier_waits_for_the_upst
     try:
         subscriber = peer(upstream.endpoint, {"role": "subscriber", "consumers": ["x"],
                                               "window": 8, "name": "raw"})  # fmt: skip
+        # B sends upstream only what A's subscribers want: a tap B gets before A's word
+        # that "x" is wanted is unrouted (A told B its wants when B connected, maybe first).
+        wait_until(lambda: forward_stats(forwarder)["upstream_wants"] == [["x", 1]], "A's wants")
         emitter = peer(forwarder.endpoint, {"role": "emitter", "host": "elsewhere",
                                             "pid": 4242, "process": 3})  # fmt: skip
         fields = {"consumer": "x", "seq": 7, "step": 2, "device": 1, "process": 3,

@@ -90,6 +90,7 @@ def alive_for(daemon: Daemon, seconds: float) -> None:
 # ---- defects 1-3: a single message killed the daemon ---------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "tree",
     [
@@ -246,6 +247,7 @@ def test_peer_names_are_bounded_and_logged_escaped(
 # ---- defect 8: static metadata too large --------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_static_fields_too_large_are_refused_naming_the_limit() -> None:
     from tapd.protocol.schema import check_static_size, max_static_bytes
 
@@ -280,11 +282,13 @@ def test_a_tap_the_daemon_rejects_is_reported_to_its_emitter_and_credited(
 # ---- defect 12: a dict with a tuple key ----------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_a_dict_with_a_tuple_key_is_a_tap_definition_error() -> None:
     with pytest.raises(TapDefinitionError, match=r"\(1, 2\)"):
         flatten({(1, 2): np.zeros(1)})
 
 
+@pytest.mark.fast
 def test_a_tap_of_a_dict_with_a_tuple_key_fails_at_trace_time() -> None:
     jax = pytest.importorskip("jax")
     import tapd
@@ -293,6 +297,7 @@ def test_a_tap_of_a_dict_with_a_tuple_key_fails_at_trace_time() -> None:
         jax.jit(lambda x: tapd.tap({(1, 2): x}, "tuple_key"))(np.zeros(2))
 
 
+@pytest.mark.fast
 def test_a_tap_whose_metadata_is_too_large_fails_at_trace_time_naming_the_limit() -> None:
     jax = pytest.importorskip("jax")
     import tapd

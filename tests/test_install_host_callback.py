@@ -95,6 +95,7 @@ def test_without_it_the_import_fails_as_on_any_jax_since_0_8() -> None:
     assert re.search(r"(ModuleNotFound|Import)Error: .*host_callback", result.stderr)
 
 
+@pytest.mark.fast
 def test_tapd_hcb_has_host_callbacks_api_and_says_what_it_does_not_offer() -> None:
     import tapd
     import tapd.hcb

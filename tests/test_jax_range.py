@@ -34,6 +34,7 @@ def python(code: str, env: dict[str, str] | None = None) -> subprocess.Completed
                           timeout=PROCESS_TIMEOUT, env={**os.environ, **(env or {})})  # fmt: skip
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("version", "taps", "tested"),
     [("0.8.0", True, True), ("0.10.2", True, True), ("0.12.0.1", True, True),
@@ -55,6 +56,7 @@ def test_the_range(version: str, taps: bool, tested: bool) -> None:
         assert "'jax<0.13' 'jaxlib<0.13'" in untested and "\n" not in untested
 
 
+@pytest.mark.fast
 def test_pyproject_setup_and_the_scripts_claim_the_same_open_range() -> None:
     assert jax_compat.SUPPORTED == "jax>=0.8.0"
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -168,6 +170,7 @@ def test_a_seam_that_does_not_fit_a_newer_jax_fails_at_trace_time_naming_itself(
         assert detail in line and "tapd is tested with jax 0.8.0 to 0.12" in line
 
 
+@pytest.mark.fast
 def test_every_seam_fits_the_installed_jax_and_a_misfit_is_named() -> None:
     assert jax_compat.seam_misfit() is None
     odd = {"json.dumps": jax_compat.Seam("json", "dumps", lambda parameters: (2, ()))}
@@ -192,6 +195,7 @@ def test_the_installed_jax_is_read_without_importing_it() -> None:
     assert re.match(r"\d+\.\d+", jax.__version__)
 
 
+@pytest.mark.fast
 def test_cpu_arrays_match_jax_device_put_on_the_fast_path_and_the_fallback(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -90,6 +90,7 @@ def chain(came_from: dict[str, str], end: str) -> str:
     return " -> ".join(reversed(steps))
 
 
+@pytest.mark.fast
 def test_the_graph_sees_the_imports_it_must() -> None:
     """(So that the checks below cannot pass on a graph that reads nothing.)"""
     assert "tapd.protocol.schema" in IMPORTS["tapd.protocol.wire"]
@@ -99,6 +100,7 @@ def test_the_graph_sees_the_imports_it_must() -> None:
     assert "tapd.daemon" not in reachable("tapd.daemon.forward", IMPORTS)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("tapd.emitter")))
 def test_nothing_the_emitter_imports_is_the_daemon_s(module: str) -> None:
     came_from = reachable(module)
@@ -121,6 +123,7 @@ def test_an_emitting_process_loads_no_daemon_module() -> None:
 PROTOCOL = sorted(m for m in MODULES if m.startswith("tapd.protocol."))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("module", PROTOCOL)
 def test_protocol_has_no_import_circle(module: str) -> None:
     for target in sorted(IMPORTS[module] & set(PROTOCOL)):
@@ -128,6 +131,7 @@ def test_protocol_has_no_import_circle(module: str) -> None:
         assert module not in back, f"import circle: {module} -> {chain(back, module)}"
 
 
+@pytest.mark.fast
 def test_schema_is_the_bottom_of_protocol() -> None:
     below = reachable("tapd.protocol.schema", IMPORTS)
     assert {m for m in below if m.startswith("tapd.protocol.")} <= {
@@ -145,6 +149,7 @@ GROUND = {"tapd.errors", "tapd.consumers", "tapd.runtime"}
 ABOVE_GROUND = ("tapd.protocol", "tapd.native", "tapd.daemon", "tapd.emitter", "tapd.clients")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("module", sorted(GROUND))
 def test_the_ground_imports_nothing_above_it(module: str) -> None:
     came_from = reachable(module, IMPORTS)
@@ -152,6 +157,7 @@ def test_the_ground_imports_nothing_above_it(module: str) -> None:
     assert not above, f"a ground module imports upward: {chain(came_from, above[0])}"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("module", PROTOCOL)
 def test_protocol_stands_on_the_ground_only(module: str) -> None:
     outside = {m for m in IMPORTS[module] if not m.startswith("tapd.protocol")}
@@ -161,6 +167,7 @@ def test_protocol_stands_on_the_ground_only(module: str) -> None:
 CLIENT = ROOT / "client" / "tapd_client"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("path", sorted(CLIENT.rglob("*.py")), ids=lambda p: p.name)
 def test_the_subscriber_library_imports_no_native_daemon_or_emitter_module(path: Path) -> None:
     """(It reads rings by their layout, tapd/protocol/ring_format.py, with mmap.)"""
@@ -174,6 +181,7 @@ def test_the_subscriber_library_imports_no_native_daemon_or_emitter_module(path:
             )
 
 
+@pytest.mark.fast
 def test_protocol_imports_nothing_inside_a_function() -> None:
     for module, path in MODULES.items():
         if not module.startswith("tapd.protocol"):

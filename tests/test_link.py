@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tapd.protocol import decode
 from tapd.protocol.link import (
     Credited,
@@ -15,6 +17,8 @@ from tapd.protocol.link import (
     Restarted,
     Welcomed,
 )
+
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
 
 IDENTITY = {"role": "emitter", "host": "h", "pid": 1, "process": 0}
 

@@ -220,6 +220,7 @@ class Holder:
         pass
 
 
+@pytest.mark.fast
 def test_only_functions_another_process_can_import_and_call_the_same_way_leave() -> None:
     name = f"{__name__}:module_level"
     assert importable_form(module_level) == (name, {})
@@ -247,6 +248,7 @@ def test_only_functions_another_process_can_import_and_call_the_same_way_leave()
     assert importable_form(in_main) is None
 
 
+@pytest.mark.fast
 def test_partial_keywords_and_device_index_travel_as_metadata_not_as_keywords() -> None:
     from tapd_client.meta import TapMeta
     from tapd_client.tap_functions import tap_function_keywords
@@ -285,6 +287,7 @@ class Peers:
         self.router.subscribers.pump()
 
 
+@pytest.mark.fast
 def test_a_fallback_gets_its_own_emitters_taps_that_nobody_else_takes(
     in_process_router: MakeRouter,
 ) -> None:
@@ -315,6 +318,7 @@ def test_a_fallback_gets_its_own_emitters_taps_that_nobody_else_takes(
     assert sorted(peers.taken()) == [("receiver", "m:f"), ("watcher", "m:f")]
 
 
+@pytest.mark.fast
 def test_a_subscriber_adds_consumers_without_losing_what_it_holds(
     in_process_router: MakeRouter,
 ) -> None:

@@ -155,7 +155,10 @@ def test_exit_waits_while_callbacks_progress_past_the_exit_timeout(
 def test_exit_gives_up_on_a_callback_that_never_returns_and_counts_the_rest(
     runtime_dir: Path,
 ) -> None:
-    got = run_app("exit_stuck", "5", env={"TAPD_EXIT_TIMEOUT": "1"}, runtime=runtime_dir)
+    # (TAPD_CELL_TIMEOUT: the app's result line is a print, which waits for the stuck
+    # callback up to it; 10 s by default, twice, as print writes text and newline apart)
+    env = {"TAPD_EXIT_TIMEOUT": "1", "TAPD_CELL_TIMEOUT": "0.5"}
+    got = run_app("exit_stuck", "5", env=env, runtime=runtime_dir)
     stderr = got["stderr"]
     assert "not every tap of this process's own tap functions ran: 6 not run" in stderr
     assert "exit_stuck.<locals>.<lambda>" in stderr  # what it waited for, and where

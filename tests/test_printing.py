@@ -6,10 +6,13 @@ from __future__ import annotations
 import io
 
 import numpy as np
+import pytest
 
 from tapd.printing import print_tap, render
 from tapd_client.meta import TapMeta
 from tapd_client.tap_functions import tap_function_keywords
+
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
 
 
 def printed(arg: object, transforms: object = (), **kwargs: object) -> str:

@@ -43,6 +43,8 @@ from tapd.protocol.rules import DEFAULT_LIMITS
 from tapd.protocol.schema import KINDS_SCHEMA
 from tapd.protocol.wire import KINDS
 
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
+
 ALL_DTYPES = sorted(SUPPORTED_DTYPES)
 Frames = list[Any]
 

@@ -24,6 +24,7 @@ def in_process_emitter(tmp_path_factory: pytest.TempPathFactory) -> None:
                        backend="portable", exit_timeout=0)  # fmt: skip
 
 
+@pytest.mark.fast
 def test_exported_members() -> None:
     assert sorted(tapd.__all__) == sorted([
         "BarrierTimeout", "CallbackException", "CallbackFlavor", "ConfigError",
@@ -80,17 +81,20 @@ def module_level_tap(arg: object, transforms: object) -> None:
     """An importable tap function (never run here)."""
 
 
+@pytest.mark.fast
 def test_id_tap_names_importable_functions() -> None:
     from tapd.emitter.host_callback import consumer_name
 
     assert consumer_name(module_level_tap) == f"{__name__}:module_level_tap"
 
 
+@pytest.mark.fast
 def test_callback_exception_is_host_callbacks_name_and_tap_function_exception_its_alias() -> None:
     assert tapd.CallbackException is tapd.TapFunctionException
     assert issubclass(tapd.CallbackException, tapd.TapdError)
 
 
+@pytest.mark.fast
 def test_callback_exception_begins_with_host_callbacks_words_then_lists_every_call() -> None:
     # host_callback's own test matched these words (CallbackException's message).
     error = tapd.CallbackException(["loss#3: ValueError('a')", "loss#4: KeyError('b')"])
@@ -100,11 +104,13 @@ def test_callback_exception_begins_with_host_callbacks_words_then_lists_every_ca
     assert "2 tap function call(s) raised:\n  loss#3: ValueError('a')\n  loss#4:" in str(error)
 
 
+@pytest.mark.fast
 def test_id_tap_keywords_are_refused_pointing_to_functools_partial() -> None:
     with pytest.raises(TypeError, match=r"functools\.partial\(tap_func, \*\*kwargs\)"):
         tapd.id_tap(module_level_tap, 1.0, y=2)
 
 
+@pytest.mark.fast
 def test_host_callback_names_tapd_does_not_offer_say_what_to_use() -> None:
     with pytest.raises(AttributeError, match="io_callback"):
         tapd.call  # noqa: B018
@@ -113,21 +119,25 @@ def test_host_callback_names_tapd_does_not_offer_say_what_to_use() -> None:
     assert not hasattr(tapd, "no_such_name")
 
 
+@pytest.mark.fast
 def test_device_index_must_name_a_local_device() -> None:
     with pytest.raises(tapd.TapDefinitionError, match="device_index=99"):
         jax.make_jaxpr(lambda x: tapd.id_tap(module_level_tap, x, device_index=99))(1.0)
 
 
+@pytest.mark.fast
 def test_unsupported_leaf_is_refused_at_trace_time_naming_the_tap() -> None:
     with pytest.raises(tapd.TapDefinitionError, match="tap 'weird', leaf 1"):
         jax.make_jaxpr(lambda x: tapd.tap((x, "text"), "weird"))(1.0)
 
 
+@pytest.mark.fast
 def test_static_metadata_must_be_plain_values() -> None:
     with pytest.raises(tapd.TapDefinitionError, match="metadata scale="):
         jax.make_jaxpr(lambda x: tapd.tap(x, "m", scale=jnp.ones(2)))(1.0)
 
 
+@pytest.mark.fast
 def test_tap_returns_its_argument_as_the_taps_output() -> None:
     def doubled(x: jax.Array) -> jax.Array:
         tapped = tapd.tap(x, "identity")
@@ -138,6 +148,7 @@ def test_tap_returns_its_argument_as_the_taps_output() -> None:
     assert "tapd_tap" in str(jaxpr)
 
 
+@pytest.mark.fast
 def test_spec_outside_a_per_device_region_is_refused_at_trace_time() -> None:
     from jax.sharding import PartitionSpec as P
 
@@ -145,6 +156,7 @@ def test_spec_outside_a_per_device_region_is_refused_at_trace_time() -> None:
         jax.jit(lambda x: tapd.tap(x, "rows", spec=P("data")))(jnp.ones(3))
 
 
+@pytest.mark.fast
 def test_spec_must_name_the_axes_the_tap_runs_under_and_fit_the_leaf() -> None:
     from jax.sharding import PartitionSpec as P
 

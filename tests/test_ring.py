@@ -247,6 +247,7 @@ def bounded_write(ring: Ring, site: int, payload: bytes, **fields: Any) -> bool:
 # ---- 1. wrap-around ------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_many_varied_records_wrap_a_small_ring_intact(rings: Rings, consumer: int) -> None:
     # drop_newest: were the test's own space arithmetic wrong, write returns False
     # (and fails the test) instead of blocking forever.
@@ -312,6 +313,7 @@ def test_many_varied_records_wrap_a_small_ring_intact(rings: Rings, consumer: in
 # ---- 2. records larger than half the ring ----------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("policy", ["block", "drop_newest"])
 def test_records_larger_than_half_the_ring(rings: Rings, consumer: int, policy: str) -> None:
     ring = rings.create(policy)
@@ -351,6 +353,7 @@ def test_records_larger_than_half_the_ring(rings: Rings, consumer: int, policy: 
     assert counters.head == counters.committed == counters.tail == record.end
 
 
+@pytest.mark.fast
 def test_a_second_large_record_waits_for_space_under_drop_newest(
     rings: Rings, consumer: int
 ) -> None:
@@ -372,6 +375,7 @@ def test_a_second_large_record_waits_for_space_under_drop_newest(
 # ---- 3. a record larger than the ring --------------------------------------------------
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("policy", ["block", "drop_newest"])
 def test_record_larger_than_the_ring_is_dropped_and_counted(
     rings: Rings, consumer: int, policy: str
@@ -406,6 +410,7 @@ def test_record_larger_than_the_ring_is_dropped_and_counted(
 # ---- 4. drop_newest on a full ring -----------------------------------------------------
 
 
+@pytest.mark.fast
 def test_drop_newest_drops_exactly_what_does_not_fit(rings: Rings, consumer: int) -> None:
     ring = rings.create("drop_newest")
     size = 1000
@@ -461,6 +466,7 @@ def test_drop_newest_drops_exactly_what_does_not_fit(rings: Rings, consumer: int
 # ---- 5. block: the writer waits for the reader -----------------------------------------
 
 
+@pytest.mark.fast
 def test_block_policy_writer_waits_until_the_reader_frees_space(
     rings: Rings, consumer: int
 ) -> None:
@@ -566,6 +572,7 @@ def check_record_is_whole(record: Copied) -> tuple[int, int]:
     return tid, i
 
 
+@pytest.mark.fast
 def test_concurrent_producers_lose_nothing_tear_nothing_keep_order(
     rings: Rings, consumer: int
 ) -> None:
@@ -592,6 +599,7 @@ def test_concurrent_producers_lose_nothing_tear_nothing_keep_order(
     assert counters.head > 100 * CAPACITY  # wrapped many times
 
 
+@pytest.mark.fast
 def test_concurrent_producers_under_drop_newest_account_for_every_record(
     rings: Rings, consumer: int
 ) -> None:
@@ -614,6 +622,7 @@ def test_concurrent_producers_under_drop_newest_account_for_every_record(
     assert counters.head == counters.committed == counters.tail
 
 
+@pytest.mark.fast
 def test_threads_tapping_one_consumer_on_one_device_land_in_sequence_order(
     rings: Rings, consumer: int
 ) -> None:
@@ -624,6 +633,7 @@ def test_threads_tapping_one_consumer_on_one_device_land_in_sequence_order(
     assert [r.seq for r in records] == list(range(THREADS * (PER_THREAD // 4)))
 
 
+@pytest.mark.fast
 def test_an_idle_reader_is_woken_by_the_next_commit_not_before(rings: Rings) -> None:
     """The reader asks to be woken (`sleep`); the next writer to commit sends one
     datagram to `wake.sock` beside the ring, and only then."""
@@ -648,6 +658,7 @@ def test_an_idle_reader_is_woken_by_the_next_commit_not_before(rings: Rings) -> 
 # ---- 7. reader restart -----------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_reader_restart_rereads_what_it_did_not_release(rings: Rings, consumer: int) -> None:
     writer = rings.create("drop_newest")
     size = 500
@@ -730,6 +741,7 @@ CORRUPTIONS: dict[str, tuple[Callable[[bytes], bytes | None], str]] = {
 }
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
 def test_open_refuses_what_is_not_a_ring(rings: Rings, corruption: str) -> None:
     make, reason = CORRUPTIONS[corruption]
@@ -741,11 +753,13 @@ def test_open_refuses_what_is_not_a_ring(rings: Rings, corruption: str) -> None:
         rings.open("candidate")
 
 
+@pytest.mark.fast
 def test_open_accepts_an_untouched_copy(rings: Rings) -> None:
     rings.path("candidate").write_bytes(_valid_ring_bytes(rings))
     assert rings.open("candidate").counters().capacity == CAPACITY
 
 
+@pytest.mark.fast
 def test_create_refuses_an_existing_path_and_leaves_it_alone(rings: Rings, consumer: int) -> None:
     ring = rings.create("drop_newest")
     assert ring.write(5, b"keep me", consumer=consumer)
@@ -763,6 +777,7 @@ def test_create_refuses_an_existing_path_and_leaves_it_alone(rings: Rings, consu
     assert plain.read_bytes() == b"not a ring"
 
 
+@pytest.mark.fast
 def test_create_error_says_why(rings: Rings) -> None:
     rings.path("plain").write_bytes(b"")
     with pytest.raises(RingError) as raised:
@@ -773,6 +788,7 @@ def test_create_error_says_why(rings: Rings) -> None:
 # ---- 9. the portable backend's one-call write ----------------------------------------
 
 
+@pytest.mark.fast
 def test_write_leaves_writes_one_record_of_padded_leaves(rings: Rings, consumer: int) -> None:
     ring = rings.create("drop_newest")
     leaves = [
@@ -882,6 +898,7 @@ def test_write_leaves_writes_what_the_ffi_handler_writes(tmp_path: Path) -> None
 # ---- 10. commits out of reservation order ----------------------------------------------
 
 
+@pytest.mark.fast
 def test_a_record_is_readable_once_it_and_all_before_it_are_committed(
     rings: Rings, consumer: int
 ) -> None:
@@ -911,6 +928,7 @@ def test_a_record_is_readable_once_it_and_all_before_it_are_committed(
     assert [r.seq for r in reader.read(0)] == [0, 1, 2, 3]  # seq is the reservation's
 
 
+@pytest.mark.fast
 def test_an_abandoned_record_is_skipped_counted_and_its_space_reused(
     rings: Rings, consumer: int
 ) -> None:
@@ -964,6 +982,7 @@ STREAMS = 4
 PER_STREAM = 1500
 
 
+@pytest.mark.fast
 def test_streams_committing_out_of_order_deliver_each_record_once_in_ring_order(
     rings: Rings, consumer: int
 ) -> None:
@@ -1031,6 +1050,7 @@ def test_streams_committing_out_of_order_deliver_each_record_once_in_ring_order(
     assert counters.head > 20 * 8 * PAGE
 
 
+@pytest.mark.fast
 def test_a_sleeping_reader_is_woken_when_an_out_of_order_commit_completes(
     rings: Rings,
 ) -> None:
@@ -1201,6 +1221,7 @@ def test_a_library_that_cannot_be_had_is_a_reason_never_an_exception(
     assert found["status"]["ring library"].startswith("unavailable: ")
 
 
+@pytest.mark.fast
 def test_the_cuda_handler_library_builds_and_exports_its_handler() -> None:
     """Where the CUDA runtime wheels and jaxlib's headers are (scripts/setup installs
     them, so CI compiles and links the handler on every commit), the CUDA handler
@@ -1231,6 +1252,7 @@ def _toolkit_with(major: int) -> Path | None:
     return None
 
 
+@pytest.mark.fast
 def test_the_cuda_runtime_found_is_the_major_of_jaxs_plugin_or_the_one_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1286,6 +1308,7 @@ def test_the_cuda_handler_compiles_against_a_cuda_13_toolkit(
     assert "[libcudart.so.13]" in needed.stdout, needed.stdout
 
 
+@pytest.mark.fast
 def test_a_record_held_reserved_by_a_live_writer_is_logged_not_skipped(
     rings: Rings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -1304,6 +1327,7 @@ def test_a_record_held_reserved_by_a_live_writer_is_logged_not_skipped(
     assert [r.site for r in reader.read(0)] == [1, 2]
 
 
+@pytest.mark.fast
 def test_runs_of_a_read_end_in_the_same_places_counted_by_numpy_or_one_by_one(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -23,6 +23,8 @@ from tapd.native.ring import Ring
 from tapd.native.sites import encode_entry
 from tapd.protocol import decode, encode
 
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
+
 FIELDS = {
     "consumer": "x",
     "step": None,

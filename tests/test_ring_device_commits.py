@@ -60,6 +60,7 @@ def rings(tmp_path: Path) -> Iterator[Callable[..., Ring]]:
         ring.close()
 
 
+@pytest.mark.fast
 def test_a_stream_written_tag_commits_the_record_and_its_int32_step_is_sign_extended(
     rings: Callable[..., Ring],
 ) -> None:
@@ -84,6 +85,7 @@ def test_a_stream_written_tag_commits_the_record_and_its_int32_step_is_sign_exte
         reader.close()
 
 
+@pytest.mark.fast
 def test_uniform_runs_of_stream_committed_records_get_their_steps_too(
     rings: Callable[..., Ring],
 ) -> None:
@@ -106,6 +108,7 @@ def test_uniform_runs_of_stream_committed_records_get_their_steps_too(
         reader.close()
 
 
+@pytest.mark.fast
 def test_a_reader_does_not_sleep_while_the_next_commit_is_a_devices(
     rings: Callable[..., Ring],
 ) -> None:
@@ -127,6 +130,7 @@ def test_a_reader_does_not_sleep_while_the_next_commit_is_a_devices(
         reader.close()
 
 
+@pytest.mark.fast
 def test_close_waits_for_a_tag_a_device_will_still_write(rings: Callable[..., Ring]) -> None:
     """A tag a device will write is never given up while its process lives: closing the
     ring waits for it (the device is still writing into that memory)."""
@@ -143,6 +147,7 @@ def test_close_waits_for_a_tag_a_device_will_still_write(rings: Callable[..., Ri
     assert not closing.is_alive()
 
 
+@pytest.mark.fast
 def test_a_barrier_position_covers_commits_still_on_their_way(
     rings: Callable[..., Ring], capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -241,6 +246,7 @@ def test_a_waiting_tap_names_the_ring_positions_and_why_the_oldest_record_is_hel
     assert not waiting.is_alive()
 
 
+@pytest.mark.fast
 def test_a_waiting_tap_behind_its_own_uncommitted_record_says_so(
     rings: Callable[..., Ring],
     capfd: pytest.CaptureFixture[str],

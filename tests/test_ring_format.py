@@ -17,6 +17,8 @@ from tapd.native import library
 from tapd.native.ring import Ring
 from tapd.protocol import ring_format
 
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
+
 RING_H = Path(__file__).parent.parent / "tapd" / "native" / "ring.h"
 SIZES = {"uint64_t": 8, "int64_t": 8, "uint32_t": 4, "int32_t": 4}
 FIELD = re.compile(r"^\s*(?:alignas\((\d+)\)\s+)?(?:std::atomic<(\w+)>|(\w+))\s+(\w+)\s*[;{=]")

@@ -18,6 +18,8 @@ from tapd.native import library
 from tapd.native.ring import Ring
 from tapd.protocol.ring_format import EVERY_ALL, EVERY_DORMANT, SITE_SLOTS
 
+pytestmark = pytest.mark.fast  # starts no process (tests/conftest.py)
+
 if library.load() is None:
     pytest.skip(f"tapd's native library is unavailable: {library.unavailable_reason()}",
                 allow_module_level=True)  # fmt: skip

@@ -65,6 +65,7 @@ def test_a_daemon_policy_in_the_old_variable_no_longer_breaks_an_emitter() -> No
     assert "TAPD_DAEMON_POLICY" in result.stderr and "TAPD_EMITTER_POLICY" in result.stderr
 
 
+@pytest.mark.fast
 def test_the_old_variable_keeps_its_meaning_where_it_was_valid_with_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -80,6 +81,7 @@ def test_the_old_variable_keeps_its_meaning_where_it_was_valid_with_a_warning(
         config_module.load({}, None, {"TAPD_POLICY": "sometimes"})
 
 
+@pytest.mark.fast
 def test_each_process_reads_its_own_policy_variable(caplog: pytest.LogCaptureFixture) -> None:
     # An emitter-side value no longer changes a daemon started from the same shell...
     emitter_side = {"TAPD_EMITTER_POLICY": "drop_newest"}
@@ -157,6 +159,7 @@ def test_the_settings_page_has_the_table_the_settings_make() -> None:
     assert printed == markdown_table()
 
 
+@pytest.mark.fast
 def test_every_setting_of_tapd_settings_has_its_row_on_the_settings_page() -> None:
     """Each declared setting, with its variable (or its `tapd.configure()` keyword), its
     default and its help, one row each; and the README sends readers there."""
@@ -180,6 +183,7 @@ def test_every_setting_of_tapd_settings_has_its_row_on_the_settings_page() -> No
     assert "<!-- settings table" not in readme, "the table lives on docs/SETTINGS.md only"
 
 
+@pytest.mark.fast
 def test_a_setting_the_page_would_miss_is_found() -> None:
     """The check above compares against every Setting object of tapd/settings/, so a new
     one that is not listed in SETTINGS (and so not on the page) fails it."""
@@ -281,6 +285,7 @@ def no_tapd_variables(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(name)
 
 
+@pytest.mark.fast
 @pytest.mark.usefixtures("no_tapd_variables")
 @pytest.mark.parametrize("spelling", ["-", "_"])
 def test_every_daemon_setting_is_a_config_field_a_start_option_a_toml_key_and_a_variable(
@@ -315,6 +320,7 @@ def test_every_daemon_setting_is_a_config_field_a_start_option_a_toml_key_and_a_
             assert type(value) is type(case.expected), (declared.name, source, value)
 
 
+@pytest.mark.fast
 @pytest.mark.usefixtures("no_tapd_variables")
 def test_flags_beat_variables_which_beat_the_toml_file_which_beats_the_defaults(
     tmp_path: Path,
@@ -341,6 +347,7 @@ def test_flags_beat_variables_which_beat_the_toml_file_which_beats_the_defaults(
     )
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("line", "wanted"),
     [
@@ -366,6 +373,7 @@ def test_a_toml_value_of_the_wrong_type_is_refused_naming_the_file_and_key(
         config_module.load({}, toml, {})
 
 
+@pytest.mark.fast
 def test_every_variable_is_declared_once_and_read_through_the_table() -> None:
     variables = [s.variable for s in SETTINGS if s.variable]
     assert len(variables) == len(set(variables))
@@ -383,6 +391,7 @@ def test_every_variable_is_declared_once_and_read_through_the_table() -> None:
             assert not read, f"{source.relative_to(ROOT)} reads a variable itself: {read[0]}"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("value", ["-0.001", "1.5"])
 def test_a_coalescing_wait_outside_0_to_1_second_is_refused_naming_it(value: str) -> None:
     with pytest.raises(ConfigError, match=f"coalesce must be between 0 and 1 second, got {value}"):

@@ -643,6 +643,7 @@ ONE_TAP = {
 }  # fmt: skip
 
 
+@pytest.mark.fast
 def test_positions_outside_the_ring_are_refused(ring_with_one_tap: tuple[Path, Any]) -> None:
     """A real ring file, and a descriptor naming bytes it has not committed: refused,
     naming the ring's readable span (the subscriber's reader, in process)."""
@@ -671,6 +672,7 @@ def one_tap_batch(position: int, ring: str = "1-ab.ring") -> Any:
     return decode(encode_ring_batch([piece]))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("views", [False, True], ids=["copies", "views"])
 def test_ring_taps_spans_are_read_as_ring_taps_are(
     views: bool, ring_with_one_tap: tuple[Path, Any]
@@ -701,6 +703,7 @@ def test_ring_taps_spans_are_read_as_ring_taps_are(
     reader.close()
 
 
+@pytest.mark.fast
 def test_a_removed_ring_is_unmapped(ring_with_one_tap: tuple[Path, Any]) -> None:
     """Once the daemon removed a finished emitter's ring, the subscriber unmaps it (its
     shared memory is freed only then)."""
@@ -728,6 +731,7 @@ def test_the_client_reads_rings_without_jax_or_the_native_library() -> None:
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.fast
 def test_the_offsets_subscribers_read_are_ring_h_s() -> None:
     sys.path.insert(0, str(HERE.parent))
     from test_ring_format import layout

@@ -157,6 +157,7 @@ def test_mlflow_sink_names_a_bad_tracking_uri(tmp_path: Path) -> None:
     assert "cannot start an MLflow run at 'nosuchscheme://x'" in result.stderr, result.stderr
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("tool", "library"), [("tensorboard", "tensorboardX"), ("mlflow", "mlflow"), ("wandb", "wandb")]
 )

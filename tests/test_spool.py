@@ -30,6 +30,7 @@ def tap(seq: int, size: int = 4) -> Message:
 # ---- the log on its own --------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_the_log_keeps_order_and_its_bound_and_lets_acknowledged_segments_go(
     tmp_path: Path,
 ) -> None:
@@ -50,6 +51,7 @@ def test_the_log_keeps_order_and_its_bound_and_lets_acknowledged_segments_go(
     assert spool.settled and not list(spool.directory.glob("*.seg"))
 
 
+@pytest.mark.fast
 def test_a_daemon_restarted_finds_the_log_without_what_was_acknowledged(
     tmp_path: Path,
 ) -> None:
@@ -92,6 +94,7 @@ def spooling(
     return box
 
 
+@pytest.mark.fast
 def test_a_full_queue_spills_to_the_spool_and_comes_back_in_order(
     in_process_router: MakeRouter, tmp_path: Path
 ) -> None:
@@ -112,6 +115,7 @@ def test_a_full_queue_spills_to_the_spool_and_comes_back_in_order(
     box.close()
 
 
+@pytest.mark.fast
 def test_a_full_spool_falls_back_to_drop_newest_and_counts(
     in_process_router: MakeRouter, tmp_path: Path
 ) -> None:
@@ -128,6 +132,7 @@ def test_a_full_spool_falls_back_to_drop_newest_and_counts(
     box.close()
 
 
+@pytest.mark.fast
 def test_a_full_spool_falls_back_to_block_withholding_credit(
     in_process_router: MakeRouter, tmp_path: Path
 ) -> None:

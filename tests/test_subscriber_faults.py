@@ -102,6 +102,7 @@ def fake(runtime_dir: Path) -> Iterator[tuple[FakeDaemon, Subscriber, list[Any]]
     daemon.close()
 
 
+@pytest.mark.fast
 def test_a_storm_of_rehellos_is_answered_by_few_hellos(
     fake: tuple[FakeDaemon, Subscriber, list[Any]],
 ) -> None:
@@ -118,6 +119,7 @@ def test_a_storm_of_rehellos_is_answered_by_few_hellos(
     assert 1 <= hellos <= 3, f"{hellos} hellos answered 300 rehellos within 1.5 s"
 
 
+@pytest.mark.fast
 def test_a_tap_the_subscriber_cannot_decode_is_acknowledged_with_an_error(
     fake: tuple[FakeDaemon, Subscriber, list[Any]],
 ) -> None:
@@ -140,6 +142,7 @@ def test_a_tap_the_subscriber_cannot_decode_is_acknowledged_with_an_error(
     assert handled == []
 
 
+@pytest.mark.fast
 def test_a_subscriber_refuses_a_runtime_dir_others_can_enter(tmp_path: Path) -> None:
     squatted = tmp_path / "squatted"
     squatted.mkdir()

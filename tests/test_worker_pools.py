@@ -75,7 +75,9 @@ def start_member(runtime_dir: Path) -> Iterator[Callable[..., Member]]:
         return member
 
     yield start
-    for member in started:  # a hung member ignores SIGTERM: it is killed
+    for member in started:  # a hung member ignores SIGTERM: it is killed, unwaited for
+        if member.process.poll() is None and member.hung_at() is not None:
+            member.process.kill()
         if member.process.poll() is None:
             member.process.send_signal(signal.SIGTERM)
             try:
