@@ -26,17 +26,20 @@ def packed(entry: object, prefix: str = VERSION) -> bytes:
     return f"{prefix}:".encode() + base64.b64encode(msgpack.packb(entry, use_bin_type=True))
 
 
+@pytest.mark.fast  # starts no process (tests/conftest.py)
 def test_an_entry_decodes_to_the_site_it_encodes() -> None:
     entry = encode("loss", SITE, LEAVES)
     assert entry.startswith("tapd1:")
     assert decode(entry.encode()) == ("loss", SITE, LEAVES)
 
 
+@pytest.mark.fast  # starts no process (tests/conftest.py)
 def test_the_entry_is_the_same_in_every_process() -> None:
     """(no pid, no registry number: the persistent cache's key depends on it)"""
     assert encode("loss", SITE, LEAVES) == encode("loss", dict(SITE), list(LEAVES))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     ("entry", "message"),
     [
