@@ -318,12 +318,10 @@ class LocalPath:
             self.not_run += 1
             return
         local = self._functions[meta.consumer]
-        if local.leaf and not isinstance(value, tuple | list | dict):
-            arg = value
-        elif local.flat and type(value) is tuple:
-            arg = value
-        else:
-            arg = rebuild(local.treedef, value)
+        as_is = (local.leaf and not isinstance(value, tuple | list | dict)) or (
+            local.flat and type(value) is tuple
+        )
+        arg = value if as_is else rebuild(local.treedef, value)
         device = self._devices.get(meta.device) if meta.device is not None else None
         self._running = (local.name, time.monotonic())
         try:
