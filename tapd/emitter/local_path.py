@@ -202,9 +202,7 @@ class LocalPath:
             name = f"{self.prefix}{next(self._numbers)}/{shown}"
             flat = treedef == jax.tree_util.tree_structure((0,) * treedef.num_leaves)
             leaf = treedef.num_nodes == 1 and treedef.num_leaves == 1
-            self._functions[name] = LocalFunction(
-                function, treedef, flat, describe(function), leaf
-            )
+            self._functions[name] = LocalFunction(function, treedef, flat, describe(function), leaf)
             self._names[key] = (function, name)  # keeps the function, so its id stays unique
             return name
 
