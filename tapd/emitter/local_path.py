@@ -55,7 +55,7 @@ from typing import Any
 import jax
 
 from tapd.emitter.settings import EmitterSettings
-from tapd.errors import BarrierTimeout, TapFunctionException
+from tapd.errors import BarrierTimeout, TapFunctionException, failure_text
 from tapd.native.ring import Records, Ring
 from tapd.native.sites import Site
 from tapd.native.wake import WakeSocket
@@ -65,7 +65,7 @@ from tapd.protocol.schema import check_batch_static
 from tapd.runtime import SHM_DIR, ensure_private_dir, local_ring_dir_name
 from tapd_client.daemon_link import ERROR_CHARS
 from tapd_client.handlers import Handlers
-from tapd_client.meta import TapMeta
+from tapd_client.meta import MetaTemplate, TapMeta
 from tapd_client.tap_functions import tap_function_keywords
 
 logger = logging.getLogger("tapd.emitter")
@@ -302,7 +302,9 @@ class LocalPath:
             else:
                 runs.append(SiteRun(static, body, [row]))
             previous = site_id
-        self._handlers.handle_taps(failures, runs)  # type: ignore[arg-type]
+        for run in runs:
+            if not self._run_plain(run):
+                self._handlers.handle_taps(failures, [run])  # type: ignore[arg-type]
         end = records.ends[-1]
         self.ring.release(end)
         with self._lock:
@@ -310,6 +312,54 @@ class LocalPath:
             self.ran += len(records)
             self._progress.notify_all()
         return end
+
+    def _run_plain(self, run: SiteRun) -> bool:
+        """Run a run of taps of a site whose function takes no per-tap keyword (no
+        `device=`, no shard): what `Handlers` would do, with the meta, keywords and
+        function looked up once for the run rather than once per tap (the per-call cost
+        of an id_tap in a hot step, bench/RESULTS.md §9). False, having run nothing,
+        for any other run (odd metadata or leaves included: Handlers reports those)."""
+        fields = run.fields
+        if fields.get("shard") is not None or fields.get("meta", {}).get("tap_with_device"):
+            return False
+        try:
+            first = MetaTemplate(run.header(0)).meta_of(*run.rows[0][2:7])
+            values = run.values()
+            local = self._functions[first.consumer]
+            keywords = tap_function_keywords(first)
+        except Exception:
+            return False
+        function, transforms, failures = local.function, first.transforms, self._failures
+        rows = run.rows  # [static, tid, seq, step, device, time, coords, frame, offset]
+        failures.last_tid = max(failures.last_tid, rows[-1][1])
+        for row, value in zip(rows, values, strict=True):
+            if self._abandoned:  # (the exit drain gave up: see `close`)
+                self.not_run += 1
+                continue
+            as_is = (local.leaf and not isinstance(value, tuple | list | dict)) or (
+                local.flat and type(value) is tuple
+            )
+            self._running = (local.name, time.monotonic())
+            try:
+                function(value if as_is else rebuild(local.treedef, value), transforms, **keywords)
+            except Exception as exc:
+                self._last_exception = exc
+                self._failed(row[1], first.consumer, row[2], exc)
+            finally:
+                self._running = None
+                self.calls += 1
+        return True
+
+    def _failed(self, tid: int, consumer: str, seq: int, exc: Exception) -> None:
+        """A tap function raised: logged now, raised by the next barrier (as
+        `Handlers` reports a handler's failure)."""
+        logger.error(
+            "handler tap function for %r (seq %s) raised:\n%s",
+            consumer,
+            seq,
+            traceback.format_exc(),
+        )
+        self._failures.fail(tid, failure_text("tap function", exc, ERROR_CHARS))
 
     def _run(self, value: Any, meta: TapMeta) -> None:
         if self._abandoned:  # (the exit drain gave up: see `close`)
