@@ -163,9 +163,9 @@ def _check_exportable(site: TapSiteParams, *, local: bool, native: bool, platfor
     if not native:
         raise TapDefinitionError(
             f"tap site {site.consumer!r} cannot be exported for platform {platform!r}: it "
-            "would be a host callback there (the portable backend, or a jit the compiler "
-            "partitions); only tapd's native handler travels (tapd doctor says where "
-            "it is built)"
+            "would be a host callback there (the portable backend, a daemon on another "
+            "host, or a jit the compiler partitions); only tapd's native handler travels "
+            "(tapd doctor says where it is built)"
         )
 
 

@@ -77,7 +77,6 @@ Ring* MapRing(int fd, uint64_t capacity) {
 // the portable backend.
 std::atomic<Ring*> g_rings[2] = {nullptr, nullptr};
 
-
 // Large leaves are copied with non-temporal (streaming) stores: the ring is read by
 // another process, later, so pulling its cache lines into this core first (what plain
 // stores do) only doubles the memory traffic. Measured on the benchmark machine: a
