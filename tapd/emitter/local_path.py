@@ -30,8 +30,8 @@ What holds on the daemon's path holds here:
 The receiver runs the taps as a subscriber runs a daemon's (tapd_client.handlers on
 `SiteRun`s; a run of a plain site, whose function takes no `device=`, directly, with
 what the run's taps share looked up once), from a copy of the ring's bytes, so that a
-function that keeps its argument keeps an intact value. No daemon sees these taps, so `tapd tail '*'` does not
-either (docs/TAPPING.md, "Taps that stay in the process").
+function that keeps its argument keeps an intact value. No daemon sees these taps, so
+`tapd tail '*'` does not either (docs/TAPPING.md, "Taps that stay in the process").
 """
 
 from __future__ import annotations
