@@ -162,6 +162,7 @@ def stale_rings(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
             directory.rmdir()
 
 
+@pytest.mark.alone  # leaves a dead job's rings for a clean to find
 def test_tapd_clean_removes_rings_whose_writer_and_runtime_dir_are_gone(
     stale_rings: tuple[Path, Path],
 ) -> None:
@@ -174,6 +175,7 @@ def test_tapd_clean_removes_rings_whose_writer_and_runtime_dir_are_gone(
     assert not gone.exists() and kept.exists()
 
 
+@pytest.mark.alone  # leaves a dead job's rings for a clean to find
 def test_a_daemon_start_removes_rings_whose_writer_and_runtime_dir_are_gone(
     start_daemon: Callable[..., Daemon], stale_rings: tuple[Path, Path]
 ) -> None:
@@ -184,6 +186,7 @@ def test_a_daemon_start_removes_rings_whose_writer_and_runtime_dir_are_gone(
     assert daemon.process.poll() is None
 
 
+@pytest.mark.alone  # leaves a dead job's rings for a clean to find
 def test_the_slurm_node_step_removes_its_runtime_dir_and_rings_after_sigterm(
     tmp_path: Path, stale_rings: tuple[Path, Path]
 ) -> None:

@@ -64,6 +64,10 @@ def environment(runtime: Path, cache: str) -> dict[str, str]:
         "TAPD_RUNTIME_DIR": str(runtime),
         "TAPD_AUTOSTART": "1",
         "PYTHONFAULTHANDLER": "1",
+        # A print waits for the callbacks before it (as JAX's run them first) up to this
+        # bound, 10 s by default: a loaded box's compiling first run took longer, and its
+        # last line came out among the callbacks'. A hang is RUN_TIMEOUT's to catch.
+        "TAPD_CELL_TIMEOUT": str(RUN_TIMEOUT),
         "JAX_COMPILATION_CACHE_DIR": cache,
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",

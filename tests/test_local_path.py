@@ -212,6 +212,7 @@ def test_named_and_local_sites_in_one_program_both_deliver(
     assert stats["delivered"] == stats["submitted"] == 40
 
 
+@pytest.mark.alone  # leaves a dead job's rings for a clean to find
 def test_tapd_clean_removes_what_a_killed_process_left_of_its_local_ring(
     runtime_dir: Path,
 ) -> None:
