@@ -366,13 +366,18 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
 
 
 def run_emitter(
-    endpoint: str, scenario: str, *args: str, env: dict[str, str] | None = None, expect_rc: int = 0
+    endpoint: str,
+    scenario: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    expect_rc: int = 0,
+    app: str = "emitter_app.py",
 ) -> dict[str, Any]:
-    """Run one scenario of tests/apps/emitter_app.py (a real JAX process); return the JSON
-    object it prints last."""
+    """Run one scenario of tests/apps/`app` (a real JAX process) against the daemon at
+    `endpoint`; return the JSON object it prints last, with its stdout and stderr."""
     full_env = {**os.environ, "TAPD_ENDPOINT": endpoint, **(env or {})}
     result = subprocess.run(
-        [sys.executable, str(APPS / "emitter_app.py"), scenario, *args],
+        [sys.executable, str(APPS / app), scenario, *args],
         env=full_env,
         capture_output=True,
         text=True,
@@ -384,7 +389,7 @@ def run_emitter(
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     assert lines, f"emitter {scenario} printed no result\n{result.stdout}\n{result.stderr}"
     output: dict[str, Any] = json.loads(lines[-1])
-    output["stderr"] = result.stderr
+    output["stdout"], output["stderr"] = result.stdout, result.stderr
     return output
 
 

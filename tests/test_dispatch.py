@@ -12,27 +12,14 @@ from typing import Any
 
 import pytest
 
-from conftest import APPS, PROCESS_TIMEOUT, Daemon, SubscriberProcess
+from conftest import Daemon, SubscriberProcess, run_emitter
 
 StartDaemon = Callable[..., Daemon]
 StartSubscriber = Callable[..., SubscriberProcess]
 
 
 def run_dispatch(daemon: Daemon, scenario: str, *args: str, **env: str) -> dict[str, Any]:
-    import json
-    import os
-
-    result = subprocess.run(
-        [sys.executable, str(APPS / "dispatch_app.py"), scenario, *args],
-        env={**os.environ, "TAPD_ENDPOINT": daemon.endpoint, **env},
-        capture_output=True,
-        text=True,
-        timeout=PROCESS_TIMEOUT,
-    )
-    assert result.returncode == 0, f"{scenario}: {result.stdout}\n{result.stderr}"
-    output: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
-    output["stdout"] = result.stdout
-    return output
+    return run_emitter(daemon.endpoint, scenario, *args, env=env, app="dispatch_app.py")
 
 
 @pytest.mark.parametrize("ordered", ["1", "0"])

@@ -7,17 +7,13 @@ their sites in another order. Real daemon, subscriber and JAX processes; native 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import APPS, PROCESS_TIMEOUT, Daemon, SubscriberProcess, native_unavailable
+from conftest import Daemon, SubscriberProcess, native_unavailable, run_emitter
 
 StartDaemon = Callable[..., Daemon]
 StartSubscriber = Callable[..., SubscriberProcess]
@@ -28,17 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def run_export(daemon: Daemon, scenario: str, *args: str, **env: str) -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, str(APPS / "export_app.py"), scenario, *args],
-        env={**os.environ, "TAPD_ENDPOINT": daemon.endpoint, **env},
-        capture_output=True,
-        text=True,
-        timeout=PROCESS_TIMEOUT,
-    )
-    assert result.returncode == 0, f"{scenario}: {result.stdout}\n{result.stderr}"
-    output: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
-    output["stderr"] = result.stderr
-    return output
+    return run_emitter(daemon.endpoint, scenario, *args, env=env, app="export_app.py")
 
 
 def comparable(records: list[dict[str, Any]], pid: int) -> list[dict[str, Any]]:
