@@ -278,19 +278,21 @@ def in_flight(calls: str) -> dict[str, Any]:
     }
 
 
-def effects_barrier_in_flight(calls: str) -> dict[str, Any]:
-    """`calls` calls of a step that taps, dispatched without waiting, then JAX's own
-    `jax.effects_barrier()`: the calls keep no runtime token, yet the barrier must still
-    wait for them, as it waits for any computation with an effect."""
+def effects_barrier_in_flight(calls: str, rounds: str) -> dict[str, Any]:
+    """`rounds` times: `calls` calls of a step that taps, dispatched without waiting, then
+    JAX's own `jax.effects_barrier()`: the calls keep no runtime token, yet the barrier
+    must still wait for them, as it waits for any computation with an effect. (On the
+    CPU the barrier's own tiny computation may overtake the chain: several rounds.)"""
     step, x = _warmed_up("jax_barrier")
     before = _taps_run()
-    x, dispatched_before_done = _calls_in_flight(step, x, calls)
-    jax.effects_barrier()
-    return {
-        "ready_after_barrier": x.is_ready(),
-        "taps_run_by_barrier": _taps_run() - before,
-        "dispatched_before_done": dispatched_before_done,
-    }
+    found: dict[str, list[Any]] = {"ready": [], "taps_run": [], "dispatched_before_done": []}
+    for _ in range(int(rounds)):
+        x, dispatched_before_done = _calls_in_flight(step, x, calls)
+        jax.effects_barrier()
+        found["ready"].append(x.is_ready())
+        found["taps_run"].append(_taps_run() - before)
+        found["dispatched_before_done"].append(dispatched_before_done)
+    return found
 
 
 def _taps_run() -> int:
