@@ -66,8 +66,15 @@ class CallbackSite:
         self.in_tree = in_tree
         self.static = dict(static)
         self.name = describe(callback)
+        # f(x, y), every argument an array, no keywords: most calls, which need no merge
+        self.flat = not static and in_tree == jax.tree_util.tree_structure(
+            ((0,) * in_tree.num_leaves, {})
+        )
 
     def run(self, dynamic: Sequence[Any]) -> None:
+        if self.flat:
+            self.callback(*dynamic)
+            return
         args, kwargs = merge(self.in_tree, dynamic, self.static)
         self.callback(*args, **kwargs)
 
