@@ -174,6 +174,30 @@ def test_taps_of_a_site_the_forwarder_made_dormant_are_skipped_not_unrouted(
     assert "taps_received" not in upstream.counters()
 
 
+def test_a_site_traced_after_the_daemon_met_its_ring_is_dormant_before_its_first_tap(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, backend: str
+) -> None:
+    """The daemon reads an emitter's sites file when it meets the ring, and then as the
+    file grows (each periodic check), not only when a record names a site it has not
+    read: a site traced later, that no subscriber takes, is dormant before its first tap,
+    whose taps are then all skipped (the race the test above waits out)."""
+    daemon = start_daemon()
+    start_subscriber(daemon, "other")
+    emitter = start_emitter(daemon.endpoint, "lower_when_told", "40", stdin=subprocess.PIPE)
+    with running(emitter):
+        assert said(emitter) == {"ready": "first"}
+        wait_until(lambda: site_every(daemon, "first") == EVERY_DORMANT, "the ring met")
+        tell(emitter)
+        assert said(emitter) == {"lowered": "loss"}
+        wait_until(lambda: site_every(daemon, "loss") == EVERY_DORMANT, "loss read, dormant")
+        tell(emitter)
+        assert said(emitter) == {"ran": 40}
+        tell(emitter)
+        stats = finish(emitter)["stats"]
+    assert (stats["skipped"], stats["unrouted"], stats["delivered"]) == (40, 0, 0), stats
+    assert daemon.counters()["taps_skipped"] == 40
+
+
 # ---- 2 and 3. connections that drop, on both sides or on one -------------------------
 
 

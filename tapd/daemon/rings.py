@@ -125,6 +125,15 @@ class RingSet:
             source.say_held(router)
         return moved
 
+    def read_new_sites(self) -> None:
+        """Read the sites each live writer appended since. A site traced after its ring
+        was met has no record yet to make the daemon read it; read here (each periodic
+        check), its slot is written before its first tap, so that a site nobody takes
+        copies nothing from its first tap on (tapd/daemon/wants.py)."""
+        for source in self.sources.values():
+            if not source.writer_gone:
+                source.sites.read_new()
+
     def check_writers(self, router: Router) -> None:
         for key, source in list(self.sources.items()):
             if not source.writer_gone and not pid_alive(source.writer_pid):

@@ -263,6 +263,7 @@ class Daemon:
                 if now - last_check > _EXPIRE_EVERY:
                     self.router.expire(now, self.config.subscriber_timeout)
                     self.rings.check_writers(self.router)
+                    self.rings.read_new_sites()
                     self.router.forget_dead_emitters(pid_alive, self.rings.sources)
                     self.departed.check(self.router, self.rings.sources, now)
                     self.replies.forget(self.router.emitters)

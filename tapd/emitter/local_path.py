@@ -298,7 +298,7 @@ class LocalPath:
                 coords = site.coords(body[start : records.ends[i] - position])
             row = [0, tid, records.seqs[i], records.steps[i], records.devices[i],
                    records.times[i], coords, 0, start]  # fmt: skip
-            if previous is site_id:
+            if previous == site_id:
                 runs[-1].rows.append(row)
             else:
                 runs.append(SiteRun(static, body, [row]))

@@ -113,6 +113,27 @@ def steps_when_told(count: str, lower_first: str) -> dict[str, Any]:
     return {"stats": tapd.stats()}
 
 
+def lower_when_told(count: str) -> dict[str, Any]:
+    """A site "first" lowered at once (this process's ring met by the daemon); says
+    {"ready": "first"}. Told, lowers a tap of "loss" (appended to the sites file, no tap
+    run) and says {"lowered": "loss"}. Told again, runs `count` taps of "loss" and says
+    {"ran": ...}; told a third time, its barrier."""
+    jax.jit(lambda i: tapd.tap(i, "first")).lower(0)
+    print(json.dumps({"ready": "first"}), flush=True)
+    sys.stdin.readline()
+    step = jax.jit(lambda i: tapd.tap(i * 1.0, "loss", step=i))
+    step.lower(0)
+    print(json.dumps({"lowered": "loss"}), flush=True)
+    sys.stdin.readline()
+    for i in range(int(count)):
+        step(i)
+    jax.effects_barrier()
+    print(json.dumps({"ran": int(count)}), flush=True)
+    sys.stdin.readline()
+    tapd.barrier_wait(timeout=60)
+    return {"stats": tapd.stats()}
+
+
 def loop_pytree(count: str) -> dict[str, Any]:
     """A fori_loop of `count` steps tapping a pytree and a scalar each step, then a
     barrier: many small taps of two sites, interleaved."""
