@@ -392,12 +392,31 @@ def dispatch_ignores(effect_type: type, flush: Callable[[], None]) -> None:
         init(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs).arguments
         unordered, ordered = bound["unordered_effects"], bound["ordered_effects"]
-        if not ordered and all(isinstance(effect, effect_type) for effect in unordered):
+        if (
+            not ordered
+            and all(isinstance(effect, effect_type) for effect in unordered)
+            and not _on_several_cpus(bound["xla_executable"])
+        ):
             self.has_unordered_effects = False
             _served_without_tokens.set()
 
     init_ignoring_taps.tapd_ignores = effect_type  # type: ignore[attr-defined]
     pxla.ExecuteReplicated.__init__ = init_ignoring_taps  # type: ignore[method-assign]
+
+
+def _on_several_cpus(executable: Any) -> bool:
+    """Whether `executable` runs on more than one CPU device (pmap, shard_map, a
+    partitioned jit over `--xla_force_host_platform_device_count` devices). Those keep
+    JAX's runtime token: the CPU client runs each device's part once its inputs are
+    ready, and a barrier's per-device marker could overtake a part still running, whose
+    outputs the program may have dropped (`lifecycle.flush_devices`). A GPU's or TPU's
+    stream keeps dispatch order; on one CPU device the barrier waits for the live arrays
+    (what escapes that: flush_devices)."""
+    try:
+        devices = executable.local_devices()
+        return len(devices) > 1 and devices[0].platform == "cpu"
+    except Exception:  # (this JAX's executable says otherwise: as before)
+        return False
 
 
 _served_without_tokens = threading.Event()  # an executable took the path dispatch_ignores opens
