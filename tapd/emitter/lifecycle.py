@@ -207,9 +207,10 @@ def flush_devices(*, cpu_arrays: bool = True) -> None:
     so a cheap one overtakes a chain still running (measured: 1-5 runs in 20). There,
     the live CPU arrays are waited for too (`cpu_arrays`, ~0.5-2 ms for 2000 arrays):
     a computation still running has outputs the program holds, unless it dropped every
-    one of them (docs/TAPPING.md says so). JAX's own barrier still covers strict taps
-    and host callbacks (`jax.effects_barrier()` calls this after it, once tapd is
-    loaded)."""
+    one of them (docs/TAPPING.md says so). A computation over several CPU devices keeps
+    JAX's runtime token (`jax_compat._on_several_cpus`). JAX's own barrier, first, covers
+    those, strict taps and host callbacks (`jax.effects_barrier()` calls this after it,
+    once tapd is loaded)."""
     jax_compat.jax_effects_barrier()
     if cpu_arrays:
         _wait_for_live_cpu_arrays()
