@@ -102,3 +102,26 @@ def test_the_persistent_cache_hits_across_processes_whatever_order_they_traced_i
         mine = {r["consumer"]: r for r in comparable(records, run["pid"])}
         assert mine["cache.a"]["value"] == [1.0, 2.0, 3.0] and mine["cache.a"]["step"] == 1
         assert mine["cache.b"]["value"] == [-1, 0, 1] and mine["cache.b"]["step"] == 2
+
+
+def test_tap_functions_of_the_process_hit_the_persistent_cache_in_the_next_process(
+    tmp_path: Path,
+) -> None:
+    """A `tapd.debug` callback or `id_tap` closure names its function in the computation
+    without the process's pid (LocalPath.entry_name), so the next run of the program
+    loads its executables from the cache, and each tap still reaches the function this
+    process traced: two lambdas of one name too. No daemon takes part."""
+    cache = str(tmp_path / "cache")
+    nowhere = f"ipc://{tmp_path}/no-daemon"
+    first = run_emitter(nowhere, "cached_local", cache, "ab", app="export_app.py")
+    second = run_emitter(nowhere, "cached_local", cache, "ba", app="export_app.py")
+    assert first["hits"] == 0 and first["misses"] >= 3
+    assert second["misses"] == 0 and second["hits"] == first["misses"]
+    expected = {
+        "ab": [["a", [1.0, 2.0, 3.0]], ["b", [-1.0, 0.0, 1.0]]],
+        "ba": [["b", [-1.0, 0.0, 1.0]], ["a", [1.0, 2.0, 3.0]]],
+    }
+    twins = [["twin0", [0.0, 1.0, 2.0]], ["twin1", [1.0, 2.0, 3.0]]]
+    for run, order in ((first, "ab"), (second, "ba")):
+        assert run["calls"][:2] == expected[order]
+        assert sorted(run["calls"][2:]) == sorted([*twins, ["id_tap", [0.0, 10.0, 20.0]]])

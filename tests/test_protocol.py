@@ -38,7 +38,7 @@ from tapd.protocol.batch import (
     encode_batch,
     encode_ring_batch,
 )
-from tapd.protocol.dtypes import SUPPORTED_DTYPES
+from tapd.protocol.dtypes import SUPPORTED_DTYPES, dtype_itemsize
 from tapd.protocol.rules import DEFAULT_LIMITS
 from tapd.protocol.schema import KINDS_SCHEMA
 from tapd.protocol.wire import KINDS
@@ -277,6 +277,7 @@ def test_dtype_names_round_trip(name: str) -> None:
     dtype = dtype_from_name(name)
     assert dtype == np.dtype(name)
     assert dtype_name(dtype) == name
+    assert dtype_itemsize(name) == dtype.itemsize  # (the table that header checks use)
 
 
 NON_CONTIGUOUS: dict[str, Callable[[np.ndarray], np.ndarray]] = {

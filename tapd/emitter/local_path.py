@@ -36,8 +36,8 @@ function that keeps its argument keeps an intact value. No daemon sees these tap
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import itertools
 import logging
 import os
 import secrets
@@ -160,7 +160,7 @@ class LocalPath:
         self._progress = threading.Condition(self._lock)  # `handled` moved on
         self._functions: dict[str, LocalFunction] = {}
         self._names: dict[tuple[int, Any], tuple[Callable[..., Any], str]] = {}
-        self._numbers = itertools.count()
+        self._named: collections.Counter[str] = collections.Counter()
         self._site_keys: dict[tuple[str, str], int] = {}
         self._sites: list[tuple[Site, StaticEntry]] = []
         self._consumer_ids: dict[str, int] = {}
@@ -200,12 +200,24 @@ class LocalPath:
             if known is not None:
                 return known[1]
             shown = describe(function)[:_MAX_QUALNAME]
-            name = f"{self.prefix}{next(self._numbers)}/{shown}"
+            # (numbered among the functions of that name: the same in every run of a
+            # program, whatever else it traced first; see entry_name)
+            name = f"{self.prefix}{self._named[shown]}/{shown}"
+            self._named[shown] += 1
             flat = treedef == jax.tree_util.tree_structure((0,) * treedef.num_leaves)
             leaf = treedef.num_nodes == 1 and treedef.num_leaves == 1
             self._functions[name] = LocalFunction(function, treedef, flat, describe(function), leaf)
             self._names[key] = (function, name)  # keeps the function, so its id stays unique
             return name
+
+    def entry_name(self, consumer: str) -> str:
+        """The name a computation's custom call gives a local consumer: `consumer`
+        without this process's part (host, pid, a random tag), so that a program traced
+        again in another process lowers to the same module, which JAX's persistent
+        compilation cache then serves (the entry is put into this process's ring as it
+        lowers; no other process resolves it: tapd.emitter.entries)."""
+        assert self.owns(consumer)
+        return LOCAL_PREFIX + consumer[len(self.prefix) :]
 
     def owns(self, consumer: str) -> bool:
         """Whether `consumer` names a function of this process's local ring."""

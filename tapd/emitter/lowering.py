@@ -89,7 +89,11 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         # The custom call names its site by its entry, not by this process's site id:
         # the same HLO in every process (the persistent cache), and a computation
         # compiled elsewhere still names it (jax.export; tapd.emitter.entries).
-        entry = entries.encode(site.consumer, fields, leaf_entries)
+        entry = entries.encode(
+            site.consumer if local is None else local.entry_name(site.consumer),
+            fields,
+            leaf_entries,
+        )
         native.ring.put_entry(entry.encode("ascii"), site_id, native.consumer_id(site.consumer))
         operand_values = [*tapped, *([step] if site.has_step else [])]
         operand_avals = [*tapped_avals, *([step_aval] if site.has_step else [])]

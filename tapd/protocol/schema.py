@@ -30,7 +30,7 @@ import msgpack
 
 from tapd.errors import ProtocolError, TapDefinitionError
 from tapd.protocol import ring_format
-from tapd.protocol.dtypes import dtype_from_name
+from tapd.protocol.dtypes import dtype_itemsize
 from tapd.protocol.rules import (
     DEFAULT_LIMITS,
     U64_MAX,
@@ -319,14 +319,14 @@ def leaf_sizes(header: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS) -> li
         if not (isinstance(leaf, list) and len(leaf) == 3):
             raise ProtocolError("bad_field", f"leaf {index} is not [dtype, shape, nbytes]")
         name, shape, nbytes = leaf
-        dtype = dtype_from_name(name)
+        itemsize = dtype_itemsize(name)
         if (
             not isinstance(shape, list)
             or len(shape) > limits.max_ndim
             or not all(is_int(d) and d >= 0 for d in shape)
         ):
             raise ProtocolError("bad_field", f"leaf {index} has bad shape {shape!r:.60}")
-        expected = math.prod(shape) * dtype.itemsize
+        expected = math.prod(shape) * itemsize
         if not is_int(nbytes):
             raise ProtocolError("bad_field", f"leaf {index} nbytes {nbytes!r:.20} is not an int")
         if nbytes != expected:

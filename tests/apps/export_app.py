@@ -106,12 +106,53 @@ def cached(directory: str, order: str) -> dict[str, Any]:
     return {"hits": hits, "misses": misses, "stats": tapd.stats()}
 
 
+def cached_local(directory: str, order: str) -> dict[str, Any]:
+    """As `cached`, with tap functions of this process (no daemon): a `tapd.debug`
+    callback in each of two functions traced in `order`, and in a third, two lambdas of
+    one name and an `id_tap` closure. Which function got which value, in call order."""
+    import tapd.debug
+
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    events: list[str] = []
+    jax.monitoring.register_event_listener(lambda event, **kwargs: events.append(event))
+    calls: list[list[Any]] = []
+
+    def got_a(x: jax.Array) -> None:
+        calls.append(["a", x.tolist()])
+
+    def got_b(x: jax.Array) -> None:
+        calls.append(["b", x.tolist()])
+
+    twins = [lambda x, i=i: calls.append([f"twin{i}", x.tolist()]) for i in range(2)]
+
+    def both_twins(x: jax.Array) -> jax.Array:
+        for i, twin in enumerate(twins):
+            tapd.debug.callback(twin, x + i)
+        tapd.id_tap(lambda value, transforms: calls.append(["id_tap", value.tolist()]), x * 10)
+        return x - 1
+
+    functions = {
+        "a": jax.jit(lambda x: (tapd.debug.callback(got_a, x + 1.0), x * 2.0)[1]),
+        "b": jax.jit(lambda x: (tapd.debug.callback(got_b, x - 1.0), x * 3.0)[1]),
+        "t": jax.jit(both_twins),
+    }
+    for name in [*order, "t"]:
+        functions[name](jnp.arange(3.0))
+        tapd.barrier_wait()
+    hits = sum(event == "/jax/compilation_cache/cache_hits" for event in events)
+    misses = sum(event == "/jax/compilation_cache/cache_misses" for event in events)
+    return {"hits": hits, "misses": misses, "calls": calls, "stats": tapd.stats()}
+
+
 SCENARIOS = {
     "export": export_model,
     "call": call,
     "load_bare": load_bare,
     "refusals": refusals,
     "cached": cached,
+    "cached_local": cached_local,
 }
 
 if __name__ == "__main__":
