@@ -621,8 +621,10 @@ def test_nothing_is_lost_when_the_kernel_shuts_down(shutdown_run: ShutdownRun) -
     )
 
 
-def test_nothing_is_lost_when_the_kernel_restarts(setting: Setting) -> None:
-    before, after = setting.workdir / "restart-lines-1", setting.workdir / "restart-lines-2"
+def test_nothing_is_lost_when_the_kernel_restarts(setting: Setting, tmp_path: Path) -> None:
+    # (files of this test's own: the module's workdir outlives it, and a file the
+    # notebook appends to must start empty each time the test runs)
+    before, after = tmp_path / "restart-lines-1", tmp_path / "restart-lines-2"
     kernel = setting.kernel(TAPD_CELL_TIMEOUT=CELL_BOUND)
     try:
         cells = kernel.run(appending_notebook(before))
