@@ -108,30 +108,30 @@ def test_nothing_the_emitter_imports_is_the_daemon_s(module: str) -> None:
     assert not daemon, f"the emitter imports the daemon: {chain(came_from, daemon[0])}"
 
 
-def test_an_emitting_process_loads_no_daemon_module() -> None:
-    """The same at run time, in a fresh interpreter: the sender and the tap API."""
+def loaded_after(modules: str, *packages: str) -> list[str]:
+    """What of `packages` a fresh interpreter has loaded once it imported `modules`."""
     code = (
-        "import sys, tapd.emitter.sender, tapd.emitter.tapping\n"
-        "print(sorted(m for m in sys.modules if m.startswith('tapd.daemon')))\n"
+        f"import sys, {modules}\n"
+        f"print(sorted(m for m in sys.modules for p in {packages!r}"
+        " if m == p or m.startswith(p + '.')))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
-    assert out.stdout.strip() == "[]"
+    return list(ast.literal_eval(out.stdout.strip()))
+
+
+def test_an_emitting_process_loads_no_daemon_module() -> None:
+    """The same at run time, in a fresh interpreter: the sender and the tap API."""
+    assert loaded_after("tapd.emitter.sender, tapd.emitter.tapping", "tapd.daemon") == []
 
 
 def test_a_daemon_a_subscriber_and_the_command_load_no_jax_nor_ml_dtypes() -> None:
     """Their start stays light: ml_dtypes' import alone costs ~0.5 s of CPU, paid by
     every daemon start and `tapd` command (tapd/protocol/dtypes.py imports it when a tap
     of one of its types is first decoded)."""
-    code = (
-        "import sys, tapd.daemon.server, tapd_client.subscriber, tapd.cli.main\n"
-        "print(sorted(m for m in ('jax', 'ml_dtypes') if m in sys.modules))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert out.stdout.strip() == "[]"
+    modules = "tapd.daemon.server, tapd_client.subscriber, tapd.cli.main"
+    assert loaded_after(modules, "jax", "ml_dtypes") == []
 
 
 PROTOCOL = sorted(m for m in MODULES if m.startswith("tapd.protocol."))
