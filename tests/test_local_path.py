@@ -181,6 +181,31 @@ def test_exceptions_surface_at_the_next_barrier_with_name_and_traceback(
     assert_no_daemon_was_started(runtime_dir)
 
 
+def test_interleaved_sites_each_get_their_own_values_and_failures(runtime_dir: Path) -> None:
+    count = 300
+    got = run_app("interleaved", str(count), runtime=runtime_dir)
+    steps = range(count)
+    failing = [i for i in steps if i % 50 == 7]
+    alone = range(1000, 1000 + count)  # then a step with the leaf's site alone
+    assert got["got"]["leaf"] == [i for i in [*steps, *alone] if i % 50 != 7]
+    assert got["got"]["pair"] == [["tuple", i, 2 * i] for i in steps]
+    assert got["got"]["tree"] == [[["a", "b"], i, 3 * i] for i in steps]
+    assert got["got"]["device"] == [[i, True] for i in steps]
+    errors = got["errors"]
+    assert len(errors) == 2 * len(failing)
+    # (the tap's own site, `leaf`'s, and its seq: the site's count of taps, which the
+    # second step's tap of the same function and value shape goes on with)
+    seqs = [*failing, *(count + i for i in failing)]
+    values = [*failing, *(1000 + i for i in failing)]
+    for error, seq, value in zip(errors, seqs, values, strict=True):
+        assert error.split(": ")[0].endswith(f"interleaved.<locals>.leaf#{seq}"), error
+        assert f"deliberate failure at {value}" in error
+    stats = got["stats"]
+    assert stats["ran"] == stats["sent"] == 5 * count
+    assert stats["errors"] == 2 * len(failing) and stats["pending"] == 0
+    assert_no_daemon_was_started(runtime_dir)
+
+
 def test_a_barrier_that_times_out_says_what_it_waits_for(runtime_dir: Path) -> None:
     got = run_app("stuck", runtime=runtime_dir)
     message = got["message"]

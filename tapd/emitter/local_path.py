@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import secrets
@@ -49,11 +50,12 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
 from tapd.emitter.settings import EmitterSettings
 from tapd.errors import BarrierTimeout, TapFunctionException, failure_text
@@ -61,7 +63,7 @@ from tapd.native.ring import Records, Ring
 from tapd.native.sites import Site
 from tapd.native.wake import WakeSocket
 from tapd.protocol.batch import SiteRun
-from tapd.protocol.message import StaticEntry
+from tapd.protocol.message import StaticEntry, stacked_leaves, tap_values
 from tapd.protocol.schema import check_batch_static
 from tapd.runtime import SHM_DIR, ensure_private_dir, local_ring_dir_name
 from tapd_client.daemon_link import ERROR_CHARS
@@ -97,6 +99,28 @@ class LocalFunction:
     flat: bool  # a tuple of leaves, which a tap's value already is (no rebuild)
     name: str  # for people (describe)
     leaf: bool = False  # one leaf, no container: a tap's value is the argument itself
+
+
+class _PlainSite(NamedTuple):
+    """What every tap of a plain local site shares (LocalPath._plain_site)."""
+
+    static: StaticEntry
+    local: LocalFunction
+    consumer: str
+    transforms: Any
+    keywords: dict[str, Any]
+
+
+def _runs_of_equal(column: list[int]) -> Iterator[tuple[int, int]]:
+    """(first, end) of each run of equal values in `column`: in one pass in C where the
+    whole column is one value (a loop that taps one site), else by numpy."""
+    count = len(column)
+    if column.count(column[0]) == count:
+        yield 0, count
+        return
+    starts = np.flatnonzero(np.diff(np.array(column))) + 1
+    bounds = [0, *starts.tolist(), count]
+    yield from itertools.pairwise(bounds)
 
 
 def describe(function: Any) -> str:
@@ -169,6 +193,7 @@ class LocalPath:
             for d in jax.local_devices()
             if d.local_hardware_id is not None
         }
+        self._plain: dict[int, _PlainSite | None] = {}  # by site id: _plain_site
         self._handlers = Handlers()
         self._handlers.add(
             self.prefix + "*", _Named(self._run, "tap function"), False, False, 1, None
@@ -288,80 +313,106 @@ class LocalPath:
         """Run the tap functions of `records` (read from `position` on, viewed by
         `span`), in order; release their ring space; the position after them."""
         body = memoryview(bytes(span[: records.ends[-1] - position]))  # a copy: see above
-        runs: list[SiteRun] = []
         failures = self._failures
         failures.taps.clear()
         with self._lock:
             sites = self._sites
-        tid = failures.last_tid
-        previous = None
-        for i in range(len(records)):
-            site_id = records.sites[i]
+        tid = failures.last_tid + 1  # the delivery id of the run's first tap
+        column = records.sites
+        for first, end in _runs_of_equal(column):
+            site_id = column[first]
             if site_id >= len(sites):  # (a record is written after its site is registered)
                 raise RuntimeError(
-                    f"local ring record {records.starts[i]} of unknown site {site_id}"
+                    f"local ring record {records.starts[first]} of unknown site {site_id}"
                 )
-            site, static = sites[site_id]
-            tid += 1
+            if site_id not in self._plain:
+                self._plain[site_id] = self._plain_site(sites[site_id][1], records, first)
+            plain = self._plain[site_id]
+            if plain is not None:
+                self._run_plain(plain, body, records, first, end, position, tid)
+            else:
+                self._run_handled(sites[site_id], body, records, first, end, position, tid)
+            tid += end - first
+        failures.last_tid = tid - 1
+        end_position = records.ends[-1]
+        self.ring.release(end_position)
+        with self._lock:
+            self.handled = end_position
+            self.ran += len(records)
+            self._progress.notify_all()
+        return end_position
+
+    def _run_handled(
+        self, entry: tuple[Site, StaticEntry], body: memoryview, records: Records,
+        first: int, end: int, position: int, tid: int,
+    ) -> None:  # fmt: skip
+        """Taps first..end-1 of one site, run by `Handlers` as a subscriber runs a
+        daemon's: `device=`, shards, odd metadata (which it reports)."""
+        site, static = entry
+        failures = self._failures
+        rows = []
+        for i in range(first, end):
             failures.taps[tid] = (site.consumer, records.seqs[i])
             start = records.starts[i] + self.ring.header_bytes - position
             coords = None
             if site.shard is not None:
                 coords = site.coords(body[start : records.ends[i] - position])
-            row = [0, tid, records.seqs[i], records.steps[i], records.devices[i],
-                   records.times[i], coords, 0, start]  # fmt: skip
-            if previous == site_id:
-                runs[-1].rows.append(row)
-            else:
-                runs.append(SiteRun(static, body, [row]))
-            previous = site_id
-        for run in runs:
-            if not self._run_plain(run):
-                self._handlers.handle_taps(failures, [run])  # type: ignore[arg-type]
-        end = records.ends[-1]
-        self.ring.release(end)
-        with self._lock:
-            self.handled = end
-            self.ran += len(records)
-            self._progress.notify_all()
-        return end
+            rows.append([0, tid, records.seqs[i], records.steps[i], records.devices[i],
+                         records.times[i], coords, 0, start])  # fmt: skip
+            tid += 1
+        self._handlers.handle_taps(failures, [SiteRun(static, body, rows)])  # type: ignore[arg-type]
 
-    def _run_plain(self, run: SiteRun) -> bool:
-        """Run a run of taps of a site whose function takes no per-tap keyword (no
-        `device=`, no shard): what `Handlers` would do, with the meta, keywords and
-        function looked up once for the run rather than once per tap (the per-call cost
-        of an id_tap in a hot step, bench/RESULTS.md §9). False, having run nothing,
-        for any other run (odd metadata or leaves included: Handlers reports those)."""
-        fields = run.fields
+    def _plain_site(self, static: StaticEntry, records: Records, i: int) -> _PlainSite | None:
+        """What every tap of a site whose function takes no per-tap keyword (no
+        `device=`, no shard) needs, looked up once for the life of the site (record i is
+        one of its taps); None for any other site, or one whose metadata is odd
+        (`Handlers` runs those, and reports what is odd)."""
+        fields = static.fields
         if fields.get("shard") is not None or fields.get("meta", {}).get("tap_with_device"):
-            return False
+            return None
         try:
-            first = MetaTemplate(run.header(0)).meta_of(*run.rows[0][2:7])
-            values = run.values()
-            local = self._functions[first.consumer]
-            keywords = tap_function_keywords(first)
+            seq, step, device, time_ns = (records.seqs[i], records.steps[i],
+                                          records.devices[i], records.times[i])  # fmt: skip
+            header = static.tap_header([0, 0, seq, step, device, time_ns, None, 0, 0])
+            meta = MetaTemplate(header).meta_of(seq, step, device, time_ns, None)
+            local = self._functions[meta.consumer]
+            keywords = tap_function_keywords(meta)
         except Exception:
-            return False
-        function, transforms, failures = local.function, first.transforms, self._failures
-        rows = run.rows  # [static, tid, seq, step, device, time, coords, frame, offset]
-        failures.last_tid = max(failures.last_tid, rows[-1][1])
-        for row, value in zip(rows, values, strict=True):
+            return None
+        return _PlainSite(static, local, meta.consumer, meta.transforms, keywords)
+
+    def _run_plain(
+        self, plain: _PlainSite, body: memoryview, records: Records,
+        first: int, end: int, position: int, tid: int,
+    ) -> None:  # fmt: skip
+        """Taps first..end-1 of a plain site: what `Handlers` would do, with what the
+        taps share looked up once (the per-call cost of an id_tap in a hot step,
+        bench/RESULTS.md §9), and no per-tap bookkeeping but the call's."""
+        local = plain.local
+        offsets = np.array(records.starts[first:end], np.int64)
+        offsets += self.ring.header_bytes - position
+        leaves = stacked_leaves(plain.static, body, offsets)
+        values = tap_values(plain.static.fields["tree"], leaves, end - first)
+        # (a site's values are all of one type: whether they go as they are is the
+        # first's answer)
+        as_is = (local.leaf and not isinstance(values[0], tuple | list | dict)) or (
+            local.flat and type(values[0]) is tuple
+        )
+        function, transforms, keywords = local.function, plain.transforms, plain.keywords
+        for k, value in enumerate(values):
             if self._abandoned:  # (the exit drain gave up: see `close`)
-                self.not_run += 1
-                continue
-            as_is = (local.leaf and not isinstance(value, tuple | list | dict)) or (
-                local.flat and type(value) is tuple
-            )
+                self.not_run += end - first - k
+                return
             self._running = (local.name, time.monotonic())
             try:
                 function(value if as_is else rebuild(local.treedef, value), transforms, **keywords)
             except Exception as exc:
                 self._last_exception = exc
-                self._failed(row[1], first.consumer, row[2], exc)
+                self._failures.taps[tid + k] = (plain.consumer, records.seqs[first + k])
+                self._failed(tid + k, plain.consumer, records.seqs[first + k], exc)
             finally:
                 self._running = None
                 self.calls += 1
-        return True
 
     def _failed(self, tid: int, consumer: str, seq: int, exc: Exception) -> None:
         """A tap function raised: logged now, raised by the next barrier (as

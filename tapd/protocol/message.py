@@ -143,7 +143,8 @@ class SiteRun:
         """Each leaf of the run's taps stacked along a new axis 0, read-only: a strided
         view of the body where the taps are evenly spaced, else a gathered copy."""
         if self._leaves is None:
-            self._leaves = _stacked(self)
+            offsets = np.array([row[8] for row in self.rows], np.int64)
+            self._leaves = stacked_leaves(self.static, self.body, offsets)
         return self._leaves
 
     def __len__(self) -> int:
@@ -165,14 +166,7 @@ class SiteRun:
     def values(self) -> Sequence[Any]:
         """Each tap's value, as `message(i).value()` gives it: rows of the stacked
         leaves (read-only views), rebuilt with the pytree structure where there is one."""
-        leaves = [_rows(leaf) for leaf in self.leaves()]
-        tree = self.fields["tree"]
-        if tree == LEAF:
-            return leaves[0]
-        rebuild = rebuilder(tree)
-        if not leaves:  # a value without arrays: (), None, {}
-            return [rebuild([]) for _ in self.rows]
-        return [rebuild(arrays) for arrays in zip(*leaves, strict=True)]
+        return tap_values(self.fields["tree"], self.leaves(), len(self.rows))
 
     def message(self, i: int) -> Message:
         offset, body = self.rows[i][8], self.body
@@ -223,8 +217,22 @@ def _c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _stacked(run: SiteRun) -> list[np.ndarray]:
-    offsets = np.array([row[8] for row in run.rows], np.int64)
+def tap_values(tree: Any, leaves: list[np.ndarray], count: int) -> Sequence[Any]:
+    """Each of `count` taps' value from its site's stacked leaves (`stacked_leaves`):
+    rows of them (read-only views), rebuilt with the pytree structure where there is one."""
+    rows = [_rows(leaf) for leaf in leaves]
+    if tree == LEAF:
+        return rows[0]
+    rebuild = rebuilder(tree)
+    if not rows:  # a value without arrays: (), None, {}
+        return [rebuild([]) for _ in range(count)]
+    return [rebuild(arrays) for arrays in zip(*rows, strict=True)]
+
+
+def stacked_leaves(static: StaticEntry, body: memoryview, offsets: np.ndarray) -> list[np.ndarray]:
+    """Each leaf of the taps of one site whose leaves start at `offsets` in `body`,
+    stacked along a new axis 0, read-only: a strided view of the body where the taps
+    are evenly spaced, else a gathered copy."""
     count = len(offsets)
     steps = np.diff(offsets)
     stride = int(steps[0]) if count > 1 else 0
@@ -232,9 +240,9 @@ def _stacked(run: SiteRun) -> list[np.ndarray]:
     # (An array made on a memoryview keeps only the view's object, not the view: one
     # made on this array keeps the view's hold on the buffer, so that a ring's mapping
     # is not unmapped under a value a handler kept: tapd_client/shm.py, views=True.)
-    raw = np.frombuffer(run.body, np.uint8)
+    raw = np.frombuffer(body, np.uint8)
     out = []
-    for (name, shape, _), (start, size) in zip(run.fields["leaves"], run.layout, strict=True):
+    for (name, shape, _), (start, size) in zip(static.fields["leaves"], static.layout, strict=True):
         dtype = dtype_from_name(name)
         if size == 0:
             leaf = np.zeros((count, *shape), dtype)

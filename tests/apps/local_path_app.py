@@ -259,7 +259,53 @@ def mixed(count: str) -> dict[str, Any]:
     return {"local": local, "stats": tapd.stats()}
 
 
+def interleaved(count: str) -> dict[str, Any]:
+    """Four local sites in one step, called `count` times, so that each read of the
+    ring holds runs of several sites: a leaf whose function raises now and then, a
+    tuple, a dict, and a site whose function takes `device=` (which `Handlers` runs).
+    Then `leaf` alone, `count` times more: reads of one site. Each function gets every
+    value of its own site, in order; each failure is reported with its own site and
+    seq."""
+    got: dict[str, list[Any]] = {"leaf": [], "pair": [], "tree": [], "device": []}
+
+    def leaf(arg: Any, transforms: Any) -> None:
+        if int(arg) % 50 == 7:
+            raise ValueError(f"deliberate failure at {int(arg)}")
+        got["leaf"].append(int(arg))
+
+    def pair(arg: Any, transforms: Any) -> None:
+        got["pair"].append([type(arg).__name__, int(arg[0]), int(arg[1])])
+
+    def tree(arg: Any, transforms: Any) -> None:
+        got["tree"].append([sorted(arg), int(arg["a"]), int(arg["b"][0])])
+
+    def on_device(arg: Any, transforms: Any, *, device: Any) -> None:
+        got["device"].append([int(arg), device is not None])
+
+    @jax.jit
+    def step(i: jax.Array) -> jax.Array:
+        i = tapd.id_tap(leaf, i)
+        i = tapd.id_tap(pair, (i, i * 2))[0]
+        i = tapd.id_tap(tree, {"a": i, "b": [i * 3]})["a"]
+        return tapd.id_tap(on_device, i, tap_with_device=True) + 1
+
+    i = jnp.int32(0)
+    for _ in range(int(count)):
+        i = step(i)
+    alone = jax.jit(lambda i: tapd.id_tap(leaf, i) + 1)  # runs of one site: long ones
+    i = jnp.int32(1000)
+    for _ in range(int(count)):
+        i = alone(i)
+    errors = None
+    try:
+        tapd.barrier_wait()
+    except tapd.CallbackException as exc:
+        errors = exc.errors
+    return {"got": got, "errors": errors, "stats": tapd.stats()["local"]}
+
+
 SCENARIOS = {
+    "interleaved": interleaved,
     "order": order,
     "flood": flood,
     "barrier_in_flight": barrier_in_flight,
