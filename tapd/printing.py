@@ -38,12 +38,22 @@ def print_tap(
 ) -> None:
     """Print `arg` as host_callback's `id_print` did; `threshold` goes to
     `numpy.array2string`, `output_stream.write` replaces `print` when given."""
+    emit(header_line(transforms, device, kwargs), render(arg, threshold=threshold), output_stream)
+
+
+def header_line(transforms: Any, device: Any, keywords: dict[str, Any]) -> str:
+    """The line before the value: the keywords, sorted by name (`what: ...`), with
+    `transforms` and `device` among them where there are any; "" for none."""
+    shown = dict(keywords)
     if transforms:
-        kwargs["transforms"] = [(name, params) if params else name for name, params in transforms]
+        shown["transforms"] = [(name, params) if params else name for name, params in transforms]
     if device is not None:
-        kwargs["device"] = device
-    header = " ".join(f"{key}: {value}" for key, value in sorted(kwargs.items()))
-    body = render(arg, threshold=threshold)
+        shown["device"] = device
+    return " ".join(f"{key}: {value}" for key, value in sorted(shown.items()))
+
+
+def emit(header: str, body: str, output_stream: _Stream | None) -> None:
+    """A printed tap's lines, together: to `output_stream`, else to stdout."""
     with _lock:
         for line in [header, body] if header else [body]:
             if output_stream is not None:

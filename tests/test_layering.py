@@ -129,8 +129,8 @@ def test_an_emitting_process_loads_no_daemon_module() -> None:
 def test_a_daemon_a_subscriber_and_the_command_load_no_jax_nor_ml_dtypes() -> None:
     """Their start stays light: ml_dtypes' import alone costs ~0.5 s of CPU, paid by
     every daemon start and `tapd` command (tapd/protocol/dtypes.py imports it when a tap
-    of one of its types is first decoded)."""
-    modules = "tapd.daemon.server, tapd_client.subscriber, tapd.cli.main"
+    of one of its types is first decoded). So does id_print's print worker."""
+    modules = "tapd.daemon.server, tapd_client.subscriber, tapd.cli.main, tapd.print_worker"
     assert loaded_after(modules, "jax", "ml_dtypes") == []
 
 

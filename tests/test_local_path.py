@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from conftest import APPS, PROCESS_TIMEOUT, Daemon, SubscriberProcess, tapd_cmd, wait_until
@@ -204,6 +205,54 @@ def test_interleaved_sites_each_get_their_own_values_and_failures(runtime_dir: P
     assert stats["ran"] == stats["sent"] == 5 * count
     assert stats["errors"] == 2 * len(failing) and stats["pending"] == 0
     assert_no_daemon_was_started(runtime_dir)
+
+
+def test_id_print_renders_alike_in_its_print_worker_and_in_the_process(
+    runtime_dir: Path,
+) -> None:
+    """The print worker renders the very text the process would (dtypes, a 0-d int,
+    bfloat16, a summarized array with `threshold`, bools, nan and inf), in order: on
+    every tap (`always`), on long runs of one site only (`auto`), never (`never`)."""
+    count = 60
+
+    def run(mode: str, rounds: str) -> dict[str, Any]:
+        env = {"TAPD_PRINT_WORKER": mode}
+        return run_app("printing", str(count), rounds, env=env, runtime=runtime_dir)
+
+    # auto: in the worker once it has started (~0.2 s; the runs meanwhile are rendered
+    # here), for the long runs of the loop that prints one site alone
+    got = {"auto": run("auto", "until-worker")}
+    rounds = got["auto"]["rounds"]
+    got |= {mode: run(mode, str(rounds)) for mode in ("never", "always")}
+    lines = got["never"]["lines"]
+    assert got["always"]["lines"] == lines and got["auto"]["lines"] == lines
+    # (each step: 6 taps, 3 with a `what:` line; then rounds * count taps of one site)
+    assert len(lines) == count * (6 + 3) + rounds * count * 2
+    assert lines[:4] == ["what: floats\n", f"{np.zeros(16, np.float32)}\n", "0\n", "what: bf16\n"]
+    last = np.arange(4.0, dtype=np.float32) + rounds * count - 1
+    assert lines[-1] == f"{last / 4}\n"
+    taps = count * 6 + rounds * count
+    assert got["never"]["stats"]["printed_by_worker"] == 0 and got["never"]["worker"] is None
+    assert got["always"]["stats"]["printed_by_worker"] == taps
+    assert 0 < got["auto"]["stats"]["printed_by_worker"] <= rounds * count
+    for mode in got.values():
+        assert mode["stats"]["ran"] == mode["stats"]["sent"] == taps
+        assert "print worker failed" not in mode["stderr"]
+    assert_no_daemon_was_started(runtime_dir)
+
+
+def test_a_print_worker_that_dies_loses_no_line(runtime_dir: Path) -> None:
+    count = 200
+    got = run_app(
+        "print_worker_killed", str(count), env={"TAPD_PRINT_WORKER": "always"}, runtime=runtime_dir
+    )
+    assert got["killed"] is not None  # the worker ran, and was killed
+    assert got["lines"] == [np.array2string(np.float32(i)) + "\n" for i in range(2 * count)]
+    assert "tapd's print worker failed" in got["stderr"]
+    assert "renders in this process from now on" in got["stderr"]
+    assert count <= got["stats"]["printed_by_worker"] < 2 * count
+    assert got["stats"]["errors"] == 0
+    wait_until(lambda: not Path(f"/proc/{got['killed']}").exists(), what="the worker is gone")
 
 
 def test_a_barrier_that_times_out_says_what_it_waits_for(runtime_dir: Path) -> None:

@@ -57,11 +57,13 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from tapd import printing
 from tapd.emitter.settings import EmitterSettings
 from tapd.errors import BarrierTimeout, TapFunctionException, failure_text
 from tapd.native.ring import Records, Ring
 from tapd.native.sites import Site
 from tapd.native.wake import WakeSocket
+from tapd.print_worker import PrintWorker
 from tapd.protocol.batch import SiteRun
 from tapd.protocol.message import StaticEntry, stacked_leaves, tap_values
 from tapd.protocol.schema import check_batch_static
@@ -86,6 +88,9 @@ _IDLE_LOOK = 0.5  # s
 # read cost it a fraction of that. The daemon coalesces the same way (--coalesce).
 _COALESCE_BELOW = 256
 _COALESCE = 0.002  # s
+# A run of at least this many taps of an id_print site has its arrays rendered by the
+# print worker (tapd/print_worker.py), under TAPD_PRINT_WORKER=auto.
+_PRINT_WORKER_FROM = 16
 _ERRORS_KEPT = 100  # failures kept for the next barrier (each one's first line counted)
 
 
@@ -109,6 +114,35 @@ class _PlainSite(NamedTuple):
     consumer: str
     transforms: Any
     keywords: dict[str, Any]
+    printing: _Printing | None  # an id_print site whose arrays the print worker may render
+
+
+class _Printing(NamedTuple):
+    """An id_print site's call, taken apart: what `print_tap` would print around the
+    value, and where (tapd.printing)."""
+
+    header: str
+    stream: Any
+    threshold: int | None
+
+
+def _printing(local: LocalFunction, meta: TapMeta, keywords: dict[str, Any]) -> _Printing | None:
+    """An id_print site's call taken apart (`functools.partial(print_tap, ...)` of one
+    array), for the print worker; None for any other function."""
+    import functools
+
+    function = local.function
+    if not (
+        isinstance(function, functools.partial)
+        and function.func is printing.print_tap
+        and not function.args
+        and local.leaf
+    ):
+        return None
+    given = {**function.keywords, **keywords}
+    stream, threshold = given.pop("output_stream", None), given.pop("threshold", None)
+    header = printing.header_line(meta.transforms, given.pop("device", None), given)
+    return _Printing(header, stream, threshold)
 
 
 def _runs_of_equal(column: list[int]) -> Iterator[tuple[int, int]]:
@@ -194,6 +228,7 @@ class LocalPath:
             if d.local_hardware_id is not None
         }
         self._plain: dict[int, _PlainSite | None] = {}  # by site id: _plain_site
+        self._print_worker = PrintWorker(settings.print_worker)
         self._handlers = Handlers()
         self._handlers.add(
             self.prefix + "*", _Named(self._run, "tap function"), False, False, 1, None
@@ -379,7 +414,14 @@ class LocalPath:
             keywords = tap_function_keywords(meta)
         except Exception:
             return None
-        return _PlainSite(static, local, meta.consumer, meta.transforms, keywords)
+        return _PlainSite(
+            static,
+            local,
+            meta.consumer,
+            meta.transforms,
+            keywords,
+            _printing(local, meta, keywords),
+        )
 
     def _run_plain(
         self, plain: _PlainSite, body: memoryview, records: Records,
@@ -393,6 +435,10 @@ class LocalPath:
         offsets += self.ring.header_bytes - position
         leaves = stacked_leaves(plain.static, body, offsets)
         values = tap_values(plain.static.fields["tree"], leaves, end - first)
+        prints, texts = plain.printing, None
+        if prints is not None:  # id_print: its texts rendered on another core?
+            many = end - first >= _PRINT_WORKER_FROM
+            texts = self._print_worker.texts(leaves[0], prints.threshold, many=many)
         # (a site's values are all of one type: whether they go as they are is the
         # first's answer)
         as_is = (local.leaf and not isinstance(values[0], tuple | list | dict)) or (
@@ -405,7 +451,12 @@ class LocalPath:
                 return
             self._running = (local.name, time.monotonic())
             try:
-                function(value if as_is else rebuild(local.treedef, value), transforms, **keywords)
+                if texts is not None and prints is not None:
+                    printing.emit(prints.header, texts[k], prints.stream)
+                else:
+                    function(
+                        value if as_is else rebuild(local.treedef, value), transforms, **keywords
+                    )
             except Exception as exc:
                 self._last_exception = exc
                 self._failures.taps[tid + k] = (plain.consumer, records.seqs[first + k])
@@ -529,7 +580,8 @@ class LocalPath:
     def stats(self) -> dict[str, int]:
         """sent (written to the ring), ran, dropped (ring full, drop_newest), skipped
         (sampled out), errors (functions that raised), pending (sent, not yet read),
-        not_run (read after the exit drain gave up), blocked_ns (writers' wait for room)."""
+        not_run (read after the exit drain gave up), blocked_ns (writers' wait for room),
+        printed_by_worker (id_print taps whose text the print worker rendered)."""
         counters = self.ring.counters()
         return {
             "sent": counters.taps,
@@ -540,6 +592,7 @@ class LocalPath:
             "blocked_ns": counters.blocked_ns,
             "pending": counters.taps - self.ran,
             "not_run": self.not_run,
+            "printed_by_worker": self._print_worker.rendered,
         }
 
     def close(self, timeout: float) -> int:
@@ -572,6 +625,7 @@ class LocalPath:
             )
         else:
             self._wake.close()
+            self._print_worker.close()
             shutil.rmtree(self.directory, ignore_errors=True)
         counts = self.stats()
         return counts["not_run"] + counts["pending"]

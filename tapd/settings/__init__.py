@@ -275,6 +275,12 @@ class EmitterFields:
         "in-process callbacks of the computations before it to run, in seconds (a cell "
         "that reaches it says so; they run later)",
     )
+    print_worker: Literal["auto", "never", "always"] = emitter(
+        "auto",
+        "where id_print's in-process sites render their arrays: auto: in a child process "
+        "for a long run of taps (a loop that prints every step keeps its core and the GIL), "
+        "else here; never: always here; always: in the child for every tap",
+    )
     block_warning_after: float = emitter(
         5.0, "under block, warn when one tap has waited this long for buffer space", variable=None
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -14,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import tapd
@@ -304,8 +306,94 @@ def interleaved(count: str) -> dict[str, Any]:
     return {"got": got, "errors": errors, "stats": tapd.stats()["local"]}
 
 
+class _Lines:
+    """An `output_stream` that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.lines.append(text)
+
+
+def printing(count: str, rounds: str) -> dict[str, Any]:
+    """id_print of several kinds of arrays to an output_stream, one step `count` times
+    (runs of one tap each), then one of them alone, `rounds` rounds of `count` times
+    (long runs; "until-worker": until the print worker, which starts as the first long
+    run comes, has rendered one, at most 100): the lines, the counters and the rounds.
+    TAPD_PRINT_WORKER says where the texts are rendered."""
+    stream = _Lines()
+    np.set_printoptions(precision=4)  # (this thread's: numpy keeps them per context)
+
+    @jax.jit
+    def step(i: jax.Array) -> jax.Array:
+        x = i.astype(jnp.float32) / 7
+        tapd.id_print(x * jnp.arange(16, dtype=jnp.float32), what="floats", output_stream=stream)
+        tapd.id_print(i, output_stream=stream)
+        tapd.id_print(x.astype(jnp.bfloat16) * jnp.ones((2, 3), jnp.bfloat16), what="bf16",
+                      output_stream=stream)  # fmt: skip
+        tapd.id_print(jnp.arange(2000.0) + i, output_stream=stream, threshold=10)
+        tapd.id_print(jnp.array([True, False]) ^ (i % 2 == 0), output_stream=stream)
+        odd = jnp.array([1e8, 0.0, jnp.nan, -jnp.inf], jnp.float32)
+        tapd.id_print(odd + i * 1e-9, what="odd", output_stream=stream)
+        return i + 1
+
+    alone = jax.jit(
+        lambda x: tapd.id_print(x / 4, result=x + 1, what="alone", output_stream=stream)
+    )
+    i = jnp.int32(0)
+    for _ in range(int(count)):
+        i = step(i)
+    x = jnp.arange(4.0)
+    done = 0
+    while done < (100 if rounds == "until-worker" else int(rounds)):
+        for _ in range(int(count)):
+            x = alone(x)
+        tapd.barrier_wait()
+        done += 1
+        if rounds == "until-worker" and tapd.stats()["local"]["printed_by_worker"]:
+            break
+    worker = _print_worker()
+    return {"lines": stream.lines, "stats": tapd.stats()["local"], "worker": worker, "rounds": done}
+
+
+def _print_worker() -> int | None:
+    """The pid of this process's print worker, if it has one."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except (OSError, ValueError):
+            continue
+        if ppid == os.getpid() and b"tapd.print_worker" in command:
+            return int(entry)
+    return None
+
+
+def print_worker_killed(count: str) -> dict[str, Any]:
+    """A loop of id_prints whose print worker is killed half way: every line is
+    printed, in order (rendered here from then on)."""
+    stream = _Lines()
+    alone = jax.jit(lambda x: tapd.id_print(x, output_stream=stream) + 1)
+    x = jnp.float32(0)
+    for _ in range(int(count)):
+        x = alone(x)
+    tapd.barrier_wait()
+    worker = _print_worker()
+    if worker is not None:
+        os.kill(worker, signal.SIGKILL)
+    for _ in range(int(count)):
+        x = alone(x)
+    tapd.barrier_wait()
+    return {"lines": stream.lines, "stats": tapd.stats()["local"], "killed": worker}
+
+
 SCENARIOS = {
     "interleaved": interleaved,
+    "printing": printing,
+    "print_worker_killed": print_worker_killed,
     "order": order,
     "flood": flood,
     "barrier_in_flight": barrier_in_flight,
