@@ -22,6 +22,7 @@ worker imports numpy and tapd.printing, not JAX, and exits when the JAX process 
 from __future__ import annotations
 
 import logging
+import os
 import select
 import struct
 import subprocess
@@ -196,6 +197,9 @@ def _render(request: dict[str, Any]) -> list[str]:
 
 
 def main() -> None:
+    # Below the JAX process's threads: where they want every core, the step goes first
+    # and the lines come a little later.
+    os.nice(10)
     source, sink = sys.stdin.buffer, sys.stdout.buffer
     sink.write(_READY)
     sink.flush()
