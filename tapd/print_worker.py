@@ -10,9 +10,10 @@ order, to the site's stream (or stdout, or a notebook cell), as if it had render
 
 Only what renders alike in both processes comes here: one array per tap, at most
 `MAX_TAP_BYTES` of it, under print options that can be sent (no `formatter`). A few taps
-are rendered in the JAX process: starting the worker (~0.2 s) only pays for a loop; so
-is everything while it starts, and everything after it failed once (logged).
-`TAPD_PRINT_WORKER` (docs/SETTINGS.md) says when it is used.
+at a time are rendered in the JAX process (starting the worker, ~0.2 s, pays only for a
+loop), and so is everything while it starts and everything after it failed once
+(logged). `TAPD_PRINT_WORKER` (docs/SETTINGS.md) says when it is used. The worker runs
+at nice 10: where the JAX process wants every core, the step comes first.
 
 The pipe carries length-prefixed msgpack messages, arrays as raw bytes; no pickle. The
 worker imports numpy and tapd.printing, not JAX, and exits when the JAX process does
@@ -87,12 +88,9 @@ class PrintWorker:
         except Exception as exc:
             self._give_up(f"{type(exc).__name__}: {exc}")
             return None
-        if "error" in reply:  # (the worker lives on: this run is rendered here)
-            logger.warning("tapd's print worker could not render a run: %s", reply["error"])
-            return None
-        texts: list[str] = reply["texts"]
+        texts: list[str] = reply.get("texts", [])
         if len(texts) != len(leaf):
-            self._give_up(f"it rendered {len(texts)} texts of {len(leaf)}")
+            self._give_up(reply.get("error") or f"it rendered {len(texts)} texts of {len(leaf)}")
             return None
         self.rendered += len(texts)
         return texts

@@ -363,9 +363,10 @@ class LocalPath:
             if site_id not in self._plain:
                 self._plain[site_id] = self._plain_site(sites[site_id][1], records, first)
             plain = self._plain[site_id]
-            if plain is not None:
-                self._run_plain(plain, body, records, first, end, position, tid)
-            else:
+            ran = plain is not None and self._run_plain(
+                plain, body, records, first, end, position, tid
+            )
+            if not ran:
                 self._run_handled(sites[site_id], body, records, first, end, position, tid)
             tid += end - first
         failures.last_tid = tid - 1
@@ -426,15 +427,19 @@ class LocalPath:
     def _run_plain(
         self, plain: _PlainSite, body: memoryview, records: Records,
         first: int, end: int, position: int, tid: int,
-    ) -> None:  # fmt: skip
+    ) -> bool:  # fmt: skip
         """Taps first..end-1 of a plain site: what `Handlers` would do, with what the
         taps share looked up once (the per-call cost of an id_tap in a hot step,
-        bench/RESULTS.md §9), and no per-tap bookkeeping but the call's."""
+        bench/RESULTS.md §9), and no per-tap bookkeeping but the call's. False, having
+        run nothing, where the values cannot be read (`Handlers` reports what is odd)."""
         local = plain.local
-        offsets = np.array(records.starts[first:end], np.int64)
-        offsets += self.ring.header_bytes - position
-        leaves = stacked_leaves(plain.static, body, offsets)
-        values = tap_values(plain.static.fields["tree"], leaves, end - first)
+        try:
+            offsets = np.array(records.starts[first:end], np.int64)
+            offsets += self.ring.header_bytes - position
+            leaves = stacked_leaves(plain.static, body, offsets)
+            values = tap_values(plain.static.fields["tree"], leaves, end - first)
+        except Exception:
+            return False
         prints, texts = plain.printing, None
         if prints is not None:  # id_print: its texts rendered on another core?
             many = end - first >= _PRINT_WORKER_FROM
@@ -448,7 +453,7 @@ class LocalPath:
         for k, value in enumerate(values):
             if self._abandoned:  # (the exit drain gave up: see `close`)
                 self.not_run += end - first - k
-                return
+                break
             self._running = (local.name, time.monotonic())
             try:
                 if texts is not None and prints is not None:
@@ -464,6 +469,7 @@ class LocalPath:
             finally:
                 self._running = None
                 self.calls += 1
+        return True
 
     def _failed(self, tid: int, consumer: str, seq: int, exc: Exception) -> None:
         """A tap function raised: logged now, raised by the next barrier (as
