@@ -7,11 +7,11 @@ hand as the daemon would); a woken one (a subscriber process takes it); a strict
 (`ordered="strict"`, dormant); host_callback's `id_tap` of a no-op closure and `id_print`
 to an `output_stream` (both run in this process, from its local ring, by its receiver
 thread, while the loop runs; id_print's texts rendered by its print worker, a child
-process, once it has started: tapd/print_worker.py), and a strict `id_tap`; a no-op `jax.debug.callback`; a
-no-op `io_callback`. Timed from the first call to `block_until_ready()` of the last;
-woken and in-process taps are drained (`barrier_wait`, untimed) between runs. Once per
-backend, each in its own process, the variants interleaved within each repeat; the
-table gives the median over repeats.
+process, once it has started: tapd/print_worker.py), and a strict `id_tap`; a no-op
+`jax.debug.callback`; a no-op `io_callback`. Timed from the first call to
+`block_until_ready()` of the last; woken and in-process taps are drained
+(`barrier_wait`, untimed) between runs. Once per backend, each in its own process, the
+variants interleaved within each repeat; the table gives the median over repeats.
 
 Targets (native): a dormant tap's call <= 1.5 x the untapped call's, and an `id_tap`'s
 or `id_print`'s (issue 33); a woken one <= 1.5 x plus its copy: a numpy copy of the same
