@@ -65,7 +65,11 @@ def configure_listener(sock: zmq.Socket[Any], limits: Limits) -> None:
     # as a busy upstream's forwarders do when their hosts are preempted. The peers that
     # connect send heartbeats themselves (libzmq answers them here), which is how a
     # connection that died unseen is found and made again; the daemon's side of such a
-    # TCP connection is closed by TCP keepalives.
+    # TCP connection is closed by TCP keepalives. Not closed: the same abort when this
+    # side answers a PING that the peer had sent among the unread messages (seen once,
+    # a forwarder's link cut; reproduced with a peer sending a PING every 2 ms). Ending
+    # it takes a liveness check of tapd's own in place of ZeroMQ's heartbeats: TCP's
+    # keepalive alone misses a proxy that holds the connection's other half.
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 2)
