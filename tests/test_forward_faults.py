@@ -249,7 +249,10 @@ def test_a_connection_reset_on_one_side_only_while_idle_heals(
 ) -> None:
     """One side of the forwarder's connection is reset and the other never hears of it:
     the upstream (side "client") or the forwarder (side "upstream") still holds the dead
-    connection. Heartbeats find it dead, and a new connection takes over."""
+    connection. TCP's keepalive (side "client") or the forwarder's own link (side
+    "upstream": a proxy holds the dead connection's other half, so TCP sees nothing
+    wrong; no word from the upstream for RECONNECT_AFTER s) finds it dead, and a new
+    connection takes over."""
     _, forwarder, proxy, far = tcp_pair
     first = start_emitter(forwarder.endpoint, "steps", "20")
     finish(first)

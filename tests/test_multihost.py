@@ -315,8 +315,9 @@ def test_taps_forwarded_across_a_cut_link_all_arrive(
     start_subscriber: Callable[..., SubscriberProcess],
     cut_s: float,
 ) -> None:
-    """The veth link down for 5 s (the connection survives) and for 20 s (heartbeats
-    give it up; a new one is made once the link is back), taps flowing all along."""
+    """The veth link down for 5 s (the connection survives) and for 20 s (TCP gives it
+    up after 10 s of unacknowledged data; a new one is made once the link is back), taps
+    flowing all along."""
     hosts = forwarding_hosts
     steps = 20 * (cut_s + 10)  # one every 50 ms, past the cut
     far = start_subscriber(hosts.upstream, "loss")

@@ -12,6 +12,7 @@ that may have lost them. One thread owns a socket and everything here: the owner
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -21,24 +22,32 @@ from tapd.channel import Channel
 from tapd.errors import ProtocolError
 from tapd.protocol import Limits, Message, decode, encode
 from tapd.protocol.link import (
-    HEARTBEAT_IVL_MS,
-    HEARTBEAT_TIMEOUT_MS,
-    HEARTBEAT_TTL_MS,
+    KEEPALIVE_CNT,
+    KEEPALIVE_IDLE_S,
+    KEEPALIVE_INTVL_S,
+    RECONNECT_AFTER,
     REHELLO_AFTER,
+    UNACKED_MAX_MS,
     EmitterLink,
     LinkEvent,
 )
 from tapd.security import secure_client
 
+logger = logging.getLogger("tapd.link")
+
 Secure = Callable[[zmq.Socket[Any]], None]
 
 
-def heartbeats(sock: zmq.Socket[Any]) -> None:
-    """ZeroMQ heartbeats on a connecting socket: a connection that died unseen is closed
-    and made again (tapd/protocol/link.py, "connections that die unseen")."""
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS)
+def tcp_liveness(sock: zmq.Socket[Any]) -> None:
+    """The kernel's TCP keepalive and unacknowledged-data timeout on a connecting
+    socket: a tcp:// connection that died unseen is closed and made again; no ZeroMQ
+    heartbeat is sent (tapd/protocol/link.py, "connections that die unseen"). An ipc://
+    socket ignores them."""
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_CNT)
+    sock.setsockopt(zmq.TCP_MAXRT, UNACKED_MAX_MS)
 
 
 def connect(
@@ -60,7 +69,7 @@ def connect(
         sock.setsockopt(zmq.RCVHWM, 0)
         if routing_id is not None:
             sock.setsockopt(zmq.ROUTING_ID, routing_id)
-        heartbeats(sock)  # a tcp:// daemon's connection may die unseen
+        tcp_liveness(sock)  # a tcp:// daemon's connection may die unseen
         if secure is None:
             secure_client(sock, endpoint)
         else:
@@ -95,6 +104,10 @@ class EmitterSocket:
         # Barriers sent and not answered: id -> their other fields. A daemon answers an
         # emitter's barriers in order, so an answer settles every one before it too.
         self.barriers: dict[int, dict[str, Any]] = {}
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        self.endpoint = endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+        self.reconnects = 0  # connections dropped for a new one (tick)
+        self._connected_at = now
         self.flush()
 
     def flush(self) -> None:
@@ -147,10 +160,32 @@ class EmitterSocket:
 
     def tick(self, now: float, waiting: bool) -> bool:
         """The link's rehello timer (tapd/protocol/link.py, EmitterLink.tick); True if it
-        said hello again."""
-        hello = self.link.tick(now, waiting)
+        said hello again. A tcp:// daemon silent for RECONNECT_AFTER s while we wait gets
+        a new connection, the old one dropped with what it held (its taps are counted
+        lost, or sent again, as after a restart: the daemon's welcome says which)."""
+        link = self.link
+        hello = link.tick(now, waiting)
+        silent = now - max(link.last_heard, self._connected_at)
+        if (waiting or link.in_flight) and silent > RECONNECT_AFTER and self._tcp():
+            self._reconnect(now, silent)
+            hello = True
         self.flush()
         return hello
+
+    def _tcp(self) -> bool:
+        return self.endpoint.startswith("tcp://")
+
+    def _reconnect(self, now: float, silent: float) -> None:
+        logger.warning(
+            "no word from the daemon at %s for %.0f s: a new connection to it",
+            self.endpoint,
+            silent,
+        )
+        self.sock.disconnect(self.endpoint)
+        self.sock.connect(self.endpoint)
+        self.reconnects += 1
+        self._connected_at = now
+        self.link.hello(now)
 
     def bye(self) -> None:
         """Tell the daemon we are gone, if the socket takes it now."""

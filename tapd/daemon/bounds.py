@@ -59,17 +59,13 @@ def configure_listener(sock: zmq.Socket[Any], limits: Limits) -> None:
     # A peer that reconnects under its routing id (a forwarder) takes that id over from
     # its dead connection instead of being ignored (docs/PROTOCOL.md).
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-    # No ZeroMQ heartbeats on this side: with them, libzmq 4.3.5 aborts the daemon
-    # (`Assertion failed: !_io_error`, stream_engine_base.cpp:310; libzmq #4364) when a
-    # peer dies while its connection holds RCVHWM messages the daemon has not read yet,
-    # as a busy upstream's forwarders do when their hosts are preempted. The peers that
-    # connect send heartbeats themselves (libzmq answers them here), which is how a
-    # connection that died unseen is found and made again; the daemon's side of such a
-    # TCP connection is closed by TCP keepalives. Not closed: the same abort when this
-    # side answers a PING that the peer had sent among the unread messages (seen once,
-    # a forwarder's link cut; reproduced with a peer sending a PING every 2 ms). Ending
-    # it takes a liveness check of tapd's own in place of ZeroMQ's heartbeats: TCP's
-    # keepalive alone misses a proxy that holds the connection's other half.
+    # No ZeroMQ heartbeats on either side: libzmq 4.3.5 aborts the daemon (`Assertion
+    # failed: !_io_error`, stream_engine_base.cpp:310; libzmq #4364) when a peer dies
+    # while its connection holds RCVHWM messages the daemon has not read yet, as a busy
+    # upstream's forwarders do when their hosts are preempted: at this side's next
+    # heartbeat, or as it answers a PING the peer had sent among those messages. The
+    # peers that connect find a dead tcp:// connection themselves (tapd/protocol/link.py);
+    # this side's end of it is closed by TCP keepalives.
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 2)

@@ -101,8 +101,8 @@ class Forwarder:
         try:
             # One identity for this daemon's lifetime, so that after a reconnection the
             # upstream still knows us (it keys its emitters by identity, and lets a new
-            # connection take the identity over from a dead one); heartbeats find a
-            # connection that died unseen, and ZeroMQ then makes a new one.
+            # connection take the identity over from a dead one); a tcp:// connection
+            # that died unseen is found and made again (tapd/protocol/link.py).
             self.socket = emitter_socket.connect(
                 context,
                 self.endpoint,

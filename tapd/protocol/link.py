@@ -251,12 +251,21 @@ def parse_outcome_ranges(value: list[list[Any]]) -> list[tuple[int, int, str]]:
 
 # ---- connections that die unseen -------------------------------------------------------
 
-# ZeroMQ heartbeats (ZMQ_HEARTBEAT_IVL/_TIMEOUT/_TTL) on the connections of daemons and
-# of the emitters that talk to them: a TCP connection whose other end was reset, or whose
-# link went down, carries no pongs, and is closed (and, where we connected, made again)
-# within the timeout, rather than held open, unusable, until the operating system gives
-# up on it many minutes later. (Set by tapd/clients/emitter_socket.py and the daemon's
-# server.py: this module does no I/O.)
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 5000
-HEARTBEAT_TTL_MS = 10000
+# A tcp:// connection to a daemon whose other end was reset, or whose link went down, is
+# closed (and made again) within seconds, rather than held open, unusable, until the
+# operating system gives up on it many minutes later: by the kernel where it can tell
+# (TCP keepalive on an idle connection: dead after IDLE + CNT x INTVL s without an
+# answer; ZMQ_TCP_MAXRT, Linux's TCP_USER_TIMEOUT, where data has gone unacknowledged
+# for UNACKED_MAX_MS), and by the emitter's own link where it cannot (a proxy that holds
+# the connection's other half): no word from the daemon for RECONNECT_AFTER s while it
+# waits for one (its hellos unanswered) and the emitter drops the connection for a new
+# one (tapd/clients/emitter_socket.py). An ipc:// connection needs neither: the kernel
+# closes it when either process dies. No ZeroMQ heartbeats: a daemon's libzmq 4.3.5
+# aborts (`Assertion failed: !_io_error`, stream_engine_base.cpp:310) when it answers a
+# PING read from a connection it had stopped reading (RCVHWM, tapd/daemon/bounds.py)
+# and which then died (tests/test_fanin.py). (This module does no I/O.)
+KEEPALIVE_IDLE_S = 2
+KEEPALIVE_INTVL_S = 1
+KEEPALIVE_CNT = 3
+UNACKED_MAX_MS = 10_000  # a link down for 5 s keeps its connection (TCP backs off to ~6 s)
+RECONNECT_AFTER = 15.0  # s; hellos go every 2 s (doubling) while the daemon is silent
