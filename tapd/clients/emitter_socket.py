@@ -181,10 +181,14 @@ class EmitterSocket:
             self.endpoint,
             silent,
         )
-        self.sock.disconnect(self.endpoint)
+        self._connected_at = now  # (tried again after as long, whatever happens now)
+        try:
+            self.sock.disconnect(self.endpoint)
+        except zmq.ZMQError as exc:  # (connecting again would leave two connections)
+            logger.warning("could not drop the connection to %s: %s", self.endpoint, exc)
+            return
         self.sock.connect(self.endpoint)
         self.reconnects += 1
-        self._connected_at = now
         self.link.hello(now)
 
     def bye(self) -> None:
