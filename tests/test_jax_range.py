@@ -196,7 +196,7 @@ def test_the_installed_jax_is_read_without_importing_it() -> None:
 
 
 @pytest.mark.fast
-def test_cpu_arrays_match_jax_device_put_on_the_fast_path_and_the_fallback(
+def test_cpu_puts_match_jax_device_put_on_the_fast_path_and_the_fallbacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`tapd.debug` hands its callbacks what `jax.device_put(args, cpu)` gives: the fast
@@ -221,10 +221,16 @@ def test_cpu_arrays_match_jax_device_put_on_the_fast_path_and_the_fallback(
             assert got.devices() == {cpu} and got.committed
             assert got.weak_type == (index == 1)
 
-    check(jax_compat.cpu_arrays(leaves, cpu, frozenset({1})))
+    check(jax_compat.cpu_putter(cpu)(leaves, frozenset({1})))
 
     def internals_differ() -> None:
         raise AttributeError("module 'pxla' has no attribute 'batched_device_put'")
 
     monkeypatch.setattr(jax_compat, "_device_putter", internals_differ)
-    check(jax_compat.cpu_arrays(leaves, cpu, frozenset({1})))
+    check(jax_compat.cpu_putter(cpu)(leaves, frozenset({1})))
+
+    def put_refused(*args: object) -> None:  # found, but its signature changed
+        raise TypeError("batched_device_put(): incompatible function arguments")
+
+    monkeypatch.setattr(jax_compat, "_device_putter", lambda: put_refused)
+    check(jax_compat.cpu_putter(cpu)(leaves, frozenset({1})))

@@ -207,6 +207,41 @@ def test_interleaved_sites_each_get_their_own_values_and_failures(runtime_dir: P
     assert_no_daemon_was_started(runtime_dir)
 
 
+def test_debug_callbacks_run_by_runs_get_what_jax_debug_callback_gives(runtime_dir: Path) -> None:
+    """Many taps of each tapd.debug site a read (the receiver's run of one site): each
+    call's arguments (jax.Arrays on the CPU, committed, their values; statics, keywords,
+    vmap's unrolled calls, a typed key, none for grad's transpose) and default device
+    are what jax.debug.callback gives for the same program."""
+    count = "120"
+    want = run_app("debug_runs", "jax", count, runtime=runtime_dir)["calls"]
+    got = run_app("debug_runs", "tapd", count, runtime=runtime_dir)["calls"]
+    assert sorted(got) == sorted(want)
+    for tag in want:
+        if tag != "vmapped":
+            assert got[tag] == want[tag], tag
+    # vmap's unrolled calls are unordered ones: XLA may run a step's three in any order
+    assert len(want["vmapped"]) == 3 * len(want["leaf"]) == 3 * int(count)
+    for start in range(0, len(want["vmapped"]), 3):
+        assert sorted(got["vmapped"][start : start + 3]) == sorted(
+            want["vmapped"][start : start + 3]
+        )
+    assert want["default device"] == ["cpu"] * int(count)
+    assert_no_daemon_was_started(runtime_dir)
+
+
+def test_debug_callback_failures_in_long_runs_each_reported(runtime_dir: Path) -> None:
+    count = 400
+    got = run_app("debug_failures", str(count), runtime=runtime_dir)
+    failing = [i for i in range(count) if i % 50 == 7]
+    assert got["seen"] == [i for i in range(count) if i % 50 != 7]
+    errors = got["errors"]
+    assert len(errors) == len(failing)
+    for error, value in zip(errors, failing, strict=True):
+        assert "debug_failures.<locals>.sometimes" in error.split(": ")[0], error
+        assert f"deliberate failure at {value}" in error
+    assert got["stats"]["errors"] == len(failing) and got["stats"]["pending"] == 0
+
+
 def test_id_print_renders_alike_in_its_print_worker_and_in_the_process(
     runtime_dir: Path,
 ) -> None:

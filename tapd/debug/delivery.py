@@ -27,20 +27,21 @@ logger, for `jax.debug.log`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import logging
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from tapd.emitter import jax_compat
-from tapd.emitter.local_path import describe
+from tapd.emitter.local_path import CallsByRun, describe
 from tapd.errors import BarrierTimeout
 
 # jax.debug.print's logger (jax.debug.log hands its records to it).
@@ -129,7 +130,7 @@ class LeafTypes:
     weak: frozenset[int] = frozenset()
 
 
-class Delivery:
+class Delivery(CallsByRun):
     """The local tap function of one site: (value, transforms) -> the site's calls.
     Named after the callback, so that a failure at `barrier_wait` says which."""
 
@@ -141,24 +142,55 @@ class Delivery:
     def __call__(self, value: Any, transforms: Any, **_: Any) -> None:
         deliver(self.site, list(value), transforms, self.types)
 
+    def calls(self, transforms: Any) -> contextlib.AbstractContextManager[Callable[[Any], None]]:
+        """For a run of this site's taps with the same `transforms` (tapd's receiver
+        runs a site's taps by runs): a function of one tap's value that makes its calls,
+        with what the run's taps share looked up once (the receiver's cost per call of
+        a `tapd.debug` site in a hot step, bench/RESULTS.md §10 (b))."""
+        return calls(self.site, transforms, self.types)
+
 
 def deliver(site: Site, leaves: list[Any], transforms: Any, types: LeafTypes) -> None:
     """Make the calls `jax.debug` makes for one tap of `site`."""
+    with calls(site, transforms, types) as call:
+        call(leaves)
+
+
+@contextlib.contextmanager
+def calls(site: Site, transforms: Any, types: LeafTypes) -> Iterator[Callable[[Any], None]]:
+    """A function of a tap's leaves that makes `site`'s calls for it, for taps with
+    these `transforms`; the calls run with the CPU device as JAX's default device."""
     batch_dims: list[Sequence[int | None]] = []
     for name, params in transforms:
-        if name == "transpose":
-            return  # jax.debug's transpose rule calls nothing
+        if name == "transpose":  # jax.debug's transpose rule calls nothing
+            yield _no_calls
+            return
         if name == "batch":
             batch_dims.append(params["batch_dims"])
-    elements = unbatched([np.asarray(leaf) for leaf in leaves], batch_dims)
-    device = _cpu_device()
+    run, device = site.run, _cpu_device()
     if device is None:  # no CPU backend here: numpy arrays
-        for element in elements:
-            site.run(element)
+
+        def call_numpy(leaves: Any) -> None:
+            for element in unbatched([np.asarray(leaf) for leaf in leaves], batch_dims):
+                run(element)
+
+        yield call_numpy
         return
+    put, weak, key_impls = jax_compat.cpu_putter(device), types.weak, types.key_impls
+
+    def call(leaves: Any) -> None:
+        for element in unbatched([np.asarray(leaf) for leaf in leaves], batch_dims):
+            arrays = put(element, weak)
+            for index, impl in key_impls.items():
+                arrays[index] = jax.random.wrap_key_data(arrays[index], impl=impl)
+            run(arrays)
+
     with jax.default_device(device):
-        for element in elements:
-            site.run(_as_jax(element, device, types))
+        yield call
+
+
+def _no_calls(leaves: Any) -> None:
+    return None
 
 
 def unbatched(leaves: list[Any], batch_dims: Sequence[Sequence[int | None]]) -> list[list[Any]]:
@@ -187,13 +219,6 @@ def unbatched(leaves: list[Any], batch_dims: Sequence[Sequence[int | None]]) -> 
         return []
     # The inner vmaps' elements vary slowest, this (outer) one's index fastest.
     return [per_index[i][k] for k in range(len(per_index[0])) for i in range(size)]
-
-
-def _as_jax(leaves: list[Any], device: Any, types: LeafTypes) -> list[Any]:
-    arrays = jax_compat.cpu_arrays(leaves, device, types.weak)
-    for index, impl in types.key_impls.items():
-        arrays[index] = jax.random.wrap_key_data(arrays[index], impl=impl)
-    return arrays
 
 
 @functools.cache

@@ -549,23 +549,36 @@ def outside_any_mesh() -> Any:
     return set_mesh(empty)
 
 
-def cpu_arrays(leaves: list[Any], device: Any, weak: frozenset[int]) -> list[Any]:
-    """`leaves` (numpy arrays) as committed jax.Arrays on CPU `device`, those at the
-    indices `weak` weakly typed, as `jax.debug.callback` hands its arguments.
+def cpu_putter(device: Any) -> Callable[[list[Any], frozenset[int]], list[Any]]:
+    """A function of (leaves, weak) that makes `leaves` (numpy arrays) committed
+    jax.Arrays on CPU `device`, those at the indices `weak` weakly typed, as
+    `jax.debug.callback` hands its arguments. Made once for a run of calls.
 
     `jax.device_put` costs ~27-45 µs a leaf here, most of it Python around one C++
-    call; that call (~2.6 µs) is what a `tapd.debug` call per step pays on the
-    receiver thread, beside the step, under one GIL. Where this JAX's
-    internals differ: `jax.device_put`, then the weak type where it can be given."""
+    call; that call (~3 µs, twice that beside a dispatching thread) is what a
+    `tapd.debug` call per step pays on the receiver thread, beside the step, under one
+    GIL. Where this JAX's internals differ: `jax.device_put`, then the weak type where
+    it can be given."""
     try:
         put = _device_putter()
         sharding = _single_device_sharding(device)
-        return [
-            put(_aval(leaf.shape, leaf.dtype, index in weak), sharding, [leaf], [device])
-            for index, leaf in enumerate(leaves)
-        ]
     except Exception:
-        pass
+        return functools.partial(_put_by_jax, device)
+    devices = [device]
+
+    def put_leaves(leaves: list[Any], weak: frozenset[int]) -> list[Any]:
+        try:
+            return [
+                put(_aval(leaf.shape, leaf.dtype, index in weak), sharding, [leaf], devices)
+                for index, leaf in enumerate(leaves)
+            ]
+        except Exception:
+            return _put_by_jax(device, leaves, weak)
+
+    return put_leaves
+
+
+def _put_by_jax(device: Any, leaves: list[Any], weak: frozenset[int]) -> list[Any]:
     import jax
 
     arrays = list(jax.device_put(leaves, device))

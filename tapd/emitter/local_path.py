@@ -37,6 +37,7 @@ function that keeps its argument keeps an intact value. No daemon sees these tap
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -104,6 +105,16 @@ class LocalFunction:
     flat: bool  # a tuple of leaves, which a tap's value already is (no rebuild)
     name: str  # for people (describe)
     leaf: bool = False  # one leaf, no container: a tap's value is the argument itself
+
+
+class CallsByRun:
+    """A local tap function that makes a run of its site's taps with what they share
+    looked up once (tapd.debug's `Delivery`): the receiver runs a plain site's taps
+    through `calls(transforms)`, a context whose value is a function of one tap's value,
+    instead of calling the function once a tap."""
+
+    def calls(self, transforms: Any) -> contextlib.AbstractContextManager[Callable[[Any], None]]:
+        raise NotImplementedError
 
 
 class _PlainSite(NamedTuple):
@@ -450,25 +461,31 @@ class LocalPath:
             local.flat and type(values[0]) is tuple
         )
         function, transforms, keywords = local.function, plain.transforms, plain.keywords
-        for k, value in enumerate(values):
-            if self._abandoned:  # (the exit drain gave up: see `close`)
-                self.not_run += end - first - k
-                break
-            self._running = (local.name, time.monotonic())
-            try:
-                if texts is not None and prints is not None:
-                    printing.emit(prints.header, texts[k], prints.stream)
-                else:
-                    function(
-                        value if as_is else rebuild(local.treedef, value), transforms, **keywords
-                    )
-            except Exception as exc:
-                self._last_exception = exc
-                self._failures.taps[tid + k] = (plain.consumer, records.seqs[first + k])
-                self._failed(tid + k, plain.consumer, records.seqs[first + k], exc)
-            finally:
-                self._running = None
-                self.calls += 1
+        by_run = function.calls(transforms) if isinstance(function, CallsByRun) else None
+        with by_run if by_run is not None else contextlib.nullcontext() as call:
+            for k, value in enumerate(values):
+                if self._abandoned:  # (the exit drain gave up: see `close`)
+                    self.not_run += end - first - k
+                    break
+                self._running = (local.name, time.monotonic())
+                try:
+                    if texts is not None and prints is not None:
+                        printing.emit(prints.header, texts[k], prints.stream)
+                    elif call is not None:
+                        call(value if as_is else rebuild(local.treedef, value))
+                    else:
+                        function(
+                            value if as_is else rebuild(local.treedef, value),
+                            transforms,
+                            **keywords,
+                        )
+                except Exception as exc:
+                    self._last_exception = exc
+                    self._failures.taps[tid + k] = (plain.consumer, records.seqs[first + k])
+                    self._failed(tid + k, plain.consumer, records.seqs[first + k], exc)
+                finally:
+                    self._running = None
+                    self.calls += 1
         return True
 
     def _failed(self, tid: int, consumer: str, seq: int, exc: Exception) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +41,7 @@ from tapd.emitter.sender import TapSite
 from tapd.errors import TapDefinitionError
 from tapd.native import library
 from tapd.native.ring import NO_STEP
-from tapd.protocol.ring_format import RINGS, writer_every
+from tapd.protocol.ring_format import EVERY_ALWAYS_BIT, RINGS, writer_every
 
 logger = logging.getLogger("tapd.emitter")
 
@@ -114,15 +115,19 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         devices = getattr(axis_context, "num_devices", 1)
         if not partitioned or not 0 <= where < devices:
             where = 0
-        device, device_aval = _device_index(ctx, where)
+        # The device's index: an operand where each device runs the callback (inside
+        # shard_map/pmap), else `where`, known now (one operand less to convert a call).
+        device_operand = _partition_index(ctx)
+        devices_at = _DeviceOrdinals(_local_ordinals(ctx), None if device_operand else where)
         callback = _ring_callback if native is not None else _sender_callback
         fields = _site_fields(site, platform)
-        host_function = callback(native, site, fields, tapped_avals, _local_ordinals(ctx))
-        operand_values = [*tapped, *([step] if site.has_step else []), device]
+        host_function = callback(native, site, fields, tapped_avals, devices_at)
+        device_values, device_avals = device_operand or ([], [])
+        operand_values = [*tapped, *([step] if site.has_step else []), *device_values]
         callback_avals: list[Any] = [
             *tapped_avals,
             *([step_aval] if site.has_step else []),
-            device_aval,
+            *device_avals,
         ]
         # The callback's custom call is laid out from its context's avals: ours.
         callback_ctx = dataclasses.replace(ctx, avals_in=callback_avals, avals_out=[])
@@ -142,8 +147,10 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             )
 
         if native is not None and _guarded_here(platform, axis_context, tapped_avals):
-            wanted = _ring_guard(native, site, fields, tapped_avals, _local_ordinals(ctx))
-            new_token = _emit_guarded(ctx, wanted, token, device, device_aval, sharding, emit)
+            wanted = _ring_guard(native, site, fields, tapped_avals, devices_at)
+            new_token = _emit_guarded(
+                ctx, wanted, token, device_values, device_avals, sharding, emit
+            )
         else:
             new_token = emit(token)
     if site.strict and token is not None:
@@ -222,26 +229,37 @@ def _single_device(axis_context: Any, index: int) -> Any:
     return None if not assignment else SingleDeviceSharding(assignment[index])
 
 
-def _device_index(ctx: mlir.LoweringRuleContext, where: int = 0) -> tuple[Any, core.ShapedArray]:
-    """This device's index in the computation's device assignment, as a u32 scalar
-    (`where` for a tap that runs on one device of a jit)."""
-    context = ctx.module_context.axis_context
-    # Under a jit (ShardingContext) the callback runs once, on the assignment's first
-    # device (its sharding says so); per device only inside shard_map/pmap.
-    value: Any
-    if isinstance(context, sharding_impls.SPMDAxisContext):
-        value = hlo.partition_id()
-    else:
-        value = mlir.ir_constant(np.uint32(where))
+def _partition_index(ctx: mlir.LoweringRuleContext) -> tuple[list[Any], list[Any]] | None:
+    """([this device's index in the computation's device assignment, a u32 scalar], its
+    aval) inside shard_map/pmap, where the callback runs on every device; None under a
+    jit (ShardingContext), where it runs once, on one device known when it is lowered."""
+    if not isinstance(ctx.module_context.axis_context, sharding_impls.SPMDAxisContext):
+        return None
+    value = hlo.partition_id()
     scalar = ir.RankedTensorType.get([], ir.IntegerType.get_unsigned(32))
     if value.type != scalar:
         value = hlo.reshape(scalar, value)
-    return value, core.ShapedArray((), np.dtype(np.uint32))
+    return [value], [core.ShapedArray((), np.dtype(np.uint32))]
+
+
+class _DeviceOrdinals:
+    """The local device ordinal a host callback reports, from its device's index in the
+    assignment (its last operand), or `fixed`: the one it always runs on."""
+
+    def __init__(self, ordinals: Sequence[int], index: int | None) -> None:
+        self.table = tuple(ordinals)
+        self.fixed = None if index is None else self.of(index)
+
+    def of(self, index: int) -> int:
+        return self.table[index] if index < len(self.table) else index
+
+    def __call__(self, args: Sequence[Any]) -> int:
+        return self.fixed if self.fixed is not None else self.of(int(args[-1]))
 
 
 def _local_ordinals(ctx: mlir.LoweringRuleContext) -> list[int]:
     """The local device ordinal (what XLA's FFI calls DeviceOrdinal) of each device of
-    the computation's device assignment, which `_device_index` indexes; -1 for another
+    the computation's device assignment, which `_partition_index` gives; -1 for another
     process's device."""
     context = ctx.module_context.axis_context
     devices: Sequence[Any] = ()
@@ -287,46 +305,63 @@ def _ring_callback(
     site: TapSiteParams,
     fields: dict[str, Any],
     tapped_avals: Sequence[Any],
-    ordinals: Sequence[int],
+    devices_at: _DeviceOrdinals,
 ) -> Callable[..., tuple[()]]:
     """The host function of a portable tap: one call into the library writes the record.
     A dormant or sampled-out tap (the ring's site table) returns before any copy, its
     seq used up and counted as skipped by `tapd_ring_skip`; JAX's callback itself (and,
     off CPU, its device-to-host transfer of the operands) is still paid, unless the
-    tap is big enough to ask first (`_emit_guarded`)."""
+    tap is big enough to ask first (`_emit_guarded`). A site that takes every tap
+    (`always`, no `every=K`) need not ask.
+
+    It runs in the step, on the thread that runs the computation (the dispatching one
+    on CPU), so every call counts: a leaf of up to `_COPIED_BYTES` is handed to the
+    library as a ctypes copy, whose address costs a fifth of `ndarray.ctypes.data`'s
+    (bench/RESULTS.md §10, portable (b))."""
     assert native is not None
     site_id, consumer_id, every, lib = _ring_site(native, site, fields, tapped_avals)
     skip, write = lib.tapd_ring_skip, lib.tapd_ring_write_leaves
     handle = native.ring.handle  # (the daemon's ring, or the local one)
-    table = tuple(ordinals)
+    asks = not (every & EVERY_ALWAYS_BIT and every & ~EVERY_ALWAYS_BIT <= 1)
+    fixed_device, device_of = devices_at.fixed, devices_at.of
     count = len(tapped_avals)
     has_step = site.has_step
     pointer_array = ctypes.c_void_p * count
     size_array = ctypes.c_uint64 * count
+    addressof, chars = ctypes.addressof, _char_array
 
     def write_record(*args: Any) -> tuple[()]:
         # Runs on an XLA thread; the arrays view XLA's buffers: copy them into the ring
         # now, in this one call, and keep nothing.
-        index = int(args[-1])
-        device = table[index] if index < len(table) else index
-        if skip(handle, site_id, consumer_id, device, every):
+        device = fixed_device if fixed_device is not None else device_of(int(args[-1]))
+        if asks and skip(handle, site_id, consumer_id, device, every):
             return ()  # dormant or sampled out: counted, nothing copied
-        arrays = [np.ascontiguousarray(a) for a in args[:count]]
+        pointers, sizes, kept = pointer_array(), size_array(), []
+        for i in range(count):
+            leaf = np.ascontiguousarray(args[i])
+            sizes[i] = size = leaf.nbytes
+            if size <= _COPIED_BYTES:
+                leaf = chars(size).from_buffer_copy(leaf)
+                pointers[i] = addressof(leaf)
+            else:
+                pointers[i] = leaf.ctypes.data
+            kept.append(leaf)  # (alive until the library has copied it)
         step = int(args[count]) if has_step else NO_STEP
-        write(
-            handle,
-            site_id,
-            consumer_id,
-            device,
-            step,
-            every,
-            count,
-            pointer_array(*[a.ctypes.data for a in arrays]),
-            size_array(*[a.nbytes for a in arrays]),
-        )
+        write(handle, site_id, consumer_id, device, step, every, count, pointers, sizes)
         return ()
 
     return write_record
+
+
+# A portable tap's leaf of up to this many bytes goes to the library as a ctypes copy
+# (`_ring_callback`): one more copy, cheaper than asking numpy for the address up to a
+# few KiB.
+_COPIED_BYTES = 4096
+
+
+@functools.cache
+def _char_array(size: int) -> Any:
+    return ctypes.c_char * size
 
 
 # A portable tap of this many bytes or more first asks whether its site wants it
@@ -360,7 +395,7 @@ def _ring_guard(
     site: TapSiteParams,
     fields: dict[str, Any],
     tapped_avals: Sequence[Any],
-    ordinals: Sequence[int],
+    devices_at: _DeviceOrdinals,
 ) -> Callable[..., tuple[Any]]:
     """The host function a guarded tap asks first: 1 if its site takes this tap, 0 if it
     is dormant or sampled out (its seq then used up and counted as skipped, as
@@ -368,11 +403,9 @@ def _ring_guard(
     site_id, consumer_id, every, lib = _ring_site(native, site, fields, tapped_avals)
     skip = lib.tapd_ring_skip
     handle = native.ring.handle
-    table = tuple(ordinals)
 
-    def wanted(index_value: Any) -> tuple[Any]:
-        index = int(index_value)
-        device = table[index] if index < len(table) else index
+    def wanted(*args: Any) -> tuple[Any]:
+        device = devices_at(args)
         return (np.int32(0 if skip(handle, site_id, consumer_id, device, every) else 1),)
 
     return wanted
@@ -382,20 +415,20 @@ def _emit_guarded(
     ctx: mlir.LoweringRuleContext,
     wanted: Callable[..., tuple[Any]],
     token: Any,
-    device: Any,
-    device_aval: Any,
+    device_values: list[Any],
+    device_avals: list[Any],
     sharding: Any,
     emit: Callable[[Any], Any],
 ) -> Any:
-    """`wanted(device)` as a host callback, then a `case` on its answer whose second
+    """`wanted(*device_values)` as a host callback, then a `case` on its answer whose second
     branch is the tap's own callback (`emit`); returns the token after both (None
     without one). The question takes the chain's token first and is marked a tap of it,
     so that tapd's order pass places it as it places taps; the `case`, which returns
     the next token, is the tap itself to the pass (`order.after_tap`)."""
     flag_aval = core.ShapedArray((), np.int32)
-    question_ctx = dataclasses.replace(ctx, avals_in=[device_aval], avals_out=[flag_aval])
+    question_ctx = dataclasses.replace(ctx, avals_in=device_avals, avals_out=[flag_aval])
     flag, asked = jax_compat.emit_python_callback_with_result(
-        question_ctx, wanted, token, [device], [device_aval], flag_aval, sharding=sharding
+        question_ctx, wanted, token, device_values, device_avals, flag_aval, sharding=sharding
     )
     if asked is not None:
         order.mark_tap(asked.owner)
@@ -414,7 +447,7 @@ def _sender_callback(
     site: TapSiteParams,
     fields: dict[str, Any],
     tapped_avals: Sequence[Any],
-    ordinals: Sequence[int],
+    devices_at: _DeviceOrdinals,
 ) -> Callable[..., tuple[()]]:
     """The host function of a portable tap without a ring: copy, hand to the sender.
     The site's own `every=K` samples here too (by the sender's seq, before the copy);
@@ -424,11 +457,9 @@ def _sender_callback(
     leaf_count = len(tapped_avals) - site.has_coords
     has_step = site.has_step
     has_coords = site.has_coords
-    table = tuple(ordinals)
 
     def submit(*args: Any) -> tuple[()]:
-        index = int(args[-1])
-        device = table[index] if index < len(table) else index
+        device = devices_at(args)
         sender = lifecycle.get_sender()
         if sender.sampled_out(tap_site, device):
             return ()  # its seq used up, counted as skipped

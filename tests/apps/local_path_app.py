@@ -306,6 +306,80 @@ def interleaved(count: str) -> dict[str, Any]:
     return {"got": got, "errors": errors, "stats": tapd.stats()["local"]}
 
 
+def _described(value: Any) -> Any:
+    """What a callback can see of one argument, as JSON."""
+    if isinstance(value, jax.Array):
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+            return ["key", str(value.dtype), jax.random.key_data(value).tolist()]
+        return [
+            "Array", str(value.dtype), list(value.shape), value.tolist(), value.committed,
+            sorted(d.platform for d in value.devices()), value.weak_type,
+        ]  # fmt: skip
+    return [type(value).__name__, repr(value)]
+
+
+def debug_runs(which: str, count: str) -> dict[str, Any]:
+    """`count` steps of a program whose `tapd.debug.callback` (or, `which` = "jax",
+    `jax.debug.callback`) sites see a leaf, static and keyword arguments, a vmapped
+    value, a typed PRNG key and a value under `grad`: many taps of each site a read of
+    the ring. What each call gets, per site in call order, and the default device it
+    runs under (tests compare tapd's with JAX's)."""
+    callback = tapd.debug.callback if which == "tapd" else jax.debug.callback
+    calls: dict[str, list[Any]] = {}
+
+    def record(tag: str) -> Any:
+        def called(*args: Any, **kwargs: Any) -> None:
+            described = [_described(a) for a in args]
+            keywords = {k: _described(v) for k, v in sorted(kwargs.items())}
+            calls.setdefault(tag, []).append([described, keywords])
+
+        return called
+
+    def default_device(v: Any) -> None:
+        made = jnp.zeros(())  # where an array made in the callback lands
+        calls.setdefault("default device", []).append(sorted(made.devices())[0].platform)
+
+    @jax.jit
+    def step(i: jax.Array) -> jax.Array:
+        x = i.astype(jnp.float32) * 0.5
+        callback(record("leaf"), x)
+        callback(record("static"), x, "label", None, scale=2, y=x * 2)
+        jax.vmap(lambda r: callback(record("vmapped"), r, x))(jnp.stack([x, x + 1, x + 2]))
+        callback(record("key"), jax.random.key(i))
+        jax.grad(lambda z: (callback(record("grad"), z), z * 2.0)[1])(x)
+        callback(default_device, x)
+        return i + 1
+
+    i = jnp.int32(0)
+    for _ in range(int(count)):
+        i = step(i)
+    jax.block_until_ready(i)
+    tapd.barrier_wait()
+    return {"calls": calls}
+
+
+def debug_failures(count: str) -> dict[str, Any]:
+    """A tapd.debug.callback in a hot step that raises now and then: every other call
+    runs, in order; each failure is reported at the barrier, naming the callback."""
+    seen: list[int] = []
+
+    def sometimes(v: Any) -> None:
+        if int(v) % 50 == 7:
+            raise ValueError(f"deliberate failure at {int(v)}")
+        seen.append(int(v))
+
+    step = jax.jit(lambda i: (tapd.debug.callback(sometimes, i), i + 1)[1])
+    i = jnp.int32(0)
+    for _ in range(int(count)):
+        i = step(i)
+    errors = None
+    try:
+        tapd.barrier_wait()
+    except tapd.CallbackException as exc:
+        errors = exc.errors
+    return {"seen": seen, "errors": errors, "stats": tapd.stats()["local"]}
+
+
 class _Lines:
     """An `output_stream` that keeps what it is given."""
 
@@ -391,6 +465,8 @@ def print_worker_killed(count: str) -> dict[str, Any]:
 
 
 SCENARIOS = {
+    "debug_runs": debug_runs,
+    "debug_failures": debug_failures,
     "interleaved": interleaved,
     "printing": printing,
     "print_worker_killed": print_worker_killed,
