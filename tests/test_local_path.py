@@ -95,6 +95,21 @@ def test_drop_newest_policy_drops_and_counts_every_drop(runtime_dir: Path) -> No
     assert "not every tap of this process's own tap functions ran" in got["stderr"]
 
 
+def test_taps_that_gather_never_wait_for_the_gathering_to_end(
+    runtime_dir: Path, tmp_path: Path
+) -> None:
+    """With the receiver gathering taps for 10 minutes after each read: a writer that
+    finds no room, half a ring waiting, a barrier and exit each wake it (the process
+    would otherwise outlive this test's timeout)."""
+    ran = tmp_path / "ran.txt"
+    env = {"TAPD_BUFFER_BYTES": str(64 * 1024), "TAPD_EMITTER_POLICY": "block"}
+    got = run_app("gathering", str(ran), env=env, runtime=runtime_dir)
+    assert got["at_barrier"] == 500
+    assert [int(v) for v in ran.read_text().split()] == list(range(510))  # exit ran 10
+    assert got["stats"]["blocked_ns"] > 0  # the 40 KiB tap waited for room
+    assert "not every tap" not in got["stderr"]
+
+
 def test_barriers_wait_for_callbacks_in_flight(runtime_dir: Path) -> None:
     got = run_app("barrier_in_flight", "30", runtime=runtime_dir)
     assert got["after_jax"] == 30  # jax.effects_barrier(), once tapd.install_debug()

@@ -655,6 +655,43 @@ def test_an_idle_reader_is_woken_by_the_next_commit_not_before(rings: Rings) -> 
     assert [r.payload[:6].tobytes() for r in reader.read(end)] == [b"second", b"third\0"]
 
 
+@pytest.mark.fast
+def test_a_gathering_reader_is_woken_once_half_the_ring_waits_not_before(rings: Rings) -> None:
+    """A reader letting taps gather (`gather`) is not woken by each commit, as an idle
+    one is, but by the first that leaves half the ring waiting for it; it is not asked
+    for at all where half waits already; back (`gather(False)`), it asks nothing."""
+    writer = rings.create("block")
+    reader = rings.open()
+    size = 1000
+    length = HEADER + align8(size)
+    below_half = (CAPACITY // 2 - 1) // length
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as wake:
+        wake.bind(str(rings.path("wake.sock")))
+        assert reader.gather() is True
+        wake.settimeout(0.05)
+        for i in range(below_half):
+            assert writer.write(i % 200, bytes(size))
+        with pytest.raises(TimeoutError):
+            wake.recv(16)
+        assert writer.write(7, bytes(size))  # half the ring now waits
+        wake.settimeout(10)
+        assert wake.recv(16) == b"\x01"
+        assert writer.write(8, bytes(size))  # the flag was taken: no second datagram
+        assert reader.gather() is False  # half waits already: not asked
+        assert writer.write(9, bytes(size))
+        wake.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            wake.recv(16)
+        end = reader.read(0)[-1].end
+        reader.release(end)
+        assert reader.gather() is True
+        assert reader.gather(False) is True  # back: nothing asked any more
+        for i in range(below_half + 2):
+            assert writer.write(i % 200, bytes(size))
+        with pytest.raises(TimeoutError):
+            wake.recv(16)
+
+
 # ---- 7. reader restart -----------------------------------------------------------------
 
 

@@ -82,13 +82,16 @@ _RECORDS_PER_READ = 4096
 # The receiver sleeps until a writer's wake-up, or this long: a wake-up lost (none is
 # known to be) would cost this much delay, never a hang.
 _IDLE_LOOK = 0.5  # s
-# After a read of fewer taps than this, the receiver waits this long (or until a barrier,
-# a print or exit hurries it) before it reads again. Woken for each tap of a loop that
-# dispatches small steps one by one, it took the GIL from the dispatching thread at
-# every step (bench/RESULTS.md §10 (b): 65 µs a call of a 4.5 µs step); a few taps a
-# read cost it a fraction of that. The daemon coalesces the same way (--coalesce).
-_COALESCE_BELOW = 256
-_COALESCE = 0.002  # s
+# After a read that did not take every tap there was room for, the receiver lets taps
+# gather this long before it reads again, unless a barrier, a print or exit hurries it,
+# or half the ring waits (its writers wake it then: no writer finds it full meanwhile).
+# Woken for each tap of a loop that dispatches small steps one by one, it took the GIL
+# from the dispatching thread at every step (bench/RESULTS.md §10 (b): 65 µs a call of
+# a 4.5 µs step). Each time it wakes costs the step too (the GIL passed back and forth
+# between two cores, a core taken from the step's own threads): 10 ms rather than 2
+# took (b) from 0.136 to 0.11 of JAX's cost, (b2) from ~25 µs added a step to ~13. The
+# daemon coalesces the same way (--coalesce).
+_GATHER = 0.010  # s
 # A run of at least this many taps of an id_print site has its arrays rendered by the
 # print worker (tapd/print_worker.py), under TAPD_PRINT_WORKER=auto.
 _PRINT_WORKER_FROM = 16
@@ -254,7 +257,7 @@ class LocalPath:
         self._abandoned = False  # exit gave up waiting: run nothing more
         self.not_run = 0  # taps read after that, not run
         self._closing = False
-        self._hurry = threading.Event()  # someone waits for the receiver: no coalescing
+        self._hurry = _Hurry()  # someone waits for the receiver: read at once
         self._stop_read, self._stop_write = os.pipe()
         self._thread = threading.Thread(target=self._serve, name="tapd-receiver", daemon=True)
         self._thread.start()
@@ -333,11 +336,8 @@ class LocalPath:
                 span, records = ring.read_span(position, _RECORDS_PER_READ)
                 if len(records):
                     position = self._run_records(span, records, position)
-                    if len(records) < _COALESCE_BELOW:
-                        # Let more taps come before the next read, unless someone waits
-                        # (a barrier, a print, exit): see _COALESCE.
-                        self._hurry.wait(_COALESCE)
-                        self._hurry.clear()
+                    if len(records) < _RECORDS_PER_READ:
+                        self._gather()
                     continue
                 if self._closing:
                     return
@@ -354,6 +354,21 @@ class LocalPath:
             with self._lock:
                 self._closing = True
                 self._progress.notify_all()
+
+    def _gather(self) -> None:
+        """Let taps gather before the next read (see _GATHER): wait until _GATHER has
+        passed, someone waits for the receiver (a barrier, a print, exit), or half the
+        ring waits (its writers say so: `Ring.gather`)."""
+        hurry = self._hurry
+        if hurry.is_set() or not self.ring.gather():
+            hurry.clear()
+            return
+        waits = [self._wake.fileno(), self._stop_read, hurry.fileno()]
+        ready, _, _ = select.select(waits, [], [], _GATHER)
+        self.ring.gather(False)
+        if waits[0] in ready:
+            self._wake.drain()
+        hurry.clear()
 
     def _run_records(self, span: memoryview, records: Records, position: int) -> int:
         """Run the tap functions of `records` (read from `position` on, viewed by
@@ -652,6 +667,37 @@ class LocalPath:
             shutil.rmtree(self.directory, ignore_errors=True)
         counts = self.stats()
         return counts["not_run"] + counts["pending"]
+
+
+class _Hurry:
+    """Someone waits for the receiver (a barrier, a print, exit): it reads again at once
+    instead of letting taps gather. A flag, and a pipe that wakes it from its wait (left
+    open for the process's life: a late `set` must never write to a reused descriptor)."""
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+
+    def set(self) -> None:
+        self._flag.set()
+        with contextlib.suppress(BlockingIOError):  # (full: it will wake anyway)
+            os.write(self._write, b"!")
+
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    def fileno(self) -> int:
+        return self._read
+
+    def clear(self) -> None:
+        """The receiver is about to read: every hurry so far is answered. (The pipe
+        first: a hurry between the two leaves its byte, and the next wait is short.)"""
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._read, 4096):
+                pass
+        self._flag.clear()
 
 
 class _Named:

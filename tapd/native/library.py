@@ -354,6 +354,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_readable": ([c.c_void_p, c.c_uint64, c.POINTER(c.c_void_p)], c.c_uint64),
         "tapd_ring_release": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_sleep": ([c.c_void_p, c.c_uint64], c.c_int),
+        "tapd_ring_gather": ([c.c_void_p, c.c_int], c.c_int),
         "tapd_ring_counters": ([c.c_void_p, u64p], None),
         "tapd_ring_nonce": ([c.c_void_p], c.c_uint64),
         "tapd_ring_set_reader": ([c.c_void_p, c.c_int64], None),

@@ -112,6 +112,9 @@ void CopyToRing(uint8_t* dst, const void* source, size_t size) {
 void ExplainWait(Ring* ring, uint64_t length, int64_t waited_ns);
 
 // Reserve `length` bytes; returns the position or UINT64_MAX if dropped.
+// Sends the reader its datagram if it asked for one (tapd_ring_sleep, tapd_ring_gather).
+void Wake(Ring* ring, bool writer_waits = false);
+
 uint64_t Reserve(Ring* ring, uint64_t length) {
   RingControl* c = ring->control;
   uint64_t head = c->head.load(std::memory_order_relaxed);
@@ -136,11 +139,15 @@ uint64_t Reserve(Ring* ring, uint64_t length) {
     }
     if (c->policy == kPolicyDropNewest) {
       c->dropped.fetch_add(1, std::memory_order_relaxed);
+      Wake(ring, /*writer_waits=*/true);  // a reader letting taps gather: no longer
       return UINT64_MAX;
     }
     // Policy block: the device pauses until the daemon frees space, as host_callback's
     // outfeed did. Spin briefly, then sleep in short steps.
-    if (!waiting_since) waiting_since = NowNs(CLOCK_MONOTONIC);
+    if (!waiting_since) {
+      waiting_since = NowNs(CLOCK_MONOTONIC);
+      Wake(ring, /*writer_waits=*/true);
+    }
     if (spins < 64) {
       sched_yield();
     } else {
@@ -275,15 +282,23 @@ uint64_t Advance(Ring* ring, bool check_writer) {
 // with one datagram. It costs a fence per tap, and a syscall only on the first tap after
 // the daemon went idle. No daemon, or a full socket buffer: nothing to do (it polls
 // its rings now and then anyway).
-void Wake(Ring* ring) {
+bool HalfFull(RingControl* c, uint64_t capacity) {
+  uint64_t head = c->head.load(std::memory_order_relaxed);
+  uint64_t tail = c->tail.load(std::memory_order_relaxed);
+  return head > tail && (head - tail) * 2 >= capacity;
+}
+
+void Wake(Ring* ring, bool writer_waits) {
   RingControl* c = ring->control;
   // Pairs with the fence in tapd_ring_sleep: either the daemon sees our commit before
   // it sleeps, or we see its flag here.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (ring->wake_length == 0 || !c->reader_sleeping.load(std::memory_order_relaxed) ||
-      !c->reader_sleeping.exchange(0, std::memory_order_acq_rel)) {
-    return;
-  }
+  uint32_t sleeping = c->reader_sleeping.load(std::memory_order_relaxed);
+  if (ring->wake_length == 0 || sleeping == 0) return;
+  // A reader letting taps gather (tapd_ring_gather) is woken only once half the ring
+  // waits for it, or a writer finds no room.
+  if (sleeping == kReaderGathering && !writer_waits && !HalfFull(c, ring->capacity)) return;
+  if (!c->reader_sleeping.exchange(0, std::memory_order_acq_rel)) return;
   int fd = ring->wake_fd.load(std::memory_order_acquire);
   if (fd < 0) {
     int fresh = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -876,6 +891,26 @@ int tapd_ring_sleep(void* handle, uint64_t from) {
     return 1;
   }
   return 0;
+}
+
+// The reader lets taps gather for a while (tapd/emitter/local_path.py): a writer wakes
+// it (the datagram of tapd_ring_sleep) only once half the ring waits for it. 0 if half
+// of it does already (then nothing is asked). `on` 0: the reader is back; nothing is
+// asked any more.
+int tapd_ring_gather(void* handle, int on) {
+  auto* ring = static_cast<Ring*>(handle);
+  RingControl* c = ring->control;
+  if (!on) {
+    c->reader_sleeping.store(0, std::memory_order_relaxed);
+    return 1;
+  }
+  c->reader_sleeping.store(tapd::kReaderGathering, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the one in Wake
+  if (tapd::HalfFull(c, ring->capacity)) {
+    c->reader_sleeping.store(0, std::memory_order_relaxed);
+    return 0;
+  }
+  return 1;
 }
 
 // The daemon: why it holds the oldest record it has not released (tapd::kHeld*).

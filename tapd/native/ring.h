@@ -42,6 +42,7 @@ constexpr uint64_t kMagic = 0x31474e4952504154ULL;  // "TAPRING1"
 //    after a 65536-byte header area.
 constexpr uint32_t kVersion = 4;
 constexpr int64_t kNoStep = INT64_MIN;
+constexpr uint32_t kReaderGathering = 2;  // RingControl::reader_sleeping
 constexpr uint32_t kPolicyBlock = 0;
 constexpr uint32_t kPolicyDropNewest = 1;
 
@@ -98,7 +99,9 @@ struct RingControl {
   std::atomic<int64_t> reader_pid;              // the daemon draining it, 0 if none
   std::atomic<uint64_t> abandoned;              // reserved records never committed
   // Set by an idle daemon before it sleeps; a writer that commits and finds it set
-  // clears it and sends a datagram to `wake.sock` beside the ring (see Wake).
+  // clears it and sends a datagram to `wake.sock` beside the ring (see Wake). Or
+  // kReaderGathering: a reader that lets taps gather, woken only once half the ring
+  // waits for it (added within format 4: an older writer wakes it at once).
   alignas(64) std::atomic<uint32_t> reader_sleeping;
   // Why the daemon holds the oldest record it has not released (kHeld*), written by
   // the daemon when it changes (tapd/daemon/ring_source.py); a writer waiting for

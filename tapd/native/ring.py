@@ -503,6 +503,12 @@ class Ring:
         `position` on are readable already."""
         return not self._lib.tapd_ring_sleep(self.handle, position)
 
+    def gather(self, on: bool = True) -> bool:
+        """The reader lets taps gather (`on`): ask writers for a datagram to `wake.sock`
+        only once half the ring waits for it. False (and nothing asked) if half of it
+        does already. `on` False: the reader is back, nothing is asked any more."""
+        return bool(self._lib.tapd_ring_gather(self.handle, int(on)))
+
     def release(self, position: int) -> None:
         """Everything before `position` was delivered: writers may reuse it."""
         self._lib.tapd_ring_release(self.handle, position)

@@ -72,6 +72,41 @@ def flood(count: str, sleep_ms: str) -> dict[str, Any]:
     return {"seqs": seqs, "stats": tapd.stats()}
 
 
+def gathering(path: str) -> dict[str, Any]:
+    """The receiver lets taps gather for 10 minutes (tapd.emitter.local_path._GATHER),
+    not 10 ms, after each read; nothing waits that long: writers that leave half the
+    ring waiting, or find no room, wake it; so do a barrier and exit. A 64 KiB ring
+    (TAPD_BUFFER_BYTES) under `block`: taps of 1 KiB, then one of 40 KiB that cannot fit
+    beside the 1 KiB ones (fewer than half the ring: none woke the receiver), then many
+    (half the ring waits again and again), then a barrier; then taps that exit runs.
+    Each callback appends its value to `path`."""
+    from tapd.emitter import local_path
+
+    local_path._GATHER = 600.0
+
+    def record(arg: Any, transforms: Any) -> None:
+        with open(path, "a") as out:
+            out.write(f"{int(arg[0])}\n")
+
+    small = jax.jit(lambda i: tapd.id_tap(record, jnp.full(256, i, jnp.int32)))  # 1 KiB
+    big = jax.jit(lambda i: tapd.id_tap(record, jnp.full(10240, i, jnp.int32)))  # 40 KiB
+    small(jnp.int32(0))
+    while not os.path.exists(path):  # run: the receiver now lets taps gather
+        time.sleep(0.001)
+    time.sleep(0.05)
+    for i in range(1, 28):
+        small(jnp.int32(i))
+    big(jnp.int32(28))
+    for i in range(29, 500):
+        small(jnp.int32(i))
+    tapd.barrier_wait(timeout=60)
+    with open(path) as ran:
+        at_barrier = len(ran.read().split())
+    for i in range(500, 510):  # for exit to run
+        small(jnp.int32(i))
+    return {"at_barrier": at_barrier, "stats": tapd.stats()["local"]}
+
+
 def barrier_in_flight(count: str) -> dict[str, Any]:
     """barrier_wait and jax.effects_barrier() (tapd.install_debug) return only once every
     callback dispatched before them has run, while they are still in flight."""
@@ -465,6 +500,7 @@ def print_worker_killed(count: str) -> dict[str, Any]:
 
 
 SCENARIOS = {
+    "gathering": gathering,
     "debug_runs": debug_runs,
     "debug_failures": debug_failures,
     "interleaved": interleaved,
