@@ -300,8 +300,9 @@ def report(runs: dict[str, dict[str, list[float]]], first: dict[str, Any], quick
             *sections,
             *verdicts,
             "",
-            f"(b) and (b2): medians of {10 if quick else BLOCKS} blocks of {250 if not quick else 62} "
-            f"and {100 if not quick else 25} calls, each variant's in turn; the others: medians "
+            f"(b) and (b2): medians of {10 if quick else BLOCKS} blocks of "
+            f"{62 if quick else 250} and {25 if quick else 100} calls, each variant's in turn; "
+            "the others: medians "
             f"of {3 if quick else 7} repeats. Each backend in a process of its own. "
             "(c)'s JAX figure is not run: each of its steps waits for its callback, so it "
             "takes at least steps x 50 ms. `added`: over the untapped step, as a share of "

@@ -320,10 +320,15 @@ def _ring_callback(
     (bench/RESULTS.md §10, portable (b))."""
     assert native is not None
     site_id, consumer_id, every, lib = _ring_site(native, site, fields, tapped_avals)
-    skip, write = lib.tapd_ring_skip, lib.tapd_ring_write_leaves
-    handle = native.ring.handle  # (the daemon's ring, or the local one)
+    skip, write = _unconverted(lib, "tapd_ring_skip"), _unconverted(lib, "tapd_ring_write_leaves")
     asks = not (every & EVERY_ALWAYS_BIT and every & ~EVERY_ALWAYS_BIT <= 1)
-    fixed_device, device_of = devices_at.fixed, devices_at.of
+    # Each argument a ctypes value of its C type, made once where it can be.
+    handle = ctypes.c_void_p(native.ring.handle)  # (the daemon's ring, or the local one)
+    site_c, consumer_c = ctypes.c_uint64(site_id), ctypes.c_uint32(consumer_id)
+    every_c, count_c = ctypes.c_uint64(every), ctypes.c_uint32(len(tapped_avals))
+    fixed = None if devices_at.fixed is None else ctypes.c_int32(devices_at.fixed)
+    device_of, no_step = devices_at.of, ctypes.c_int64(NO_STEP)
+    int32, int64 = ctypes.c_int32, ctypes.c_int64
     count = len(tapped_avals)
     has_step = site.has_step
     pointer_array = ctypes.c_void_p * count
@@ -333,8 +338,8 @@ def _ring_callback(
     def write_record(*args: Any) -> tuple[()]:
         # Runs on an XLA thread; the arrays view XLA's buffers: copy them into the ring
         # now, in this one call, and keep nothing.
-        device = fixed_device if fixed_device is not None else device_of(int(args[-1]))
-        if asks and skip(handle, site_id, consumer_id, device, every):
+        device = fixed if fixed is not None else int32(device_of(int(args[-1])))
+        if asks and skip(handle, site_c, consumer_c, device, every_c):
             return ()  # dormant or sampled out: counted, nothing copied
         pointers, sizes, kept = pointer_array(), size_array(), []
         for i in range(count):
@@ -346,11 +351,20 @@ def _ring_callback(
             else:
                 pointers[i] = leaf.ctypes.data
             kept.append(leaf)  # (alive until the library has copied it)
-        step = int(args[count]) if has_step else NO_STEP
-        write(handle, site_id, consumer_id, device, step, every, count, pointers, sizes)
+        step = int64(int(args[count])) if has_step else no_step
+        write(handle, site_c, consumer_c, device, step, every_c, count_c, pointers, sizes)
         return ()
 
     return write_record
+
+
+def _unconverted(lib: ctypes.CDLL, name: str) -> Any:
+    """The ring library's function `name` returning an int, without ctypes' conversion
+    of its arguments (`argtypes`, ~0.5 µs a call of `tapd_ring_write_leaves`): each
+    argument must be a ctypes value of its C type."""
+    function = lib._FuncPtr((name, lib))  # (the CDLL's own function type, unbound)
+    function.restype = ctypes.c_int
+    return function
 
 
 # A portable tap's leaf of up to this many bytes goes to the library as a ctypes copy
