@@ -148,9 +148,10 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
 
         if native is not None and _guarded_here(platform, axis_context, tapped_avals):
             wanted = _ring_guard(native, site, fields, tapped_avals, devices_at)
-            new_token = _emit_guarded(
-                ctx, wanted, token, device_values, device_avals, sharding, emit
-            )
+            # The question keeps an operand where its device is known (its index, unread):
+            # without one it cost a dormant 1 MiB tap more (bench/RESULTS.md §9, portable).
+            question, question_avals = device_operand or _constant_index(where)
+            new_token = _emit_guarded(ctx, wanted, token, question, question_avals, sharding, emit)
         else:
             new_token = emit(token)
     if site.strict and token is not None:
@@ -240,6 +241,10 @@ def _partition_index(ctx: mlir.LoweringRuleContext) -> tuple[list[Any], list[Any
     if value.type != scalar:
         value = hlo.reshape(scalar, value)
     return [value], [core.ShapedArray((), np.dtype(np.uint32))]
+
+
+def _constant_index(index: int) -> tuple[list[Any], list[Any]]:
+    return [mlir.ir_constant(np.uint32(index))], [core.ShapedArray((), np.dtype(np.uint32))]
 
 
 class _DeviceOrdinals:
