@@ -82,8 +82,8 @@ _RECORDS_PER_READ = 4096
 # The receiver sleeps until a writer's wake-up, or this long: a wake-up lost (none is
 # known to be) would cost this much delay, never a hang.
 _IDLE_LOOK = 0.5  # s
-# After a read that did not take every tap there was room for, the receiver lets taps
-# gather this long before it reads again, unless a barrier, a print or exit hurries it,
+# After a read that did not take every tap there was room for (nor a MiB), the receiver
+# lets taps gather this long before it reads again, unless a barrier, a print or exit hurries it,
 # or half the ring waits (its writers wake it then: no writer finds it full meanwhile).
 # Woken for each tap of a loop that dispatches small steps one by one, it took the GIL
 # from the dispatching thread at every step (bench/RESULTS.md §10 (b): 65 µs a call of
@@ -92,6 +92,10 @@ _IDLE_LOOK = 0.5  # s
 # took (b) from 0.136 to 0.11 of JAX's cost, (b2) from ~25 µs added a step to ~13. The
 # daemon coalesces the same way (--coalesce).
 _GATHER = 0.010  # s
+# Reads of this many bytes or more do not wait: what gathering saves is per read, small
+# beside such taps, and their bytes go cold meanwhile (a 1 MiB id_tap a step: ~2x the
+# time, gathered 10 ms).
+_GATHER_BELOW = 1 << 20
 # A run of at least this many taps of an id_print site has its arrays rendered by the
 # print worker (tapd/print_worker.py), under TAPD_PRINT_WORKER=auto.
 _PRINT_WORKER_FROM = 16
@@ -335,8 +339,8 @@ class LocalPath:
             while True:
                 span, records = ring.read_span(position, _RECORDS_PER_READ)
                 if len(records):
-                    position = self._run_records(span, records, position)
-                    if len(records) < _RECORDS_PER_READ:
+                    start, position = position, self._run_records(span, records, position)
+                    if len(records) < _RECORDS_PER_READ and position - start < _GATHER_BELOW:
                         self._gather()
                     continue
                 if self._closing:
