@@ -242,6 +242,15 @@ def raising() -> dict[str, Any]:
     return {"seen": seen, "first": first, "second": second, "third": third}
 
 
+def _errors_at_barrier() -> list[str] | None:
+    """What the next barrier raises of the tap functions' failures (None: nothing)."""
+    try:
+        tapd.barrier_wait()
+    except tapd.CallbackException as exc:
+        return list(exc.errors)
+    return None
+
+
 def _raised() -> dict[str, Any] | None:
     try:
         tapd.barrier_wait()
@@ -333,11 +342,7 @@ def interleaved(count: str) -> dict[str, Any]:
     i = jnp.int32(1000)
     for _ in range(int(count)):
         i = alone(i)
-    errors = None
-    try:
-        tapd.barrier_wait()
-    except tapd.CallbackException as exc:
-        errors = exc.errors
+    errors = _errors_at_barrier()
     return {"got": got, "errors": errors, "stats": tapd.stats()["local"]}
 
 
@@ -407,11 +412,7 @@ def debug_failures(count: str) -> dict[str, Any]:
     i = jnp.int32(0)
     for _ in range(int(count)):
         i = step(i)
-    errors = None
-    try:
-        tapd.barrier_wait()
-    except tapd.CallbackException as exc:
-        errors = exc.errors
+    errors = _errors_at_barrier()
     return {"seen": seen, "errors": errors, "stats": tapd.stats()["local"]}
 
 
