@@ -178,6 +178,9 @@ def calls(site: Site, transforms: Any, types: LeafTypes) -> Iterator[Callable[[A
         return
     put, weak, key_impls = jax_compat.cpu_putter(device), types.weak, types.key_impls
 
+    def call_plain(leaves: Any) -> None:  # no vmap, no typed key: most sites
+        run(put([np.asarray(leaf) for leaf in leaves], weak))
+
     def call(leaves: Any) -> None:
         for element in unbatched([np.asarray(leaf) for leaf in leaves], batch_dims):
             arrays = put(element, weak)
@@ -186,7 +189,7 @@ def calls(site: Site, transforms: Any, types: LeafTypes) -> Iterator[Callable[[A
             run(arrays)
 
     with jax.default_device(device):
-        yield call
+        yield call if batch_dims or key_impls else call_plain
 
 
 def _no_calls(leaves: Any) -> None:
