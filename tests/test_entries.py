@@ -105,6 +105,9 @@ def test_the_handler_registers_an_entry_new_here_and_fails_one_it_cannot_take(
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout.splitlines()[-1])
     assert got["new_here"] is None
-    assert got["stats"]["sent"] == 3  # (the three calls of the site new here)
+    # The three calls of the site new here, each written, or skipped once the daemon has
+    # found that nobody takes it and made it dormant (which may come after the first).
+    stats = got["stats"]
+    assert stats["sent"] >= 1 and stats["sent"] + stats["skipped"] == 3, stats
     assert "tap site 'local/vm:1/abcd/0/f' runs a tap function of the process" in got["local"]
     assert "of format 'tapd9', which this tapd does not read" in got["future"]
