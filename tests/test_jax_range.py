@@ -200,7 +200,8 @@ def test_cpu_puts_match_jax_device_put_on_the_fast_path_and_the_fallbacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`tapd.debug` hands its callbacks what `jax.device_put(args, cpu)` gives: the fast
-    internal path and the public fallback agree with it, weak types included."""
+    internal path (also the put a run of taps makes for its first tap's types) and the
+    public fallback agree with it, weak types included."""
     import jax
     import numpy as np
 
@@ -221,16 +222,30 @@ def test_cpu_puts_match_jax_device_put_on_the_fast_path_and_the_fallbacks(
             assert got.devices() == {cpu} and got.committed
             assert got.weak_type == (index == 1)
 
-    check(jax_compat.cpu_putter(cpu)(leaves, frozenset({1})))
+    def check_both() -> None:
+        check(jax_compat.cpu_putter(cpu)(leaves, frozenset({1})))
+        # made for the first tap of a run, then used for the others: the same types
+        put_like = jax_compat.cpu_putter_like(cpu, [leaf.copy() for leaf in leaves], frozenset({1}))
+        check(put_like(leaves))
+        one = jax_compat.cpu_putter_like(cpu, leaves[1:2], frozenset({0}))  # one leaf
+        (got,) = one([np.array(7, np.int32)])
+        assert int(got) == 7 and got.weak_type and got.devices() == {cpu}
+        # leaves that are not numpy arrays (numpy scalars): converted on each call
+        scalars = jax_compat.cpu_putter_like(cpu, [np.float32(1), np.int32(2)], frozenset())
+        got = scalars([np.float32(1.5), np.int32(3)])
+        assert [float(v) for v in got] == [1.5, 3.0]
+        assert [v.dtype for v in got] == [np.float32, np.int32]
+
+    check_both()
 
     def internals_differ() -> None:
         raise AttributeError("module 'pxla' has no attribute 'batched_device_put'")
 
     monkeypatch.setattr(jax_compat, "_device_putter", internals_differ)
-    check(jax_compat.cpu_putter(cpu)(leaves, frozenset({1})))
+    check_both()
 
     def put_refused(*args: object) -> None:  # found, but its signature changed
         raise TypeError("batched_device_put(): incompatible function arguments")
 
     monkeypatch.setattr(jax_compat, "_device_putter", lambda: put_refused)
-    check(jax_compat.cpu_putter(cpu)(leaves, frozenset({1})))
+    check_both()

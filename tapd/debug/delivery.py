@@ -177,9 +177,14 @@ def calls(site: Site, transforms: Any, types: LeafTypes) -> Iterator[Callable[[A
         yield call_numpy
         return
     put, weak, key_impls = jax_compat.cpu_putter(device), types.weak, types.key_impls
+    put_like: Callable[[list[Any]], list[Any]] | None = None
 
     def call_plain(leaves: Any) -> None:  # no vmap, no typed key: most sites
-        run(put([np.asarray(leaf) for leaf in leaves], weak))
+        # A run's taps are of one site: the first one's leaves give every put's types.
+        nonlocal put_like
+        if put_like is None:
+            put_like = jax_compat.cpu_putter_like(device, leaves, weak)
+        run(put_like(leaves))
 
     def call(leaves: Any) -> None:
         for element in unbatched([np.asarray(leaf) for leaf in leaves], batch_dims):

@@ -569,13 +569,56 @@ def cpu_putter(device: Any) -> Callable[[list[Any], frozenset[int]], list[Any]]:
     def put_leaves(leaves: list[Any], weak: frozenset[int]) -> list[Any]:
         try:
             return [
-                put(_aval(leaf.shape, leaf.dtype, index in weak), sharding, [leaf], devices)
+                put(_aval(leaf.shape, leaf.dtype, index in weak), sharding, [leaf], devices, True)
                 for index, leaf in enumerate(leaves)
             ]
         except Exception:
             return _put_by_jax(device, leaves, weak)
 
     return put_leaves
+
+
+def cpu_putter_like(
+    device: Any, like: list[Any], weak: frozenset[int]
+) -> Callable[[list[Any]], list[Any]]:
+    """`cpu_putter(device)` for leaves of the shapes and dtypes of `like` (numpy arrays),
+    as every tap of a run of one site has them: their avals made once, and no Python
+    between a leaf and its put but a list's (~1 µs a call of a one-leaf site: a fifth of
+    the receiver's work for a `tapd.debug.callback`, bench/RESULTS.md §10 (b)). The put
+    does not check the leaves against the avals: they must be of `like`'s types."""
+    import numpy as np
+
+    if not all(type(leaf) is np.ndarray for leaf in like):
+        general = cpu_putter(device)
+        return lambda leaves: general([np.asarray(leaf) for leaf in leaves], weak)
+    try:
+        put = _device_putter()
+        sharding = _single_device_sharding(device)
+        avals = [_aval(leaf.shape, leaf.dtype, index in weak) for index, leaf in enumerate(like)]
+    except Exception:
+        return lambda leaves: _put_by_jax(device, leaves, weak)
+    devices = [device]
+    if len(avals) == 1:
+        (aval,) = avals
+
+        def put_one(leaves: list[Any]) -> list[Any]:
+            try:
+                return [put(aval, sharding, leaves, devices, True)]
+            except Exception:
+                return _put_by_jax(device, leaves, weak)
+
+        return put_one
+
+    def put_each(leaves: list[Any]) -> list[Any]:
+        try:
+            return [
+                put(aval, sharding, [leaf], devices, True)
+                for aval, leaf in zip(avals, leaves, strict=True)
+            ]
+        except Exception:
+            return _put_by_jax(device, leaves, weak)
+
+    return put_each
 
 
 def _put_by_jax(device: Any, leaves: list[Any], weak: frozenset[int]) -> list[Any]:
@@ -589,17 +632,13 @@ def _put_by_jax(device: Any, leaves: list[Any], weak: frozenset[int]) -> list[An
 
 @functools.cache
 def _device_putter() -> Callable[..., Any]:
-    """jaxlib's call under `pxla.batched_device_put` (0.8.0 to 0.12), bound to a
-    committed put: the Python around it only looks for jax.Arrays among the shards,
-    and ours are numpy arrays (~0.8 µs a leaf saved)."""
+    """jaxlib's call under `pxla.batched_device_put` (0.8.0 to 0.12): (aval, sharding,
+    shards, devices, committed). The Python around it only looks for jax.Arrays among
+    the shards, and ours are numpy arrays (~0.8 µs a leaf saved)."""
     from jaxlib import xla_client
 
-    put = xla_client.batched_device_put
-
-    def committed(aval: Any, sharding: Any, shards: list[Any], devices: list[Any]) -> Any:
-        return put(aval, sharding, shards, devices, True)
-
-    return committed
+    put: Callable[..., Any] = xla_client.batched_device_put
+    return put
 
 
 @functools.cache
