@@ -110,6 +110,16 @@ def test_taps_that_gather_never_wait_for_the_gathering_to_end(
     assert "not every tap" not in got["stderr"]
 
 
+def test_waits_with_nothing_to_wait_for_leave_the_gathering_as_it_was(runtime_dir: Path) -> None:
+    """A barrier (or jax.effects_barrier) with every tap already run used to hurry the
+    receiver all the same: it then read the next taps one by one, beside the thread that
+    dispatches the steps (bench/RESULTS.md §10 (b): the first calls after such a barrier
+    took 50-200 µs, against 15)."""
+    got = run_app("gathering_after_idle_waits", runtime=runtime_dir)
+    assert got["before_barrier"] == [0]
+    assert got["after_barrier"] == [0, 1]
+
+
 def test_barriers_wait_for_callbacks_in_flight(runtime_dir: Path) -> None:
     got = run_app("barrier_in_flight", "30", runtime=runtime_dir)
     assert got["after_jax"] == 30  # jax.effects_barrier(), once tapd.install_debug()

@@ -548,7 +548,6 @@ class LocalPath:
         (`keep_errors`: leave them for the next barrier). `asked`: the caller's whole
         timeout, of which `timeout` is what is left."""
         target = self.ring.settled()
-        self._hurry.set()
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while self.handled < target and not self._closing:
@@ -576,9 +575,6 @@ class LocalPath:
         """Wait (up to `timeout` s) until every record committed so far has been run:
         the taps of computations that have finished. Whether it was; never raises."""
         target = self.ring.counters().committed
-        if self.handled >= target:
-            return True
-        self._hurry.set()
         deadline = time.monotonic() + timeout
         with self._lock:
             while self.handled < target and not self._closing:

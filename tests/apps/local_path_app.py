@@ -107,6 +107,30 @@ def gathering(path: str) -> dict[str, Any]:
     return {"at_barrier": at_barrier, "stats": tapd.stats()["local"]}
 
 
+def gathering_after_idle_waits() -> dict[str, Any]:
+    """The receiver lets taps gather (for 10 minutes here) after each read; a
+    `barrier_wait` or `jax.effects_barrier()` with every tap already run does not cut
+    that short (each used to: the receiver then read the next taps one by one as they
+    came). Taps of a tapd.debug.callback, each noted by the callback: what had run
+    before the last barrier, and after it."""
+    from tapd.emitter import local_path
+
+    local_path._GATHER = 600.0
+    ran: list[int] = []
+    step = jax.jit(lambda i: tapd.debug.callback(lambda v: ran.append(int(v)), i))
+    step(0)  # wakes the idle receiver: it runs this tap, then lets taps gather
+    deadline = time.monotonic() + 60
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.001)
+    tapd.barrier_wait(timeout=60)  # nothing to wait for
+    jax.effects_barrier()  # nothing to wait for
+    step(1)  # gathered: runs at the next barrier, not before
+    time.sleep(0.5)
+    before_barrier = list(ran)
+    tapd.barrier_wait(timeout=60)
+    return {"before_barrier": before_barrier, "after_barrier": list(ran)}
+
+
 def barrier_in_flight(count: str) -> dict[str, Any]:
     """barrier_wait and jax.effects_barrier() (tapd.install_debug) return only once every
     callback dispatched before them has run, while they are still in flight."""
@@ -502,6 +526,7 @@ def print_worker_killed(count: str) -> dict[str, Any]:
 
 SCENARIOS = {
     "gathering": gathering,
+    "gathering_after_idle_waits": gathering_after_idle_waits,
     "debug_runs": debug_runs,
     "debug_failures": debug_failures,
     "interleaved": interleaved,
