@@ -140,10 +140,15 @@ def measure(quick: bool) -> dict[str, list[float]]:
     us: dict[str, list[float]] = {}
     # (b) and (b2) in many short blocks, each variant's in turn: their times move by more
     # than tapd adds between seconds of one run (the two threads' placement on the two
-    # cores: see bench/RESULTS.md §10), which a median of many blocks sees through.
+    # cores: see bench/RESULTS.md §10), which a median of many blocks sees through. Each
+    # timed block comes after `WARM_UP` untimed calls of its own variant and their
+    # barrier: the variant before it leaves the caches in its own state, which the next
+    # one's first calls pay for (after a block of jax.debug.callback, the first six calls
+    # of a tapd.debug.callback block took ~170 µs more than after one of its own).
     blocks = 10 if quick else BLOCKS
     for _ in range(blocks):
         for name, function in steps_.items():
+            _warm_up(function, small)
             started = time.perf_counter()
             block = calls // 8
             us.setdefault(f"call|{name}", []).append(_per_call_us(function, small, block))
@@ -151,6 +156,7 @@ def measure(quick: bool) -> dict[str, list[float]]:
             drained = (time.perf_counter() - started) / block * 1e6
             us.setdefault(f"drained|{name}", []).append(drained)
         for name, function in working_steps.items():
+            _warm_up(function, matrix)
             us.setdefault(f"work|{name}", []).append(
                 _per_call_us(function, matrix, working_calls // 5)
             )
@@ -171,6 +177,16 @@ def measure(quick: bool) -> dict[str, list[float]]:
 
 
 BLOCKS = 40  # of (b) and (b2), each variant
+
+
+WARM_UP = 25  # untimed calls before each block of (b) and (b2)
+
+
+def _warm_up(function: Callable[[Any], Any], x: Any) -> None:
+    import tapd
+
+    _per_call_us(function, x, WARM_UP)
+    tapd.barrier_wait(timeout=120)
 
 
 def _per_call_us(function: Callable[[Any], Any], x: Any, calls: int) -> float:
@@ -301,8 +317,8 @@ def report(runs: dict[str, dict[str, list[float]]], first: dict[str, Any], quick
             *verdicts,
             "",
             f"(b) and (b2): medians of {10 if quick else BLOCKS} blocks of "
-            f"{62 if quick else 250} and {25 if quick else 100} calls, each variant's in turn; "
-            "the others: medians "
+            f"{62 if quick else 250} and {25 if quick else 100} calls, each variant's in turn, "
+            f"each after {WARM_UP} untimed calls of its own; the others: medians "
             f"of {3 if quick else 7} repeats. Each backend in a process of its own. "
             "(c)'s JAX figure is not run: each of its steps waits for its callback, so it "
             "takes at least steps x 50 ms. `added`: over the untapped step, as a share of "
