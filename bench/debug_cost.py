@@ -143,8 +143,9 @@ def measure(quick: bool) -> dict[str, list[float]]:
     # cores: see bench/RESULTS.md §10), which a median of many blocks sees through. Each
     # timed block comes after `WARM_UP` untimed calls of its own variant and their
     # barrier: the variant before it leaves the caches in its own state, which the next
-    # one's first calls pay for (after a block of jax.debug.callback, the first six calls
-    # of a tapd.debug.callback block took ~170 µs more than after one of its own).
+    # one's calls pay for (after a block of jax.debug.callback, a tapd.debug.callback
+    # block of 250 calls took ~0.5 ms more than after one of its own, ~100 µs of it in
+    # its first six calls).
     blocks = 10 if quick else BLOCKS
     for _ in range(blocks):
         for name, function in steps_.items():
