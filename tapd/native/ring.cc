@@ -111,10 +111,10 @@ void CopyToRing(uint8_t* dst, const void* source, size_t size) {
 
 void ExplainWait(Ring* ring, uint64_t length, int64_t waited_ns);
 
-// Reserve `length` bytes; returns the position or UINT64_MAX if dropped.
 // Sends the reader its datagram if it asked for one (tapd_ring_sleep, tapd_ring_gather).
 void Wake(Ring* ring, bool writer_waits = false);
 
+// Reserve `length` bytes; returns the position or UINT64_MAX if dropped.
 uint64_t Reserve(Ring* ring, uint64_t length) {
   RingControl* c = ring->control;
   uint64_t head = c->head.load(std::memory_order_relaxed);
@@ -278,16 +278,17 @@ uint64_t Advance(Ring* ring, bool check_writer) {
   }
 }
 
-// After a commit: if the daemon went to sleep (its rings had nothing to read), wake it
-// with one datagram. It costs a fence per tap, and a syscall only on the first tap after
-// the daemon went idle. No daemon, or a full socket buffer: nothing to do (it polls
-// its rings now and then anyway).
+// Whether half the ring or more waits for the reader.
 bool HalfFull(RingControl* c, uint64_t capacity) {
   uint64_t head = c->head.load(std::memory_order_relaxed);
   uint64_t tail = c->tail.load(std::memory_order_relaxed);
   return head > tail && (head - tail) * 2 >= capacity;
 }
 
+// After a commit: if the daemon went to sleep (its rings had nothing to read), wake it
+// with one datagram. It costs a fence per tap, and a syscall only on the first tap after
+// the daemon went idle. No daemon, or a full socket buffer: nothing to do (it polls
+// its rings now and then anyway).
 void Wake(Ring* ring, bool writer_waits) {
   RingControl* c = ring->control;
   // Pairs with the fence in tapd_ring_sleep: either the daemon sees our commit before
