@@ -21,12 +21,24 @@ from jax._src.interpreters import mlir
 from jax.sharding import Mesh
 
 from tapd.emitter import lifecycle, primitive
+from tapd.emitter.device_names import device_names
 from tapd.emitter.native_backend import RingSites
 from tapd.emitter.primitive import TapSiteParams
 from tapd.emitter.sender import TapSite
 from tapd.native import library
 from tapd.native.ring import NO_STEP
 from tapd.protocol.ring_format import EVERY_ALWAYS_BIT, writer_every
+
+
+def site_fields(site: TapSiteParams, platform: str | None) -> dict[str, Any]:
+    """The site's fields; a site that asked for its device (`tap_with_device`) also gets
+    the device's platform and what this JAX calls its devices, so that a subscriber
+    names it as this process's JAX does (`cpu:0`, `TFRT_CPU_0`: tapd.emitter.device_names)."""
+    fields = site.site_fields()
+    meta = fields.get("meta", {})
+    if meta.get("tap_with_device") and platform is not None:
+        fields["meta"] = {**meta, "device_platform": platform, **device_names(platform)}
+    return fields
 
 
 class DeviceOrdinals:

@@ -31,6 +31,7 @@ from jax.sharding import SingleDeviceSharding
 
 from tapd.emitter import (
     entries,
+    gathered,
     host_writers,
     jax_compat,
     lifecycle,
@@ -38,7 +39,6 @@ from tapd.emitter import (
     order,
     primitive,
 )
-from tapd.emitter.device_names import device_names
 from tapd.emitter.native_backend import FFI_TARGET, RingSites
 from tapd.emitter.primitive import ORDERED, TapSiteParams
 from tapd.errors import TapDefinitionError
@@ -85,7 +85,7 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
         _check_exportable(site, local=local is not None, native=native_here, platform=platform)
     if native_here:
         assert native is not None
-        fields = _site_fields(site, platform)
+        fields = host_writers.site_fields(site, platform)
         leaf_entries = primitive.leaf_descriptions(tapped_avals)
         site_id = native.register_site(site.consumer, fields, leaf_entries)
         # The custom call names its site by its entry, not by this process's site id:
@@ -123,7 +123,7 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             host_writers.local_ordinals(ctx), None if device_operand else where
         )
         callback = host_writers.ring_writer if native is not None else host_writers.sender_writer
-        fields = _site_fields(site, platform)
+        fields = host_writers.site_fields(site, platform)
         host_function = callback(native, site, fields, tapped_avals, devices_at)
         device_values, device_avals = device_operand or ([], [])
         operand_values = [*tapped, *([step] if site.has_step else []), *device_values]
@@ -182,17 +182,6 @@ def _check_exportable(site: TapSiteParams, *, local: bool, native: bool, platfor
             "host, or a jit the compiler partitions); only tapd's native handler travels "
             "(tapd doctor says where it is built)"
         )
-
-
-def _site_fields(site: TapSiteParams, platform: str | None) -> dict[str, Any]:
-    """The site's fields; a site that asked for its device (`tap_with_device`) also gets
-    the device's platform and what this JAX calls its devices, so that a subscriber
-    names it as this process's JAX does (`cpu:0`, `TFRT_CPU_0`: tapd.emitter.device_names)."""
-    fields = site.site_fields()
-    meta = fields.get("meta", {})
-    if meta.get("tap_with_device") and platform is not None:
-        fields["meta"] = {**meta, "device_platform": platform, **device_names(platform)}
-    return fields
 
 
 def _emit_ffi_call(
@@ -334,6 +323,7 @@ def _lower_module_in_order(lower: Callable[..., Any], *args: Any, **kwargs: Any)
     order handler; and, in any module with strict taps too, tapd's chain joined to
     JAX's token."""
     order.start_module()
+    args, kwargs = _gathered(args, kwargs)
     result = lower(*args, **kwargs)
     if order.lowered_taps() and order.partitions(result.module) == 1:
         platforms = {str(platform).lower() for platform in kwargs.get("platforms") or ()}
@@ -344,6 +334,26 @@ def _lower_module_in_order(lower: Callable[..., Any], *args: Any, **kwargs: Any)
         with result.module.context:
             order.join_chains(result.module)
     return result
+
+
+def _gathered(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The module's jaxpr with its taps gathered on the device, where they are
+    (tapd.emitter.gathered); else the arguments as they came."""
+    closed = args[1] if len(args) > 1 else kwargs.get("jaxpr")
+    if closed is None:
+        return args, kwargs
+    parameters = kwargs.get("lowering_parameters")
+    gathered_jaxpr = gathered.maybe_gathered(
+        closed,
+        kwargs.get("platforms") or (),
+        kwargs.get("axis_context"),
+        bool(getattr(parameters, "for_export", False)),
+    )
+    if gathered_jaxpr is None:
+        return args, kwargs
+    if len(args) > 1:
+        return (args[0], gathered_jaxpr, *args[2:]), kwargs
+    return args, {**kwargs, "jaxpr": gathered_jaxpr}
 
 
 primitive.register_lowering(lower_tap)

@@ -26,6 +26,11 @@ class EmitterSettings(EmitterFields):
             raise ConfigError(f"buffer_bytes must be positive, got {self.buffer_bytes}")
         if self.exit_timeout < 0:
             raise ConfigError(f"exit_timeout must be >= 0, got {self.exit_timeout}")
+        if self.gather_taps <= 0 or self.gather_bytes <= 0:
+            raise ConfigError(
+                f"gather_taps and gather_bytes must be positive, got {self.gather_taps} "
+                f"and {self.gather_bytes}"
+            )
         if self.cell_timeout < 0:
             raise ConfigError(f"cell_timeout must be >= 0, got {self.cell_timeout}")
 

@@ -294,6 +294,24 @@ class EmitterFields:
         'strict and unordered taps"); `tap(..., ordered=)` and `id_tap(..., ordered=)` '
         "override it",
     )
+    gather: Literal["auto", "on", "off"] = emitter(
+        "auto",
+        "gather a computation's taps on the device and move them out in few host transfers "
+        '(docs/TAPPING.md, "On a TPU"): auto: on a TPU, where each host callback is a '
+        "transfer; on: wherever a tap would be a host callback (the portable backend; how "
+        "the CPU tests the path); off: one host callback per tap",
+    )
+    gather_taps: int = emitter(
+        256,
+        "a gathered computation flushes its taps to the host after at most this many "
+        "(a long loop's taps arrive while it runs), and at its end",
+    )
+    gather_bytes: int = emitter(
+        64 * 2**20,
+        "the most device memory a gathered computation's tap buffers take, in bytes (a "
+        "flush then comes after fewer taps; at least one)",
+        default_text="64 MiB",
+    )
 
 
 CONNECT_TIMEOUT = Setting(
