@@ -1,0 +1,358 @@
+"""The rewrite of the gathered path (`tapd.emitter.gathered`): a jaxpr evaluated, while
+JAX traces, with each tap turned into writes into device buffers that the computation
+carries through its loops and branches (`Gathered`), and flushes where they fill.
+
+Where a flush may be needed is decided ahead, not at each tap (a `cond` per tap costs
+a TPU several µs a step): a region whose taps are bounded (`most_records`) first makes
+room for all of them (one test of the log's length), then taps unchecked. A loop whose
+every run could overflow the log runs in chunks: an inner loop of as many iterations as
+the log holds, unchecked, then a flush; so a `scan` of 10 000 steps with one tap a step
+and a log of 256 makes 40 flushes and no test at any step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+from jax import lax
+from jax._src import core, source_info_util
+
+from tapd.emitter.gathered_flush import FlushPlan, flush
+from tapd.emitter.primitive import TapSiteParams, tap_p
+
+
+class NotGatherable(Exception):
+    """Raised while rewriting: the computation keeps the per-tap path."""
+
+
+class Gathered(NamedTuple):
+    """The device buffers a gathered computation carries (a pytree of traced values)."""
+
+    count: Any  # int32[]: records in the log
+    log: Any  # int32[capacity]: each record's site index
+    rows: Any  # int32[sites]: each site's records since the last flush
+    buffers: tuple[tuple[Any, ...], ...]  # per site, per operand: [capacity, *shape]
+
+
+# The primitives whose one jaxpr runs where they stand: the rewrite inlines it.
+_INLINED = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+
+
+# ---- what a jaxpr taps ------------------------------------------------------------------
+
+
+def taps_within(jaxpr: core.Jaxpr) -> bool:
+    return any(eqn.primitive is tap_p for eqn in jaxpr.eqns) or any(
+        taps_within(sub) for sub in core.subjaxprs(jaxpr)
+    )
+
+
+def taps_within_eqn(eqn: core.JaxprEqn) -> bool:
+    return any(taps_within(sub) for sub in core.jaxprs_in_params(eqn.params))
+
+
+def site_operands(jaxpr: core.Jaxpr, found: dict[TapSiteParams, list[Any]]) -> None:
+    """Each tap site of `jaxpr` (nested ones too), with its operands' avals, in order."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is tap_p:
+            avals: list[Any] = [var.aval for var in eqn.invars]
+            known = found.setdefault(eqn.params["site"], avals)
+            if [(a.shape, a.dtype) for a in known] != [(a.shape, a.dtype) for a in avals]:
+                raise NotGatherable("one site, two shapes")
+    for sub in core.subjaxprs(jaxpr):
+        site_operands(sub, found)
+
+
+def most_records(jaxpr: core.Jaxpr) -> float:
+    """The most taps one run of `jaxpr` can make (inf where a `while` loop taps)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if eqn.primitive is tap_p:
+            total += 1
+        elif not taps_within_eqn(eqn):
+            continue
+        elif name == "scan":
+            total += eqn.params["length"] * most_records(eqn.params["jaxpr"].jaxpr)
+        elif name == "cond":
+            total += max(most_records(branch.jaxpr) for branch in eqn.params["branches"])
+        elif name == "while":
+            return math.inf
+        else:
+            total += sum(most_records(sub) for sub in core.jaxprs_in_params(eqn.params))
+    return total
+
+
+def certainly_taps(jaxpr: core.Jaxpr) -> bool:
+    """Whether every run of `jaxpr` taps (a tap outside any branch or loop)."""
+    return any(eqn.primitive is tap_p for eqn in jaxpr.eqns)
+
+
+# ---- the rewrite -------------------------------------------------------------------------
+
+
+class Rewriter:
+    """Evaluates jaxprs under a trace, threading the buffers of `plan` through their taps.
+
+    `checked`: whether a tap must test for a full log itself (its region made no room)."""
+
+    def __init__(self, plan: FlushPlan) -> None:
+        self.plan = plan
+        self.index = {site: i for i, site in enumerate(plan.sites)}
+
+    def empty(self) -> Gathered:
+        """Fresh buffers: zeros (a flush reads only the rows its log names)."""
+        plan = self.plan
+        return Gathered(
+            count=np.int32(0),
+            log=lax.full((plan.capacity,), 0, np.int32),
+            rows=lax.full((len(plan.sites),), 0, np.int32),
+            buffers=tuple(
+                tuple(lax.full((plan.capacity, *a.shape), 0, a.dtype) for a in avals)
+                for avals in plan.operand_avals
+            ),
+        )
+
+    # ---- flushes ------------------------------------------------------------------------
+
+    def flushed(self, state: Gathered) -> Gathered:
+        """`state` flushed: its log empty, made after the flush's transfer."""
+        count = flush(state, self.plan)
+        return state._replace(count=count, rows=lax.full(state.rows.shape, count, np.int32))
+
+    def flush_if(self, condition: Any, state: Gathered) -> Gathered:
+        result: Gathered = lax.cond(condition, self.flushed, lambda s: s, state)
+        return result
+
+    def make_room(self, state: Gathered, records: float) -> Gathered:
+        """`state` with room for `records` more (at most the log's capacity)."""
+        return self.flush_if(state.count + int(records) > self.plan.capacity, state)
+
+    def final(self, state: Gathered, *, certain: bool) -> None:
+        """The flush at the computation's end (none if nothing was logged)."""
+        if certain:
+            self.flushed(state)
+        else:
+            self.flush_if(state.count > 0, state)
+
+    def _bounded(self, records: float) -> bool:
+        return records <= self.plan.capacity
+
+    # ---- evaluation ---------------------------------------------------------------------
+
+    def run(
+        self,
+        jaxpr: core.Jaxpr,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        state: Gathered,
+        checked: bool,
+    ) -> tuple[list[Any], Gathered]:
+        """Evaluate `jaxpr` (tracing), threading `state` through its taps."""
+        env: dict[Any, Any] = {}
+
+        def read(atom: Any) -> Any:
+            return atom.val if isinstance(atom, core.Literal) else env[atom]
+
+        for var, value in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = value
+        for var, value in zip(jaxpr.invars, args, strict=True):
+            env[var] = value
+        for eqn in jaxpr.eqns:
+            invals = [read(atom) for atom in eqn.invars]
+            with source_info_util.user_context(eqn.source_info.traceback):
+                if eqn.primitive is tap_p:
+                    site: TapSiteParams = eqn.params["site"]
+                    state = self.record(state, self.index[site], invals, checked)
+                    outs = invals[: site.leaf_count(len(invals))]
+                elif not taps_within_eqn(eqn):
+                    outs = _bind(eqn, invals)
+                else:
+                    outs, state = self._run_tapping(eqn, invals, state, checked)
+            for var, value in zip(eqn.outvars, outs, strict=True):
+                env[var] = value
+        return [read(atom) for atom in jaxpr.outvars], state
+
+    def record(
+        self, state: Gathered, site: int, operands: Sequence[Any], checked: bool
+    ) -> Gathered:
+        """A tap: its operands into its site's next rows, its site into the log. If
+        `checked`, it first makes room for itself (a full log is flushed by the tap that
+        finds it full, not by the one that fills it: a region that made room for its
+        taps may leave the log full)."""
+        if checked:
+            state = self.make_room(state, 1)
+        row = state.rows[site]
+        written = tuple(
+            lax.dynamic_update_index_in_dim(buffer, operand, row, 0)
+            for buffer, operand in zip(state.buffers[site], operands, strict=True)
+        )
+        return Gathered(
+            count=state.count + 1,
+            log=lax.dynamic_update_index_in_dim(state.log, np.int32(site), state.count, 0),
+            rows=state.rows.at[site].add(1),
+            buffers=(*state.buffers[:site], written, *state.buffers[site + 1 :]),
+        )
+
+    def _run_tapping(
+        self, eqn: core.JaxprEqn, invals: list[Any], state: Gathered, checked: bool
+    ) -> tuple[list[Any], Gathered]:
+        """An equation whose jaxprs tap: inlined, or rebuilt to carry the buffers."""
+        name, params = eqn.primitive.name, eqn.params
+        if name in _INLINED and _INLINED[name] in params:
+            inner = params[_INLINED[name]]
+            jaxpr, consts = (inner.jaxpr, inner.consts) if hasattr(inner, "consts") else (inner, ())
+            return self.run(jaxpr, consts, invals, state, checked)
+        if name == "cond":
+            return self._run_cond(params, invals, state, checked)
+        if name == "scan":
+            return self._run_scan(params, invals, state, checked)
+        if name == "while":
+            return self._run_while(params, invals, state, checked)
+        raise NotGatherable(f"taps inside {name}")
+
+    def _run_cond(
+        self, params: dict[str, Any], invals: list[Any], state: Gathered, checked: bool
+    ) -> tuple[list[Any], Gathered]:
+        branches: Sequence[core.ClosedJaxpr] = params["branches"]
+        records = max(most_records(branch.jaxpr) for branch in branches)
+        if checked and self._bounded(records):
+            state, checked = self.make_room(state, records), False
+        branch_index, *operands = invals
+
+        def branch(closed: core.ClosedJaxpr) -> Callable[..., Any]:
+            return lambda ops, st: self.run(closed.jaxpr, closed.consts, ops, st, checked)
+
+        outs, state = lax.switch(branch_index, [branch(b) for b in branches], operands, state)
+        return list(outs), state
+
+    def _run_scan(
+        self, params: dict[str, Any], invals: list[Any], state: Gathered, checked: bool
+    ) -> tuple[list[Any], Gathered]:
+        body: core.ClosedJaxpr = params["jaxpr"]
+        consts_count, carry_count = params["num_consts"], params["num_carry"]
+        consts = invals[:consts_count]
+        carry = invals[consts_count : consts_count + carry_count]
+        xs = invals[consts_count + carry_count :]
+        length, reverse = params["length"], params["reverse"]
+        per_step = most_records(body.jaxpr)
+
+        def scan(
+            carry: list[Any], state: Gathered, xs: list[Any], length: int, checked: bool
+        ) -> tuple[list[Any], Gathered, list[Any]]:
+            def step(both: tuple[list[Any], Gathered], x: list[Any]) -> tuple[Any, list[Any]]:
+                values, st = both
+                outs, st = self.run(body.jaxpr, body.consts, [*consts, *values, *x], st, checked)
+                return (outs[:carry_count], st), outs[carry_count:]
+
+            (carry, state), ys = lax.scan(
+                step, (carry, state), xs, length=length, reverse=reverse, unroll=params["unroll"]
+            )
+            return list(carry), state, list(ys)
+
+        if not checked or not self._bounded(per_step) or per_step == 0:
+            carry, state, ys = scan(carry, state, xs, length, checked)
+            return [*carry, *ys], state
+        if self._bounded(length * per_step):
+            carry, state, ys = scan(
+                carry, self.make_room(state, length * per_step), xs, length, False
+            )
+            return [*carry, *ys], state
+        # In chunks of as many steps as the log holds, each flushed at its end.
+        steps = int(self.plan.capacity // per_step)
+        chunks, rest = divmod(length, steps)
+        state = self.flush_if(state.count > 0, state)
+        certain = certainly_taps(body.jaxpr)
+        split = rest if reverse else chunks * steps
+        head = [x[:split] for x in xs]
+        tail = [x[split:] for x in xs]
+        chunked_xs, rest_xs = (tail, head) if reverse else (head, tail)
+
+        def chunk(both: tuple[list[Any], Gathered], x: list[Any]) -> tuple[Any, list[Any]]:
+            values, st = both
+            values, st, ys = scan(values, st, x, steps, False)
+            st = self.flushed(st) if certain else self.flush_if(st.count > 0, st)
+            return (values, st), ys
+
+        (carry, state), chunked_ys = lax.scan(
+            chunk,
+            (carry, state),
+            [x.reshape(chunks, steps, *x.shape[1:]) for x in chunked_xs],
+            length=chunks,
+            reverse=reverse,
+        )
+        chunked_ys = [y.reshape(chunks * steps, *y.shape[2:]) for y in chunked_ys]
+        carry, state, rest_ys = scan(list(carry), state, rest_xs, rest, False)
+        parts = (rest_ys, chunked_ys) if reverse else (chunked_ys, rest_ys)
+        ys = [lax.concatenate([first, second], 0) for first, second in zip(*parts, strict=True)]
+        return [*carry, *ys], state
+
+    def _run_while(
+        self, params: dict[str, Any], invals: list[Any], state: Gathered, checked: bool
+    ) -> tuple[list[Any], Gathered]:
+        cond: core.ClosedJaxpr = params["cond_jaxpr"]
+        body: core.ClosedJaxpr = params["body_jaxpr"]
+        if taps_within(cond.jaxpr):
+            raise NotGatherable("taps in a loop's condition")
+        cond_count, body_count = params["cond_nconsts"], params["body_nconsts"]
+        cond_consts = invals[:cond_count]
+        body_consts = invals[cond_count : cond_count + body_count]
+        carry = list(invals[cond_count + body_count :])
+        per_step = most_records(body.jaxpr)
+
+        def going_on(values: list[Any]) -> Any:
+            return core.eval_jaxpr(cond.jaxpr, cond.consts, *cond_consts, *values)[0]
+
+        def step(values: list[Any], st: Gathered, checked: bool) -> tuple[list[Any], Gathered]:
+            return self.run(body.jaxpr, body.consts, [*body_consts, *values], st, checked)
+
+        if not checked or not self._bounded(per_step) or per_step == 0:
+            carry, state = lax.while_loop(
+                lambda both: going_on(both[0]), lambda both: step(*both, checked), (carry, state)
+            )
+            return list(carry), state
+        # In chunks: an inner loop of at most as many steps as the log holds, unchecked,
+        # then a flush. (The condition, which does not tap, is evaluated once more a chunk.)
+        steps = int(self.plan.capacity // per_step)
+        certain = certainly_taps(body.jaxpr)
+        state = self.flush_if(state.count > 0, state)
+
+        def chunk(both: tuple[list[Any], Gathered]) -> tuple[list[Any], Gathered]:
+            def inner_going_on(inner: tuple[Any, list[Any], Gathered]) -> Any:
+                return lax.bitwise_and(inner[0] < steps, going_on(inner[1]))
+
+            def inner_step(inner: tuple[Any, list[Any], Gathered]) -> Any:
+                values, st = step(inner[1], inner[2], False)
+                return inner[0] + 1, values, st
+
+            _, values, st = lax.while_loop(
+                inner_going_on, inner_step, (np.int32(0), both[0], both[1])
+            )
+            st = self.flushed(st) if certain else self.flush_if(st.count > 0, st)
+            return values, st
+
+        carry, state = lax.while_loop(lambda both: going_on(both[0]), chunk, (carry, state))
+        return list(carry), state
+
+
+def _bind(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any]:
+    params = eqn.primitive.get_bind_params(eqn.params)  # type: ignore[no-untyped-call]
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):  # (JAX before 0.9: subfuns, params)
+        subfuns, params = params
+    with eqn.ctx.manager:
+        result = eqn.primitive.bind(*subfuns, *invals, **params)  # type: ignore[no-untyped-call]
+    return list(result) if eqn.primitive.multiple_results else [result]
