@@ -12,7 +12,7 @@ host (on a TPU: sends only, no receive).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,8 @@ from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 
 from tapd.emitter import host_writers, jax_compat, lifecycle
 from tapd.emitter.primitive import UNORDERED, TapSiteParams
+from tapd.native import library
+from tapd.native.ring import NO_STEP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +57,9 @@ def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> li
     module = ctx.module_context
     platform = module.platforms[0] if len(module.platforms) == 1 else None
     devices_at = host_writers.DeviceOrdinals(host_writers.local_ordinals(ctx), 0)
-    writers = [_writer(site, avals, platform, devices_at) for site, avals in _each(plan)]
-    host_function = _flush_host(plan, writers)
+    assert devices_at.fixed is not None  # (a gathered computation runs on one device)
+    sites = [_SiteWriter(site, avals, platform, devices_at) for site, avals in _each(plan)]
+    host_function = _Flush(sites, devices_at.fixed)
     avals = list(ctx.avals_in)
     callback_ctx = dataclasses.replace(ctx, avals_in=avals, avals_out=[])
     token = jax_compat.emit_python_callback(
@@ -77,51 +80,125 @@ def _each(plan: FlushPlan) -> list[tuple[TapSiteParams, tuple[core.ShapedArray, 
     return list(zip(plan.sites, plan.operand_avals, strict=True))
 
 
-def _writer(
-    site: TapSiteParams,
-    avals: Sequence[core.ShapedArray],
-    platform: str | None,
-    devices_at: host_writers.DeviceOrdinals,
-) -> Callable[..., Any]:
-    """The host function that writes one record of `site` (what its own host callback
-    would be), taking the record's operands in the tap's order (leaves, step, coords)."""
-    local = lifecycle.local_path_of(site.consumer)
-    native = local if local is not None else lifecycle.get_sender().native
-    leaves = site.leaf_count(len(avals))
-    # The host function takes the leaves and the coordinates, then the step.
-    order = [
-        *range(leaves),
-        *([leaves + site.has_step] if site.has_coords else []),
-        *([leaves] if site.has_step else []),
-    ]
-    tapped_avals = [avals[i] for i in order if not (site.has_step and i == leaves)]
-    make = host_writers.ring_writer if native is not None else host_writers.sender_writer
-    write = make(native, site, host_writers.site_fields(site, platform), tapped_avals, devices_at)
+class _SiteWriter:
+    """How one site's records are written: into a ring (its ids, for one batched call of
+    the library a flush), or, with no ring, by the tap's own host function, one by one.
 
-    def write_record(operands: Sequence[Any]) -> None:
-        write(*[operands[i] for i in order])
+    A record's operands are the tap's (leaves, step, coords); the ring takes the leaves
+    and the coordinates, then the step apart."""
 
-    return write_record
+    def __init__(
+        self,
+        site: TapSiteParams,
+        avals: Sequence[core.ShapedArray],
+        platform: str | None,
+        devices_at: host_writers.DeviceOrdinals,
+    ) -> None:
+        local = lifecycle.local_path_of(site.consumer)
+        native = local if local is not None else lifecycle.get_sender().native
+        leaves = site.leaf_count(len(avals))
+        self.step = leaves if site.has_step else None
+        self.tapped = [*range(leaves), *([leaves + site.has_step] if site.has_coords else [])]
+        self.row_bytes = [_nbytes(avals[i]) for i in self.tapped]
+        tapped_avals = [avals[i] for i in self.tapped]
+        fields = host_writers.site_fields(site, platform)
+        self.ring: int | None = None
+        if native is not None:
+            self.site_id, self.consumer_id, self.every, _ = host_writers.ring_site(
+                native, site, fields, tapped_avals
+            )
+            self.ring = native.ring.handle
+            return
+        write = host_writers.sender_writer(native, site, fields, tapped_avals, devices_at)
+        order = [*self.tapped, *([self.step] if self.step is not None else [])]
+        self.write_one = lambda operands: write(*[operands[i] for i in order])
 
 
-def _flush_host(plan: FlushPlan, writers: list[Callable[..., Any]]) -> Callable[..., tuple[()]]:
-    """The flush's host function: every logged record, in order, to its site's writer."""
-    spans = []
-    start = 0
-    for avals in plan.operand_avals:
-        spans.append((start, start + len(avals)))
-        start += len(avals)
+def _nbytes(aval: core.ShapedArray) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * int(np.dtype(aval.dtype).itemsize)
 
-    def flush_records(count: Any, log: Any, *buffers: Any) -> tuple[()]:
-        rows = [0] * len(writers)
-        for site in np.asarray(log)[: int(count)].tolist():
-            row = rows[site]
-            rows[site] = row + 1
-            first, last = spans[site]
-            writers[site]([buffer[row] for buffer in buffers[first:last]])
+
+class _Flush:
+    """The flush's host function: every logged record, in order, to its site's ring (one
+    call of the library per ring: `tapd_ring_write_batch`), or its sender."""
+
+    def __init__(self, sites: list[_SiteWriter], device: int) -> None:
+        self.sites = sites
+        self.device = device
+        self.stride = max([len(s.tapped) for s in sites] + [1])
+        self.rings = sorted({s.ring for s in sites if s.ring is not None})
+        lib = library.load()
+        self.write_batch = lib.tapd_ring_write_batch if lib is not None else None
+
+    def __call__(self, count: Any, log: Any, *buffers: Any) -> tuple[()]:
+        records = int(count)
+        if records == 0:
+            return ()
+        of_site = np.asarray(log)[:records].astype(np.int64)
+        rows = np.empty(records, np.int64)
+        present = np.unique(of_site).tolist()
+        for site in present:
+            chosen = of_site == site
+            rows[chosen] = np.arange(int(chosen.sum()))
+        operands = self._operands(buffers)
+        for ring in self.rings:
+            self._write_ring(ring, of_site, rows, operands, present)
+        for site in present:
+            writer = self.sites[site]
+            if writer.ring is None:
+                for row in rows[of_site == site].tolist():
+                    writer.write_one([operand[row] for operand in operands[site]])
         return ()
 
-    return flush_records
+    def _operands(self, buffers: Sequence[Any]) -> list[list[Any]]:
+        """Each site's operand buffers, as contiguous numpy arrays."""
+        result, start = [], 0
+        for writer in self.sites:
+            count = len(writer.tapped) + (writer.step is not None)
+            result.append([np.ascontiguousarray(b) for b in buffers[start : start + count]])
+            start += count
+        return result
+
+    def _write_ring(
+        self,
+        ring: int,
+        of_site: np.ndarray,
+        rows: np.ndarray,
+        operands: list[list[Any]],
+        present: list[int],
+    ) -> None:
+        here = [s for s in present if self.sites[s].ring == ring]
+        if not here:
+            return
+        chosen = np.isin(of_site, here)
+        sites, rows = of_site[chosen], rows[chosen]
+        count = len(sites)
+        site_ids = np.empty(count, np.uint64)
+        consumers = np.empty(count, np.uint32)
+        everys = np.empty(count, np.uint64)
+        nleaves = np.empty(count, np.uint32)
+        steps = np.full(count, NO_STEP, np.int64)
+        data = np.zeros((count, self.stride), np.uint64)
+        sizes = np.zeros((count, self.stride), np.uint64)
+        for site in here:
+            writer, mine = self.sites[site], sites == site
+            site_ids[mine], consumers[mine] = writer.site_id, writer.consumer_id
+            everys[mine], nleaves[mine] = writer.every, len(writer.tapped)
+            their_rows = rows[mine].astype(np.uint64)
+            for k, (index, row_bytes) in enumerate(
+                zip(writer.tapped, writer.row_bytes, strict=True)
+            ):
+                buffer = operands[site][index]
+                data[mine, k] = np.uint64(buffer.ctypes.data) + their_rows * np.uint64(row_bytes)
+                sizes[mine, k] = row_bytes
+            if writer.step is not None:
+                steps[mine] = operands[site][writer.step][rows[mine]].astype(np.int64)
+        assert self.write_batch is not None  # (a ring exists, so the library loaded)
+        self.write_batch(
+            ring, count, site_ids.ctypes.data, consumers.ctypes.data, self.device,
+            steps.ctypes.data, everys.ctypes.data, nleaves.ctypes.data, self.stride,
+            data.ctypes.data, sizes.ctypes.data, None,
+        )  # fmt: skip
 
 
 jax_compat.register_lowering(flush_p, _lower)

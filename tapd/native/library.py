@@ -379,6 +379,25 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             ],
             c.c_int,
         ),
+        # (ring or None, count, sites, consumers, device, steps, everys, nleaves, stride,
+        # data, sizes, outcomes): the arrays as plain pointers (numpy's addresses).
+        "tapd_ring_write_batch": (
+            [
+                c.c_void_p,
+                c.c_uint32,
+                c.c_void_p,
+                c.c_void_p,
+                c.c_int32,
+                c.c_void_p,
+                c.c_void_p,
+                c.c_void_p,
+                c.c_uint32,
+                c.c_void_p,
+                c.c_void_p,
+                c.c_void_p,
+            ],
+            c.c_int,
+        ),
         "tapd_ring_record_header_bytes": ([], c.c_uint64),
         "tapd_ring_internal_api": ([c.c_uint32], c.c_void_p),
         "tapd_ring_reserve_for_test": (

@@ -1057,6 +1057,29 @@ int tapd_ring_write_leaves(void* handle, uint64_t site, uint32_t consumer, int32
                            nleaves, data, sizes);
 }
 
+// The gathered path's flush (tapd/emitter/gathered_flush.py): `count` records in order,
+// each written exactly as tapd_ring_write_leaves writes it (skipped or dropped the same
+// way, and counted). Record i is of site `sites[i]`, consumer `consumers[i]`, step
+// `steps[i]` and sampling `everys[i]`; its `nleaves[i]` leaves are at `data` and `sizes`
+// from i * `stride` on. One call a flush instead of one a record: a TPU's computation
+// waits for its host callbacks, so their time is the step's. Returns 2 if there is no
+// ring, else 0; `outcomes` (count entries, or NULL) gets each record's result.
+int tapd_ring_write_batch(void* handle, uint32_t count, const uint64_t* sites,
+                          const uint32_t* consumers, int32_t device, const int64_t* steps,
+                          const uint64_t* everys, const uint32_t* nleaves, uint32_t stride,
+                          const void* const* data, const uint64_t* sizes, uint8_t* outcomes) {
+  Ring* ring = handle != nullptr ? static_cast<Ring*>(handle) : tapd::InstalledRing();
+  if (ring == nullptr) return 2;
+  for (uint32_t i = 0; i < count; ++i) {
+    uint64_t first = uint64_t{i} * stride;
+    int outcome = tapd::WriteLeaves(
+        ring, tapd::RecordFields{sites[i], consumers[i], device, steps[i], everys[i]},
+        nleaves[i], data + first, sizes + first);
+    if (outcomes != nullptr) outcomes[i] = static_cast<uint8_t>(outcome);
+  }
+  return 0;
+}
+
 // One record of one leaf (tests and benchmarks of the ring itself). Returns 0, or 1 if
 // dropped.
 int tapd_ring_write(void* handle, uint64_t site, uint32_t consumer, int32_t device,

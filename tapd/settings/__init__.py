@@ -171,7 +171,7 @@ class DaemonFields:
     emitter_window_bytes: int = daemon(
         64 * 2**20,
         "bytes of taps an emitter may have sent that the daemon has not yet passed on",
-        default_text="64 MiB",
+        default_text="8 MiB",
     )
     subscriber_timeout: float = daemon(
         10.0, "drop a subscriber silent (no ack, no heartbeat) this many seconds"
@@ -307,10 +307,10 @@ class EmitterFields:
         "(a long loop's taps arrive while it runs), and at its end",
     )
     gather_bytes: int = emitter(
-        64 * 2**20,
+        8 * 2**20,
         "the most device memory a gathered computation's tap buffers take, in bytes (a "
         "flush then comes after fewer taps; at least one)",
-        default_text="64 MiB",
+        default_text="8 MiB",
     )
 
 
