@@ -63,6 +63,8 @@ def child(quick: bool) -> dict[str, Any]:
             tapd.debug.callback(noop, x)
         elif kind == "id_tap":
             return tapd.id_tap(closure, x)
+        elif kind == "untaken":  # a host callback in a branch never taken
+            lax.cond(x[0] > 1e30, lambda: jax.debug.callback(noop, x), lambda: None)
         return x
 
     def loop(kind: str, size: int, dynamic: bool) -> Callable[[Any], Any]:
@@ -103,7 +105,7 @@ def child(quick: bool) -> dict[str, Any]:
         variants[f"while64 {kind}"] = (loop(kind, SMALL, True), small, loop_calls, STEPS)
     for kind in ("none", "tap", "dormant", "jax", "outputs"):
         variants[f"loop1M {kind}"] = (loop(kind, BIG, False), big, 1, STEPS)
-    for kind in ("none", "tap", "dormant", "jax", "tapd.debug", "id_tap"):
+    for kind in ("none", "tap", "dormant", "jax", "tapd.debug", "id_tap", "untaken"):
         variants[f"call {kind}"] = (step(kind), small, step_calls, 1)
 
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -155,6 +157,7 @@ def report(results: dict[str, dict[str, Any]], delivered: dict[str, int], quick:
         ("call: tapd.tap ÷ jax.debug.callback", "call", "tap", "jax", "≤ 0.25"),
         ("call: id_tap closure ÷ jax.debug.callback", "call", "id_tap", "jax", "≤ 0.25"),
         ("call: dormant ÷ jax.debug.callback", "call", "dormant", "jax", ""),
+        ("call: an untaken callback ÷ jax.debug.callback", "call", "untaken", "jax", ""),
     ]
     for text, prefix, kind, against, target in figures:
         cells = " | ".join(
