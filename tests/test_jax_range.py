@@ -22,6 +22,7 @@ import pytest
 
 from conftest import PROCESS_TIMEOUT, Daemon, SubscriberProcess, wait_until
 from tapd.emitter import jax_compat
+from tapd.emitter.jax_compat import cpu_put
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -241,11 +242,11 @@ def test_cpu_puts_match_jax_device_put_on_the_fast_path_and_the_fallbacks(
     def internals_differ() -> None:
         raise AttributeError("module 'pxla' has no attribute 'batched_device_put'")
 
-    monkeypatch.setattr(jax_compat, "_device_putter", internals_differ)
+    monkeypatch.setattr(cpu_put, "_device_putter", internals_differ)
     check_both()
 
     def put_refused(*args: object) -> None:  # found, but its signature changed
         raise TypeError("batched_device_put(): incompatible function arguments")
 
-    monkeypatch.setattr(jax_compat, "_device_putter", lambda: put_refused)
+    monkeypatch.setattr(cpu_put, "_device_putter", lambda: put_refused)
     check_both()
