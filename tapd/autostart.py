@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tapd.clients import control
+from tapd.clients import control, liveness
 from tapd.errors import ALREADY_RUNNING, DaemonUnreachable
 from tapd.runtime import (
     default_endpoint,
@@ -90,8 +90,8 @@ def ensure_daemon(
     again), None if one already answered or the endpoint is not the default one (then the
     caller's own timeout applies). Raises DaemonUnreachable when the daemon it launched
     did not become ready (naming its log), and when autostart is off and there is no
-    daemon, if the caller is `required` to have one now (a subscriber; an emitter's ring
-    can wait for a daemon that starts later)."""
+    daemon (no socket file, or one left by a daemon that is gone), if the caller is
+    `required` to have one now (a subscriber, an emitter's first tap for a daemon)."""
     if endpoint != default_endpoint():
         return None
     ensure_private_dir(runtime_dir())  # no squatter's socket is probed, nor started beside
@@ -99,12 +99,18 @@ def ensure_daemon(
     if socket_path.exists() and answers(endpoint, _PROBE_TIMEOUT):
         return None
     if not AUTOSTART.value():
-        if required and not socket_path.exists():
-            raise DaemonUnreachable(
-                f"no tapd daemon at {endpoint} (no socket file) and TAPD_AUTOSTART=0: "
-                "start one with `tapd start --detach`, or unset TAPD_AUTOSTART"
-            )
-        return None  # a socket file: the caller's own wait decides
+        if not required:
+            return None
+        if not socket_path.exists():
+            missing = "no socket file"
+        elif liveness.lock_state(endpoint)[0] == "gone":  # (it did not answer the probe)
+            missing = "its socket file was left by a daemon that is gone: nobody holds its lock"
+        else:
+            return None  # a daemon there, stopped or slow: the caller's own wait decides
+        raise DaemonUnreachable(
+            f"no tapd daemon at {endpoint} ({missing}) and TAPD_AUTOSTART=0: "
+            "start one with `tapd start --detach`, or unset TAPD_AUTOSTART"
+        )
     log = log_path()
     pidfile = default_pidfile()
     argv = [sys.executable, "-m", "tapd", "start", "--pidfile", str(pidfile)]

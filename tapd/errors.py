@@ -71,7 +71,8 @@ ALREADY_RUNNING = "another tapd daemon is already running"
 class DaemonUnreachable(TapdError, ConnectionError):
     """No daemon answers at the endpoint a client needs, and none was started for it
     (autostart is off, or the daemon it started did not become ready: the message says
-    which, and where its log is)."""
+    which, and where its log is); also what a barrier (or the exit drain) raises once its
+    daemon has not answered for TAPD_CONNECT_TIMEOUT s where none is started on demand."""
 
 
 class CallbackException(TapdError):

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -201,7 +202,7 @@ def test_barrier_wait_inside_a_mesh_context(
     assert [r["value"] for r in subscriber.records()] == [[0.0, 1.0, 2.0, 3.0]]
 
 
-def test_a_big_portable_tap_asks_first_and_a_small_one_does_not() -> None:
+def test_a_big_portable_tap_asks_first_and_a_small_one_does_not(tmp_path: Path) -> None:
     """On the portable backend a tap of 64 KiB or more is lowered as a question to the
     host (does its site want this tap?) and a `case` around the callback that takes the
     operands, so that a dormant one copies nothing to the host; a small tap is one
@@ -214,7 +215,10 @@ def test_a_big_portable_tap_asks_first_and_a_small_one_does_not() -> None:
         "big, small = lowered(2**16), lowered(16)\n"
         "print(tapd.backend(), big.count('stablehlo.case'), small.count('stablehlo.case'))\n"
     )
-    env = {**os.environ, "TAPD_BACKEND": "portable", "TAPD_AUTOSTART": "0"}
+    # (No daemon to lower against: at the default endpoint, autostart off, the tap would
+    # fail at trace time; at another, it waits for one.)
+    endpoint = f"ipc://{tmp_path}/tapd.sock"
+    env = {**os.environ, "TAPD_BACKEND": "portable", "TAPD_ENDPOINT": endpoint}
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
     )

@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 
 from tapd.autostart import ensure_daemon
+from tapd.clients.liveness import DaemonWatch
 from tapd.consumers import MAX_NAME
 from tapd.protocol import Message
 from tapd.security import ClientKeys, secure_client
@@ -220,12 +221,24 @@ class Subscriber:
     def _wait_welcomed(self, timeout: float) -> None:
         poller = self._poller()
         deadline = time.monotonic() + timeout
+        # A daemon that does not answer is named within seconds (tapd/clients/liveness.py).
+        # (Asked with the environment's keys: a tcp:// daemon given others is not asked.)
+        watches = {
+            link.endpoint: DaemonWatch(
+                link.endpoint, waiting_for="a Subscriber's connect", log=logger, deadline=deadline
+            )
+            for link in self._links
+            if self.curve is None or link.endpoint.startswith("ipc://")
+        }
         while time.monotonic() < deadline:
             if all(link.welcomed for link in self._links):
                 logger.info(
                     "subscribed to %s at %s", ", ".join(self.consumers), ", ".join(self.endpoints)
                 )
                 return
+            for link in self._links:
+                if not link.welcomed and link.endpoint in watches:
+                    watches[link.endpoint].check(self._welcome_text)
             # A hello not out yet waits for the connection (IMMEDIATE): look again soon,
             # so that attaching to a running job takes milliseconds, not a poll period.
             due = any(link.hello_due is not None for link in self._links)
@@ -239,6 +252,9 @@ class Subscriber:
             f"no tapd daemon answered at {', '.join(silent)} within {timeout} s "
             "(start one with `tapd start`)"
         )
+
+    def _welcome_text(self) -> str:
+        return f"its welcome (to a subscriber of {', '.join(self.consumers)})"
 
     def run(self, *, until: Callable[[], bool] | None = None) -> None:
         """Receive and handle taps until `stop()` is called (or `until()` is true)."""

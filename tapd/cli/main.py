@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from tapd.cli.commands import FAMILIES
 from tapd.cli.exit_codes import ExitCode
 from tapd.cli.logs import configure_logging, set_log_level
-from tapd.errors import ConfigError
+from tapd.errors import ConfigError, DaemonUnreachable
 from tapd.settings import LOG_LEVEL
 
 DESCRIPTION = """\
@@ -59,5 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         logging.getLogger("tapd.cli").error("configuration error: %s", exc)
         return ExitCode.CONFIG
+    except DaemonUnreachable as exc:  # (TAPD_AUTOSTART=0 and no daemon, for one)
+        logging.getLogger("tapd.cli").error("%s", exc)
+        return ExitCode.UNREACHABLE
     except KeyboardInterrupt:
         return ExitCode.INTERRUPTED

@@ -27,7 +27,7 @@ from tapd.emitter.local_path import LocalPath
 from tapd.emitter.native_backend import NativeEmitter, registered_platforms
 from tapd.emitter.sender import Sender, SenderStats
 from tapd.emitter.settings import EmitterSettings, from_environment
-from tapd.errors import ConfigError, TapFunctionException
+from tapd.errors import ConfigError, DaemonUnreachable, TapDefinitionError, TapFunctionException
 from tapd.native import library
 from tapd.native.ring import RingError
 from tapd.runtime import check_endpoint_dir, ring_dir_for
@@ -68,7 +68,12 @@ def get_sender() -> Sender:
                 if _settings is None:
                     _settings = from_environment()
                 check_endpoint_dir(_settings.endpoint)  # no squatter's daemon gets our taps
-                ensure_daemon(_settings.endpoint, required=False)
+                try:  # (TAPD_AUTOSTART=0 and no daemon: an error at once, at trace time)
+                    ensure_daemon(_settings.endpoint)
+                except DaemonUnreachable as exc:
+                    raise TapDefinitionError(
+                        f"a tap for other processes needs a daemon: {exc}"
+                    ) from exc
                 _sender = Sender(
                     _settings,
                     process_index=jax.process_index(),
@@ -365,7 +370,7 @@ def _drain_at_exit() -> None:
         pass
     try:
         if not sender.all_confirmed():
-            sender.barrier(_settings.exit_timeout)
+            sender.barrier(_settings.exit_timeout, name="the exit drain")
     except Exception as exc:
         logger.error("tapd: at exit, not every tap was delivered: %s", exc)
     counts = sender.stats()

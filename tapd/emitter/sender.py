@@ -28,13 +28,18 @@ import zmq
 
 from tapd.clients import control, emitter_socket
 from tapd.clients.emitter_socket import EmitterSocket
+from tapd.clients.liveness import FIRST_LOOK_AFTER, DaemonWatch, Sighting
 from tapd.emitter.native_backend import NativeEmitter
 from tapd.emitter.settings import EmitterSettings
 from tapd.errors import BarrierTimeout, ProtocolError, TapFunctionException
 from tapd.protocol import encode
 from tapd.protocol.link import Refused, RehelloAsked, Welcomed
+from tapd.settings import CONNECT_TIMEOUT
 
 logger = logging.getLogger("tapd.emitter")
+
+_FIRST_SLICE = 0.25  # s a barrier waits before it watches the daemon (most pass sooner)
+_SLICE = 0.25  # s between the watch's checks (it looks at the daemon once a second)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +229,13 @@ class Sender:
 
     # ---- called from user threads ---------------------------------------------------
 
-    def barrier(self, timeout: float | None, *, keep_errors: bool = False) -> dict[str, Any]:
+    def barrier(
+        self, timeout: float | None, *, keep_errors: bool = False, name: str = "barrier_wait"
+    ) -> dict[str, Any]:
         """Wait until every tap submitted so far is processed; raise handler errors
-        (`keep_errors`: leave them for the next barrier)."""
+        (`keep_errors`: leave them for the next barrier). Raises DaemonUnreachable where
+        no daemon answers for TAPD_CONNECT_TIMEOUT s and none is started on demand
+        (tapd/clients/liveness.py); `name` names the wait in what it logs."""
         # Everything in the ring so far precedes it. (Outside the lock: waiting for a
         # CUDA stream's commits may take seconds, and submits must not wait for that.)
         ring_position = self.native.settled_position() if self.native is not None else None
@@ -237,13 +246,21 @@ class Sender:
             self._barriers[barrier.id] = barrier
             self._queue.append(barrier)
             self._wake_locked()
-        if not barrier.done.wait(timeout):
+        try:
+            silent = self._wait_watched(barrier, timeout, name)
+        finally:
+            if not barrier.done.is_set():
+                with self._lock:
+                    self._barriers.pop(barrier.id, None)
+        if not barrier.done.is_set():
             with self._lock:
-                self._barriers.pop(barrier.id, None)
                 queued = sum(1 for item in self._queue if isinstance(item, _Tap))
-            where = _waiting_upstream(self.settings.endpoint) or (
-                "not yet processed by its subscribers (is the daemon running? `tapd status`)"
-            )
+            if silent is not None:
+                where = f"no daemon answers there: {silent.describe()}"
+            else:
+                where = _waiting_upstream(self.settings.endpoint) or (
+                    "not yet processed by its subscribers (is the daemon running? `tapd status`)"
+                )
             raise BarrierTimeout(
                 f"barrier_wait timed out after {timeout} s: {queued} taps still buffered in "
                 f"this process, the rest sent to the daemon at {self.settings.endpoint} and "
@@ -256,6 +273,35 @@ class Sender:
         if errors:
             raise TapFunctionException(errors)
         return barrier.reply
+
+    def _wait_watched(self, barrier: _Barrier, timeout: float | None, name: str) -> Sighting | None:
+        """Wait for `barrier` (up to `timeout` s), watching the daemon meanwhile: a wait
+        on one that does not answer says so within seconds, and fails where nobody starts
+        one on demand. Returns what the last look found if the daemon did not answer it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if barrier.done.wait(_FIRST_SLICE if timeout is None else min(timeout, _FIRST_SLICE)):
+            return None
+        watch = DaemonWatch(
+            self.settings.endpoint,
+            waiting_for=name,
+            log=logger,
+            fail_after=float(CONNECT_TIMEOUT.value()),
+            what_then=", which stay in this process for the next daemon",
+            first_look_after=FIRST_LOOK_AFTER - _FIRST_SLICE,
+        )
+        while True:
+            left = _SLICE if deadline is None else min(deadline - time.monotonic(), _SLICE)
+            if left <= 0 or barrier.done.wait(left):
+                last = watch.last
+                return None if last is None or last.answered else last
+            watch.check(lambda: self._pending_text(barrier))
+
+    def _pending_text(self, barrier: _Barrier) -> str:
+        with self._lock:
+            pending = max(0, barrier.covers - self._confirmed)
+            queued = sum(1 for item in self._queue if isinstance(item, _Tap))
+        where = "" if not queued else f", {queued} of them still buffered in this process"
+        return f"{pending} taps{where}"
 
     def _submitted_locked(self) -> int:
         if self.native is not None:

@@ -317,7 +317,9 @@ class EmitterFields:
 CONNECT_TIMEOUT = Setting(
     "connect_timeout",
     float,
-    "seconds to wait for a daemon before a tap function of this process fails at trace time",
+    "seconds a daemon that does not answer is waited for: before a tap function of this "
+    "process fails at trace time, and before a wait on it (`barrier_wait`, the exit drain) "
+    'fails where no daemon is started on demand (docs/PROMISES.md, "Faults")',
     ("emitter",),
     variable="TAPD_CONNECT_TIMEOUT",
     default=10.0,
