@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Literal
 
-from tapd import export_hook
+from tapd import export_hook, hcb_hook
 from tapd.emitter import jax_compat
 from tapd.errors import (
     BarrierTimeout,
@@ -145,20 +145,9 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.
     """Wait until every tap so far was processed by every subscribed handler, tap
     functions in this process included; raise `CallbackException` if any raised (chained
     to the last exception raised in this process, if one was)."""
-    import sys
-
     from tapd.emitter import lifecycle
 
-    local = sys.modules.get("tapd.emitter.local_functions")
-    if local is not None and local.on_receiver_thread():
-        raise RuntimeError("barrier_wait() called from a tap function would wait for itself")
-    try:
-        lifecycle.barrier_wait(logging_name, timeout=timeout)
-    except CallbackException as exc:
-        cause = local.take_exception() if local is not None else None
-        if cause is not None and exc.__cause__ is None:
-            exc.__cause__ = cause
-        raise
+    lifecycle.barrier_wait(logging_name, timeout=timeout)
 
 
 def install_host_callback() -> None:
@@ -166,9 +155,7 @@ def install_host_callback() -> None:
     jax.experimental.host_callback as hcb`) give tapd's host_callback API, `tapd.hcb`,
     in this process from now on: for libraries that import host_callback themselves.
     `python -m tapd.hcb script.py [args]` does it with no code changed."""
-    from tapd import hcb
-
-    hcb.install()
+    hcb_hook.install()
 
 
 def install_debug(*, io_callback: bool = False) -> None:

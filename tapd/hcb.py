@@ -20,15 +20,11 @@ status.
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
 import sys
-import threading
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any
 
+import tapd
 from tapd import (
     CallbackException,
     CallbackFlavor,
@@ -38,8 +34,7 @@ from tapd import (
     id_tap,
     script_runner,
 )
-
-MODULE = "jax.experimental.host_callback"
+from tapd.hcb_hook import MODULE, install
 
 __all__ = [
     "CallbackException",
@@ -55,54 +50,9 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """host_callback's `call` and `stop_outfeed_receiver`: an AttributeError that says
     what to use instead (tapd's words for them)."""
-    import tapd
-
     if name in tapd._NOT_HERE:
         return getattr(tapd, name)  # raises, saying what to use
     raise AttributeError(f"module {MODULE!r} (tapd.hcb) has no attribute {name!r}")
-
-
-class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves `jax.experimental.host_callback` with this module (`tapd.hcb`)."""
-
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != MODULE:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self, origin=__file__)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        # Whichever copy runs as `python -m tapd.hcb`, the API module is `tapd.hcb`.
-        return importlib.import_module("tapd.hcb")
-
-    def exec_module(self, module: ModuleType) -> None:
-        pass  # imported already
-
-
-_FINDER = _Finder()
-_lock = threading.Lock()
-
-
-def installed() -> bool:
-    """Whether `install()` has run in this process (then `jax.effects_barrier()` raises
-    what this process's tap functions raised, as host_callback's did)."""
-    return _FINDER in sys.meta_path
-
-
-def install() -> None:
-    """Make `jax.experimental.host_callback` this module in this process (idempotent).
-    Does not import JAX; a module already imported under that name is replaced."""
-    with _lock:
-        if _FINDER not in sys.meta_path:
-            sys.meta_path.insert(0, _FINDER)
-        # Done already, or the name was taken before: the import system asks the finders
-        # only for a name that is not in sys.modules.
-        existing = sys.modules.get(MODULE)
-        if existing is not None and existing is not sys.modules.get("tapd.hcb"):
-            del sys.modules[MODULE]
-        if "jax.experimental" in sys.modules:  # then import it now, which sets the
-            importlib.import_module(MODULE)  # attribute of jax.experimental
 
 
 def main(argv: Sequence[str] | None = None) -> None:

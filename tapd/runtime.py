@@ -99,7 +99,7 @@ def ring_dir_prefix() -> str:
 
 def local_ring_dir_name(pid: int, token: str) -> str:
     """The name of a process's local ring directory (its wake socket; the ring itself is
-    unlinked once mapped: tapd/emitter/local_path.py), beside the daemons' in /dev/shm."""
+    unlinked once mapped: tapd/emitter/local/path.py), beside the daemons' in /dev/shm."""
     return f"{ring_dir_prefix()}local-{pid}-{token}"
 
 

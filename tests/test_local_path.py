@@ -1,5 +1,5 @@
 """Tap functions that live in the JAX process go through its local ring, drained by its
-own receiver thread, with no daemon (tapd/emitter/local_path.py): order, the ring's
+own receiver thread, with no daemon (tapd/emitter/local/path.py): order, the ring's
 policies, barriers with calls in flight, the exit drain, exceptions, a barrier that
 times out saying why, and a program that also has named sites. Real JAX processes
 (tests/apps/local_path_app.py), on both backends."""

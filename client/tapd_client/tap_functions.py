@@ -8,7 +8,7 @@ bound (`id_tap(functools.partial(mymodule.f, what="loss"), x)` calls
 `f(arg, transforms, what="loss")`; `id_print`'s keywords travel the same way).
 
 The emitting process runs the same function, the same way, when no subscriber takes
-its consumer (tapd/emitter/local_functions.py).
+its consumer (tapd/emitter/local/fallback.py).
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ from jax._src import debugging as _jax_debugging
 from jax._src.interpreters import ad, batching
 
 from tapd.debug import delivery
-from tapd.emitter import jax_compat, lifecycle, local_functions, sharding, tapping
+from tapd.emitter import jax_compat, lifecycle, sharding, tapping
+from tapd.emitter.local.threads import on_receiver_thread
 from tapd.errors import TapDefinitionError
 
 # JAX's own functions, as they were when tapd.debug was first imported (before
@@ -206,7 +207,7 @@ def dispatch(
         synchronous()
         return
     if not _staged(dynamic):  # JAX runs it now, and raises what it raised
-        if local_functions.on_receiver_thread():
+        if on_receiver_thread():
             synchronous()  # a callback's own call: the receiver cannot wait for itself
             return
         leaves, types = _travelling(dynamic, eager=True)
@@ -248,7 +249,7 @@ def _receiver_here() -> bool:
     if lifecycle.local_path() is not None:
         return True  # the local ring's receiver: no daemon needed
     try:
-        local_functions.receiver()
+        lifecycle.fallback_receiver()
     except TapDefinitionError as exc:
         _unavailable.append(str(exc))
         logger.warning("tapd.debug makes jax.debug's own (synchronous) calls: %s", exc)
@@ -263,7 +264,7 @@ logger = logging.getLogger("tapd.debug")
 def _tap(function: Callable[..., None], leaves: list[Any], *, ordered: bool) -> None:
     value = tuple(leaves)
     treedef = jax.tree_util.tree_structure(value)
-    consumer = local_functions.local_consumer(function, treedef)
+    consumer = lifecycle.local_consumer(function, treedef)
     with tapping.as_jax_debug():
         tapping.emit(consumer, value, None, {}, ordered=ordered, always=True)
 

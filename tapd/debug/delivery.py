@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from tapd.emitter import jax_compat
-from tapd.emitter.local_path import CallsByRun, describe
+from tapd.emitter.local.functions import CallsByRun, describe
 from tapd.errors import BarrierTimeout
 
 # jax.debug.print's logger (jax.debug.log hands its records to it).

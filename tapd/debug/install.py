@@ -42,7 +42,8 @@ from jax._src.ad_util import Zero
 from jax._src.interpreters import ad, batching
 
 from tapd.debug import calls, delivery
-from tapd.emitter import jax_compat
+from tapd.emitter import jax_compat, lifecycle
+from tapd.emitter.local.threads import on_receiver_thread
 
 jax_effects_barrier: Callable[[], None] = jax_compat.jax_effects_barrier  # JAX's own
 
@@ -85,13 +86,9 @@ def effects_barrier() -> None:
     caller = sys._getframe(1).f_globals.get("__name__", "")
     if _exiting.is_set() or caller == "tapd" or caller.startswith("tapd."):
         return
-    from tapd.emitter import local_functions
-
-    if local_functions.on_receiver_thread():
+    if on_receiver_thread():
         return
-    import tapd
-
-    tapd.barrier_wait()
+    lifecycle.barrier_wait()  # (tapd.barrier_wait's)
 
 
 def _note_exit() -> None:

@@ -8,7 +8,8 @@ other sites each traced first; and a computation compiled elsewhere (a `jax.expo
 artifact, a persistent-cache hit) still names its sites. The handler looks the entry up
 in its ring (`tapd_ring_put_entry`, done here as a tap is lowered); an entry new there
 is handed to `resolve`, which registers it in this process's sites file, as lowering
-would have.
+would have: in the daemon's ring that tapd.emitter.lifecycle hands it (`resolve_into`),
+made on demand.
 
 The format is versioned: `tapd1:` then the base64 of the msgpack map the sites file
 records (without the ids). A later tapd reads every version before its own, or refuses
@@ -22,12 +23,14 @@ import binascii
 import ctypes
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgpack
 
 from tapd.consumers import MAX_NAME
-from tapd.emitter.local_path import LOCAL_PREFIX
+from tapd.emitter.local.functions import LOCAL_PREFIX
+from tapd.native.ring import Ring
 from tapd.protocol.ring_format import RINGS
 
 logger = logging.getLogger("tapd.emitter")
@@ -40,6 +43,18 @@ _FIELDS = frozenset({"tree", "meta", "shard", "transforms", "every", "always"})
 
 class EntryError(ValueError):
     """An entry this tapd cannot take: say which, and why."""
+
+
+class RingSites(Protocol):
+    """What lowering and `resolve` need of a ring a tap writes: its sites' ids (the
+    daemon's ring: tapd.emitter.native_backend.NativeEmitter; the local ring:
+    tapd.emitter.local.path.LocalPath)."""
+
+    ring: Ring
+
+    def register_site(self, consumer: str, fields: dict[str, Any], leaves: list[Any]) -> int: ...
+
+    def consumer_id(self, consumer: str) -> int: ...
 
 
 def encode(consumer: str, fields: dict[str, Any], leaves: list[Any]) -> str:
@@ -93,15 +108,18 @@ def _is_leaf(leaf: Any) -> bool:
 def resolve(which: int, entry: bytes) -> tuple[int, int]:
     """Register the site of `entry`, which a computation compiled elsewhere runs, in this
     process's ring `which`, and put its ids there: (site id, consumer id)."""
-    from tapd.emitter import lifecycle
-
     consumer, fields, leaves = decode(entry)
     if which != RINGS["daemon"] or consumer.startswith(LOCAL_PREFIX):
         raise EntryError(
             f"tap site {consumer!r} runs a tap function of the process that traced it (an "
             "id_tap of a closure, tapd.debug): it cannot run in another process"
         )
-    native = lifecycle.get_sender().native
+    if not _daemon_ring:
+        raise EntryError(
+            f"tap site {consumer!r}: this process has not loaded tapd's emitter "
+            "(tapd.emitter.lifecycle), which makes the ring to write"
+        )
+    native = _daemon_ring[0]()
     if native is None:
         raise EntryError(
             f"tap site {consumer!r}: this process has no ring to write (its daemon is on "
@@ -145,6 +163,13 @@ def _resolver(
 _callback = _RESOLVER_TYPE(_resolver)  # (kept alive: the library holds its address)
 _installed: list[bool] = []
 _lock = threading.Lock()
+_daemon_ring: list[Callable[[], RingSites | None]] = []  # (one: resolve_into's)
+
+
+def resolve_into(daemon_ring: Callable[[], RingSites | None]) -> None:
+    """Have `resolve` register sites in `daemon_ring()`: this process's ring to the
+    daemon, made on demand, or None where it has none (tapd.emitter.lifecycle's)."""
+    _daemon_ring[:] = [daemon_ring]
 
 
 def install_resolver(lib: ctypes.CDLL) -> None:

@@ -4,7 +4,8 @@ A `jax.export` artifact of a tapped function holds tapd's custom calls, each nam
 site by its entry (tapd.emitter.entries), and tapd's effects by their class names. The
 process that loads it must have, before JAX deserializes and compiles it: the effect
 classes registered (importing tapd.emitter.primitive), tapd's FFI handler registered
-with XLA, and the site resolver set in the ring library (both register_ffi_target).
+with XLA, and the site resolver set in the ring library (both register_ffi_target),
+which registers the sites in the ring that tapd.emitter.lifecycle makes.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from tapd.emitter import native_backend, primitive  # noqa: F401  (registers the effects)
+# (primitive registers the effects; lifecycle hands the resolver this process's ring)
+from tapd.emitter import lifecycle, native_backend, primitive  # noqa: F401
 from tapd.errors import TapDefinitionError
 from tapd.native import library
 

@@ -6,7 +6,7 @@ Where a tap function runs (docs/MIGRATING.md, "Where tap functions run"):
   `mymodule:f`), or a `functools.partial` of one whose keywords are plain values (str,
   int, float, bool, None: they travel as the site's static metadata): in a subscriber
   process that takes its consumer (`tapd subscribe mymodule`), else in this process
-  (tapd.emitter.local_functions, "fallback");
+  (tapd/emitter/local/fallback.py, "fallback");
 - **anything else** (a lambda, a closure, a bound method, a callable object, a function
   of `__main__`, a partial binding objects or positional arguments): in this process,
   on tapd's receiver thread, under a consumer name of its own.
@@ -36,8 +36,10 @@ from typing import Any
 
 import jax
 
-from tapd import ipython
-from tapd.emitter import lifecycle, local_functions, local_path
+from tapd.emitter import lifecycle
+from tapd.emitter.local import fallback
+from tapd.emitter.local.functions import describe
+from tapd.emitter.print_order import ipython
 from tapd.emitter.tapping import STRICT, Ordering, check_ordered, emit, spans_devices
 from tapd.errors import TapDefinitionError
 from tapd.printing import print_tap
@@ -144,8 +146,8 @@ def id_print(
     if threshold is not None:
         kwargs["threshold"] = threshold
     printer = functools.partial(print_tap, **kwargs)
-    # In a notebook the lines belong in the cell that made them (tapd.ipython), not
-    # with a subscriber elsewhere.
+    # In a notebook the lines belong in the cell that made them
+    # (tapd.emitter.print_order.ipython), not with a subscriber elsewhere.
     here = ipython.running()
     return _id_tap(printer, arg, result, tap_with_device, device_index, ordered, here=here)
 
@@ -156,7 +158,7 @@ def consumer_name(tap_func: Callable[..., Any]) -> str:
     importable = importable_form(tap_func)
     if importable is None:
         raise TapDefinitionError(
-            f"{local_path.describe(tap_func)} has no import path a subscriber process "
+            f"{describe(tap_func)} has no import path a subscriber process "
             "could find it by; id_tap runs it in this process"
         )
     return importable[0]
@@ -197,11 +199,11 @@ def _placement(
     process's receiver first where it is to run the function (`here`: in any case)."""
     importable = None if here else importable_form(tap_func)
     if importable is not None:
-        if local_functions.fallback_enabled():
-            local_functions.receiver().fallback(importable[0])
+        if fallback.fallback_enabled():
+            lifecycle.fallback_receiver().fallback(importable[0])
         return importable
     treedef = jax.tree_util.tree_structure(arg)
-    return local_functions.local_consumer(tap_func, treedef), {}
+    return lifecycle.local_consumer(tap_func, treedef), {}
 
 
 def _site_meta(tap_with_device: bool, device_index: int) -> dict[str, Any]:

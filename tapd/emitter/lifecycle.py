@@ -3,8 +3,13 @@
 One `Sender` per process owns the connection to the daemon (hello, barriers, handler
 errors) and, where the native library loads, the shared-memory ring the taps write to;
 `tapd.emitter.tapping` builds the taps that feed it. Taps whose function runs in this
-process go to its `LocalPath` instead (tapd/emitter/local_path.py): a program that has
-no other taps never starts, nor talks to, a daemon.
+process go to its `LocalPath` instead (tapd/emitter/local/): a program that has no
+other taps never starts, nor talks to, a daemon.
+
+This module makes each of them, once a process, and wires them in one place; none of
+them imports it. It hands the print order (tapd/emitter/print_order/) its waits
+(`catch_up`, `drain`), the site resolver (tapd.emitter.entries) the daemon's ring, and
+JAX's `jax.effects_barrier()` what tapd adds to it (`after_jax_barrier`).
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
+import socket
 import sys
 import threading
 import time
@@ -20,11 +27,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from tapd import ipython, stdout_order
+from tapd import hcb_hook
 from tapd.autostart import ensure_daemon
-from tapd.emitter import jax_compat
-from tapd.emitter.local_path import LocalPath
-from tapd.emitter.native_backend import NativeEmitter, registered_platforms
+from tapd.emitter import entries, jax_compat
+from tapd.emitter.local import threads
+from tapd.emitter.local.fallback import FallbackReceiver, connect_timeout
+from tapd.emitter.local.path import LocalPath
+from tapd.emitter.native_backend import NativeEmitter, RingSites, registered_platforms
+from tapd.emitter.print_order import ipython, stdout
 from tapd.emitter.sender import Sender, SenderStats
 from tapd.emitter.settings import EmitterSettings, from_environment
 from tapd.errors import ConfigError, DaemonUnreachable, TapDefinitionError, TapFunctionException
@@ -38,6 +48,8 @@ _state_lock = threading.Lock()
 _settings: EmitterSettings | None = None
 _sender: Sender | None = None
 _local: LocalPath | None = None
+_fallback: FallbackReceiver | None = None
+_fallback_lock = threading.Lock()
 
 
 def configure(**settings: Any) -> EmitterSettings:
@@ -80,14 +92,14 @@ def get_sender() -> Sender:
                     native=_native_emitter(_settings),
                 )
                 _register_exit_drain()
-                ipython.attach(_settings.cell_timeout)
+                ipython.attach(_settings.cell_timeout, drain=drain, catch_up=catch_up)
     return _sender
 
 
 def local_path() -> LocalPath | None:
     """This process's local ring and receiver (created at the first call), for the tap
     functions that run here; None where the native library does not load (they then go
-    through the daemon, tapd.emitter.local_functions)."""
+    through the daemon: `fallback_receiver`)."""
     global _local, _settings
     if _local is None:
         with _state_lock:
@@ -98,8 +110,8 @@ def local_path() -> LocalPath | None:
                     return None
                 _local = LocalPath(_settings, process_index=jax.process_index())
                 _register_exit_hook(_drain_local_at_exit)
-                stdout_order.order_writes(sys.stdout, _settings.cell_timeout)
-                ipython.attach(_settings.cell_timeout)
+                stdout.order_writes(sys.stdout, _settings.cell_timeout, catch_up)
+                ipython.attach(_settings.cell_timeout, drain=drain, catch_up=catch_up)
     return _local
 
 
@@ -110,15 +122,40 @@ def local_path_of(consumer: str) -> LocalPath | None:
     return local if local is not None and local.owns(consumer) else None
 
 
-def on_local_receiver_thread() -> bool:
-    """Whether the caller is a tap function run by the local receiver."""
-    local = _local
-    return local is not None and local.on_receiver_thread()
+def fallback_receiver() -> FallbackReceiver:
+    """This process's receiver of the taps its daemon feeds back (tapd.emitter.local.
+    fallback), connected (started at the first call)."""
+    global _fallback
+    with _fallback_lock:
+        if _fallback is None:
+            endpoint = get_sender().settings.endpoint
+            emitter = f"{socket.gethostname()}:{os.getpid()}"
+            started = FallbackReceiver(endpoint, emitter, connect_timeout())
+            started.start()
+            # atexit hooks run after threading's, where the emitter's exit drain waits
+            # for this receiver to handle everything.
+            atexit.register(started.close)
+            _fallback = started
+        return _fallback
 
 
-def take_local_exception() -> BaseException | None:
-    """The last exception a tap function of the local ring raised, if any."""
-    return _local.take_exception() if _local is not None else None
+def local_consumer(function: Any, treedef: Any) -> str:
+    """The consumer name of a tap site whose function runs in this process: one of the
+    local ring's, which needs no daemon; where the native library does not load, one
+    the fallback receiver takes through the daemon."""
+    local = local_path()
+    if local is not None:
+        return local.consumer(function, treedef)
+    return fallback_receiver().local(function, treedef)
+
+
+def take_exception() -> BaseException | None:
+    """The last exception a tap function raised in this process, if any (for
+    `barrier_wait` to chain to the `CallbackException` it raises)."""
+    exc = _local.take_exception() if _local is not None else None
+    if exc is None and _fallback is not None:
+        exc = _fallback.take_exception()
+    return exc
 
 
 def _native_emitter(settings: EmitterSettings) -> NativeEmitter | None:
@@ -213,9 +250,9 @@ def flush_devices(*, cpu_arrays: bool = True) -> None:
     the live CPU arrays are waited for too (`cpu_arrays`, ~0.5-2 ms for 2000 arrays):
     a computation still running has outputs the program holds, unless it dropped every
     one of them (docs/TAPPING.md says so). A computation over several CPU devices keeps
-    JAX's runtime token (`jax_compat._on_several_cpus`). JAX's own barrier, first, covers
-    those, strict taps and host callbacks (`jax.effects_barrier()` calls this after it,
-    once tapd is loaded)."""
+    JAX's runtime token (`_on_several_cpus`, tapd/emitter/jax_compat/dispatch.py). JAX's
+    own barrier, first, covers those, strict taps and host callbacks
+    (`jax.effects_barrier()` calls this after it, once tapd is loaded)."""
     jax_compat.jax_effects_barrier()
     if cpu_arrays:
         _wait_for_live_cpu_arrays()
@@ -247,8 +284,11 @@ def _increment() -> Any:
 
 def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.0) -> None:
     """Block until every tap emitted so far has been processed by every subscribed
-    handler. Raises `TapFunctionException` if handlers raised, `BarrierTimeout` if not
-    done within `timeout` seconds."""
+    handler. Raises `TapFunctionException` if handlers raised (chained to the last
+    exception a tap function of this process raised, if one did), `BarrierTimeout` if
+    not done within `timeout` seconds; refuses to run in a tap function."""
+    if threads.on_receiver_thread():
+        raise RuntimeError("barrier_wait() called from a tap function would wait for itself")
     flush_devices()
     started = time.monotonic()
     failed: list[TapFunctionException] = []  # (both paths waited for, whatever raised)
@@ -263,17 +303,30 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.
             _local.barrier(left, asked=timeout)
         except TapFunctionException as exc:
             failed.append(exc)
-    if len(failed) == 1:
-        raise failed[0]
     if failed:
-        raise TapFunctionException([t for exc in failed for t in exc.texts]) from failed[-1]
+        raise _with_cause(failed)
     if logging_name:
         logger.info("barrier %s passed: %s", logging_name, reply)
 
 
+def _with_cause(failed: list[TapFunctionException]) -> TapFunctionException:
+    """What `barrier_wait` raises for the failures of its paths: the one, or one of them
+    all chained to the last; chained to the last exception of a tap function of this
+    process where that says nothing else."""
+    if len(failed) == 1:
+        exc = failed[0]
+    else:
+        exc = TapFunctionException([t for each in failed for t in each.texts])
+        exc.__cause__ = failed[-1]
+    cause = take_exception()
+    if cause is not None and exc.__cause__ is None:
+        exc.__cause__ = cause
+    return exc
+
+
 def drain(timeout: float) -> None:
     """What `barrier_wait` waits for, leaving what the tap functions raised for the next
-    barrier_wait: for the end of a notebook cell (tapd.ipython)."""
+    barrier_wait: for the end of a notebook cell (tapd.emitter.print_order.ipython)."""
     flush_devices()
     started = time.monotonic()
     if _sender is not None:
@@ -292,16 +345,13 @@ def after_jax_barrier() -> None:
     next `barrier_wait`, or raised here once `install_host_callback()` has run, as
     host_callback's `jax.effects_barrier()` raised it. Nothing on the receiver thread,
     which would wait for itself."""
-    from tapd import hcb
-    from tapd.emitter import local_functions
-
     local = _local
-    if local_functions.on_receiver_thread() or (local is not None and local.on_receiver_thread()):
+    if threads.on_receiver_thread():
         return
     if jax_compat.served_without_tokens():
         flush_devices()
     if local is not None and local.has_sites():
-        local.barrier(_EFFECTS_BARRIER_TIMEOUT, keep_errors=not hcb.installed())
+        local.barrier(_EFFECTS_BARRIER_TIMEOUT, keep_errors=not hcb_hook.installed())
 
 
 # (as long as barrier_wait's default: a wait past it says what it waits for)
@@ -311,7 +361,8 @@ _EFFECTS_BARRIER_TIMEOUT = 60.0
 def catch_up(timeout: float) -> None:
     """Wait (up to `timeout` s) until the computations dispatched so far have run, and
     the local receiver has run their taps: what JAX's synchronous callbacks would have
-    done by now (tapd.ipython, before a write to stdout). Nothing while JAX traces."""
+    done by now (tapd.emitter.print_order, before a write to stdout). Nothing while JAX
+    traces."""
     local = _local
     if local is None or local.on_receiver_thread() or not local.has_sites():
         return
@@ -389,3 +440,12 @@ def _drain_at_exit() -> None:
             counts["unknown"],
             counts,
         )
+
+
+def _daemon_ring() -> RingSites | None:
+    """This process's ring to the daemon (the sender's, made on demand), where the site
+    of a computation compiled elsewhere is registered (tapd.emitter.entries.resolve)."""
+    return get_sender().native
+
+
+entries.resolve_into(_daemon_ring)

@@ -14,10 +14,12 @@ import os
 import secrets
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import msgpack
 
+from tapd.emitter import entries, jax_compat
+from tapd.emitter.entries import RingSites as RingSites  # (lowering's name for it)
 from tapd.native import library
 from tapd.native.ring import Ring, round_capacity
 from tapd.native.sites import encode_entry
@@ -27,17 +29,6 @@ logger = logging.getLogger("tapd.emitter")
 
 FFI_TARGET = "tapd_tap"
 ORDER_TARGET = "tapd_order"  # (tapd/emitter/order.py)
-
-
-class RingSites(Protocol):
-    """What lowering needs of a ring a tap writes: its sites' ids (the daemon's ring:
-    `NativeEmitter`; the local ring: tapd.emitter.local_path.LocalPath)."""
-
-    ring: Ring
-
-    def register_site(self, consumer: str, fields: dict[str, Any], leaves: list[Any]) -> int: ...
-
-    def consumer_id(self, consumer: str) -> int: ...
 
 
 class NativeEmitter:
@@ -161,8 +152,6 @@ def register_ffi_target() -> bool:
         if not registered:
             return False
         # (a computation compiled elsewhere asks for its sites: tapd.emitter.entries)
-        from tapd.emitter import entries, jax_compat
-
         lib = library.load()
         assert lib is not None
         entries.install_resolver(lib)

@@ -44,7 +44,7 @@ from jax._src import core, dispatch, effects
 from jax._src.interpreters import ad, batching
 from jax._src.interpreters import partial_eval as pe
 
-from tapd.emitter import jax_compat
+from tapd.emitter import jax_compat, lifecycle
 from tapd.errors import TapDefinitionError
 
 # One transform entry: ("batch", (dims...)) or ("transpose", None).
@@ -89,14 +89,8 @@ effects.ordered_effects.add_type(OrderedTapEffect)
 effects.shardable_ordered_effects.add_type(OrderedTapEffect)
 
 
-def _after_jax_barrier() -> None:
-    """What `jax.effects_barrier()` adds to JAX's own: lifecycle.after_jax_barrier."""
-    from tapd.emitter import lifecycle
-
-    lifecycle.after_jax_barrier()
-
-
-jax_compat.dispatch_ignores(TapEffect, _after_jax_barrier)
+# What `jax.effects_barrier()` adds to JAX's own: the emitter's (lifecycle's) waits.
+jax_compat.dispatch_ignores(TapEffect, lifecycle.after_jax_barrier)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -227,7 +227,7 @@ class Ring:
     def install(self, which: str = "daemon") -> None:
         """Make this the ring the process's taps write to: those whose `ring` attribute
         is RING_DAEMON ("daemon": the one its host's daemon drains) or RING_LOCAL
-        ("local": the one this process's receiver drains; tapd.emitter.local_path)."""
+        ("local": the one this process's receiver drains; tapd.emitter.local.path)."""
         self._lib.tapd_ring_install_at(self.handle, RINGS[which])
 
     def put_entry(self, entry: bytes, site: int, consumer: int) -> None:

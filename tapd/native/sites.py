@@ -8,7 +8,7 @@ framing is ring_format.SITE_ENTRY_LENGTH (docs/PROTOCOL.md, "Shared-memory ring"
 
 `Site` is one entry as a reader of the ring needs it for each record: the daemon (for
 its emitters' rings) and an emitter's own receiver (its local ring,
-tapd/emitter/local_path.py).
+tapd/emitter/local/path.py).
 """
 
 from __future__ import annotations

@@ -73,14 +73,14 @@ def flood(count: str, sleep_ms: str) -> dict[str, Any]:
 
 
 def gathering(path: str) -> dict[str, Any]:
-    """The receiver lets taps gather for 10 minutes (tapd.emitter.local_path._GATHER),
+    """The receiver lets taps gather for 10 minutes (tapd.emitter.local.path._GATHER),
     not 10 ms, after each read; nothing waits that long: writers that leave half the
     ring waiting, or find no room, wake it; so do a barrier and exit. A 64 KiB ring
     (TAPD_BUFFER_BYTES) under `block`: taps of 1 KiB, then one of 40 KiB that cannot fit
     beside the 1 KiB ones (fewer than half the ring: none woke the receiver), then many
     (half the ring waits again and again), then a barrier; then taps that exit runs.
     Each callback appends its value to `path`."""
-    from tapd.emitter import local_path
+    from tapd.emitter.local import path as local_path
 
     local_path._GATHER = 600.0
 
@@ -113,7 +113,7 @@ def gathering_after_idle_waits() -> dict[str, Any]:
     that short (each used to: the receiver then read the next taps one by one as they
     came). Taps of a tapd.debug.callback, each noted by the callback: what had run
     before the last barrier, and after it."""
-    from tapd.emitter import local_path
+    from tapd.emitter.local import path as local_path
 
     local_path._GATHER = 600.0
     ran: list[int] = []

@@ -35,7 +35,7 @@ class Offer(enum.Enum):
 class Subscription:
     """Which consumers a target wants. `fallback`: patterns it wants only from emitter
     `fallback_for`, and only while no other target takes them (a JAX process's own tap
-    functions, tapd/emitter/local_functions.py)."""
+    functions, tapd/emitter/local/fallback.py)."""
 
     patterns: tuple[str, ...]
     fallback: tuple[str, ...] = ()

@@ -7,10 +7,10 @@ tapd runs it here. Two kinds of consumer do:
 
 - **local**: a lambda, closure, bound method, callable object, a function of `__main__`,
   or a `functools.partial` whose arguments cannot travel as metadata. Its taps never
-  leave the process: they go to its local ring, drained by its own receiver thread, with
-  no daemon (tapd/emitter/local_path.py; `local_consumer` names the site). Only where
-  tapd's native library does not load is there no local ring: then the daemon feeds
-  them back to the receiver here, under the consumer name
+  leave the process: they go to its local ring, drained by its own receiver thread,
+  with no daemon (tapd/emitter/local/path.py; `lifecycle.local_consumer` names the
+  site). Only where tapd's native library does not load is there no local ring: then
+  the daemon feeds them back to the receiver here, under the consumer name
   `local/<host>:<pid>/<token>/<n>/<qualname>` whose prefix it subscribed to first.
 - **fallback**: an importable function `mymodule:f` (or a partial of one whose keywords
   msgpack can carry). A subscriber process (`tapd subscribe mymodule`) takes its taps
@@ -22,10 +22,11 @@ tapd runs it here. Two kinds of consumer do:
   `TAPD_LOCAL_FALLBACK=0` turns fallbacks off: importable functions then run only where
   a subscriber takes them (e.g. on another host, behind a forwarding daemon).
 
-This receiver (a `tapd_client.Subscriber` on one thread) connects to the emitter's
-daemon when the first id_tap that needs it is traced, and waits for the daemon to
-confirm (at most `TAPD_CONNECT_TIMEOUT` seconds, default 10): without a daemon such a
-function cannot run, and that id_tap raises `TapDefinitionError` saying so. At exit the
+This receiver (a `tapd_client.Subscriber` on one thread; `lifecycle.fallback_receiver`
+makes this process's) connects to the emitter's daemon when the first id_tap that needs
+it is traced, and waits for the daemon to confirm (at most `TAPD_CONNECT_TIMEOUT`
+seconds, default 10): without a daemon such a function cannot run, and that id_tap
+raises `TapDefinitionError` saying so. At exit the
 receiver stays up while the emitter drains, then says goodbye. The step never waits for
 it, the taps of this process reach it in program order, `barrier_wait` waits for it, and
 what it raises makes `barrier_wait` raise `CallbackException`.
@@ -37,21 +38,18 @@ computation may be waiting on the receiver.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import itertools
 import logging
-import os
 import secrets
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from tapd.emitter import lifecycle
-from tapd.emitter.local_path import describe, rebuild
+from tapd.emitter.local import threads
+from tapd.emitter.local.functions import MAX_QUALNAME, Named, describe, rebuild
 from tapd.errors import DaemonUnreachable, TapDefinitionError
 from tapd.settings import CONNECT_TIMEOUT, LOCAL_FALLBACK
 from tapd_client.meta import TapMeta
@@ -61,7 +59,6 @@ from tapd_client.tap_functions import resolve, tap_function_keywords
 logger = logging.getLogger("tapd.emitter")
 
 _HEARTBEAT = 0.2  # s; the receiver also looks for new subscriptions this often / 2
-_MAX_QUALNAME = 96  # of the function's name in a local consumer name
 
 
 def fallback_enabled() -> bool:
@@ -70,7 +67,8 @@ def fallback_enabled() -> bool:
     return bool(LOCAL_FALLBACK.value())
 
 
-def _connect_timeout() -> float:
+def connect_timeout() -> float:
+    """How long a receiver waits for the daemon to confirm it (`TAPD_CONNECT_TIMEOUT`)."""
     return float(CONNECT_TIMEOUT.value())
 
 
@@ -90,8 +88,9 @@ class _Request:
     error: BaseException | None = None
 
 
-class LocalReceiver:
-    """This process's receiver: one `Subscriber`, run by one thread."""
+class FallbackReceiver:
+    """This process's receiver of the taps a daemon feeds it: one `Subscriber`, run by
+    one thread."""
 
     def __init__(self, endpoint: str, emitter: str, timeout: float) -> None:
         self.emitter = emitter  # "host:pid": how the daemon names this process's emitter
@@ -103,7 +102,7 @@ class LocalReceiver:
             heartbeat=_HEARTBEAT,
             fallback_for=emitter,
         )
-        self._subscriber.add_handler(self.prefix + "*", _Named(self._run_local, "tap function"))
+        self._subscriber.add_handler(self.prefix + "*", Named(self._run_local, "tap function"))
         self._sites: dict[str, _LocalSite] = {}
         self._names: dict[tuple[int, Any], tuple[Callable[..., Any], str]] = {}
         self._numbers = itertools.count()
@@ -120,6 +119,7 @@ class LocalReceiver:
         self._connected = threading.Event()
         self._failure: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name="tapd-receiver", daemon=True)
+        threads.add(self._thread)
 
     # ---- called by id_tap, at trace time ---------------------------------------------
 
@@ -153,7 +153,7 @@ class LocalReceiver:
             known = self._names.get(key)
             if known is not None:
                 return known[1]
-            shown = describe(function)[:_MAX_QUALNAME]
+            shown = describe(function)[:MAX_QUALNAME]
             name = f"{self.prefix}{next(self._numbers)}/{shown}"
             flat = treedef == jax.tree_util.tree_structure((0,) * treedef.num_leaves)
             self._sites[name] = _LocalSite(function, treedef, flat)
@@ -220,7 +220,7 @@ class LocalReceiver:
         for request in requests:
             try:
                 if request.consumer not in self._subscriber.consumers:
-                    handler = _Named(self._run_fallback, request.consumer)
+                    handler = Named(self._run_fallback, request.consumer)
                     self._subscriber.subscribe(
                         request.consumer, handler, fallback=True, timeout=self.timeout
                     )
@@ -248,63 +248,3 @@ class LocalReceiver:
             with self._lock:
                 self._last_exception = exc
             raise
-
-
-class _Named:
-    """A handler whose name (in the error `barrier_wait` raises) says what it runs."""
-
-    def __init__(self, handler: Callable[[Any, TapMeta], None], name: str) -> None:
-        self._handler = handler
-        self.__qualname__ = name
-
-    def __call__(self, value: Any, meta: TapMeta) -> None:
-        self._handler(value, meta)
-
-
-# ---- this process's receiver -----------------------------------------------------------
-
-_receiver: LocalReceiver | None = None
-_receiver_lock = threading.Lock()
-
-
-def receiver() -> LocalReceiver:
-    """This process's receiver, connected (started at the first call)."""
-    global _receiver
-    with _receiver_lock:
-        if _receiver is None:
-            settings = lifecycle.get_sender().settings
-            emitter = f"{socket.gethostname()}:{os.getpid()}"
-            started = LocalReceiver(settings.endpoint, emitter, _connect_timeout())
-            started.start()
-            # atexit hooks run after threading's, where the emitter's exit drain waits
-            # for this receiver to handle everything.
-            atexit.register(started.close)
-            _receiver = started
-        return _receiver
-
-
-def local_consumer(function: Callable[..., Any], treedef: Any) -> str:
-    """The consumer name of a tap site whose function runs in this process: one of the
-    local ring's (tapd.emitter.local_path), which needs no daemon; where the native
-    library does not load, one this receiver takes through the daemon."""
-    local = lifecycle.local_path()
-    if local is not None:
-        return local.consumer(function, treedef)
-    return receiver().local(function, treedef)
-
-
-def on_receiver_thread() -> bool:
-    """Whether the caller is a tap function running here, on either receiver (which
-    must not wait for the barrier it is part of)."""
-    if lifecycle.on_local_receiver_thread():
-        return True
-    return _receiver is not None and threading.current_thread() is _receiver._thread
-
-
-def take_exception() -> BaseException | None:
-    """The last exception a tap function raised in this process, if any (for
-    `barrier_wait` to chain to the `CallbackException` it raises)."""
-    exc = lifecycle.take_local_exception()
-    if exc is None and _receiver is not None:
-        exc = _receiver.take_exception()
-    return exc

@@ -6,16 +6,16 @@ runs callbacks later, on a receiver thread; under IPython it puts their output b
 where JAX shows it:
 
 - when a cell finishes (IPython's `post_run_cell` event), tapd waits until the
-  callbacks of the computations it dispatched have run (`lifecycle.drain`), for up to
-  `TAPD_CELL_TIMEOUT` seconds. A cell that reaches the bound says so in its output; the
-  rest then run, and print, later. What the callbacks raised is left for the next
-  `barrier_wait` (and logged where it happened, as JAX logs it);
+  callbacks of the computations it dispatched have run (`drain`: tapd.emitter.
+  lifecycle's), for up to `TAPD_CELL_TIMEOUT` seconds. A cell that reaches the bound
+  says so in its output; the rest then run, and print, later. What the callbacks raised
+  is left for the next `barrier_wait` (and logged where it happened, as JAX logs it);
 - a write to the cell's `sys.stdout` first waits for the computations dispatched so far
-  and lets the receiver run their callbacks (tapd.stdout_order), as JAX's synchronous
-  callbacks would have run by then. A cell that prints a result (`print("result", y)`
-  writes "result" before it waits for `y`) shows the computation's lines first, as with
-  JAX, and an `ordered=True` print never splices into the cell's own line. A loop that
-  only dispatches steps never waits for a callback.
+  and lets the receiver run their callbacks (tapd.emitter.print_order.stdout), as JAX's
+  synchronous callbacks would have run by then. A cell that prints a result
+  (`print("result", y)` writes "result" before it waits for `y`) shows the
+  computation's lines first, as with JAX, and an `ordered=True` print never splices into
+  the cell's own line. A loop that only dispatches steps never waits for a callback.
 
 Each `tapd.debug.print` is one write of its text and its newline, so the lines of two
 threads never splice. At kernel shutdown or restart, the exit drain runs what is left
@@ -31,14 +31,26 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
-from tapd import stdout_order
+from tapd.emitter.local.threads import on_receiver_thread
+from tapd.emitter.print_order import stdout
+from tapd.errors import BarrierTimeout
 
 logger = logging.getLogger("tapd.emitter")
 
+
+class _Waits(NamedTuple):
+    """What the hooks wait with, as `attach` was given them."""
+
+    timeout: float  # TAPD_CELL_TIMEOUT
+    drain: Callable[[float], None]  # a cell's callbacks, all run (or the timeout)
+    catch_up: Callable[[float], object]  # before a write: the callbacks so far
+
+
 _attached: set[int] = set()  # ids of the shells hooked
-_cell_timeout = [10.0]  # TAPD_CELL_TIMEOUT, as `attach` was given it
+_waits: list[_Waits] = []  # (one)
 _lock = threading.Lock()
 
 
@@ -48,10 +60,13 @@ def running() -> bool:
     return ipython is not None and ipython.get_ipython() is not None
 
 
-def attach(timeout: float) -> None:
+def attach(
+    timeout: float, *, drain: Callable[[float], None], catch_up: Callable[[float], object]
+) -> None:
     """Hook the running IPython shell and its `sys.stdout`, once each; nothing outside
     IPython. `timeout`: TAPD_CELL_TIMEOUT (given: this runs under the emitter's state
-    lock, where reading the settings would wait for itself)."""
+    lock, where reading the settings would wait for itself); `drain(timeout)` waits for
+    every callback dispatched so far, `catch_up(timeout)` for those before a write."""
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
     if shell is None:
@@ -59,7 +74,7 @@ def attach(timeout: float) -> None:
     with _lock:
         if id(shell) not in _attached:
             _attached.add(id(shell))
-            _cell_timeout[0] = timeout
+            _waits[:] = [_Waits(timeout, drain, catch_up)]
             shell.events.register("pre_run_cell", _cell_starts)
             shell.events.register("post_run_cell", _cell_finished)
     _cell_starts()
@@ -68,23 +83,17 @@ def attach(timeout: float) -> None:
 def _cell_starts(info: Any = None) -> None:
     """IPython's pre_run_cell (and `attach`): hook the `sys.stdout` this cell writes to
     (a kernel may give each cell a stream of its own)."""
-    stdout_order.order_writes(sys.stdout, _timeout())
-
-
-def _timeout() -> float:
-    return _cell_timeout[0]
+    waits = _waits[0]
+    stdout.order_writes(sys.stdout, waits.timeout, waits.catch_up)
 
 
 def _cell_finished(result: Any = None) -> None:
     """IPython's post_run_cell: the cell's callbacks run before its output closes."""
-    from tapd.emitter import lifecycle, local_functions
-    from tapd.errors import BarrierTimeout
-
-    if local_functions.on_receiver_thread():
+    if on_receiver_thread():
         return
-    timeout = _timeout()
+    timeout, drain, _ = _waits[0]
     try:
-        lifecycle.drain(timeout)
+        drain(timeout)
     except BarrierTimeout as exc:
         why = str(exc).partition("\n")[0]
         sys.stdout.write(
