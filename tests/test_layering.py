@@ -5,7 +5,13 @@ no import circle and no import inside a function (the way circles were dodged), 
 schema.py at its bottom. tapd/protocol/ stands on the ground modules only (errors,
 consumer names, the runtime directory and pids), which import nothing above them; the
 ring's layout is the protocol's (ring_format.py), so the subscriber library reads rings
-without tapd's native library."""
+without tapd's native library.
+
+The whole house (tapd/ and client/) has no import circle, counting the imports inside
+functions and under TYPE_CHECKING: a circle is not untied by hiding one of its imports.
+The rooms that tapd.emitter.lifecycle makes and wires (the local path, the print order,
+the sender, the native backend, the site resolver) do not reach it. No module is longer
+than 600 lines, no class than 400 (docs/ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -21,20 +27,23 @@ ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "tapd"
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
 MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+CLIENT = ROOT / "client" / "tapd_client"
+# tapd's modules and the subscriber library's (tapd_client.*, from client/)
+HOUSE = {**MODULES, **{module_name(p, CLIENT.parent): p for p in CLIENT.rglob("*.py")}}
 
 
-def imports(path: Path) -> Iterator[tuple[ast.stmt, str]]:
+def imports(path: Path, modules: dict[str, Path] = MODULES) -> Iterator[tuple[ast.stmt, str]]:
     """Every import statement in `path` (at any depth: in functions, under
-    TYPE_CHECKING) and each tapd module it names."""
-    name = module_name(path)
+    TYPE_CHECKING) and each module of `modules` it names."""
+    name = next(n for n, p in modules.items() if p == path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -47,7 +56,7 @@ def imports(path: Path) -> Iterator[tuple[ast.stmt, str]]:
                 base = ".".join([*anchor, *([base] if base else [])])
             for alias in node.names:
                 # `from tapd.clients import control` names a module; `from x import f` x.
-                yield node, f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+                yield node, f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
 
 
 def edges(name: str, *, packages: bool) -> set[str]:
@@ -178,9 +187,6 @@ def test_protocol_stands_on_the_ground_only(module: str) -> None:
     assert outside <= GROUND, f"{module} imports {sorted(outside - GROUND)}"
 
 
-CLIENT = ROOT / "client" / "tapd_client"
-
-
 @pytest.mark.fast
 @pytest.mark.parametrize("path", sorted(CLIENT.rglob("*.py")), ids=lambda p: p.name)
 def test_the_subscriber_library_imports_no_native_daemon_or_emitter_module(path: Path) -> None:
@@ -215,3 +221,111 @@ def test_protocol_imports_nothing_inside_a_function() -> None:
                     f"{path.relative_to(ROOT)}:{node.lineno}: an import of tapd inside "
                     f"{function.name}() (tapd/protocol/ imports at the top, in layers)"
                 )
+
+
+def house_imports(name: str) -> set[str]:
+    """The modules of the house (tapd/, client/) that `name`'s own source imports."""
+    found = set()
+    for _, target in imports(HOUSE[name], HOUSE):
+        while target and target not in HOUSE:  # `from tapd_client.meta import X`: the module
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+    return found
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph`: each set of modules that import each other
+    (Tarjan's strongly connected components), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while component[-1:] != [module]:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def one_way_round(graph: dict[str, set[str]], circle: list[str]) -> str:
+    """A path that goes once round `circle`, from its first module back to it."""
+    inside = {module: graph[module] & set(circle) for module in circle}
+    start = circle[0]
+    back = reachable(start, inside)
+    end = next(module for module in circle if start in inside[module])
+    return f"{chain(back, end)} -> {start}"
+
+
+GRAPH = {name: house_imports(name) for name in HOUSE}
+
+
+@pytest.mark.fast
+def test_the_house_graph_sees_the_imports_it_must() -> None:
+    """(So that the circle check cannot pass on a graph that reads nothing: imports in
+    functions, and the subscriber library's, are among its arrows.)"""
+    assert "tapd.emitter.lifecycle" in GRAPH["tapd"]  # in a function (no JAX at import)
+    assert "tapd.protocol.batch" in GRAPH["tapd_client.handlers"]
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}}
+    assert circles(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert one_way_round(graph, ["a", "b", "c"]) == "a -> b -> c -> a"
+
+
+@pytest.mark.fast
+def test_the_house_has_no_import_circle() -> None:
+    found = circles(GRAPH)
+    assert not found, "import circles:\n" + "\n".join(
+        f"{len(c)} modules import each other ({', '.join(c)}); one way round: "
+        f"{one_way_round(GRAPH, c)}"
+        for c in found
+    )
+
+
+# The rooms tapd.emitter.lifecycle makes and wires: each is handed what it needs of the
+# emitter (callables, the daemon's ring), and none reaches lifecycle to get it.
+WIRED = ("tapd.emitter.local", "tapd.emitter.print_order", "tapd.emitter.sender",
+         "tapd.emitter.native_backend", "tapd.emitter.entries")  # fmt: skip
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith(WIRED)))
+def test_a_room_lifecycle_wires_does_not_reach_it(module: str) -> None:
+    came_from = reachable(module, GRAPH)
+    assert "tapd.emitter.lifecycle" not in came_from, (
+        f"{module} reaches the module that wires it: {chain(came_from, 'tapd.emitter.lifecycle')}"
+    )
+
+
+MAX_MODULE_LINES = 600
+MAX_CLASS_LINES = 400
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("module", sorted(HOUSE))
+def test_a_module_and_its_classes_are_within_their_bounds(module: str) -> None:
+    path = HOUSE[module]
+    text = path.read_text()
+    lines = len(text.splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{path.relative_to(ROOT)}: {lines} lines"
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.ClassDef):
+            size = (node.end_lineno or node.lineno) - node.lineno + 1
+            assert size <= MAX_CLASS_LINES, (
+                f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name}, {size} lines"
+            )
