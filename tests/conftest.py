@@ -69,7 +69,8 @@ sys.addaudithook(_no_process_in_a_fast_test)
 LONG_FIRST = ("test_debug_repeated", "test_host_callback_compat", "test_multihost")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the marks made here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`scripts/test` runs `-n ... --dist loadgroup`), the tests that
     share a module-scoped fixture (one per value of its params) run on one worker, which
     makes it once; every other test goes to whichever worker is free."""
@@ -95,6 +96,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             values = [str(params.params[n]) for n in shared if params and n in params.params]
             group = "-".join([item.module.__name__ if item.module else "", *values])
             item.add_marker(pytest.mark.xdist_group(group))
+    if config.getoption("loadgroup", False):  # (set in pytest-xdist's workers)
+        for item in items:
+            _group_in_node_id(item)
+
+
+def _group_in_node_id(item: pytest.Item) -> None:
+    """pytest-xdist's loadgroup sends the tests whose node ids end in one `@group` to one
+    worker. Its own hook writes that ending to `item._nodeid`, which pytest 9.2 no longer
+    reads (a node's id is `item._id`, a NodeId): no test was grouped, and each worker
+    that ran a test of a module-scoped fixture made the fixture again (test_host_callback_
+    compat's emitter groups ran 25 times instead of 8, 120 s of the suite's CPU). Where
+    the id is a NodeId, the ending is written here; pytest-xdist's own then changes
+    nothing that is read (on pytest 8 it does the work itself)."""
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest before 9.2: pytest-xdist's hook works
+        return
+    names = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                    for mark in item.iter_markers("xdist_group")})  # fmt: skip
+    if names and isinstance(getattr(item, "_id", None), NodeId) and "@" not in item.nodeid:
+        item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 # ---- tests that run alone (the `alone` mark) -------------------------------------------
