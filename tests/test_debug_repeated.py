@@ -3,19 +3,26 @@ prints what it prints with JAX's own `jax.debug` every time (issue 32: a PureJax
 hung, silently, once in 24).
 
 tests/apps/ppo_debug_app.py is a PureJaxRL-shaped PPO script (`jax.debug.callback` of a
-metrics dict in a vmapped `scan`, a last line printed by the main thread). Each run has a
-runtime directory of its own with autostart on, as a user has it; its callbacks need no
-daemon, and none may be left. A run that passes its time limit is sent SIGABRT first, so
-that faulthandler prints every thread's stack into the failure. JAX's persistent
-compilation cache (a directory of this test's) makes every run after the first one
-skip compiling.
+metrics dict in a vmapped `scan`, a last line printed by the main thread). It has no
+linear algebra kernel (its initialisation draws normals, not PureJaxRL's orthogonal QR):
+jaxlib's batched LAPACK kernels deadlock on their own here about 1 run in 8
+(shared/DESIGN.md, "Known traps"), which a repeated test would report as tapd's. Each run
+has a runtime directory of its own with autostart on, as a user has it; its callbacks
+need no daemon, and none may be left. A run that passes its time limit has its native
+stacks (gdb) and its Python stacks (faulthandler, after SIGABRT) put in the report
+(tests/stacks.py); one whose native stacks show jaxlib's own LAPACK deadlock is reported
+as such, not as tapd's failure. JAX's persistent compilation cache (a directory of this
+module's) makes every run after the first one skip compiling.
+
+Two tiers: `scripts/test` runs the program three times (JAX's reference, tapd's compiling
+run, a cached run); the 50 runs after the first that issue 32 asks of the hang's proof
+(~200 s of CPU, a sixth of the suite's) are the `soak` tier, which `.ci/run` runs in a
+step of its own (`pytest -m soak`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -23,32 +30,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from stacks import Run, jaxlib_deadlock, run_bounded
 
 from conftest import APPS
 
-# Runs after the first (which compiles): 50 by default, which issue 32 asks of the proof
-# that the hang is gone (each costs ~3 s of CPU, the suite's largest single cost);
-# TAPD_TEST_RUNS=200 or more when hunting a hang.
+# Runs after the first (which compiles) in the soak tier: 50 by default, which issue 32
+# asks of the proof that the hang is gone (each ~3-4 s of CPU); TAPD_TEST_RUNS=200 or
+# more when hunting a hang.
 RUNS = int(os.environ.get("TAPD_TEST_RUNS", "50"))
 RUN_TIMEOUT = 90.0  # s; a run takes ~4 s here once compiled (~12 s the first time)
 APP = str(APPS / "ppo_debug_app.py")
-
-
-def run(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
-    """Run `argv`; past RUN_TIMEOUT, SIGABRT (faulthandler's stacks), then kill."""
-    with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True) as process:  # fmt: skip
-        try:
-            out, err = process.communicate(timeout=RUN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGABRT)
-            try:
-                out, err = process.communicate(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                out, err = process.communicate()
-            pytest.fail(f"run hung for {RUN_TIMEOUT:g} s; its threads:\n{err[-20000:]}\n{out}")
-        return process.returncode, out, err
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +54,6 @@ def environment(runtime: Path, cache: str) -> dict[str, str]:
         "JAX_PLATFORMS": "cpu",
         "TAPD_RUNTIME_DIR": str(runtime),
         "TAPD_AUTOSTART": "1",
-        "PYTHONFAULTHANDLER": "1",
         # A print waits for the callbacks before it (as JAX's run them first) up to this
         # bound, 10 s by default: a loaded box's compiling first run took longer, and its
         # last line came out among the callbacks'. A hang is RUN_TIMEOUT's to catch.
@@ -76,30 +66,75 @@ def environment(runtime: Path, cache: str) -> dict[str, str]:
     return env
 
 
+def reference(tmp_path: Path, cache: str) -> str:
+    """The program's output under plain `python`: JAX's own jax.debug."""
+    env = environment(tmp_path / "reference", cache)
+    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):  # fmt: skip
+        env.pop(name)  # (JAX's own callbacks, which no cache may keep)
+    run = run_bounded([sys.executable, APP], env, RUN_TIMEOUT)
+    check_not_hung("the reference run (plain python, JAX's jax.debug)", run)
+    assert run.returncode == 0, run.err
+    assert run.out.count("global step=") >= 20  # the callbacks printed, as JAX runs them
+    return run.out
+
+
+def under_tapd(tmp_path: Path, cache: str, number: int) -> tuple[int, Run, list[str]]:
+    """Run `number` of the program under `python -m tapd.debug`, with its own runtime
+    directory: the run, and what it left in that directory."""
+    runtime = tmp_path / f"run{number}"
+    runtime.mkdir(mode=0o700)
+    run = run_bounded([sys.executable, "-m", "tapd.debug", APP], environment(runtime, cache),
+                      RUN_TIMEOUT)  # fmt: skip
+    return number, run, sorted(p.name for p in runtime.iterdir())
+
+
+def check_not_hung(what: str, run: Run) -> None:
+    if run.hung and jaxlib_deadlock(run.native):
+        pytest.xfail(f"{what}: jaxlib's own LAPACK deadlock (not tapd's): "
+                     f"{run.describe_hang(RUN_TIMEOUT)}")  # fmt: skip
+    assert not run.hung, f"{what} {run.describe_hang(RUN_TIMEOUT)}"
+
+
+def check_runs(results: list[tuple[int, Run, list[str]]], expected: str) -> None:
+    """Every run ended, printed what JAX's jax.debug printed and left nothing behind. A
+    run hung in jaxlib's own LAPACK deadlock is reported (xfail, with its stacks) once
+    every other run has been checked; any other hang fails with its stacks."""
+    in_jaxlib = []
+    for number, run, left in results:
+        if run.hung and jaxlib_deadlock(run.native):
+            in_jaxlib.append((number, run))
+            continue
+        check_not_hung(f"run {number}", run)
+        assert run.returncode == 0, f"run {number}: rc {run.returncode}\n{run.err[-5000:]}"
+        assert run.out == expected, f"run {number} printed otherwise than jax.debug:\n{run.out}"
+        assert left == [], f"run {number} left {left} in its runtime directory (a daemon?)"
+    if in_jaxlib:
+        number, run = in_jaxlib[0]
+        check_not_hung(f"{len(in_jaxlib)} of {len(results)} runs, the first run {number}", run)
+
+
+def test_a_real_program_under_python_m_tapd_debug_prints_as_jax(
+    tmp_path: Path, cache_dir: str
+) -> None:
+    """The inner loop's share: JAX's reference beside tapd's first run (which compiles
+    into the cache), then one that hits the cache, as every soak run does."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        first = pool.submit(under_tapd, tmp_path, cache_dir, 0)
+        expected = reference(tmp_path, cache_dir)
+        results = [first.result()]
+    results.append(under_tapd(tmp_path, cache_dir, 1))
+    check_runs(results, expected)
+
+
+@pytest.mark.soak
 @pytest.mark.timeout(RUNS * RUN_TIMEOUT)  # (each run has its own limit, far lower)
 def test_a_real_program_under_python_m_tapd_debug_never_hangs_and_prints_as_jax(
     tmp_path: Path, cache_dir: str
 ) -> None:
-    reference_env = environment(tmp_path / "reference", cache_dir)
-    for name in ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                 "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"):  # fmt: skip
-        reference_env.pop(name)  # (JAX's own callbacks, which no cache may keep)
-    rc, reference, err = run([sys.executable, APP], reference_env)
-    assert rc == 0, err
-    assert reference.count("global step=") >= 20  # the callbacks printed, as JAX runs them
-
-    def one(number: int) -> tuple[int, int, str, str, list[str]]:
-        runtime = tmp_path / f"run{number}"
-        runtime.mkdir(mode=0o700)
-        rc, out, err = run(
-            [sys.executable, "-m", "tapd.debug", APP], environment(runtime, cache_dir)
-        )
-        return number, rc, out, err, sorted(p.name for p in runtime.iterdir())
-
-    first = one(0)  # compiles, for the cache
+    expected = reference(tmp_path, cache_dir)
+    first = under_tapd(tmp_path, cache_dir, 0)  # compiles, for the cache
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = [first, *pool.map(one, range(1, RUNS + 1))]
-    for number, rc, out, err, left in results:
-        assert rc == 0, f"run {number}: rc {rc}\n{err[-5000:]}"
-        assert out == reference, f"run {number} printed otherwise than jax.debug:\n{out}"
-        assert left == [], f"run {number} left {left} in its runtime directory (a daemon?)"
+        rest = list(pool.map(lambda number: under_tapd(tmp_path, cache_dir, number),
+                             range(1, RUNS + 1)))  # fmt: skip
+    check_runs([first, *rest], expected)
