@@ -469,7 +469,13 @@ class Ring:
         if step32.any():  # committed by a CUDA stream: an int32 step, to sign-extend
             low = (steps & 0xFFFFFFFF).astype(np.uint32).view(np.int32).astype(np.int64)
             steps = np.where(step32, low, steps)
-        records.steps = [None if step == NO_STEP else step for step in steps.tolist()]
+        no_step = steps == NO_STEP
+        if no_step.all():  # (an id_tap, a tap without step=: no int made a record)
+            records.steps = [None] * count
+        elif no_step.any():
+            records.steps = [None if step == NO_STEP else step for step in steps.tolist()]
+        else:
+            records.steps = steps.tolist()
         records.times = headers["time_ns"].tolist()
         records.devices = headers["device"].tolist()
         return records

@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -242,6 +242,9 @@ class Runner:
             local.flat and type(values[0]) is tuple
         )
         function, transforms, keywords = local.function, plain.transforms, plain.keywords
+        if texts is None and as_is and not isinstance(function, CallsByRun):
+            self._call_each(plain, values, records, first, tid)  # (most id_tap closures)
+            return True
         by_run = function.calls(transforms) if isinstance(function, CallsByRun) else None
         with by_run if by_run is not None else contextlib.nullcontext() as call:
             for k, value in enumerate(values):
@@ -261,13 +264,50 @@ class Runner:
                             **keywords,
                         )
                 except Exception as exc:
-                    self.last_exception = exc
-                    self.failures.taps[tid + k] = (plain.consumer, records.seqs[first + k])
-                    self._failed(tid + k, plain.consumer, records.seqs[first + k], exc)
+                    self._tap_failed(plain, records, first + k, tid + k, exc)
                 finally:
                     self.running = None
                     self.calls += 1
         return True
+
+    def _call_each(
+        self, plain: _PlainSite, values: Sequence[Any], records: Records, first: int, tid: int
+    ) -> None:
+        """`_run_plain`'s loop where each value goes to the function as it is (no text
+        to print, nothing to rebuild, no call made per run): per tap, only the call and
+        what the barrier and the exit drain read (`abandoned`, `running`, `calls`): half
+        the general loop's time a tap (~0.2 µs), on a thread that holds the GIL the
+        dispatching thread needs (bench/RESULTS.md §9)."""
+        call = plain.local.function
+        if plain.keywords:
+            call = functools.partial(call, **plain.keywords)
+        transforms, name, monotonic = plain.transforms, plain.local.name, time.monotonic
+        count = len(values)
+        k = 0
+        while k < count:  # (entered again after a function that raised)
+            try:
+                for k in range(k, count):  # noqa: B020 (k says where a raise left off)
+                    if self.abandoned:  # (the exit drain gave up: LocalPath.close)
+                        self.not_run += count - k
+                        return
+                    self.running = (name, monotonic())
+                    call(values[k], transforms)
+                    self.calls += 1
+                return
+            except Exception as exc:
+                self.calls += 1
+                self._tap_failed(plain, records, first + k, tid + k, exc)
+                k += 1
+            finally:
+                self.running = None
+
+    def _tap_failed(
+        self, plain: _PlainSite, records: Records, i: int, tid: int, exc: Exception
+    ) -> None:
+        """Record i's function raised `exc` (its delivery id `tid`)."""
+        self.last_exception = exc
+        self.failures.taps[tid] = (plain.consumer, records.seqs[i])
+        self._failed(tid, plain.consumer, records.seqs[i], exc)
 
     def _failed(self, tid: int, consumer: str, seq: int, exc: Exception) -> None:
         """A tap function raised: logged now, raised by the next barrier (as
