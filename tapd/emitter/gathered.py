@@ -15,9 +15,11 @@ record, so subscribers cannot tell the paths apart). It runs when the log is ful
 most `gather_taps` records, or `gather_bytes` of buffers: a long loop's taps arrive
 while it runs) and once at the end of the computation.
 
-Flushes are ordered by data: each returns the log's new length (zero), which the next
-writes, and so the next flush, take. The buffers are never cleared: a flush reads only
-the rows its log names.
+Flushes run in program order: each carries an ordered effect of tapd's own, whose
+token JAX threads from flush to flush through the loops and branches; the token is made
+inside the computation (`gathered_flush.gathered_call_p` holds the rewritten jaxpr), so
+that JAX's dispatch sees an unordered tap and keeps its fast path. The buffers are never
+cleared: a flush reads only the rows its log names.
 
 Only a computation on one device whose every tap would be a host callback is gathered,
 and only whole: a tap in a region the rewrite does not enter (a
@@ -46,7 +48,7 @@ from tapd.emitter.gathered_eval import (
     site_operands,
     taps_within,
 )
-from tapd.emitter.gathered_flush import FlushPlan
+from tapd.emitter.gathered_flush import FlushPlan, call
 from tapd.emitter.primitive import TapSiteParams
 
 logger = logging.getLogger("tapd.emitter")
@@ -124,8 +126,11 @@ def rewrite(
 
     debug_info = closed.jaxpr.debug_info
     traced = pe.trace_to_jaxpr_dynamic(lu.wrap_init(gathered, debug_info=debug_info), in_avals)
-    jaxpr, consts = traced[0], traced[2]
-    return core.ClosedJaxpr(jaxpr, consts)
+    inner = core.ClosedJaxpr(traced[0], traced[2])
+    # The flushes' order (gathered_flush.GatherOrder) is kept inside the computation.
+    wrapped = lu.wrap_init(lambda *args: call(inner, args), debug_info=debug_info)
+    traced = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    return core.ClosedJaxpr(traced[0], traced[2])
 
 
 def plan_buffers(

@@ -313,11 +313,27 @@ class Rewriter:
         carry = list(invals[cond_count + body_count :])
         per_step = most_records(body.jaxpr)
 
-        def going_on(values: list[Any]) -> Any:
+        # A vmapped loop's predicate may stay batched (one per element): as JAX lowers
+        # `while`, the loop goes on while any element does, and a step keeps its new
+        # values only for the elements whose predicate held (its taps saw them all).
+        batched = bool(np.ndim(cond.out_avals[0]))
+
+        def predicate(values: list[Any]) -> Any:
             return core.eval_jaxpr(cond.jaxpr, cond.consts, *cond_consts, *values)[0]
 
+        def going_on(values: list[Any]) -> Any:
+            going = predicate(values)
+            return lax.reduce_or(going, tuple(range(np.ndim(going)))) if batched else going
+
         def step(values: list[Any], st: Gathered, checked: bool) -> tuple[list[Any], Gathered]:
-            return self.run(body.jaxpr, body.consts, [*body_consts, *values], st, checked)
+            outs, st = self.run(body.jaxpr, body.consts, [*body_consts, *values], st, checked)
+            if batched:
+                held = predicate(values)
+                outs = [
+                    new if aval is core.abstract_token else _where(held, new, old)
+                    for new, old, aval in zip(outs, values, body.out_avals, strict=True)
+                ]
+            return outs, st
 
         if not checked or not self._bounded(per_step) or per_step == 0:
             carry, state = lax.while_loop(
@@ -346,6 +362,12 @@ class Rewriter:
 
         carry, state = lax.while_loop(lambda both: going_on(both[0]), chunk, (carry, state))
         return list(carry), state
+
+
+def _where(predicate: Any, new: Any, old: Any) -> Any:
+    """`new` where `predicate` (over `new`'s leading dimensions) holds, else `old`."""
+    dims = tuple(range(np.ndim(predicate)))
+    return lax.select(lax.broadcast_in_dim(predicate, np.shape(new), dims), new, old)
 
 
 def _bind(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any]:

@@ -4,9 +4,17 @@ own host callback would have (`tapd.emitter.host_writers`).
 
 `flush_p` takes (the log's length, the log, every site's buffers) and returns the log's
 new length, zero, made after the callback's transfer (an optimization barrier joins it
-to the callback's token): the writes after a flush, and so the next flush, depend on
-it. The callback returns nothing to the device, which goes on without waiting for the
-host (on a TPU: sends only, no receive).
+to the callback's token). The callback returns nothing to the device, which goes on
+without waiting for the host (on a TPU: sends only, no receive).
+
+Flushes run in the order they were traced: each carries `GatherOrder`, an ordered
+effect, whose token JAX threads from flush to flush through the loops and branches
+around them. (The zero alone does not order them: XLA removes optimization barriers
+and folds the log's length wherever it is known when the computation compiles, so
+that two flushes, one in a branch a constant selects, ran in either order.) The token
+is made inside the computation (`gathered_call_p`, which holds the whole gathered
+jaxpr), not taken from JAX's runtime: the computation keeps JAX's fast dispatch path,
+as a computation of unordered taps does.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from jax._src import core, dispatch
+from jax._src import core, dispatch, effects
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 
@@ -36,6 +44,23 @@ class FlushPlan:
     never_full: bool  # one run makes at most `capacity` records: flushed at its end only
 
 
+class GatherOrder(effects.Effect):
+    """The order of one gathered computation's flushes (see the module docstring)."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    __str__ = lambda _: "tapd.gathered_flush"  # noqa: E731
+
+
+GATHER_ORDER = GatherOrder()
+effects.ordered_effects.add_type(GatherOrder)
+effects.lowerable_effects.add_type(GatherOrder)
+effects.control_flow_allowed_effects.add_type(GatherOrder)
+
 flush_p = core.Primitive("tapd_gathered_flush")
 dispatch.prim_requires_devices_during_lowering.add(flush_p)
 
@@ -50,7 +75,7 @@ def flush(state: Any, plan: FlushPlan) -> Any:
 
 @flush_p.def_effectful_abstract_eval  # type: ignore[untyped-decorator]
 def _abstract_eval(*avals: Any, plan: FlushPlan) -> tuple[core.ShapedArray, set[Any]]:
-    return _COUNT, {UNORDERED}
+    return _COUNT, {GATHER_ORDER}
 
 
 def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> list[Any]:
@@ -65,12 +90,13 @@ def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> li
     token = jax_compat.emit_python_callback(
         callback_ctx,
         host_function,
-        hlo.create_token(),
+        ctx.tokens_in.get(GATHER_ORDER),
         list(operands),
         avals,
         returns_token=False,
         sharding=jax_compat.callback_op_sharding(module.axis_context, None),
     )
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({GATHER_ORDER: token})))
     zero = mlir.ir_constant(np.int32(0))
     joined = hlo.OptimizationBarrierOp([token, zero])
     return [joined.results[1]]
@@ -202,3 +228,32 @@ class _Flush:
 
 
 jax_compat.register_lowering(flush_p, _lower)
+
+
+# ---- the gathered computation, which makes its flushes' token ---------------------------
+
+gathered_call_p = core.Primitive("tapd_gathered")
+gathered_call_p.multiple_results = True
+
+
+def call(jaxpr: core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    """`jaxpr` (a gathered computation, its flushes `GatherOrder`'s) applied to `args`,
+    with the token of its flushes made inside: to JAX, an unordered tap."""
+    return gathered_call_p.bind(*args, jaxpr=jaxpr)  # type: ignore[no-any-return,no-untyped-call]
+
+
+@gathered_call_p.def_effectful_abstract_eval  # type: ignore[untyped-decorator]
+def _call_abstract_eval(*avals: Any, jaxpr: core.ClosedJaxpr) -> tuple[list[Any], set[Any]]:
+    return list(jaxpr.out_avals), {*(jaxpr.effects - {GATHER_ORDER}), UNORDERED}
+
+
+def _lower_call(ctx: mlir.LoweringRuleContext, *args: Any, jaxpr: core.ClosedJaxpr) -> list[Any]:
+    tokens = mlir.TokenSet({**dict(ctx.tokens_in.items()), GATHER_ORDER: hlo.create_token()})
+    inner = dataclasses.replace(ctx, tokens_in=tokens, tokens_out=None)
+    outs: list[Any] = mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(inner, *args)
+    if inner.tokens_out is not None:  # JAX's own ordered effects' tokens, passed on
+        ctx.set_tokens_out(inner.tokens_out.subset([e for e, _ in ctx.tokens_in.items()]))
+    return outs
+
+
+jax_compat.register_lowering(gathered_call_p, _lower_call)
