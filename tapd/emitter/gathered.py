@@ -88,6 +88,13 @@ def maybe_gathered(
     except NotGatherable as exc:
         logger.debug("taps not gathered: %s", exc)
         return None
+    except Exception:  # a JAX this rewrite does not know: its taps keep working
+        logger.warning(
+            "tapd could not gather this computation's taps on the device (one host "
+            "callback a tap instead; TAPD_GATHER=off says so for good)",
+            exc_info=True,
+        )
+        return None
 
 
 def _host_callback_here(site: TapSiteParams, platform: str) -> bool:
@@ -126,11 +133,19 @@ def rewrite(
 
     debug_info = closed.jaxpr.debug_info
     traced = pe.trace_to_jaxpr_dynamic(lu.wrap_init(gathered, debug_info=debug_info), in_avals)
-    inner = core.ClosedJaxpr(traced[0], traced[2])
+    inner = _closed(traced[0], traced[2])
     # The flushes' order (gathered_flush.GatherOrder) is kept inside the computation.
     wrapped = lu.wrap_init(lambda *args: call(inner, args), debug_info=debug_info)
     traced = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
-    return core.ClosedJaxpr(traced[0], traced[2])
+    closed_result: core.ClosedJaxpr = _closed(traced[0], traced[2])
+    return closed_result
+
+
+def _closed(jaxpr: Any, consts: list[Any]) -> Any:
+    """A jaxpr with its constants: a ClosedJaxpr before JAX 0.12, a Jaxpr holding them
+    since (whose constructor still takes the pair)."""
+    make: Any = getattr(core, "ClosedJaxpr", core.Jaxpr)
+    return make(jaxpr, consts)
 
 
 def plan_buffers(

@@ -243,10 +243,8 @@ class Rewriter:
         self, params: dict[str, Any], invals: list[Any], state: Gathered, checked: bool
     ) -> tuple[list[Any], Gathered]:
         body: core.ClosedJaxpr = params["jaxpr"]
-        consts_count, carry_count = params["num_consts"], params["num_carry"]
-        consts = invals[:consts_count]
-        carry = invals[consts_count : consts_count + carry_count]
-        xs = invals[consts_count + carry_count :]
+        consts, carry, xs = _scan_operands(params, invals)
+        carry_count = len(carry)
         length, reverse = params["length"], params["reverse"]
         per_step = most_records(body.jaxpr)
 
@@ -368,6 +366,16 @@ def _where(predicate: Any, new: Any, old: Any) -> Any:
     """`new` where `predicate` (over `new`'s leading dimensions) holds, else `old`."""
     dims = tuple(range(np.ndim(predicate)))
     return lax.select(lax.broadcast_in_dim(predicate, np.shape(new), dims), new, old)
+
+
+def _scan_operands(params: dict[str, Any], invals: list[Any]) -> list[list[Any]]:
+    """A scan's operands as (constants, carry, xs): split by its parameters before JAX
+    0.12, by its `ft_in` (a FlatTree of those three groups, as JAX's own rules read it)
+    since."""
+    if "num_consts" in params:
+        consts, carry = int(params["num_consts"]), int(params["num_carry"])
+        return [invals[:consts], invals[consts : consts + carry], invals[consts + carry :]]
+    return [list(group) for group in params["ft_in"].update(invals).unpack()]
 
 
 def _bind(eqn: core.JaxprEqn, invals: list[Any]) -> list[Any]:

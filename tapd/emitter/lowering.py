@@ -61,7 +61,7 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
     tapped_avals = [*leaf_avals, *([coords_aval] if site.has_coords else [])]
 
     # A site whose function runs in this process writes the local ring, which needs no
-    # daemon (tapd.emitter.local_path); any other, the daemon's ring (or its sender).
+    # daemon (tapd.emitter.local); any other, the daemon's ring (or its sender).
     local = lifecycle.local_path_of(site.consumer)
     native: RingSites | None = local if local is not None else lifecycle.get_sender().native
     ring = RINGS["local" if local is not None else "daemon"]
