@@ -172,14 +172,16 @@ def test_a_barrier_on_a_daemon_killed_warns_then_fails(
     start_emitter: Callable[..., WaitingEmitter],
 ) -> None:
     daemon = start_daemon()
-    start_subscriber(daemon, "loss")
+    subscriber = start_subscriber(daemon, "loss", sleep_ms=300, window=1)  # (~6 s of taps)
     emitter = start_emitter(daemon.endpoint, TAPD_CONNECT_TIMEOUT="4", TAPD_EXIT_TIMEOUT="1")
     assert emitter.wait_for("ready")["ready"] == backend
-    daemon.process.kill()
-    daemon.process.wait(timeout=PROCESS_TIMEOUT)
     emitter.go()
     emitter.wait_for("tapped")
+    wait_until(lambda: len(subscriber.records()) >= 2, "the barrier's taps being handled")
+    daemon.process.kill()  # (during the barrier: its taps are not all handled yet)
     went = time.monotonic()
+    assert emitter.said("barrier") is None and len(subscriber.records()) <= TAPS
+    daemon.process.wait(timeout=PROCESS_TIMEOUT)
     wait_until(
         lambda: emitter.warning("barrier_wait waits for", daemon.endpoint, f"{TAPS} taps"),
         f"a warning:\n{''.join(emitter.err)}",
