@@ -363,9 +363,11 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
         env: dict[str, str] | None = None,
         assemble: bool = False,
         batch: bool = False,
+        hold: Path | None = None,
     ) -> SubscriberProcess:
         """A subscriber of `daemon` (at `endpoint`, default its local one), connected;
-        with `assemble`, its handlers are Assemblers recording one line per step."""
+        with `assemble`, its handlers are Assemblers recording one line per step; with
+        `hold`, none of its handlers runs before that file exists."""
         record = runtime_dir / f"sub{next(counter)}.jsonl"
         before = daemon.subscriber_count()
         argv = [
@@ -383,6 +385,7 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
             str(window),
             *(["--assemble"] if assemble else []),
             *(["--batch"] if batch else []),
+            *(["--hold", str(hold)] if hold else []),
             *consumers,
         ]
         process = subprocess.Popen(argv, env={**os.environ, **(env or {})})

@@ -78,7 +78,8 @@ def transforms() -> dict[str, Any]:
 
 
 def steps(count: str, barrier: str = "barrier") -> dict[str, Any]:
-    """`count` taps of consumer "loss" from a jitted step; time the loop and the barrier."""
+    """`count` taps of consumer "loss" from a jitted step; time the loop and the barrier,
+    and say when the loop ended (`loop_end`, wall clock)."""
     step = jax.jit(lambda i: tapd.tap(i * 1.0, "loss", step=i))
     step(0).block_until_ready()  # compile outside the timed loop
     started = time.perf_counter()
@@ -86,10 +87,11 @@ def steps(count: str, barrier: str = "barrier") -> dict[str, Any]:
         step(i)
     jax.effects_barrier()
     loop = time.perf_counter() - started
+    loop_end = time.time()  # (wall clock: a subscriber's handled_at is another process's)
     if barrier == "barrier":
         tapd.barrier_wait(timeout=60)
     waited = time.perf_counter() - started - loop
-    return {"loop_s": loop, "barrier_s": waited, "stats": tapd.stats()}
+    return {"loop_s": loop, "loop_end": loop_end, "barrier_s": waited, "stats": tapd.stats()}
 
 
 def steps_when_told(count: str, lower_first: str) -> dict[str, Any]:

@@ -1,10 +1,14 @@
-"""A real subscriber process for the tests: records each tap as one JSON line."""
+"""A real subscriber process for the tests: records each tap as one JSON line, with the
+wall-clock time its handler finished (`handled_at`). `--hold FILE`: no handler runs
+before FILE exists, so that a test knows none has (a stop is not held up by it)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -24,12 +28,19 @@ def main() -> None:
     parser.add_argument("--assemble", action="store_true", help="one record per global step")
     parser.add_argument("--batch", action="store_true", help="batch handlers, records per tap")
     parser.add_argument("--every", type=int, default=1, help="sample: every=N for each consumer")
+    parser.add_argument("--hold", default="", help="no handler runs before this file exists")
     args = parser.parse_args()
 
     subscriber = Subscriber(args.endpoint, window=args.window, heartbeat=0.2)
     out = open(args.record, "a", buffering=1)  # noqa: SIM115 (closed at exit)
+    stopping = threading.Event()
+
+    def held() -> None:
+        while args.hold and not os.path.exists(args.hold) and not stopping.is_set():
+            time.sleep(0.01)
 
     def handle(arg: Any, meta: TapMeta) -> None:
+        held()
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1000)
         if meta.consumer == args.raise_on:
@@ -55,6 +66,7 @@ def main() -> None:
                     "global_shapes": meta.shard.global_shapes if meta.shard else None,
                     "value": value,
                     "shape": list(np.shape(arg)) if not isinstance(arg, dict) else None,
+                    "handled_at": time.time(),
                 }
             )
             + "\n"
@@ -63,6 +75,7 @@ def main() -> None:
     def handle_batch(batch: TapBatch) -> None:
         """The same records as `handle`, read from the batch's columns and stacked
         leaves (the per-tap metas only for what has no column)."""
+        held()
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1000)
         if batch.consumer == args.raise_on:
@@ -93,6 +106,7 @@ def main() -> None:
                 "shape": list(np.shape(leaf[i])) if not isinstance(leaf, dict) else None,
                 "time_matches": abs(float(batch.time[i]) - metas[i].time) < 1e-6,
                 "batch_size": len(batch),
+                "handled_at": time.time(),
             }) + "\n")  # fmt: skip
 
     def assembled(value: Any, metas: list[TapMeta]) -> None:
@@ -113,7 +127,12 @@ def main() -> None:
             subscriber.add_handler(consumer, handle_batch, batch=True, every=args.every)
         else:
             subscriber.add_handler(consumer, handle, every=args.every)
-    signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
+
+    def stop(*_: Any) -> None:
+        stopping.set()
+        subscriber.stop()
+
+    signal.signal(signal.SIGTERM, stop)
     with subscriber:
         subscriber.run()
     out.close()
