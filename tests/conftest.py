@@ -7,6 +7,7 @@ its subscribers), never by a fixed sleep. Every process is stopped with a time b
 
 from __future__ import annotations
 
+import atexit
 import compileall
 import fcntl
 import gc
@@ -34,6 +35,12 @@ from tapd.runtime import ring_dir_for
 # Every test starts the daemons it uses; none is started on demand behind its back
 # (tests/test_autostart.py turns autostart on for its own runtime directories).
 os.environ["TAPD_AUTOSTART"] = "0"
+# Nor does one meet a daemon it did not start: the default endpoint is in a runtime
+# directory of this process's (and of the processes it starts), not the user's, where
+# their own daemons live (one started on demand by a JAX program stays 10 minutes). A
+# test that reached the default endpoint by mistake talked to whatever served there.
+os.environ["TAPD_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="tapd-rt-", dir="/tmp")
+atexit.register(shutil.rmtree, os.environ["TAPD_RUNTIME_DIR"], ignore_errors=True)
 # Rings of 32 MiB unless a test sets its own size. A ring is mapped with MAP_POPULATE:
 # at the 256 MB default each emitter, and the daemon that reads it, faults in the whole
 # double mapping up front (0.2-0.3 s of system CPU a process, a sixth of the suite's).
