@@ -371,10 +371,12 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
         assemble: bool = False,
         batch: bool = False,
         hold: Path | None = None,
+        timed: bool = False,
     ) -> SubscriberProcess:
         """A subscriber of `daemon` (at `endpoint`, default its local one), connected;
         with `assemble`, its handlers are Assemblers recording one line per step; with
-        `hold`, none of its handlers runs before that file exists."""
+        `hold`, none of its handlers runs before that file exists; `timed`, its records
+        say when each was handled (`handled_at`, wall clock)."""
         record = runtime_dir / f"sub{next(counter)}.jsonl"
         before = daemon.subscriber_count()
         argv = [
@@ -393,6 +395,7 @@ def start_subscriber(runtime_dir: Path) -> Iterator[Callable[..., SubscriberProc
             *(["--assemble"] if assemble else []),
             *(["--batch"] if batch else []),
             *(["--hold", str(hold)] if hold else []),
+            *(["--timed"] if timed else []),
             *consumers,
         ]
         process = subprocess.Popen(argv, env={**os.environ, **(env or {})})

@@ -135,7 +135,7 @@ def test_slow_handler_does_not_slow_the_loop_and_the_barrier_waits(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber
 ) -> None:
     daemon = start_daemon("--policy", "block")
-    subscriber = start_subscriber(daemon, "loss", sleep_ms=100)
+    subscriber = start_subscriber(daemon, "loss", sleep_ms=100, timed=True)
     result = run_emitter(daemon.endpoint, "steps", "20")
     handler_time = 20 * 0.100
     records = subscriber.records()

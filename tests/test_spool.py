@@ -168,7 +168,7 @@ def test_a_slow_subscriber_neither_slows_the_emitter_nor_loses_a_tap(
     spool = ("--policy", "spool", "--spool-dir", str(tmp_path / "spool"),
              "--queue-bytes", "400")  # fmt: skip
     daemon = start_daemon(*spool)
-    slow = start_subscriber(daemon, "loss", sleep_ms=5)
+    slow = start_subscriber(daemon, "loss", sleep_ms=5, timed=True)
     result = finish(start_emitter(daemon.endpoint, "steps", str(steps)))
     # Its loop ended before the subscriber's 5 ms per tap did (which came first, not the
     # loop's length against a bound, which a loaded machine stretches); the barrier waited.

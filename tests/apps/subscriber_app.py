@@ -1,6 +1,7 @@
-"""A real subscriber process for the tests: records each tap as one JSON line, with the
-wall-clock time its handler finished (`handled_at`). `--hold FILE`: no handler runs
-before FILE exists, so that a test knows none has (a stop is not held up by it)."""
+"""A real subscriber process for the tests: records each tap as one JSON line.
+`--timed`: with the wall-clock time its handler finished (`handled_at`). `--hold FILE`:
+no handler runs before FILE exists, so that a test knows none has (a stop is not held up
+by it)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--batch", action="store_true", help="batch handlers, records per tap")
     parser.add_argument("--every", type=int, default=1, help="sample: every=N for each consumer")
     parser.add_argument("--hold", default="", help="no handler runs before this file exists")
+    parser.add_argument("--timed", action="store_true", help="records say when (handled_at)")
     args = parser.parse_args()
 
     subscriber = Subscriber(args.endpoint, window=args.window, heartbeat=0.2)
@@ -66,7 +68,7 @@ def main() -> None:
                     "global_shapes": meta.shard.global_shapes if meta.shard else None,
                     "value": value,
                     "shape": list(np.shape(arg)) if not isinstance(arg, dict) else None,
-                    "handled_at": time.time(),
+                    **({"handled_at": time.time()} if args.timed else {}),
                 }
             )
             + "\n"
@@ -106,7 +108,7 @@ def main() -> None:
                 "shape": list(np.shape(leaf[i])) if not isinstance(leaf, dict) else None,
                 "time_matches": abs(float(batch.time[i]) - metas[i].time) < 1e-6,
                 "batch_size": len(batch),
-                "handled_at": time.time(),
+                **({"handled_at": time.time()} if args.timed else {}),
             }) + "\n")  # fmt: skip
 
     def assembled(value: Any, metas: list[TapMeta]) -> None:
