@@ -48,15 +48,15 @@ from tapd.emitter.gathered_eval import (
     site_operands,
     taps_within,
 )
-from tapd.emitter.gathered_flush import FlushPlan, call
+from tapd.emitter.gathered_flush import ClosedJaxpr, FlushPlan, call
 from tapd.emitter.primitive import TapSiteParams
 
 logger = logging.getLogger("tapd.emitter")
 
 
 def maybe_gathered(
-    closed: core.ClosedJaxpr, platforms: Sequence[str], axis_context: Any, for_export: bool
-) -> core.ClosedJaxpr | None:
+    closed: ClosedJaxpr, platforms: Sequence[str], axis_context: Any, for_export: bool
+) -> ClosedJaxpr | None:
     """`closed` gathered, where the settings ask and the computation can be (see the
     module docstring); None where it keeps the per-tap path."""
     settings = lifecycle.settings()
@@ -109,8 +109,8 @@ def _host_callback_here(site: TapSiteParams, platform: str) -> bool:
 
 
 def rewrite(
-    closed: core.ClosedJaxpr, make_plan: Callable[[list[TapSiteParams], list[list[Any]], int], Any]
-) -> core.ClosedJaxpr:
+    closed: ClosedJaxpr, make_plan: Callable[[list[TapSiteParams], list[list[Any]], int], Any]
+) -> ClosedJaxpr:
     """`closed` with its taps gathered (see the module docstring); raises NotGatherable.
 
     `make_plan(sites, operand avals, records)` sizes the buffers: a `FlushPlan`."""
@@ -137,7 +137,7 @@ def rewrite(
     # The flushes' order (gathered_flush.GatherOrder) is kept inside the computation.
     wrapped = lu.wrap_init(lambda *args: call(inner, args), debug_info=debug_info)
     traced = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
-    closed_result: core.ClosedJaxpr = _closed(traced[0], traced[2])
+    closed_result: ClosedJaxpr = _closed(traced[0], traced[2])
     return closed_result
 
 

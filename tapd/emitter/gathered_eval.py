@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax._src import core, source_info_util
 
-from tapd.emitter.gathered_flush import FlushPlan, flush
+from tapd.emitter.gathered_flush import ClosedJaxpr, FlushPlan, flush
 from tapd.emitter.primitive import TapSiteParams, tap_p
 
 
@@ -227,13 +227,13 @@ class Rewriter:
     def _run_cond(
         self, params: dict[str, Any], invals: list[Any], state: Gathered, checked: bool
     ) -> tuple[list[Any], Gathered]:
-        branches: Sequence[core.ClosedJaxpr] = params["branches"]
+        branches: Sequence[ClosedJaxpr] = params["branches"]
         records = max(most_records(branch.jaxpr) for branch in branches)
         if checked and self._bounded(records):
             state, checked = self.make_room(state, records), False
         branch_index, *operands = invals
 
-        def branch(closed: core.ClosedJaxpr) -> Callable[..., Any]:
+        def branch(closed: ClosedJaxpr) -> Callable[..., Any]:
             return lambda ops, st: self.run(closed.jaxpr, closed.consts, ops, st, checked)
 
         outs, state = lax.switch(branch_index, [branch(b) for b in branches], operands, state)
@@ -242,7 +242,7 @@ class Rewriter:
     def _run_scan(
         self, params: dict[str, Any], invals: list[Any], state: Gathered, checked: bool
     ) -> tuple[list[Any], Gathered]:
-        body: core.ClosedJaxpr = params["jaxpr"]
+        body: ClosedJaxpr = params["jaxpr"]
         consts, carry, xs = _scan_operands(params, invals)
         carry_count = len(carry)
         length, reverse = params["length"], params["reverse"]
@@ -301,8 +301,8 @@ class Rewriter:
     def _run_while(
         self, params: dict[str, Any], invals: list[Any], state: Gathered, checked: bool
     ) -> tuple[list[Any], Gathered]:
-        cond: core.ClosedJaxpr = params["cond_jaxpr"]
-        body: core.ClosedJaxpr = params["body_jaxpr"]
+        cond: ClosedJaxpr = params["cond_jaxpr"]
+        body: ClosedJaxpr = params["body_jaxpr"]
         if taps_within(cond.jaxpr):
             raise NotGatherable("taps in a loop's condition")
         cond_count, body_count = params["cond_nconsts"], params["body_nconsts"]

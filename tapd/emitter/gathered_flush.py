@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 from jax._src import core, dispatch, effects
@@ -32,6 +32,10 @@ from tapd.emitter import host_writers, jax_compat, lifecycle
 from tapd.emitter.primitive import UNORDERED, TapSiteParams
 from tapd.native import library
 from tapd.native.ring import NO_STEP
+
+# A jaxpr with its constants: core.ClosedJaxpr before JAX 0.12, core.Jaxpr since (which
+# holds them); written as Any so that one annotation type-checks against both.
+ClosedJaxpr: TypeAlias = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,18 +240,18 @@ gathered_call_p = core.Primitive("tapd_gathered")
 gathered_call_p.multiple_results = True
 
 
-def call(jaxpr: core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+def call(jaxpr: ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
     """`jaxpr` (a gathered computation, its flushes `GatherOrder`'s) applied to `args`,
     with the token of its flushes made inside: to JAX, an unordered tap."""
     return gathered_call_p.bind(*args, jaxpr=jaxpr)  # type: ignore[no-any-return,no-untyped-call]
 
 
 @gathered_call_p.def_effectful_abstract_eval  # type: ignore[untyped-decorator]
-def _call_abstract_eval(*avals: Any, jaxpr: core.ClosedJaxpr) -> tuple[list[Any], set[Any]]:
+def _call_abstract_eval(*avals: Any, jaxpr: ClosedJaxpr) -> tuple[list[Any], set[Any]]:
     return list(jaxpr.out_avals), {*(jaxpr.effects - {GATHER_ORDER}), UNORDERED}
 
 
-def _lower_call(ctx: mlir.LoweringRuleContext, *args: Any, jaxpr: core.ClosedJaxpr) -> list[Any]:
+def _lower_call(ctx: mlir.LoweringRuleContext, *args: Any, jaxpr: ClosedJaxpr) -> list[Any]:
     tokens = mlir.TokenSet({**dict(ctx.tokens_in.items()), GATHER_ORDER: hlo.create_token()})
     inner = dataclasses.replace(ctx, tokens_in=tokens, tokens_out=None)
     outs: list[Any] = mlir.lower_fun(core.jaxpr_as_fun(jaxpr), multiple_results=True)(inner, *args)
