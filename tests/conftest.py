@@ -141,18 +141,19 @@ def _group_in_node_id(item: pytest.Item) -> None:
 
 # ---- tests that run alone (the `alone` mark) -------------------------------------------
 # A daemon at its start, and `tapd clean`, remove every ring directory in /dev/shm whose
-# job is gone: another test's too. A test that leaves one on purpose and checks who
-# removes it runs while no other test runs, also across pytest-xdist's workers: each
-# test holds a shared lock on a file of this run, an `alone` one an exclusive lock; it
-# takes the gate first, so that the others' next tests wait behind it instead of
-# starving it.
+# job is gone, of any job of this user: another test's too, and another run's (a clean
+# clone's suite beside a worktree's, on a shared machine where every engineer is root:
+# one started a daemon between an `alone` test's `tapd clean --dry-run` and its clean,
+# which then found nothing to remove). A test that leaves one on purpose and checks who
+# removes it runs while no other test runs, across pytest-xdist's workers and across
+# this user's runs on this machine: each test holds a shared lock on a file of this
+# user's, an `alone` one an exclusive lock; it takes the gate first, so that the others'
+# next tests wait behind it instead of starving it. (The locks are taken before
+# pytest-timeout's timer starts: a wait for another run's long test is not the test's.)
 
 
-def _run_lock() -> tuple[int, int] | None:
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in xdist's workers only
-    if run is None:
-        return None
-    base = Path(tempfile.gettempdir()) / f"tapd-tests-{os.getuid()}-{run}"
+def _run_lock() -> tuple[int, int]:
+    base = Path(tempfile.gettempdir()) / f"tapd-tests-{os.getuid()}"
     gate = os.open(f"{base}.gate", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     run_fd = os.open(f"{base}.run", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     return gate, run_fd
@@ -166,20 +167,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     global _FAST_TEST
     _FAST_TEST = item.nodeid if item.get_closest_marker("fast") else None
     alone = item.get_closest_marker("alone") is not None
-    if _LOCKS is not None:
-        gate, run = _LOCKS
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
-            fcntl.flock(gate, fcntl.LOCK_UN)
+    gate, run = _LOCKS
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    fcntl.flock(run, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    if not alone:
+        fcntl.flock(gate, fcntl.LOCK_UN)
     try:
         return (yield)
     finally:
         _FAST_TEST = None
-        if _LOCKS is not None:
-            fcntl.flock(_LOCKS[1], fcntl.LOCK_UN)
-            if alone:
-                fcntl.flock(_LOCKS[0], fcntl.LOCK_UN)
+        fcntl.flock(run, fcntl.LOCK_UN)
+        if alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.hookimpl(wrapper=True)
