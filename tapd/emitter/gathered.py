@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -75,16 +75,7 @@ def maybe_gathered(
     if not all(_host_callback_here(site, platform) for site in found):
         return None
     try:
-        return rewrite(
-            closed,
-            lambda sites, avals, records: plan_buffers(
-                sites,
-                avals,
-                records,
-                taps=settings.gather_taps,
-                max_bytes=settings.gather_bytes,
-            ),
-        )
+        return rewrite(closed, found, taps=settings.gather_taps, max_bytes=settings.gather_bytes)
     except NotGatherable as exc:
         logger.debug("taps not gathered: %s", exc)
         return None
@@ -109,17 +100,20 @@ def _host_callback_here(site: TapSiteParams, platform: str) -> bool:
 
 
 def rewrite(
-    closed: ClosedJaxpr, make_plan: Callable[[list[TapSiteParams], list[list[Any]], int], Any]
+    closed: ClosedJaxpr,
+    found: dict[TapSiteParams, list[Any]],
+    *,
+    taps: int,
+    max_bytes: int,
 ) -> ClosedJaxpr:
     """`closed` with its taps gathered (see the module docstring); raises NotGatherable.
 
-    `make_plan(sites, operand avals, records)` sizes the buffers: a `FlushPlan`."""
-    found: dict[TapSiteParams, list[Any]] = {}
-    site_operands(closed.jaxpr, found)
+    `found`: its sites and their operands' avals (`site_operands`); `taps` and
+    `max_bytes` size the buffers (`plan_buffers`)."""
     sites = list(found)
     records = most_records(closed.jaxpr)
     hint = 0 if math.isinf(records) else int(records)
-    plan: FlushPlan = make_plan(sites, [found[s] for s in sites], hint)
+    plan = plan_buffers(sites, [found[s] for s in sites], hint, taps=taps, max_bytes=max_bytes)
     rewriter = Rewriter(plan)
     in_avals = [var.aval for var in closed.jaxpr.invars]
 
