@@ -186,7 +186,7 @@ def main() -> None:
         "--gather",
         default="off,on",
         help="the TAPD_GATHER settings to run, each in a child of its own; SETTING:BYTES "
-        "sets TAPD_GATHER_BYTES too",
+        "sets TAPD_GATHER_BYTES too, SETTING:taps=N TAPD_GATHER_TAPS",
     )
     args = parser.parse_args()
     if args.child:
@@ -202,13 +202,18 @@ def main() -> None:
             big_sink = processes.start_sink("big")
             results = {}
             for gather in args.gather.split(","):
-                setting, _, max_bytes = gather.partition(":")
+                setting, _, size = gather.partition(":")
+                sized = {}
+                if size.startswith("taps="):
+                    sized["TAPD_GATHER_TAPS"] = size.removeprefix("taps=")
+                elif size:
+                    sized["TAPD_GATHER_BYTES"] = size
                 env = {
                     **os.environ,
                     "TAPD_ENDPOINT": processes.endpoint,
                     "TAPD_AUTOSTART": "0",
                     "TAPD_GATHER": setting,
-                    **({"TAPD_GATHER_BYTES": max_bytes} if max_bytes else {}),
+                    **sized,
                 }
                 command = [
                     sys.executable,

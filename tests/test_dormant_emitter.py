@@ -38,6 +38,18 @@ from tapd.printing import print_tap
 
 scenario = sys.argv[1]
 
+FLUSHES = []  # the gathered path's flushes: [records written, dormant taps skipped]
+if os.environ.get("TAPD_GATHER") == "on":
+    from tapd.emitter import gathered_host
+
+    _write = gathered_host.Flush.write_packed
+
+    def _counted(self, packed):
+        FLUSHES.append(list(self.records(packed)))
+        _write(self, packed)
+
+    gathered_host.Flush.write_packed = _counted
+
 
 def loop(name, n, every=1, size=int(os.environ.get("TEST_LEAF_FLOATS", "256"))):
     def body(i, c):
@@ -50,7 +62,8 @@ def compiled(function, *args):
 
 
 def output(**fields):
-    print(json.dumps({**fields, "stats": tapd.stats(), "backend": tapd.backend()}), flush=True)
+    fields.update(stats=tapd.stats(), backend=tapd.backend(), flushes=FLUSHES)
+    print(json.dumps(fields), flush=True)
 
 
 if scenario == "slots":
@@ -84,9 +97,11 @@ if scenario == "slots":
     [unslotted] = native.sites_of("unslotted")
     ring.set_site_every(unslotted, EVERY_DORMANT)  # (no slot: nothing to set)
     head = ring.counters().head
+    flushed = len(FLUSHES)
     programs["dormant"]()
     jax.effects_barrier()
     dormant_reserved = ring.counters().head - head
+    dormant_flushes = FLUSHES[flushed:]
     # (each run waited for before a slot changes: calls are asynchronous)
     for name, program in programs.items():
         if name == "dormant":
@@ -116,7 +131,7 @@ if scenario == "slots":
         records.setdefault(names[record.site], []).append(
             [record.seq, record.step, record.device])
     output(records=records, unslotted_site=unslotted, dormant_reserved=dormant_reserved,
-           counters_skipped=ring.counters().skipped)
+           counters_skipped=ring.counters().skipped, dormant_flushes=dormant_flushes)
 
 elif scenario == "no_dormant":  # run with TAPD_DORMANT=0
     native = lifecycle.get_sender().native
@@ -193,6 +208,37 @@ def test_the_writers_decide_by_the_site_table_and_every(
     }
     result = run_script(runtime_dir, "slots", env=flags)
     assert result["backend"] == ring_backend
+    assert result["flushes"] == []
+    check_slots(result)
+
+
+@pytest.mark.parametrize("floats", [256, 65536], ids=["1KiB", "256KiB"])
+def test_gathered_taps_are_kept_or_skipped_on_the_device_by_the_site_table(
+    runtime_dir: Path, floats: int
+) -> None:
+    """The same programs gathered on the device (TAPD_GATHER=on, as on a TPU): each call
+    reads its sites' slots as it is dispatched; a dormant site's taps are not kept on the
+    device (the flush writes none of them: it counts them, their seqs used up), the
+    others are written and sampled by the ring exactly as one callback a tap does."""
+    if reason := native_unavailable():
+        pytest.skip(reason)
+    flags = {
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "TEST_LEAF_FLOATS": str(floats),
+        "TAPD_BACKEND": "portable",
+        "TAPD_GATHER": "on",
+    }
+    result = run_script(runtime_dir, "slots", env=flags)
+    assert result["backend"] == "portable"
+    # The dormant program's one flush (its end): no record, ten taps skipped.
+    assert result["dormant_flushes"] == [[0, 10]]
+    # "woken": dormant for its first call (4 skipped), then 4 written.
+    assert [0, 4] in result["flushes"] and [4, 0] in result["flushes"]
+    check_slots(result)
+
+
+def check_slots(result: dict[str, Any]) -> None:
+    """What the `slots` scenario's programs delivered and skipped, by the site table."""
     records, stats = result["records"], result["stats"]
     skipped = stats["skipped_by_consumer"]
     # Dormant: nothing reserved, nothing copied, each execution counted as skipped.

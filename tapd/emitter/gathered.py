@@ -39,7 +39,7 @@ from jax._src import core
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-from tapd.emitter import lifecycle
+from tapd.emitter import gathered_outputs, lifecycle
 from tapd.emitter.gathered_eval import (
     NotGatherable,
     Rewriter,
@@ -48,17 +48,25 @@ from tapd.emitter.gathered_eval import (
     site_operands,
     taps_within,
 )
-from tapd.emitter.gathered_flush import ClosedJaxpr, FlushPlan, call
+from tapd.emitter.gathered_flush import ClosedJaxpr, FlushPlan, WayOut, call, pack
+from tapd.emitter.gathered_outputs import OutputsEffect
 from tapd.emitter.primitive import TapSiteParams
 
 logger = logging.getLogger("tapd.emitter")
 
 
 def maybe_gathered(
-    closed: ClosedJaxpr, platforms: Sequence[str], axis_context: Any, for_export: bool
-) -> ClosedJaxpr | None:
+    closed: ClosedJaxpr,
+    platforms: Sequence[str],
+    axis_context: Any,
+    for_export: bool,
+    *,
+    output: bool = False,
+) -> tuple[ClosedJaxpr, OutputsEffect | None] | None:
     """`closed` gathered, where the settings ask and the computation can be (see the
-    module docstring); None where it keeps the per-tap path."""
+    module docstring), and the effect of its way out where it ends with an output
+    (`output`: the module can have one; tapd.emitter.gathered_outputs); None where it
+    keeps the per-tap path."""
     settings = lifecycle.settings()
     if settings.gather == "off" or for_export or len(platforms) != 1:
         return None
@@ -74,8 +82,16 @@ def maybe_gathered(
         return None
     if not all(_host_callback_here(site, platform) for site in found):
         return None
+    taps, max_bytes = settings.gather_taps, settings.gather_bytes
     try:
-        return rewrite(closed, found, taps=settings.gather_taps, max_bytes=settings.gather_bytes)
+        if output and gathered_outputs.install():
+            try:
+                effect = OutputsEffect(len(found))
+                gathered = rewrite(closed, found, taps=taps, max_bytes=max_bytes, way_out=effect)
+                return gathered, effect
+            except Exception:  # (a dtype the packing does not take): a flush at the end
+                logger.debug("gathered taps end with a flush", exc_info=True)
+        return rewrite(closed, found, taps=taps, max_bytes=max_bytes), None
     except NotGatherable as exc:
         logger.debug("taps not gathered: %s", exc)
         return None
@@ -105,34 +121,60 @@ def rewrite(
     *,
     taps: int,
     max_bytes: int,
+    way_out: OutputsEffect | None = None,
 ) -> ClosedJaxpr:
     """`closed` with its taps gathered (see the module docstring); raises NotGatherable.
 
     `found`: its sites and their operands' avals (`site_operands`); `taps` and
-    `max_bytes` size the buffers (`plan_buffers`)."""
+    `max_bytes` size the buffers (`plan_buffers`); with `way_out`, the computation
+    takes its sites' wake flags and ends with its buffers as an output (`call`)."""
     sites = list(found)
     records = most_records(closed.jaxpr)
     hint = 0 if math.isinf(records) else int(records)
     plan = plan_buffers(sites, [found[s] for s in sites], hint, taps=taps, max_bytes=max_bytes)
-    rewriter = Rewriter(plan)
+    rewriter = Rewriter(plan, masked=way_out is not None)
     in_avals = [var.aval for var in closed.jaxpr.invars]
+    flags_avals = [] if way_out is None else [core.ShapedArray((len(sites),), np.dtype(np.int32))]
 
     def gathered(*args: Any) -> list[Any]:
-        state = rewriter.empty()
+        flags, args = (None, args) if way_out is None else (args[0], args[1:])
+        state = rewriter.empty(flags)
         outs, state = rewriter.run(
             closed.jaxpr, closed.consts, list(args), state, checked=not plan.never_full
         )
+        if way_out is not None:
+            return [*outs, pack(state)]
         rewriter.final(state, certain=certainly_taps(closed.jaxpr))
         return outs
 
-    debug_info = closed.jaxpr.debug_info
-    traced = pe.trace_to_jaxpr_dynamic(lu.wrap_init(gathered, debug_info=debug_info), in_avals)
+    debug_info = _debug_info(closed.jaxpr.debug_info, len(flags_avals))
+    traced = pe.trace_to_jaxpr_dynamic(
+        lu.wrap_init(gathered, debug_info=debug_info), [*flags_avals, *in_avals]
+    )
     inner = _closed(traced[0], traced[2])
     # The flushes' order (gathered_flush.GatherOrder) is kept inside the computation.
-    wrapped = lu.wrap_init(lambda *args: call(inner, args), debug_info=debug_info)
+    out = None if way_out is None else WayOut(way_out, plan)
+    debug_info = closed.jaxpr.debug_info
+    wrapped = lu.wrap_init(lambda *args: call(inner, args, out), debug_info=debug_info)
     traced = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
     closed_result: ClosedJaxpr = _closed(traced[0], traced[2])
     return closed_result
+
+
+def _debug_info(debug_info: Any, flags: int) -> Any:
+    """The computation's debug info, for a jaxpr with `flags` more arguments first and
+    one more result last (the wake flags and the packed buffers)."""
+    if not flags or debug_info is None:
+        return debug_info
+    names = getattr(debug_info, "arg_names", None)
+    results = getattr(debug_info, "result_paths", None)
+    changes: dict[str, Any] = {}
+    if isinstance(names, tuple):
+        changes["arg_names"] = ("tapd_wake_flags", *names)
+    if isinstance(results, tuple):
+        changes["result_paths"] = (*results, "tapd_gathered")
+    replace = getattr(debug_info, "_replace", None)
+    return replace(**changes) if replace is not None and changes else None
 
 
 def _closed(jaxpr: Any, consts: list[Any]) -> Any:

@@ -35,6 +35,8 @@ class Gathered(NamedTuple):
     log: Any  # int32[capacity]: each record's site index
     rows: Any  # int32[sites]: each site's records since the last flush
     buffers: tuple[tuple[Any, ...], ...]  # per site, per operand: [capacity, *shape]
+    awake: Any  # int32[sites]: 1 where the site's taps are kept, 0 where it is dormant
+    skipped: Any  # int32[sites]: each dormant site's taps since the last flush
 
 
 # The primitives whose one jaxpr runs where they stand: the rewrite inlines it.
@@ -109,21 +111,26 @@ class Rewriter:
 
     `checked`: whether a tap must test for a full log itself (its region made no room)."""
 
-    def __init__(self, plan: FlushPlan) -> None:
+    def __init__(self, plan: FlushPlan, *, masked: bool = False) -> None:
         self.plan = plan
+        self.masked = masked  # the wake flags come in: a site may keep nothing
         self.index = {site: i for i, site in enumerate(plan.sites)}
 
-    def empty(self) -> Gathered:
-        """Fresh buffers: zeros (a flush reads only the rows its log names)."""
+    def empty(self, awake: Any = None) -> Gathered:
+        """Fresh buffers: zeros (a flush reads only the rows its log names). `awake`:
+        the sites' wake flags (`Gathered.awake`), all awake if not given."""
         plan = self.plan
+        sites = len(plan.sites)
         return Gathered(
             count=np.int32(0),
             log=lax.full((plan.capacity,), 0, np.int32),
-            rows=lax.full((len(plan.sites),), 0, np.int32),
+            rows=lax.full((sites,), 0, np.int32),
             buffers=tuple(
                 tuple(lax.full((plan.capacity, *a.shape), 0, a.dtype) for a in avals)
                 for avals in plan.operand_avals
             ),
+            awake=lax.full((sites,), 1, np.int32) if awake is None else awake,
+            skipped=lax.full((sites,), 0, np.int32),
         )
 
     # ---- flushes ------------------------------------------------------------------------
@@ -131,7 +138,8 @@ class Rewriter:
     def flushed(self, state: Gathered) -> Gathered:
         """`state` flushed: its log empty, made after the flush's transfer."""
         count = flush(state, self.plan)
-        return state._replace(count=count, rows=lax.full(state.rows.shape, count, np.int32))
+        zeros = lax.full(state.rows.shape, count, np.int32)
+        return state._replace(count=count, rows=zeros, skipped=zeros)
 
     def flush_if(self, condition: Any, state: Gathered) -> Gathered:
         result: Gathered = lax.cond(condition, self.flushed, lambda s: s, state)
@@ -142,11 +150,19 @@ class Rewriter:
         return self.flush_if(state.count + int(records) > self.plan.capacity, state)
 
     def final(self, state: Gathered, *, certain: bool) -> None:
-        """The flush at the computation's end (none if nothing was logged)."""
+        """The flush at the computation's end (none if nothing was logged or skipped)."""
         if certain:
             self.flushed(state)
         else:
-            self.flush_if(state.count > 0, state)
+            self.flush_if((state.count > 0) | (state.skipped.sum() > 0), state)
+
+    def chunk_end(self, state: Gathered, certain: bool) -> Gathered:
+        """The flush after a loop's chunk: unconditional where the chunk certainly logs
+        (no test), else where it logged, or skipped near int32's bound."""
+        if certain and not self.masked:
+            return self.flushed(state)
+        skipped_many = state.skipped.max() >= _SKIPPED_BOUND
+        return self.flush_if((state.count > 0) | skipped_many, state)
 
     def _bounded(self, records: float) -> bool:
         return records <= self.plan.capacity
@@ -200,11 +216,15 @@ class Rewriter:
             lax.dynamic_update_index_in_dim(buffer, operand, row, 0)
             for buffer, operand in zip(state.buffers[site], operands, strict=True)
         )
-        return Gathered(
-            count=state.count + 1,
+        # A dormant site's tap is written all the same (no branch: a `cond` a tap costs
+        # more than the copy), but not kept: the next tap writes over it; it is counted.
+        kept = state.awake[site]
+        return state._replace(
+            count=state.count + kept,
             log=lax.dynamic_update_index_in_dim(state.log, np.int32(site), state.count, 0),
-            rows=state.rows.at[site].add(1),
+            rows=state.rows.at[site].add(kept),
             buffers=(*state.buffers[:site], written, *state.buffers[site + 1 :]),
+            skipped=state.skipped.at[site].add(1 - kept),
         )
 
     def _run_tapping(
@@ -282,7 +302,7 @@ class Rewriter:
         def chunk(both: tuple[list[Any], Gathered], x: list[Any]) -> tuple[Any, list[Any]]:
             values, st = both
             values, st, ys = scan(values, st, x, steps, False)
-            st = self.flushed(st) if certain else self.flush_if(st.count > 0, st)
+            st = self.chunk_end(st, certain)
             return (values, st), ys
 
         (carry, state), chunked_ys = lax.scan(
@@ -355,11 +375,15 @@ class Rewriter:
             _, values, st = lax.while_loop(
                 inner_going_on, inner_step, (np.int32(0), both[0], both[1])
             )
-            st = self.flushed(st) if certain else self.flush_if(st.count > 0, st)
+            st = self.chunk_end(st, certain)
             return values, st
 
         carry, state = lax.while_loop(lambda both: going_on(both[0]), chunk, (carry, state))
         return list(carry), state
+
+
+# Dormant taps counted on the device are flushed before their count could overflow.
+_SKIPPED_BOUND = 1 << 30
 
 
 def _where(predicate: Any, new: Any, old: Any) -> Any:

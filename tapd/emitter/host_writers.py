@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 
 from tapd.emitter import lifecycle, primitive
 from tapd.emitter.device_names import device_names
+from tapd.emitter.gathered_outputs import write_ready
 from tapd.emitter.native_backend import RingSites
 from tapd.emitter.primitive import TapSiteParams
 from tapd.emitter.sender import TapSite
@@ -137,6 +138,7 @@ def ring_writer(
     def write_record(*args: Any) -> tuple[()]:
         # Runs on an XLA thread; the arrays view XLA's buffers: copy them into the ring
         # now, in this one call, and keep nothing.
+        write_ready()  # (gathered taps dispatched before this computation: theirs first)
         device = fixed if fixed is not None else int32(device_of(int(args[-1])))
         if asks and skip(handle, site_c, consumer_c, device, every_c):
             return ()  # dormant or sampled out: counted, nothing copied
@@ -194,6 +196,7 @@ def sender_writer(
     has_coords = site.has_coords
 
     def submit(*args: Any) -> tuple[()]:
+        write_ready()
         device = devices_at(args)
         sender = lifecycle.get_sender()
         if sender.sampled_out(tap_site, device):

@@ -32,6 +32,7 @@ from jax.sharding import SingleDeviceSharding
 from tapd.emitter import (
     entries,
     gathered,
+    gathered_module,
     host_writers,
     jax_compat,
     lifecycle,
@@ -323,8 +324,13 @@ def _lower_module_in_order(lower: Callable[..., Any], *args: Any, **kwargs: Any)
     order handler; and, in any module with strict taps too, tapd's chain joined to
     JAX's token."""
     order.start_module()
+    gathered_module.start()
     args, kwargs = _gathered(args, kwargs)
     result = lower(*args, **kwargs)
+    way_out = gathered_module.taken()
+    if way_out is not None:
+        with result.module.context:
+            gathered_module.attach(result.module, way_out)
     if order.lowered_taps() and order.partitions(result.module) == 1:
         platforms = {str(platform).lower() for platform in kwargs.get("platforms") or ()}
         if platforms and platforms <= native_backend.order_platforms():
@@ -343,14 +349,22 @@ def _gathered(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[
     if closed is None:
         return args, kwargs
     parameters = kwargs.get("lowering_parameters")
-    gathered_jaxpr = gathered.maybe_gathered(
+    ordered_effects = kwargs.get("ordered_effects")
+    ordered_effects = ordered_effects if isinstance(ordered_effects, list) else None
+    chosen = gathered.maybe_gathered(
         closed,
         kwargs.get("platforms") or (),
         kwargs.get("axis_context"),
         bool(getattr(parameters, "for_export", False)),
+        # The way out is an ordered effect: JAX's caller keeps this very list, and so
+        # passes the effect's token in and out of each call (gathered_outputs).
+        output=ordered_effects is not None,
     )
-    if gathered_jaxpr is None:
+    if chosen is None:
         return args, kwargs
+    gathered_jaxpr, way_out = chosen
+    if way_out is not None and ordered_effects is not None:
+        ordered_effects.append(way_out)
     if len(args) > 1:
         return (args[0], gathered_jaxpr, *args[2:]), kwargs
     return args, {**kwargs, "jaxpr": gathered_jaxpr}

@@ -379,24 +379,23 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             ],
             c.c_int,
         ),
-        # (ring or None, count, sites, consumers, device, steps, everys, nleaves, stride,
-        # data, sizes, outcomes): the arrays as plain pointers (numpy's addresses).
-        "tapd_ring_write_batch": (
+        # (packed, device, sites, rings, site ids, consumers, everys, first leaf,
+        # leaves, leaf offsets, leaf bytes, step bytes, step offsets: the arrays as plain
+        # pointers; the offsets of the log's length, the log and the dormant counts;
+        # capacity): tapd/emitter/gathered_host.py
+        "tapd_ring_write_gathered": (
             [
                 c.c_void_p,
-                c.c_uint32,
-                c.c_void_p,
-                c.c_void_p,
                 c.c_int32,
-                c.c_void_p,
-                c.c_void_p,
-                c.c_void_p,
                 c.c_uint32,
                 c.c_void_p,
-                c.c_void_p,
-                c.c_void_p,
+                *[c.c_void_p] * 9,
+                c.c_uint64,
+                c.c_uint64,
+                c.c_uint64,
+                c.c_uint64,
             ],
-            c.c_int,
+            c.c_int64,
         ),
         "tapd_ring_record_header_bytes": ([], c.c_uint64),
         "tapd_ring_internal_api": ([c.c_uint32], c.c_void_p),
@@ -425,6 +424,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_skipped_by_site": ([c.c_void_p, u64p], c.c_uint32),
         # (ring or None, site, consumer, device, every): 1 if skipped (counted).
         "tapd_ring_skip": ([c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32, c.c_uint64], c.c_int),
+        "tapd_ring_skip_many": (
+            [c.c_void_p, c.c_uint64, c.c_uint32, c.c_int32, c.c_uint64],
+            None,
+        ),
         # (ring, entry, its length, site, consumer): tapd/emitter/entries.py
         "tapd_ring_put_entry": ([c.c_void_p, c.c_char_p, c.c_uint64, c.c_uint64, c.c_uint32], None),
     }

@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 #include <random>
 
 #if defined(__SSE2__)
@@ -1037,6 +1038,23 @@ int tapd_ring_skip(void* handle, uint64_t site, uint32_t consumer, int32_t devic
   return 1;
 }
 
+// A gathered computation's `count` taps of `site` that the device did not keep, their
+// site dormant when the computation was dispatched (tapd/emitter/gathered_outputs.py):
+// their seqs used up and the skips counted, as `count` dormant taps written one by one
+// would have. `handle` NULL: the installed ring; nothing if there is none.
+void tapd_ring_skip_many(void* handle, uint64_t site, uint32_t consumer, int32_t device,
+                         uint64_t count) {
+  Ring* ring = handle != nullptr ? static_cast<Ring*>(handle) : tapd::InstalledRing();
+  if (ring == nullptr || count == 0) return;
+  uint64_t key = (uint64_t{consumer} << 32) | uint32_t(device);
+  {
+    std::lock_guard<std::mutex> lock(ring->seq_mutex);
+    ring->seq[key] += count;
+  }
+  if (site < tapd::kSiteSlots) ring->sites[site].skipped.fetch_add(count, std::memory_order_relaxed);
+  ring->control->skipped.fetch_add(count, std::memory_order_relaxed);
+}
+
 // For readers that check commit tags themselves (ring.py skips abandoned records).
 uint64_t tapd_ring_nonce(void* handle) { return static_cast<Ring*>(handle)->control->nonce; }
 
@@ -1057,27 +1075,65 @@ int tapd_ring_write_leaves(void* handle, uint64_t site, uint32_t consumer, int32
                            nleaves, data, sizes);
 }
 
-// The gathered path's flush (tapd/emitter/gathered_flush.py): `count` records in order,
-// each written exactly as tapd_ring_write_leaves writes it (skipped or dropped the same
-// way, and counted). Record i is of site `sites[i]`, consumer `consumers[i]`, step
-// `steps[i]` and sampling `everys[i]`; its `nleaves[i]` leaves are at `data` and `sizes`
-// from i * `stride` on. One call a flush instead of one a record: a TPU's computation
-// waits for its host callbacks, so their time is the step's. Returns 2 if there is no
-// ring, else 0; `outcomes` (count entries, or NULL) gets each record's result.
-int tapd_ring_write_batch(void* handle, uint32_t count, const uint64_t* sites,
-                          const uint32_t* consumers, int32_t device, const int64_t* steps,
-                          const uint64_t* everys, const uint32_t* nleaves, uint32_t stride,
-                          const void* const* data, const uint64_t* sizes, uint8_t* outcomes) {
-  Ring* ring = handle != nullptr ? static_cast<Ring*>(handle) : tapd::InstalledRing();
-  if (ring == nullptr) return 2;
-  for (uint32_t i = 0; i < count; ++i) {
-    uint64_t first = uint64_t{i} * stride;
-    int outcome = tapd::WriteLeaves(
-        ring, tapd::RecordFields{sites[i], consumers[i], device, steps[i], everys[i]},
-        nleaves[i], data + first, sizes + first);
-    if (outcomes != nullptr) outcomes[i] = static_cast<uint8_t>(outcome);
+// A gathered computation's packed buffers (tapd/emitter/gathered_flush.py, `Flush`)
+// written as its taps' records, in the log's order, each into its site's ring; each
+// site's dormant taps counted as skipped first (their seqs used up: a site is dormant
+// or not for a whole computation). `packed` holds the log's length (int32) at
+// `count_offset`, the log (an int32 site index a record) at `log_offset`, the dormant
+// counts (int32 a site) at `skipped_offset`; site i's j-th leaf of record row r at
+// leaf_offsets[k] + r * leaf_bytes[k], k = first_leaf[i] + j, and its step (step_bytes[i]
+// 4 or 8, signed; 0: none) at step_offsets[i] + r * step_bytes[i]. A site whose ring is
+// NULL is left to the caller (the sender's path). Returns the records in the log, or -1
+// if the log names a site out of range or holds more than `capacity` records.
+int64_t tapd_ring_write_gathered(const uint8_t* packed, int32_t device, uint32_t nsites,
+                                 void* const* rings, const uint64_t* site_ids,
+                                 const uint32_t* consumers, const uint64_t* everys,
+                                 const uint32_t* first_leaf, const uint32_t* nleaves,
+                                 const uint64_t* leaf_offsets, const uint64_t* leaf_bytes,
+                                 const int32_t* step_bytes, const uint64_t* step_offsets,
+                                 uint64_t count_offset, uint64_t log_offset,
+                                 uint64_t skipped_offset, uint64_t capacity) {
+  int32_t count;
+  std::memcpy(&count, packed + count_offset, sizeof(count));
+  if (count < 0 || uint64_t(count) > capacity) return -1;
+  for (uint32_t i = 0; i < nsites; ++i) {
+    int32_t skipped;
+    std::memcpy(&skipped, packed + skipped_offset + 4 * uint64_t{i}, sizeof(skipped));
+    if (skipped > 0 && rings[i] != nullptr) {
+      tapd_ring_skip_many(rings[i], site_ids[i], consumers[i], device, uint64_t(skipped));
+    }
   }
-  return 0;
+  std::vector<uint64_t> rows(nsites, 0);
+  std::vector<const void*> data;
+  std::vector<uint64_t> sizes;
+  for (int32_t r = 0; r < count; ++r) {
+    int32_t i;
+    std::memcpy(&i, packed + log_offset + 4 * uint64_t(r), sizeof(i));
+    if (i < 0 || uint32_t(i) >= nsites) return -1;
+    uint64_t row = rows[i]++;
+    if (rings[i] == nullptr) continue;
+    data.resize(nleaves[i]);
+    sizes.resize(nleaves[i]);
+    for (uint32_t j = 0; j < nleaves[i]; ++j) {
+      uint64_t k = uint64_t{first_leaf[i]} + j;
+      data[j] = packed + leaf_offsets[k] + row * leaf_bytes[k];
+      sizes[j] = leaf_bytes[k];
+    }
+    int64_t step = tapd::kNoStep;
+    uint64_t step_stride = step_bytes[i] > 0 ? uint64_t(step_bytes[i]) : 0;
+    const uint8_t* at = packed + step_offsets[i] + row * step_stride;
+    if (step_bytes[i] == 4) {
+      int32_t step32;
+      std::memcpy(&step32, at, sizeof(step32));
+      step = step32;
+    } else if (step_bytes[i] == 8) {
+      std::memcpy(&step, at, sizeof(step));
+    }
+    tapd::WriteLeaves(static_cast<Ring*>(rings[i]),
+                      tapd::RecordFields{site_ids[i], consumers[i], device, step, everys[i]},
+                      nleaves[i], data.data(), sizes.data());
+  }
+  return count;
 }
 
 // One record of one leaf (tests and benchmarks of the ring itself). Returns 0, or 1 if

@@ -302,9 +302,10 @@ class EmitterFields:
         "the CPU tests the path); off: one host callback per tap",
     )
     gather_taps: int = emitter(
-        256,
+        1024,
         "a gathered computation flushes its taps to the host after at most this many "
-        "(a long loop's taps arrive while it runs), and at its end",
+        "(a long loop's taps arrive while it runs), and at its end; one whose taps fit "
+        "needs no host callback at all (on a TPU, ~1.7 ms a call less)",
     )
     gather_bytes: int = emitter(
         8 * 2**20,

@@ -31,20 +31,22 @@ from jax.experimental import io_callback
 
 import tapd
 import tapd.debug
-from tapd.emitter import gathered_flush
+from tapd.emitter import gathered_host
 
 # ---- what the gathered path's flushes did (white-box: the path is really taken) -------
 
 FLUSHES: list[int] = []  # records per flush, in order
-_flush_call = gathered_flush._Flush.__call__
+_flush_write = gathered_host.Flush.write_packed
 
 
-def _counted_flush(self: Any, count: Any, log: Any, *buffers: Any) -> tuple[()]:
-    FLUSHES.append(int(count))
-    return _flush_call(self, count, log, *buffers)
+def _counted_flush(self: Any, packed: Any) -> None:
+    """Every flush: a host callback's, and the end of a computation that comes out as
+    an output (tapd.emitter.gathered_outputs)."""
+    FLUSHES.append(self.records(packed)[0])
+    _flush_write(self, packed)
 
 
-gathered_flush._Flush.__call__ = _counted_flush  # type: ignore[method-assign]
+gathered_host.Flush.write_packed = _counted_flush  # type: ignore[method-assign]
 
 # ---- tap functions of this process -------------------------------------------------------
 

@@ -1,0 +1,247 @@
+"""The host side of the gathered path: a gathered computation's buffers, packed into one
+byte array on the device (`pack`), written as its taps' records (`Flush`).
+
+The same packed bytes come to the host two ways: as a flush's host callback's operand
+(`tapd.emitter.gathered_flush`), and as the output a computation ends with
+(`tapd.emitter.gathered_outputs`). Either way one call of the ring library
+(`tapd_ring_write_gathered`) writes every record, in the log's order, as the tap's own
+host callback would have (the same record: site, seq, step, device), and counts the
+taps of dormant sites as skipped. Sites without a ring (the sender's path) are written
+here, one record at a time, by the tap's own host function.
+
+The packed layout (`packed_layout`): the log's length (int32), the log (an int32 site
+index a record), each site's count of dormant taps (int32), then each site's operand
+buffers ([capacity, *shape] each); every piece padded to 8 bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core
+
+from tapd.emitter import gathered_outputs, host_writers, lifecycle
+from tapd.emitter.primitive import TapSiteParams
+from tapd.native import library
+from tapd.protocol.ring_format import EVERY_ALWAYS_BIT, EVERY_DORMANT
+
+
+def packed_layout(
+    sites: int, capacity: int, operand_avals: Sequence[Sequence[Any]]
+) -> list[tuple[np.dtype[Any], tuple[int, ...], int]]:
+    """(dtype, shape, offset) of each piece `pack` packs, in order (the module docstring)."""
+    int32 = np.dtype(np.int32)
+    pieces = [(int32, ()), (int32, (capacity,)), (int32, (sites,))]
+    for avals in operand_avals:
+        pieces += [(np.dtype(a.dtype), (capacity, *a.shape)) for a in avals]
+    layout, offset = [], 0
+    for dtype, shape in pieces:
+        layout.append((dtype, shape, offset))
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        offset += size + (-size % 8)
+    return layout
+
+
+def pack(count: Any, log: Any, skipped: Any, buffers: Sequence[Any]) -> Any:
+    """The pieces as one uint8 array (traced, on the device): `packed_layout`'s."""
+    return lax.concatenate([_bytes(piece) for piece in (count, log, skipped, *buffers)], 0)
+
+
+def _bytes(piece: Any) -> Any:
+    piece = jnp.asarray(piece)
+    if piece.dtype == np.bool_:
+        piece = piece.astype(np.uint8)
+    elif jnp.iscomplexobj(piece):  # (real, imaginary): a complex number's bytes
+        piece = jnp.stack([piece.real, piece.imag], axis=-1)
+    if piece.dtype != np.uint8:
+        piece = lax.bitcast_convert_type(piece, np.uint8)
+    flat = piece.reshape(-1)
+    padding = -flat.size % 8
+    return jnp.concatenate([flat, jnp.zeros(padding, np.uint8)]) if padding else flat
+
+
+class SiteWriter:
+    """How one site's records are written: into a ring (its ids), or, with no ring, by
+    the tap's own host function, one by one. A record's operands are the tap's (leaves,
+    step, coords); the ring takes the leaves and the coordinates, the step apart."""
+
+    def __init__(
+        self,
+        site: TapSiteParams,
+        avals: Sequence[core.ShapedArray],
+        platform: str | None,
+        devices_at: host_writers.DeviceOrdinals,
+    ) -> None:
+        local = lifecycle.local_path_of(site.consumer)
+        native = local if local is not None else lifecycle.get_sender().native
+        leaves = site.leaf_count(len(avals))
+        self.step = leaves if site.has_step else None
+        self.tapped = [*range(leaves), *([leaves + site.has_step] if site.has_coords else [])]
+        tapped_avals = [avals[i] for i in self.tapped]
+        fields = host_writers.site_fields(site, platform)
+        self.ring: int | None = None
+        self.site_id, self.consumer_id, self.every = 0, 0, 0
+        if native is not None:
+            self.site_id, self.consumer_id, self.every, lib = host_writers.ring_site(
+                native, site, fields, tapped_avals
+            )
+            self.ring = native.ring.handle
+            self.site_every = lib.tapd_ring_site_every
+            return
+        write = host_writers.sender_writer(native, site, fields, tapped_avals, devices_at)
+        order = [*self.tapped, *([self.step] if self.step is not None else [])]
+        self.write_one = lambda operands: write(*[operands[i] for i in order])
+
+    def awake(self) -> int:
+        """1 if the site's taps are to be kept (it has a taker, or takes no notice of
+        takers: id_tap's, or one without a ring), 0 if dormant (the site table)."""
+        if self.ring is None or self.every & EVERY_ALWAYS_BIT:
+            return 1
+        return 0 if self.site_every(self.ring, self.site_id) == EVERY_DORMANT else 1
+
+
+class Flush:
+    """Writes a gathered computation's packed buffers (see the module docstring): a
+    flush's host function, and the `gathered_outputs.Receiver` of a computation that
+    ends with an output."""
+
+    def __init__(
+        self,
+        sites: list[SiteWriter],
+        device: int,
+        capacity: int,
+        operand_avals: Sequence[Sequence[core.ShapedArray]],
+    ) -> None:
+        self.sites = sites
+        self.device = device
+        self.capacity = capacity
+        self.layout = packed_layout(len(sites), capacity, operand_avals)
+        self.size = self.layout[-1][2] + _padded(self.layout[-1])
+        self.unringed = [i for i, site in enumerate(sites) if site.ring is None]
+        self._tables = _Tables(sites, self.layout)
+        # Its arguments but the first made once: called without ctypes' conversions.
+        self._arguments = (
+            ctypes.c_int32(device),
+            ctypes.c_uint32(len(sites)),
+            *self._tables.arguments,
+            *[ctypes.c_uint64(piece[2]) for piece in self.layout[:3]],
+            ctypes.c_uint64(capacity),
+        )
+        lib = library.load()
+        self._write_gathered: Any = None
+        if lib is not None and len(self.unringed) < len(sites):
+            self._write_gathered = lib._FuncPtr(("tapd_ring_write_gathered", lib))
+            self._write_gathered.restype = ctypes.c_int64
+
+    def wake_flags(self) -> tuple[int, ...]:
+        return tuple(site.awake() for site in self.sites)
+
+    def __call__(self, packed: Any) -> tuple[()]:
+        gathered_outputs.write_ready()  # (the outputs of computations before this one)
+        self.write_packed(np.asarray(packed))
+        return ()
+
+    def write_packed(self, packed: np.ndarray) -> None:
+        packed = np.ascontiguousarray(packed, np.uint8)
+        if packed.size != self.size:
+            raise ValueError(f"gathered buffers of {packed.size} bytes, not {self.size}")
+        if self._write_gathered is not None:
+            written = self._write_gathered(ctypes.c_void_p(packed.ctypes.data), *self._arguments)
+            if written < 0:
+                raise ValueError("a gathered log names a site it has not, or overflows")
+        if self.unringed:
+            self._write_unringed(packed)
+
+    def records(self, packed: np.ndarray) -> tuple[int, int]:
+        """(records in the log, dormant taps counted): what `packed` holds."""
+        count = int(self._piece(packed, 0))
+        return count, int(self._piece(packed, 2).sum())
+
+    def _piece(self, packed: np.ndarray, index: int) -> np.ndarray:
+        dtype, shape, offset = self.layout[index]
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return packed[offset : offset + size].view(dtype).reshape(shape)
+
+    def _write_unringed(self, packed: np.ndarray) -> None:
+        """The records of sites without a ring, by their own host functions, in order."""
+        count = int(self._piece(packed, 0))
+        log = self._piece(packed, 1)[:count].tolist()
+        rows = [0] * len(self.sites)
+        first = 3
+        starts = []
+        for site in self.sites:
+            starts.append(first)
+            first += len(site.tapped) + (site.step is not None)
+        for index in log:
+            row = rows[index]
+            rows[index] += 1
+            site = self.sites[index]
+            if site.ring is not None:
+                continue
+            width = len(site.tapped) + (site.step is not None)
+            operands = [self._piece(packed, starts[index] + k)[row] for k in range(width)]
+            site.write_one(operands)
+
+
+def _padded(piece: tuple[np.dtype[Any], tuple[int, ...], int]) -> int:
+    dtype, shape, _ = piece
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return size + (-size % 8)
+
+
+class _Tables:
+    """The per-site arrays `tapd_ring_write_gathered` reads, made once a computation."""
+
+    def __init__(
+        self, sites: list[SiteWriter], layout: list[tuple[np.dtype[Any], tuple[int, ...], int]]
+    ) -> None:
+        count = len(sites)
+        self.rings = (ctypes.c_void_p * count)(*[site.ring or None for site in sites])
+        self.site_ids = np.array([site.site_id for site in sites], np.uint64)
+        self.consumers = np.array([site.consumer_id for site in sites], np.uint32)
+        self.everys = np.array([site.every for site in sites], np.uint64)
+        first_leaf: list[int] = []
+        nleaves: list[int] = []
+        leaf_offsets: list[int] = []
+        leaf_bytes: list[int] = []
+        step_bytes: list[int] = []
+        step_offsets: list[int] = []
+        piece = 3  # (after the log's length, the log, the dormant counts)
+        for site in sites:
+            operands = len(site.tapped) + (site.step is not None)
+            first_leaf.append(len(leaf_offsets))
+            nleaves.append(len(site.tapped))
+            for k in site.tapped:
+                dtype, shape, offset = layout[piece + k]
+                leaf_offsets.append(offset)
+                leaf_bytes.append(int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize)
+            if site.step is not None:
+                dtype, _, offset = layout[piece + site.step]
+                step_bytes.append(dtype.itemsize)
+                step_offsets.append(offset)
+            else:
+                step_bytes.append(0)
+                step_offsets.append(0)
+            piece += operands
+        self.first_leaf = np.array(first_leaf, np.uint32)
+        self.nleaves = np.array(nleaves, np.uint32)
+        self.leaf_offsets = np.array(leaf_offsets or [0], np.uint64)
+        self.leaf_bytes = np.array(leaf_bytes or [0], np.uint64)
+        self.step_bytes = np.array(step_bytes, np.int32)
+        self.step_offsets = np.array(step_offsets, np.uint64)
+        self.arguments = (
+            self.rings,
+            *[
+                ctypes.c_void_p(array.ctypes.data)
+                for array in (
+                    self.site_ids, self.consumers, self.everys, self.first_leaf,
+                    self.nleaves, self.leaf_offsets, self.leaf_bytes, self.step_bytes,
+                    self.step_offsets,
+                )
+            ],
+        )  # fmt: skip

@@ -1,0 +1,239 @@
+"""A gathered computation's way out without a host callback: its buffers as an output.
+
+On a TPU an executable that holds any host callback costs 1.7-2.2 ms a call more, even
+when the callback never runs (bench/RESULTS-tpu.md), while an output of the same bytes,
+copied to the host asynchronously, costs about a tenth of that. So the end of a gathered
+computation (`tapd.emitter.gathered`) is an output: its buffers packed into one byte
+array, taken from JAX's execution as the result of an ordered effect of tapd's own
+(`OutputsEffect`), and written into the ring here, off the step, by one thread.
+
+JAX threads an ordered effect's token through each call: it passes one in
+(`RuntimeTokenSet.get_token_input`) and keeps the one that comes out
+(`set_token_result`). tapd's module pass (`tapd.emitter.gathered_module`) turns the
+effect's token result into the packed buffers, and its token argument into the sites'
+wake flags: whether each site has a taker now, read from the ring's site table when the
+call is dispatched, so that a dormant site's taps move nothing. This module intercepts
+the two token calls for `OutputsEffect` (`install`) and keeps the arrays that come out,
+in dispatch order, until their bytes are written (`Collector`).
+
+Order with taps that are host callbacks: each of those first writes the outputs whose
+computations have finished (`write_ready`; on one device a computation runs after those
+dispatched before it), and every barrier, drain and print catch-up of the emitter waits
+for all of them (`drain`, from `lifecycle.flush_devices`).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from jax._src import effects
+
+logger = logging.getLogger("tapd.emitter")
+
+
+class Receiver(Protocol):
+    """What one gathered computation hands its way out (gathered_flush.Flush)."""
+
+    def wake_flags(self) -> tuple[int, ...]:
+        """Per site, 1 if its taps are to be kept on the device now, 0 if dormant."""
+
+    def write_packed(self, packed: np.ndarray) -> None:
+        """The computation's packed buffers (uint8), written into the ring."""
+
+
+class OutputsEffect(effects.Effect):
+    """The ordered effect of one gathered computation's way out (ordered once
+    `install` has run). Equal only to itself: JAX keeps one token per effect."""
+
+    def __init__(self, flag_count: int) -> None:
+        self.flag_count = flag_count  # the computation's sites
+        self.receiver: Receiver | None = None  # set when the computation is lowered
+        self._flags: tuple[tuple[int, ...], Any, Any] | None = None
+
+    def __str__(self) -> str:
+        return "tapd.gathered_outputs"
+
+    def flags_on(self, device: Any) -> Any:
+        """The wake flags as an int32 array on `device`; the last one made is kept while
+        they do not change (one table read a call, no transfer)."""
+        assert self.receiver is not None  # (lowered before it runs)
+        flags = self.receiver.wake_flags()
+        kept = self._flags
+        if kept is not None and kept[0] == flags and kept[1] is device:
+            return kept[2]
+        array = jax.device_put(np.asarray(flags, np.int32), device)
+        self._flags = (flags, device, array)
+        return array
+
+
+class Collector:
+    """The outputs not yet written, in dispatch order, and the thread that writes them
+    as their computations finish.
+
+    `received` runs in JAX's dispatch, once a call: it appends, starts the copy to the
+    host (`copy_ahead`), and wakes the thread only if it sleeps. The thread writes every
+    output that is ready at once, so a busy program's calls cost it little more."""
+
+    copy_ahead = True  # start each output's copy to the host as its call returns
+
+    def __init__(self) -> None:
+        self._pending: collections.deque[tuple[Any, Receiver]] = collections.deque()
+        self._changed = threading.Condition()
+        self._sleeping = False  # the thread waits for `_changed`
+        self._writing = threading.Lock()  # held while outputs are written: their order
+        self._thread: threading.Thread | None = None
+
+    def received(self, array: Any, receiver: Receiver) -> None:
+        """A computation's packed buffers, as its call returns them (not yet computed)."""
+        if self.copy_ahead:
+            try:
+                array.copy_to_host_async()
+            except Exception:  # (the copy is then made when the thread reads it)
+                pass
+        self._pending.append((array, receiver))  # (a deque's append is atomic)
+        if self._sleeping or self._thread is None:
+            with self._changed:
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="tapd-gathered-outputs", daemon=True
+                    )
+                    self._thread.start()
+                self._changed.notify()
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def write_ready(self) -> None:
+        """Write every output, oldest first, whose computation has finished; stop at the
+        first that has not (never waits for a device)."""
+        if not self._pending:
+            return
+        with self._writing:
+            while self._pending and _is_ready(self._pending[0][0]):
+                array, receiver = self._pending.popleft()
+                _write(array, receiver)
+
+    def drain(self) -> None:
+        """Return once every output received before the call is written."""
+        while self._pending:
+            try:
+                head = self._pending[0][0]
+            except IndexError:  # (written meanwhile)
+                continue
+            _wait(head)
+            self.write_ready()
+        with self._writing:  # (one taken by another thread is written by now)
+            pass
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                # Asleep before looking: an output appended after the look wakes it.
+                self._sleeping = True
+                while not self._pending:
+                    self._changed.wait()
+                self._sleeping = False
+            try:
+                head = self._pending[0][0]
+            except IndexError:  # (written meanwhile by a host callback's write_ready)
+                continue
+            _wait(head)
+            self.write_ready()
+
+
+def _is_ready(array: Any) -> bool:
+    try:
+        return bool(array.is_ready())
+    except Exception:  # deleted, or failed: reading it says which
+        return True
+
+
+def _wait(array: Any) -> None:
+    try:
+        array.block_until_ready()
+    except Exception:  # a failed computation: said where its outputs are read
+        pass
+
+
+def _write(array: Any, receiver: Receiver) -> None:
+    try:
+        packed = np.asarray(array)
+    except Exception as exc:
+        logger.warning("a gathered computation failed; its taps are lost: %s", exc)
+        return
+    try:
+        receiver.write_packed(packed)
+    except Exception:
+        logger.exception("tapd could not write a gathered computation's taps")
+
+
+collector = Collector()
+
+
+def write_ready() -> None:
+    """Before a host callback writes a tap: the finished computations' outputs first."""
+    if collector.pending():
+        collector.write_ready()
+
+
+def drain() -> None:
+    collector.drain()
+
+
+# ---- JAX's token calls, for OutputsEffect ------------------------------------------------
+
+_installed: bool | None = None
+
+
+def install() -> bool:
+    """Let JAX's runtime tokens carry `OutputsEffect`s (see the module docstring);
+    False where this JAX does not pass ordered effects' tokens that way (the gathered
+    path then ends with a host callback, as before)."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    _installed = False
+    try:
+        from jax._src import core, dispatch
+        from jax._src.interpreters import pxla
+    except ImportError:
+        return False
+    tokens = getattr(dispatch, "RuntimeTokenSet", None)
+    execute = getattr(pxla, "ExecuteReplicated", None)
+    if (
+        tokens is None
+        or not callable(getattr(tokens, "get_token_input", None))
+        or not callable(getattr(tokens, "set_token_result", None))
+        or not callable(getattr(execute, "_handle_token_bufs", None))
+        or not hasattr(core, "Token")
+    ):
+        return False
+    effects.ordered_effects.add_type(OutputsEffect)
+    _wrap_tokens(tokens, core.Token)
+    _installed = True
+    return True
+
+
+def _wrap_tokens(tokens: Any, token: Callable[[Any], Any]) -> None:
+    get_input, set_result = tokens.get_token_input, tokens.set_token_result
+
+    def get_token_input(self: Any, effect: Any, devices: Sequence[Any]) -> Any:
+        if isinstance(effect, OutputsEffect):
+            return token(effect.flags_on(devices[0]))
+        return get_input(self, effect, devices)
+
+    def set_token_result(self: Any, effect: Any, result: Any) -> None:
+        if isinstance(effect, OutputsEffect):
+            assert effect.receiver is not None  # (lowered before it runs)
+            collector.received(result._buf, effect.receiver)
+            return
+        set_result(self, effect, result)
+
+    tokens.get_token_input = get_token_input
+    tokens.set_token_result = set_token_result
