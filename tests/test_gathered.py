@@ -59,6 +59,7 @@ BASE_ENV = {
 # small log adds to them (run under the reference, the default log, and a log of one).
 ORDER_CASES = [
     "cond_with_jit",
+    "across_computations",
     "while_cond",
     "nested",
     "scan_counts",
@@ -201,6 +202,23 @@ def test_cond_with_jit_taps_in_program_order(runs: dict[str, Run], setting: str)
     assert reference["eager"] == reference["calls"] == expected
     got = runs[setting].case("cond_with_jit")
     assert got["calls"] == expected and got["result"] == 4
+
+
+@pytest.mark.parametrize("setting", GATHERED)
+def test_taps_of_computations_called_back_to_back_run_in_call_order(
+    runs: dict[str, Run], setting: str
+) -> None:
+    """Computations ending with their taps as an output, flushing in a loop, with a
+    host callback a tap: one order, the calls'."""
+    expected: list[Any] = []
+    for k in range(4):
+        base = 100 * k
+        expected += [["few_a", base], ["few_b", base + 1]]
+        expected += [["loop", base + i] for i in range(1, 6)]
+        expected += [["strict", base]]
+        expected += [["few_a", base + 50], ["few_b", base + 51]]
+    assert runs["off"].calls("across_computations") == expected
+    assert runs[setting].calls("across_computations") == expected
 
 
 @pytest.mark.parametrize("setting", GATHERED)

@@ -147,6 +147,25 @@ def cond_with_jit() -> Any:
 
 
 @case
+def across_computations() -> Any:
+    """Computations dispatched back to back, no barrier between: some end with their
+    taps as an output (few taps), one flushes inside its loop (a while loop: unbounded),
+    one keeps a host callback a tap (a strict tap). On one device, their taps must run
+    in the order the calls were made (two devices run side by side: no order between
+    them)."""
+    few = jax.jit(lambda x: T("few_b", T("few_a", x) + 1))
+    looping = jax.jit(lambda x: lax.while_loop(lambda v: v < x + 5, lambda v: T("loop", v + 1), x))
+    strict = jax.jit(lambda x: T("strict", x, ordered="strict") + 1)
+    x = jnp.int32(0)
+    for k in range(4):
+        few(x + 100 * k)
+        looping(x + 100 * k)
+        strict(x + 100 * k)
+        few(x + 100 * k + 50)
+    return {}
+
+
+@case
 def while_cond() -> Any:
     """host_callback's tap_while_cond: taps in a while body, around a cond."""
 
