@@ -106,7 +106,7 @@ def main() -> None:
         try:
             return tapped(x)
         finally:
-            gathered_outputs.Collector.copy_ahead = True
+            gathered_outputs.Collector.copy_ahead = False
 
     variants = {
         "untapped": untapped,

@@ -333,9 +333,9 @@ def test_flushes_hold_every_tap_and_never_more_than_the_log(
     assert capacity is not None
     assert "could not gather" not in runs[setting].stderr
     # Where calls are not one a tap: prints, a tap function that raised, io_callbacks,
-    # a shard_map (not gathered).
+    # a shard_map, strict taps (not gathered).
     taps = {"debug_and_print": 25, "exceptions": 25, "placement": 1,
-            "beside_jax_ordered_effects": 14,
+            "beside_jax_ordered_effects": 14, "across_computations": 36,
             "taps_in_a_loop_condition": 0, "one_site_two_shapes": 0}  # fmt: skip
     for case in ORDER_CASES:
         got = runs[setting].case(case)

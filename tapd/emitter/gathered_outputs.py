@@ -80,7 +80,7 @@ class Collector:
     host (`copy_ahead`), and wakes the thread only if it sleeps. The thread writes every
     output that is ready at once, so a busy program's calls cost it little more."""
 
-    copy_ahead = True  # start each output's copy to the host as its call returns
+    copy_ahead = False  # start each output's copy in the dispatch (else the thread copies)
 
     def __init__(self) -> None:
         self._pending: collections.deque[tuple[Any, Receiver]] = collections.deque()
