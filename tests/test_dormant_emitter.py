@@ -133,6 +133,18 @@ if scenario == "slots":
     output(records=records, unslotted_site=unslotted, dormant_reserved=dormant_reserved,
            counters_skipped=ring.counters().skipped, dormant_flushes=dormant_flushes)
 
+elif scenario == "long_dormant":  # gathered: a loop that flushes while it runs
+    native = lifecycle.get_sender().native
+    program = loop("long", 3000).lower().compile()
+    [site] = native.sites_of("long")
+    native.ring.set_site_every(site, EVERY_DORMANT)
+    jax.block_until_ready(program())
+    native.ring.set_site_every(site, 1)  # (woken: the next call's taps are written)
+    jax.block_until_ready(program())
+    jax.effects_barrier()
+    seqs = [r.seq for r in native.ring.read(0, 1_000_000)]
+    output(first=seqs[:1], count=len(seqs))
+
 elif scenario == "no_dormant":  # run with TAPD_DORMANT=0
     native = lifecycle.get_sender().native
     program = loop("plain", 4, every=2).lower().compile()
@@ -235,6 +247,23 @@ def test_gathered_taps_are_kept_or_skipped_on_the_device_by_the_site_table(
     # "woken": dormant for its first call (4 skipped), then 4 written.
     assert [0, 4] in result["flushes"] and [4, 0] in result["flushes"]
     check_slots(result)
+
+
+def test_a_gathered_loop_that_flushes_while_it_runs_skips_dormant_taps_at_the_flush(
+    runtime_dir: Path,
+) -> None:
+    """A loop longer than the log flushes while it runs; its dormant site's taps come
+    out with the flushes and are skipped there (the site table read at each flush), so
+    that a site woken while such a loop runs takes its taps from the next flush on."""
+    if reason := native_unavailable():
+        pytest.skip(reason)
+    env = {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on", "TEST_LEAF_FLOATS": "4"}
+    result = run_script(runtime_dir, "long_dormant", env=env)
+    assert result["stats"]["skipped_by_consumer"] == {"long": 3000}
+    assert result["first"] == [3000] and result["count"] == 3000
+    # Every tap of both calls came out (flushes of at most 1024, and the ends).
+    assert sum(records for records, _ in result["flushes"]) == 6000
+    assert max(records for records, _ in result["flushes"]) <= 1024
 
 
 def check_slots(result: dict[str, Any]) -> None:

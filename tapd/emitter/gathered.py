@@ -132,13 +132,18 @@ def rewrite(
     records = most_records(closed.jaxpr)
     hint = 0 if math.isinf(records) else int(records)
     plan = plan_buffers(sites, [found[s] for s in sites], hint, taps=taps, max_bytes=max_bytes)
-    rewriter = Rewriter(plan, masked=way_out is not None)
+    # The wake flags are read when a call is dispatched. A computation that flushes
+    # while it runs (a long loop) keeps its dormant sites' taps and lets the flush skip
+    # them instead, so that a site woken while it runs takes its taps from the next
+    # flush on, as with one host callback a tap.
+    masked = way_out is not None and plan.never_full
+    rewriter = Rewriter(plan, masked=masked)
     in_avals = [var.aval for var in closed.jaxpr.invars]
     flags_avals = [] if way_out is None else [core.ShapedArray((len(sites),), np.dtype(np.int32))]
 
     def gathered(*args: Any) -> list[Any]:
         flags, args = (None, args) if way_out is None else (args[0], args[1:])
-        state = rewriter.empty(flags)
+        state = rewriter.empty(flags if masked else None)
         outs, state = rewriter.run(
             closed.jaxpr, closed.consts, list(args), state, checked=not plan.never_full
         )
