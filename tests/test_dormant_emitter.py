@@ -139,6 +139,7 @@ elif scenario == "long_dormant":  # gathered: a loop that flushes while it runs
     [site] = native.sites_of("long")
     native.ring.set_site_every(site, EVERY_DORMANT)
     jax.block_until_ready(program())
+    jax.effects_barrier()  # (its last taps come out after the call: written by then)
     native.ring.set_site_every(site, 1)  # (woken: the next call's taps are written)
     jax.block_until_ready(program())
     jax.effects_barrier()
