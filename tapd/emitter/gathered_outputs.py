@@ -12,7 +12,8 @@ JAX threads an ordered effect's token through each call: it passes one in
 (`set_token_result`). tapd's module pass (`tapd.emitter.gathered_module`) turns the
 effect's token result into the packed buffers, and its token argument into the sites'
 wake flags: whether each site has a taker now, read from the ring's site table when the
-call is dispatched, so that a dormant site's taps move nothing. This module intercepts
+call is dispatched, so that a dormant site's taps move nothing (in a computation whose
+taps fit in one log: tapd.emitter.gathered). This module intercepts
 the two token calls for `OutputsEffect` (`install`) and keeps the arrays that come out,
 in dispatch order, until their bytes are written (`Collector`).
 
@@ -38,7 +39,7 @@ logger = logging.getLogger("tapd.emitter")
 
 
 class Receiver(Protocol):
-    """What one gathered computation hands its way out (gathered_flush.Flush)."""
+    """What one gathered computation hands its way out (gathered_host.Flush)."""
 
     def wake_flags(self) -> tuple[int, ...]:
         """Per site, 1 if its taps are to be kept on the device now, 0 if dormant."""
