@@ -10,8 +10,8 @@ waiting for the last), medians of interleaved rounds:
   copies to the host (what the issue measured as the floor of a tap that is an output);
 - `id_tap`: the step with an id_tap of a closure (gathered: its buffers come out as an
   output, tapd/emitter/gathered_outputs.py);
-- `id_tap, copied by the thread`: the copy to the host started by tapd's thread, not
-  in the dispatch (`gathered_outputs.Collector.copy_ahead`);
+- `id_tap, copied in the dispatch`: the copy to the host started in JAX's dispatch, not
+  by tapd's thread (`gathered_outputs.Collector.copy_ahead`, off by default);
 - `id_tap, outputs dropped`: the same, with tapd's collector dropping what comes out
   (the dispatch and the execution alone);
 - `id_tap, fetched, not written`: what comes out copied to the host, not written;
@@ -101,8 +101,8 @@ def main() -> None:
         finally:
             gathered_outputs.collector.received = keep  # type: ignore[method-assign]
 
-    def copied_later(x: Any) -> Any:
-        gathered_outputs.Collector.copy_ahead = False
+    def copied_in_dispatch(x: Any) -> Any:
+        gathered_outputs.Collector.copy_ahead = True
         try:
             return tapped(x)
         finally:
@@ -112,7 +112,7 @@ def main() -> None:
         "untapped": untapped,
         "output floor": floor,
         "id_tap": tapped,
-        "id_tap, copied by the thread": copied_later,
+        "id_tap, copied in the dispatch": copied_in_dispatch,
         "id_tap, outputs dropped": dropped,
         "id_tap, fetched, not written": fetched_only,
         "jax.debug.callback": debug,

@@ -137,7 +137,7 @@ def rewrite(
     # them instead, so that a site woken while it runs takes its taps from the next
     # flush on, as with one host callback a tap.
     masked = way_out is not None and plan.never_full
-    rewriter = Rewriter(plan, masked=masked)
+    rewriter = Rewriter(plan)
     in_avals = [var.aval for var in closed.jaxpr.invars]
     flags_avals = [] if way_out is None else [core.ShapedArray((len(sites),), np.dtype(np.int32))]
 

@@ -111,9 +111,8 @@ class Rewriter:
 
     `checked`: whether a tap must test for a full log itself (its region made no room)."""
 
-    def __init__(self, plan: FlushPlan, *, masked: bool = False) -> None:
+    def __init__(self, plan: FlushPlan) -> None:
         self.plan = plan
-        self.masked = masked  # the wake flags come in: a site may keep nothing
         self.index = {site: i for i, site in enumerate(plan.sites)}
 
     def empty(self, awake: Any = None) -> Gathered:
@@ -150,19 +149,19 @@ class Rewriter:
         return self.flush_if(state.count + int(records) > self.plan.capacity, state)
 
     def final(self, state: Gathered, *, certain: bool) -> None:
-        """The flush at the computation's end (none if nothing was logged or skipped)."""
+        """The flush at the computation's end (none if nothing was logged)."""
         if certain:
             self.flushed(state)
         else:
-            self.flush_if((state.count > 0) | (state.skipped.sum() > 0), state)
+            self.flush_if(state.count > 0, state)
 
     def chunk_end(self, state: Gathered, certain: bool) -> Gathered:
         """The flush after a loop's chunk: unconditional where the chunk certainly logs
-        (no test), else where it logged, or skipped near int32's bound."""
-        if certain and not self.masked:
+        (no test), else where it logged. (Only a computation whose taps all fit takes
+        wake flags, and such a one has no chunks: every tap here is kept.)"""
+        if certain:
             return self.flushed(state)
-        skipped_many = state.skipped.max() >= _SKIPPED_BOUND
-        return self.flush_if((state.count > 0) | skipped_many, state)
+        return self.flush_if(state.count > 0, state)
 
     def _bounded(self, records: float) -> bool:
         return records <= self.plan.capacity
@@ -380,10 +379,6 @@ class Rewriter:
 
         carry, state = lax.while_loop(lambda both: going_on(both[0]), chunk, (carry, state))
         return list(carry), state
-
-
-# Dormant taps counted on the device are flushed before their count could overflow.
-_SKIPPED_BOUND = 1 << 30
 
 
 def _where(predicate: Any, new: Any, old: Any) -> Any:

@@ -179,7 +179,7 @@ def _lower_call(
         ctx.set_tokens_out(inner.tokens_out.subset([e for e, _ in ctx.tokens_in.items()]))
     if way_out is not None:
         *outs, packed = outs
-        gathered_module.note(gathered_module.WayOut(placeholder, packed))
+        gathered_module.note(gathered_module.Joints(placeholder, packed))
     return outs
 
 

@@ -24,7 +24,7 @@ PLACEHOLDER_TARGET = "tapd_gathered_wake_flags"
 
 
 @dataclasses.dataclass
-class WayOut:
+class Joints:
     """What one module's gathered computation left for `attach`."""
 
     placeholder: Any  # the op standing for the wake flags
@@ -38,14 +38,14 @@ def start() -> None:
     _noted.way_out = None
 
 
-def note(way_out: WayOut) -> None:
-    _noted.way_out = way_out
+def note(joints: Joints) -> None:
+    _noted.way_out = joints
 
 
-def taken() -> WayOut | None:
-    way_out: WayOut | None = getattr(_noted, "way_out", None)
+def taken() -> Joints | None:
+    joints: Joints | None = getattr(_noted, "way_out", None)
     _noted.way_out = None
-    return way_out
+    return joints
 
 
 def placeholder(flag_count: int) -> Any:
@@ -55,7 +55,7 @@ def placeholder(flag_count: int) -> Any:
     return mlir.custom_call(PLACEHOLDER_TARGET, result_types=[flags], operands=[])
 
 
-def attach(module: Any, way_out: WayOut) -> None:
+def attach(module: Any, way_out: Joints) -> None:
     """Join `way_out` to the module's main function (see the module docstring)."""
     main = _main(module)
     block = main.regions[0].blocks[0]
