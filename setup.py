@@ -56,6 +56,8 @@ class OptionalBuildExt(build_ext):
         self.distribution.ext_modules = extensions()  # in place of PLACEHOLDER
         super().finalize_options()
         self.force = True
+        if not self.parallel:  # (each library is a compiler run of ~5 s: one a core)
+            self.parallel = True
 
     def run(self) -> None:
         try:

@@ -94,6 +94,7 @@ print("left_at", time.monotonic())  # (CLOCK_MONOTONIC: one clock for every proc
 """
 
 
+@pytest.mark.waits
 def test_first_tap_starts_a_daemon_that_leaves_when_idle(
     home: dict[str, str], runtime_dir: Path, backend: str
 ) -> None:
@@ -161,6 +162,7 @@ def _exited_pid() -> int:
     return int(done.stdout)
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("winner", ["holds the lock", "wrote the pidfile"])
 def test_a_caller_whose_daemon_lost_the_lock_waits_for_the_winner(
     runtime_dir: Path, winner: str
@@ -221,6 +223,7 @@ def test_a_caller_whose_daemon_lost_to_a_daemon_now_gone_starts_another(
     assert _status(home)["pid"] == relaunched[0]
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("relaunch", [None, "given"])
 @pytest.mark.parametrize("last_words", ["already running", "cannot bind"])
 def test_a_caller_whose_daemon_exited_with_no_winner_fails(

@@ -165,6 +165,7 @@ def test_no_daemon_with_autostart_off_fails_the_first_tap_at_once(
     assert took < 30, f"{took:.1f} s (JAX's import included)"
 
 
+@pytest.mark.waits
 def test_a_barrier_on_a_daemon_killed_warns_then_fails(
     backend: str,
     start_daemon: Callable[..., Daemon],
@@ -201,6 +202,7 @@ def test_a_barrier_on_a_daemon_killed_warns_then_fails(
     assert warned < failed
 
 
+@pytest.mark.waits
 def test_a_barrier_on_a_stopped_daemon_warns_and_passes_once_it_continues(
     backend: str,
     stoppable: Daemon,
@@ -230,6 +232,7 @@ def test_a_barrier_on_a_stopped_daemon_warns_and_passes_once_it_continues(
     assert [r["step"] for r in subscriber.records()] == list(range(TAPS + 1))
 
 
+@pytest.mark.waits
 def test_a_subscriber_connecting_to_a_stopped_daemon_says_so_then_times_out(
     stoppable: Daemon, caplog: pytest.LogCaptureFixture
 ) -> None:

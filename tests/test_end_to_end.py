@@ -289,6 +289,7 @@ def test_insecure_tcp_endpoint_is_opt_in_and_warns_loudly(
     assert "WITHOUT authentication" in daemon.log()
 
 
+@pytest.mark.waits
 def test_exit_without_a_daemon_counts_and_logs_what_was_lost(
     runtime_dir: Path, backend: str, start_daemon: StartDaemon, start_subscriber: StartSubscriber
 ) -> None:

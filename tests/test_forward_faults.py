@@ -243,6 +243,7 @@ def test_taps_lost_with_a_dropped_connection_are_sent_again_not_reported_as_erro
     assert proxy.connections >= 2
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("side", ["client", "upstream"])
 def test_a_connection_reset_on_one_side_only_while_idle_heals(
     tcp_pair: tuple[Daemon, Daemon, FaultProxy, SubscriberProcess], side: str
@@ -281,6 +282,7 @@ def test_a_connection_reset_on_the_forwarders_side_mid_stream_loses_nothing(
 # ---- daemons killed and restarted -------------------------------------------------------
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("sleep_ms", [0, 20], ids=["fast", "slow"])
 def test_an_upstream_killed_and_restarted_loses_nothing(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber, sleep_ms: int
@@ -338,6 +340,7 @@ def test_a_forwarding_daemon_killed_and_restarted_loses_only_what_its_emitter_co
 # ---- 4. smaller faults ------------------------------------------------------------------
 
 
+@pytest.mark.waits
 def test_the_upstream_forgets_a_forwarding_daemon_that_died(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber
 ) -> None:
@@ -410,6 +413,7 @@ def test_the_outage_warning_counts_the_taps_sent_and_not_confirmed(
         context.term()
 
 
+@pytest.mark.waits
 def test_a_barrier_timeout_names_the_upstream_when_it_is_the_one_missing(
     start_daemon: StartDaemon, runtime_dir: Path
 ) -> None:

@@ -16,6 +16,7 @@ than 600 lines, no class than 400 (docs/ARCHITECTURE.md)."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -40,12 +41,19 @@ CLIENT = ROOT / "client" / "tapd_client"
 HOUSE = {**MODULES, **{module_name(p, CLIENT.parent): p for p in CLIENT.rglob("*.py")}}
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """`path`'s syntax tree, read once: the graphs below walk every module three times,
+    at collection, in each pytest-xdist worker."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def imports(path: Path, modules: dict[str, Path] = MODULES) -> Iterator[tuple[ast.stmt, str]]:
     """Every import statement in `path` (at any depth: in functions, under
     TYPE_CHECKING) and each module of `modules` it names."""
     name = next(n for n, p in modules.items() if p == path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node, alias.name
@@ -191,7 +199,7 @@ def test_protocol_stands_on_the_ground_only(module: str) -> None:
 @pytest.mark.parametrize("path", sorted(CLIENT.rglob("*.py")), ids=lambda p: p.name)
 def test_the_subscriber_library_imports_no_native_daemon_or_emitter_module(path: Path) -> None:
     """(It reads rings by their layout, tapd/protocol/ring_format.py, with mmap.)"""
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(parsed(path)):
         names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
         if isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module]
@@ -206,7 +214,7 @@ def test_protocol_imports_nothing_inside_a_function() -> None:
     for module, path in MODULES.items():
         if not module.startswith("tapd.protocol"):
             continue
-        for function in ast.walk(ast.parse(path.read_text())):
+        for function in ast.walk(parsed(path)):
             if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
             for node in ast.walk(function):
@@ -323,7 +331,7 @@ def test_a_module_and_its_classes_are_within_their_bounds(module: str) -> None:
     text = path.read_text()
     lines = len(text.splitlines())
     assert lines <= MAX_MODULE_LINES, f"{path.relative_to(ROOT)}: {lines} lines"
-    for node in ast.walk(ast.parse(text, str(path))):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.ClassDef):
             size = (node.end_lineno or node.lineno) - node.lineno + 1
             assert size <= MAX_CLASS_LINES, (

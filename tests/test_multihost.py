@@ -65,6 +65,7 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@pytest.mark.waits
 def test_two_process_job_taps_reach_one_subscriber_from_both_hosts(
     start_daemon: Callable[..., Daemon], runtime_dir: Path, backend: str
 ) -> None:
@@ -171,6 +172,7 @@ def _in(namespace: str, *argv: str) -> list[str]:
     return ["ip", "netns", "exec", namespace, *argv]
 
 
+@pytest.mark.waits
 def test_two_hosts_in_network_namespaces_over_curve_tcp(
     two_hosts: list[tuple[str, str]], runtime_dir: Path, tmp_path: Path, backend: str
 ) -> None:
@@ -309,6 +311,7 @@ def forwarding_hosts(
             sys.stderr.write(daemon.log())
 
 
+@pytest.mark.waits
 @pytest.mark.parametrize("cut_s", [5, 20])
 def test_taps_forwarded_across_a_cut_link_all_arrive(
     forwarding_hosts: ForwardingHosts,

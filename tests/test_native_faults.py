@@ -99,6 +99,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
+@pytest.mark.waits
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc")
 def test_an_idle_daemon_sleeps_rather_than_spins_and_wakes_for_the_next_tap(
     start_daemon: Callable[..., Daemon], start_subscriber: Callable[..., SubscriberProcess]

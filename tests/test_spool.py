@@ -181,6 +181,7 @@ def test_a_slow_subscriber_neither_slows_the_emitter_nor_loses_a_tap(
         "taps_spooled"]  # fmt: skip
 
 
+@pytest.mark.waits
 def test_the_spool_is_delivered_after_a_daemon_restart(
     start_daemon: StartDaemon, start_subscriber: StartSubscriber, tmp_path: Path, backend: str
 ) -> None:
