@@ -105,9 +105,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if item.get_closest_marker("waits") is not None:
             # Spread over the workers, the waiting tests met: in a run measured on 2 cores
-            # a quarter of the CPU idled while two or three workers sat in cut links and
-            # idle exits at once. On one worker (~6 minutes of waiting, ~1 of CPU) they
-            # leave the other workers the cores. (A group of many tests starts early:
+            # the CPU fell to half for a minute while two or three workers sat in cut
+            # links and idle exits at once. On one worker (~6 minutes of waiting, ~1 of
+            # CPU) they leave the other workers the cores. (A group of many tests starts early:
             # pytest-xdist hands out the largest groups first.)
             item.add_marker(pytest.mark.xdist_group("waits"))
             continue
