@@ -55,8 +55,9 @@ BASE_ENV = {
     # The fixture's programs are compiled once each and run briefly: most of their CPU
     # (~70 s, the suite's largest single item) is XLA's backend optimizing code that runs
     # for microseconds. JAX's own switch for programs that cost more to optimize than to
-    # run (XLA's backend at -O0) takes a quarter off; what is checked here (program order, flushes, the HLO's
-    # callbacks) is decided in JAX's lowering and tapd's rewrite, before that backend.
+    # run (XLA's backend at -O0) takes a quarter off; what is checked here (program
+    # order, flushes, the HLO's callbacks) is decided in JAX's lowering and tapd's
+    # rewrite, before that backend.
     "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
 }
 
