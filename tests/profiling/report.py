@@ -2,7 +2,7 @@
 where the suite's CPU goes, by test module and by kind of process, and how busy the
 cores were through the run (a test's CPU spread evenly over its wall time).
 
-    python scripts/suite_profile/report.py DIR [--top N]
+    python tests/profiling/report.py DIR [--top N]
 """
 
 from __future__ import annotations
