@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -150,18 +151,19 @@ def wait_ready(
             continue
         if _lock_held_by_a_live_daemon(lock, pidfile):
             continue
-        said = _last_line(log, pid)
+        said, after = _last_words(log, pid)
         if relaunch is not None and ALREADY_RUNNING in said:
             pid, ours_gone_at = relaunch(), None
             logger.info("the tapd daemon that held the lock is gone: started pid %d", pid)
             continue
+        how = "served, then exited" if SERVING in said else "exited without serving"
         raise DaemonUnreachable(
-            f"the tapd daemon started on demand (pid {pid}) exited without serving "
-            f"{endpoint}: {said} (log: {log})"
+            f"the tapd daemon started on demand (pid {pid}) {how} {endpoint}: "
+            f"{_joined(said, after)} (log: {log})"
         )
     raise DaemonUnreachable(
         f"no tapd daemon answered at {endpoint} within {timeout:g} s (the one started on "
-        f"demand: pid {pid}, whose last line is: {_last_line(log, pid)}); see {log}"
+        f"demand: pid {pid}, whose last line is: {_joined(*_last_words(log, pid))}); see {log}"
     )
 
 
@@ -174,15 +176,34 @@ def _lock_held_by_a_live_daemon(lock: Path, pidfile: Path | None) -> bool:
     return any(pid is not None and pid_alive(pid) for pid in (holder, written))
 
 
-def _last_line(log: Path, pid: int) -> str:
-    """The last line daemon `pid` logged (each line names its pid: tapd/cli/logs.py), or
-    the log's last line if none names it (a crash's traceback names none)."""
+def _last_words(log: Path, pid: int) -> tuple[str, list[str]]:
+    """What daemon `pid` said last, in the log it shares with the daemons started at once
+    (each logged line names its pid: tapd/cli/logs.py): its last logged line, and the
+    lines after it that name no pid, the last few (a crash's traceback, faulthandler's
+    report, an assertion of libzmq's, whoever wrote them). The log's last line alone if
+    no line names `pid`."""
     try:
         lines = log.read_text(errors="replace").strip().splitlines()
     except OSError:
-        return "no log"
-    ours = [line for line in lines if f"[{pid}] " in line]
-    return (ours or lines or ["empty log"])[-1]
+        return "no log", []
+    ours = [index for index, line in enumerate(lines) if f"[{pid}] " in line]
+    if not ours:
+        return (lines or ["empty log"])[-1], []
+    after = lines[ours[-1] + 1 :]
+    unnamed = [line for line in after if line.strip() and _LOGGED.search(line) is None]
+    if len(unnamed) > 2 * _UNNAMED_KEPT:  # a report's headline comes first, a traceback's last
+        unnamed = [*unnamed[:_UNNAMED_KEPT], "...", *unnamed[-_UNNAMED_KEPT:]]
+    return lines[ours[-1]], unnamed
+
+
+def _joined(said: str, after: list[str]) -> str:
+    return said if not after else f"{said}; then, in the log: " + " | ".join(after)
+
+
+# A line the logging of tapd/cli/logs.py wrote: "... tapd.daemon[123] INFO ...".
+_LOGGED = re.compile(r"\S\[\d+\] [A-Z]+ ")
+_UNNAMED_KEPT = 4
+SERVING = "serving on"  # tapd/daemon/server.py's line once it is bound
 
 
 __all__ = ["answers", "ensure_daemon", "launch_detached", "log_path"]

@@ -264,6 +264,31 @@ def test_a_caller_whose_daemon_exited_with_no_winner_fails(
         assert waited < 9.0 and not relaunched
 
 
+@pytest.mark.waits
+def test_a_daemon_that_served_and_then_crashed_is_reported_with_its_last_words(
+    runtime_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon that crashes in native code after it served (a fault in libzmq, say) logs
+    no line of its own at the end, only faulthandler's report: the caller's error says it
+    served, then exited, and quotes the report, not only the daemon's last line."""
+    endpoint = f"ipc://{runtime_dir}/tapd.sock"
+    log = runtime_dir / "tapd.log"
+    argv = [PY, "-m", "tapd", "--log-level", "info", "start", "--endpoint", endpoint]
+    monkeypatch.setenv("TAPD_RUNTIME_DIR", str(runtime_dir))  # (its rings and pidfile)
+    pid = launch_detached(argv, log)  # as autostart launches one
+    try:
+        assert wait_ready(endpoint, pid, log, READY_TIMEOUT) == pid
+        os.kill(pid, signal.SIGSEGV)
+        wait_until(lambda: not pid_alive(pid), "the daemon to crash")
+        with pytest.raises(DaemonUnreachable) as raised:
+            wait_ready(endpoint, pid, log, READY_TIMEOUT)
+    finally:
+        _stop(pid)
+    said = str(raised.value)
+    assert f"(pid {pid}) served, then exited" in said, said
+    assert "serving on" in said and "Segmentation fault" in said, said
+
+
 def test_a_stale_pidfile_and_a_dead_socket_are_no_obstacle(
     home: dict[str, str], runtime_dir: Path
 ) -> None:

@@ -7,6 +7,7 @@ the settings table, so a new daemon setting needs no edit here.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -118,8 +119,14 @@ def run_daemon(config: config_module.Config) -> int:
     def announce(endpoints: list[str]) -> None:
         print(READY_PREFIX, " ".join(endpoints), flush=True)
 
+    # A crash in native code (libzmq's, tapd's rings) leaves its stacks in the log; one in
+    # Python is logged under this pid, so that autostart's error can say why it exited.
+    faulthandler.enable()
     try:
         daemon.serve(on_ready=announce)
+    except Exception:
+        logger.critical("the daemon failed", exc_info=True)
+        return ExitCode.FAILURE
     finally:
         if pidfile is not None and read_pidfile(pidfile) == os.getpid():
             pidfile.unlink(missing_ok=True)
