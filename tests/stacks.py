@@ -16,6 +16,9 @@ import signal
 import subprocess
 
 GDB_TIMEOUT = 60.0  # s: gdb attaching and walking every thread of a JAX process
+# s: what reporting a hung run may take beyond its limit: gdb, then the SIGABRT's wait.
+# A test's own timeout (pytest-timeout) must leave it that, or the report is lost.
+HANG_REPORT_S = GDB_TIMEOUT + 20.0
 
 # jaxlib's LAPACK kernels (lapack_sgeqrf_ffi, lapack_dpotrf_ffi, ...) waiting in its
 # batch loop: the deadlock of the known trap, not tapd's.
@@ -78,7 +81,7 @@ def run_bounded(argv: list[str], env: dict[str, str], limit: float) -> Run:
             native = native_stacks(process.pid)
             process.send_signal(signal.SIGABRT)
             try:
-                out, err = process.communicate(timeout=20)
+                out, err = process.communicate(timeout=HANG_REPORT_S - GDB_TIMEOUT)
             except subprocess.TimeoutExpired:
                 process.kill()
                 out, err = process.communicate()
