@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import zmq
+from zygote import run_program
 
 from tapd.clients import control
 from tapd.daemon.router import Router
@@ -431,12 +432,8 @@ def run_emitter(
     """Run one scenario of tests/apps/`app` (a real JAX process) against the daemon at
     `endpoint`; return the JSON object it prints last, with its stdout and stderr."""
     full_env = {**os.environ, "TAPD_ENDPOINT": endpoint, **(env or {})}
-    result = subprocess.run(
-        [sys.executable, str(APPS / app), scenario, *args],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=PROCESS_TIMEOUT,
+    result = run_program(
+        [sys.executable, str(APPS / app), scenario, *args], env=full_env, timeout=PROCESS_TIMEOUT
     )
     assert result.returncode == expect_rc, (
         f"emitter {scenario} exited {result.returncode}\n{result.stdout}\n{result.stderr}"

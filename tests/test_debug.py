@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from zygote import run_program
 
 from conftest import APPS, PROCESS_TIMEOUT, Daemon
 
@@ -29,11 +29,9 @@ _jax_runs: dict[str, dict[str, Any]] = {}
 
 def run_cases(impl: str, group: str, endpoint: str) -> dict[str, Any]:
     env = {**os.environ, "TAPD_ENDPOINT": endpoint, **(FOUR_DEVICES if group == "devices" else {})}
-    result = subprocess.run(
+    result = run_program(
         [sys.executable, str(APPS / "debug_app.py"), impl, group],
         env=env,
-        capture_output=True,
-        text=True,
         timeout=PROCESS_TIMEOUT * 3,
     )
     assert result.returncode == 0, f"{impl} {group}: rc {result.returncode}\n{result.stderr}"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from zygote import run_program
 
 from conftest import APPS, PROCESS_TIMEOUT, Daemon
 
@@ -29,11 +30,9 @@ FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 def run(
     daemon: Daemon, *argv: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return run_program(
         [sys.executable, *argv],
         env={**os.environ, "TAPD_ENDPOINT": daemon.endpoint, **(env or {})},
-        capture_output=True,
-        text=True,
         timeout=PROCESS_TIMEOUT * 2,
     )
 

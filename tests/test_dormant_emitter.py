@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from zygote import run_program
 
 from conftest import Daemon, SubscriberProcess, native_unavailable, run_emitter
 
@@ -177,7 +177,7 @@ def run_script(
 ) -> dict[str, Any]:
     script = runtime_dir / "dormant_emitter.py"
     script.write_text(_EMITTER)
-    result = subprocess.run(
+    result = run_program(
         [sys.executable, str(script), scenario, *args],
         env={
             **os.environ,
@@ -186,8 +186,6 @@ def run_script(
             "TAPD_LOCAL_FALLBACK": "0",
             **(env or {}),
         },
-        capture_output=True,
-        text=True,
         timeout=240,
     )
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"

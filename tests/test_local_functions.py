@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from zygote import run_program
 
 import tapd
 from conftest import APPS, PROCESS_TIMEOUT, Daemon, MakeRouter, SubscriberProcess, wait_until
@@ -33,11 +34,9 @@ def run_app(
 ) -> dict[str, Any]:  # fmt: skip
     """Run one scenario of tests/apps/local_app.py; the JSON object it prints last (with
     its "stdout" and "stderr")."""
-    result = subprocess.run(
+    result = run_program(
         [sys.executable, str(APPS / "local_app.py"), scenario, *args],
         env={**os.environ, "TAPD_ENDPOINT": endpoint, **(env or {})},
-        capture_output=True,
-        text=True,
         timeout=PROCESS_TIMEOUT * 2,
     )
     assert result.returncode == expect_rc, f"{scenario}: rc {result.returncode}\n{result.stderr}"

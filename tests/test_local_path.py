@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from zygote import run_program
 
 from conftest import APPS, PROCESS_TIMEOUT, Daemon, SubscriberProcess, tapd_cmd, wait_until
 
@@ -33,11 +34,9 @@ def run_app(
     it); the JSON it prints last, with its stderr."""
     full_env = {**os.environ, "TAPD_RUNTIME_DIR": str(runtime), "TAPD_AUTOSTART": "1"}
     full_env.pop("TAPD_ENDPOINT", None)
-    result = subprocess.run(
+    result = run_program(
         [sys.executable, str(APPS / "local_path_app.py"), scenario, *args],
         env={**full_env, **(env or {})},
-        capture_output=True,
-        text=True,
         timeout=PROCESS_TIMEOUT * 2,
     )
     assert result.returncode == 0, f"{scenario}: rc {result.returncode}\n{result.stderr}"
