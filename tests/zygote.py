@@ -40,29 +40,35 @@ _AT_IMPORT = ("JAX_", "XLA_", "PYTHON", "LD_", "TF_CPP_")
 # The program's process returns from serve() and runs its script at the top level, so
 # that the interpreter's own exit (atexit) ends it.
 _ZYGOTE = r"""
-import json, os, runpy, select, signal, socket, sys
+import json, os, runpy, select, socket, sys
 import numpy, jax, jax.numpy  # (the point: imported once, before any fork)
 
 def serve(path):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(64)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the request children reap themselves
+    children = 0
     print("ready", flush=True)
     while True:
-        ready, _, _ = select.select([listener, sys.stdin], [], [])
+        # Reaped here (not by SIGCHLD ignored): so their CPU, and their programs', is
+        # counted in ours, and ours in the worker's (time, scripts/suite-profile).
+        while children and os.waitpid(-1, os.WNOHANG)[0]:
+            children -= 1
+        ready, _, _ = select.select([listener, sys.stdin], [], [], 1.0)
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1):
-            os._exit(0)  # the pytest worker that started us is gone
+            for _ in range(children):  # the pytest worker that started us is done
+                os.wait()
+            os._exit(0)
         if listener not in ready:
             continue
         conn, _ = listener.accept()
         if os.fork() == 0:
             listener.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             request = handle(conn)
             if request is not None:
                 return request
             os._exit(0)
+        children += 1
         conn.close()
 
 def handle(conn):
