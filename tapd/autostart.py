@@ -179,9 +179,9 @@ def _lock_held_by_a_live_daemon(lock: Path, pidfile: Path | None) -> bool:
 def _last_words(log: Path, pid: int) -> tuple[str, list[str]]:
     """What daemon `pid` said last, in the log it shares with the daemons started at once
     (each logged line names its pid: tapd/cli/logs.py): its last logged line, and the
-    lines after it that name no pid, the last few (a crash's traceback, faulthandler's
-    report, an assertion of libzmq's, whoever wrote them). The log's last line alone if
-    no line names `pid`."""
+    lines after it that name no pid, the first and last few of them (a crash's
+    traceback, faulthandler's report, an assertion of libzmq's, whoever wrote them). The
+    log's last line alone if no line names `pid`."""
     try:
         lines = log.read_text(errors="replace").strip().splitlines()
     except OSError:
