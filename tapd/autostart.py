@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tapd.clients import control, liveness
-from tapd.errors import ALREADY_RUNNING, DaemonUnreachable
+from tapd.errors import ALREADY_RUNNING, SERVING, DaemonUnreachable
 from tapd.runtime import (
     default_endpoint,
     default_pidfile,
@@ -203,7 +203,6 @@ def _joined(said: str, after: list[str]) -> str:
 # A line the logging of tapd/cli/logs.py wrote: "... tapd.daemon[123] INFO ...".
 _LOGGED = re.compile(r"\S\[\d+\] [A-Z]+ ")
 _UNNAMED_KEPT = 4
-SERVING = "serving on"  # tapd/daemon/server.py's line once it is bound
 
 
 __all__ = ["answers", "ensure_daemon", "launch_detached", "log_path"]

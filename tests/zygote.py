@@ -10,8 +10,8 @@ its argv, environment, working directory and stdin/stdout/stderr are the caller'
 runs as `__main__`, and it exits as Python exits (atexit, tapd's exit drain), with its
 status passed back.
 
-Where the import itself may depend on the environment (JAX_*, XLA_*, PYTHON* and LD_*
-variables, read by JAX or Python at import) and the caller's differ from the zygote's,
+Where the import itself may depend on the environment (JAX_*, XLA_*, PYTHON*, LD_* and
+TF_CPP_* variables, read by JAX or Python at import) and the caller's differ from the zygote's,
 or the command is not `python SCRIPT`, the program is started by `subprocess.run` as
 before. TAPD_TEST_ZYGOTE=0 starts every program so.
 """

@@ -35,7 +35,7 @@ from tapd.daemon.rings import RingSet
 from tapd.daemon.router import Router
 from tapd.daemon.targets.shm import RingReaders
 from tapd.daemon.wants import WantsTable
-from tapd.errors import ALREADY_RUNNING, DaemonAlreadyRunning, ProtocolError
+from tapd.errors import ALREADY_RUNNING, SERVING, DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
 from tapd.runtime import ensure_private_dir, mark_ring_dir, pid_alive, ring_dir_for
 
@@ -196,8 +196,9 @@ class Daemon:
         if not self._channels:
             self.bind()
         logger.info(
-            "tapd daemon %s serving on %s (policy %s)",
+            "tapd daemon %s %s %s (policy %s)",
             self.id,
+            SERVING,
             ", ".join(self.endpoints),
             self.config.policy,
         )
