@@ -12,7 +12,9 @@ import hashlib
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from tapd.errors import ConfigError
 
@@ -52,6 +54,24 @@ def ensure_private_dir(path: Path) -> Path:
             "others could reach the socket. Run `chmod 700` on it or remove it."
         )
     return path
+
+
+_Made = TypeVar("_Made")
+
+
+def make_first_file(directory: Path, make: Callable[[], _Made]) -> _Made:
+    """Create `directory` as ensure_private_dir does, then call `make`, which creates a
+    file in it. A shared ring directory is removed by whoever leaves it looking empty
+    (an emitter at exit, its daemon at stop), and it does look empty from our mkdir to our
+    first file; if it vanished in that window, make it again and retry."""
+    for _ in range(10):
+        ensure_private_dir(directory)
+        try:
+            return make()
+        except FileNotFoundError:
+            if directory.is_dir():
+                raise  # something else is missing
+    raise ConfigError(f"{directory} was removed each time it was created; who removes it?")
 
 
 def check_endpoint_dir(endpoint: str) -> None:

@@ -19,7 +19,8 @@ import pytest
 from conftest import Daemon, tapd_cmd, wait_until
 from tapd.cli.exit_codes import ExitCode
 from tapd.cli.main import main
-from tapd.runtime import mark_ring_dir, ring_dir_for
+from tapd.native.wake import WAKE_SOCKET
+from tapd.runtime import make_first_file, mark_ring_dir, ring_dir_for, runtime_dir_of_rings
 
 
 @pytest.fixture
@@ -68,6 +69,55 @@ def test_a_second_daemon_on_the_same_endpoint_is_refused_even_without_its_socket
     assert second.returncode == ExitCode.ALREADY_RUNNING, second.stderr
     assert "already running" in second.stderr
     assert first.process.poll() is None
+
+
+def test_a_daemon_refused_as_second_leaves_the_first_ones_ring_directory_alone(
+    start_daemon: Callable[..., Daemon], runtime_dir: Path
+) -> None:
+    # Eight callers autostarting at once launch up to eight daemons; those that lose the
+    # lock once tidied the ring directory as they closed, under the winner (a CI failure:
+    # the winner's marker write found its directory gone).
+    first = start_daemon()
+    rings = ring_dir_for(first.endpoint)
+    assert rings is not None
+    # Ready means its ring directory is claimed (marked) and its wake socket open.
+    assert runtime_dir_of_rings(rings) == runtime_dir.resolve()
+    assert (rings / WAKE_SOCKET).exists()
+    before = sorted(entry.name for entry in rings.iterdir())
+    for number in range(3):
+        second = tapd_cmd("start", "--endpoint", first.endpoint, "--pidfile",
+                          str(runtime_dir / f"second{number}.pid"), timeout=30)  # fmt: skip
+        assert second.returncode == ExitCode.ALREADY_RUNNING, second.stderr
+    assert sorted(entry.name for entry in rings.iterdir()) == before
+    assert runtime_dir_of_rings(rings) == runtime_dir.resolve()
+    assert first.process.poll() is None
+    first.stop()
+    assert not rings.exists(), "the daemon that served tidies its ring directory at stop"
+
+
+def test_a_ring_directory_removed_before_its_first_file_is_made_again(tmp_path: Path) -> None:
+    # Whoever leaves a shared ring directory removes it if it looks empty; it does, from
+    # an emitter's (or a daemon's) mkdir to its first file.
+    directory = tmp_path / "rings"
+    calls = []
+
+    def make() -> Path:
+        calls.append(directory.is_dir())
+        if len(calls) == 1:
+            directory.rmdir()  # another emitter's exit, at that moment
+        first = directory / "first"
+        first.touch(exist_ok=False)
+        return first
+
+    assert make_first_file(directory, make).exists()
+    assert calls == [True, True]
+    assert directory.stat().st_mode & 0o777 == 0o700
+
+    def fails() -> None:
+        (directory / "missing" / "file").touch()  # not the directory's vanishing: raised
+
+    with pytest.raises(FileNotFoundError):
+        make_first_file(directory, fails)
 
 
 @pytest.mark.parametrize("how", ["flag", "environment"])

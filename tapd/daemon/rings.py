@@ -21,7 +21,7 @@ from tapd.daemon.router import Router
 from tapd.errors import ProtocolError
 from tapd.native.ring import RingError
 from tapd.protocol.schema import RING_NAME, sites_path_of
-from tapd.runtime import RUNTIME_MARKER, pid_alive
+from tapd.runtime import RUNTIME_MARKER, make_first_file, mark_ring_dir, pid_alive
 
 logger = logging.getLogger("tapd.daemon")
 
@@ -37,6 +37,18 @@ class RingSet:
         self._retired: list[tuple[float, RingSource]] = []  # removed, still mapped
         self.skipped_before = 0  # taps skipped (dormant, sampled) in rings now removed
         self._wake: WakeSocket | None = None
+        self._claimed = False
+
+    def claim(self, endpoint: str) -> None:
+        """Make the ring directory this daemon's: create it and note in it the socket
+        directory it serves. Called once the daemon holds the endpoint's lock, so that a
+        daemon that lost the race for it (eight callers autostarting at once) never
+        touches the directory: at close, only the daemon that claimed it tidies it."""
+        if self.directory is None:
+            return
+        directory = self.directory
+        make_first_file(directory, lambda: mark_ring_dir(directory, endpoint))
+        self._claimed = True
 
     def attach(self, key: Hashable, identity: dict[str, Any], router: Router) -> None:
         # (decode checked the names: a '<pid>-<hex>.ring' file and its '.sites' beside
@@ -200,7 +212,7 @@ class RingSet:
         self._retired.clear()
         if self._wake is not None:
             self._wake.close()
-        if self.directory is not None:
+        if self.directory is not None and self._claimed:
             if not any(self.directory.glob("*.ring")):
                 (self.directory / RUNTIME_MARKER).unlink(missing_ok=True)
             try:

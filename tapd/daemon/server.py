@@ -37,7 +37,7 @@ from tapd.daemon.targets.shm import RingReaders
 from tapd.daemon.wants import WantsTable
 from tapd.errors import ALREADY_RUNNING, SERVING, DaemonAlreadyRunning, ProtocolError
 from tapd.protocol import Limits, decode, encode
-from tapd.runtime import ensure_private_dir, mark_ring_dir, pid_alive, ring_dir_for
+from tapd.runtime import ensure_private_dir, pid_alive, ring_dir_for
 
 logger = logging.getLogger("tapd.daemon")
 
@@ -195,15 +195,6 @@ class Daemon:
     def serve(self, on_ready: Callable[[list[str]], None] | None = None) -> None:
         if not self._channels:
             self.bind()
-        logger.info(
-            "tapd daemon %s %s %s (policy %s)",
-            self.id,
-            SERVING,
-            ", ".join(self.endpoints),
-            self.config.policy,
-        )
-        if on_ready is not None:
-            on_ready(self.endpoints)
         poller = zmq.Poller()
         for channel in self._channels:
             poller.register(channel.socket, zmq.POLLIN)
@@ -217,8 +208,7 @@ class Daemon:
             poller.register(forwarder.socket, zmq.POLLIN)
         wake = None
         if self.rings.directory is not None:
-            ensure_private_dir(self.rings.directory)
-            mark_ring_dir(self.rings.directory, self.config.endpoint)
+            self.rings.claim(self.config.endpoint)
             try:
                 sweep_stale_rings()  # rings of killed jobs, whose runtime dirs are gone
             except OSError as exc:
@@ -227,6 +217,17 @@ class Daemon:
             if wake is not None:  # (by fd: zmq.Poller reports plain sockets by fd)
                 poller.register(wake.fileno(), zmq.POLLIN)
             self.rings.adopt_orphans(self.router)
+        # Ready only now: an emitter that connects finds the ring directory claimed and
+        # the wake socket open.
+        logger.info(
+            "tapd daemon %s %s %s (policy %s)",
+            self.id,
+            SERVING,
+            ", ".join(self.endpoints),
+            self.config.policy,
+        )
+        if on_ready is not None:
+            on_ready(self.endpoints)
         last_check = time.monotonic()
         rings_from = last_check + self.config.startup_grace
         # Taps no subscriber wants yet wait as long: subscribers of a daemon that was
@@ -352,11 +353,12 @@ class Daemon:
             if endpoint.startswith("ipc://"):  # libzmq leaves the socket file behind
                 Path(endpoint.removeprefix("ipc://")).unlink(missing_ok=True)
         self._context.term()
+        # Only now: until the sockets are gone, ZeroMQ may still be sending ring memory.
+        # And before the lock goes: the next daemon's start must not meet our tidying.
+        self.rings.close()
         for fd in self._lock_fds:
             os.close(fd)  # (the lock file stays: removing it would race a new daemon)
         self._lock_fds.clear()
-        # Only now: until the sockets are gone, ZeroMQ may still be sending ring memory.
-        self.rings.close()
         with self._wake_lock:
             for fd in (self._wake_read, self._wake_write):
                 try:

@@ -23,7 +23,7 @@ from tapd.emitter.entries import RingSites as RingSites  # (lowering's name for 
 from tapd.native import library
 from tapd.native.ring import Ring, round_capacity
 from tapd.native.sites import encode_entry
-from tapd.runtime import ensure_private_dir
+from tapd.runtime import make_first_file
 
 logger = logging.getLogger("tapd.emitter")
 
@@ -35,11 +35,13 @@ class NativeEmitter:
     """Owns this process's ring and sites file; registers tap sites."""
 
     def __init__(self, directory: Path, capacity: int, policy: str) -> None:
-        ensure_private_dir(directory)
         stem = directory / f"{os.getpid()}-{secrets.token_hex(4)}"
         self.ring_path = stem.with_suffix(".ring")
         self.sites_path = stem.with_suffix(".sites")
-        self._sites_file = open(self.sites_path, "ab", buffering=0)  # noqa: SIM115
+        self._sites_file = make_first_file(
+            directory,
+            lambda: open(self.sites_path, "ab", buffering=0),  # noqa: SIM115
+        )
         os.chmod(self.sites_path, 0o600)
         self.ring = Ring.create(self.ring_path, round_capacity(capacity), policy)
         self.ring.install()
