@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tapd.daemon.ring_source import RingSource
-from tapd.daemon.ring_watch import RingBusy, WakeSocket
+from tapd.daemon.ring_watch import RingBusy, WakeSocket, sweep_stale_rings
 from tapd.daemon.router import Router
 from tapd.errors import ProtocolError
 from tapd.native.ring import RingError
@@ -39,16 +39,25 @@ class RingSet:
         self._wake: WakeSocket | None = None
         self._claimed = False
 
-    def claim(self, endpoint: str) -> None:
-        """Make the ring directory this daemon's: create it and note in it the socket
-        directory it serves. Called once the daemon holds the endpoint's lock, so that a
-        daemon that lost the race for it (eight callers autostarting at once) never
-        touches the directory: at close, only the daemon that claimed it tidies it."""
+    def start(self, endpoint: str, router: Router) -> WakeSocket | None:
+        """Once the daemon holds the endpoint's lock, before it says it is ready: claim
+        the ring directory (create it, note in it the socket directory it serves), sweep
+        the rings of killed jobs, open the wake socket, adopt the rings of emitters that
+        died while no daemon ran. A daemon that lost the race for the lock (eight callers
+        autostarting at once) never gets here, so never touches the directory: at close,
+        only the daemon that claimed it tidies it. Returns the wake socket, if any."""
         if self.directory is None:
-            return
+            return None
         directory = self.directory
         make_first_file(directory, lambda: mark_ring_dir(directory, endpoint))
         self._claimed = True
+        try:
+            sweep_stale_rings()  # rings of killed jobs, whose runtime dirs are gone
+        except OSError as exc:
+            logger.warning("could not look for stale rings: %s", exc)
+        self._wake = WakeSocket(directory)
+        self.adopt_orphans(router)
+        return self._wake
 
     def attach(self, key: Hashable, identity: dict[str, Any], router: Router) -> None:
         # (decode checked the names: a '<pid>-<hex>.ring' file and its '.sites' beside
@@ -117,13 +126,6 @@ class RingSet:
                 source.writer_pid,
                 source.ring.counters().committed - source.read_position,
             )
-
-    def open_wake_socket(self) -> WakeSocket | None:
-        """The socket writers wake this daemon through (None without a ring directory)."""
-        if self.directory is None:
-            return None
-        self._wake = WakeSocket(self.directory)
-        return self._wake
 
     def sleep(self) -> bool:
         """Every ring is read to its end and asked to wake us on its next commit."""

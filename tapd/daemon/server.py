@@ -30,7 +30,6 @@ from tapd.daemon.bounds import DepartedEmitters, ReplyBudget, configure_listener
 from tapd.daemon.forward import Forwarder
 from tapd.daemon.idle import IdleExit
 from tapd.daemon.metrics import MetricsServer, Snapshots
-from tapd.daemon.ring_watch import sweep_stale_rings
 from tapd.daemon.rings import RingSet
 from tapd.daemon.router import Router
 from tapd.daemon.targets.shm import RingReaders
@@ -206,17 +205,9 @@ class Daemon:
         forwarder = self.forwarder
         if forwarder is not None:
             poller.register(forwarder.socket, zmq.POLLIN)
-        wake = None
-        if self.rings.directory is not None:
-            self.rings.claim(self.config.endpoint)
-            try:
-                sweep_stale_rings()  # rings of killed jobs, whose runtime dirs are gone
-            except OSError as exc:
-                logger.warning("could not look for stale rings: %s", exc)
-            wake = self.rings.open_wake_socket()
-            if wake is not None:  # (by fd: zmq.Poller reports plain sockets by fd)
-                poller.register(wake.fileno(), zmq.POLLIN)
-            self.rings.adopt_orphans(self.router)
+        wake = self.rings.start(self.config.endpoint, self.router)
+        if wake is not None:  # (by fd: zmq.Poller reports plain sockets by fd)
+            poller.register(wake.fileno(), zmq.POLLIN)
         # Ready only now: an emitter that connects finds the ring directory claimed and
         # the wake socket open.
         logger.info(
