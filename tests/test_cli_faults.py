@@ -5,6 +5,7 @@ and through a subprocess."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import struct
@@ -93,6 +94,25 @@ def test_a_daemon_refused_as_second_leaves_the_first_ones_ring_directory_alone(
     assert first.process.poll() is None
     first.stop()
     assert not rings.exists(), "the daemon that served tidies its ring directory at stop"
+
+
+def test_a_daemon_refused_as_second_leaves_the_first_ones_spool_alone(
+    start_daemon: Callable[..., Daemon], runtime_dir: Path
+) -> None:
+    # The first daemon's spool as it is just after it began a segment: empty. A daemon
+    # that read it as an earlier daemon's leftovers removed that file under the first.
+    spool_dir = runtime_dir / "spool"
+    first = start_daemon("--policy", "spool", "--spool-dir", str(spool_dir))
+    spool = spool_dir / hashlib.sha256(b"loss").hexdigest()[:16]  # (tapd/daemon/spool.py)
+    spool.mkdir(mode=0o700, parents=True)
+    (spool / "subscriber").write_text("loss")
+    (spool / "00000001.seg").touch()
+    second = tapd_cmd("start", "--endpoint", first.endpoint, "--policy", "spool",
+                      "--spool-dir", str(spool_dir), "--pidfile",
+                      str(runtime_dir / "second.pid"), timeout=30)  # fmt: skip
+    assert second.returncode == ExitCode.ALREADY_RUNNING, second.stderr
+    assert sorted(entry.name for entry in spool.iterdir()) == ["00000001.seg", "subscriber"]
+    assert first.process.poll() is None
 
 
 def test_a_ring_directory_removed_before_its_first_file_is_made_again(tmp_path: Path) -> None:

@@ -70,12 +70,6 @@ class Daemon:
             window_bytes=config.emitter_window_bytes,
             daemon_id=self.id,
         )
-        if config.policy == "spool":
-            spool_dir = config.spool_dir or spool_dir_for(config.endpoint)
-            ensure_private_dir(spool_dir)
-            self.router.subscribers.configure_spool(
-                spool_dir, config.spool_bytes, config.spool_fallback
-            )
         self.endpoints: list[str] = []
         self.zap: security.ZapHandler | None = None
         self.handshakes: list[security.HandshakeMonitor] = []
@@ -118,6 +112,12 @@ class Daemon:
                 raise OSError(f"cannot bind {endpoint}: {exc}") from exc
             self._channels.append(Channel(sock, endpoint, copy_below=COPY_BELOW))
             self.endpoints.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        if self.config.policy == "spool":
+            try:
+                _open_spools(self.config, self.router)
+            except Exception:
+                self.close()
+                raise
         if self.config.tcp and self.config.insecure:
             logger.warning(
                 "listening on %s WITHOUT authentication or encryption: anyone who can reach "
@@ -445,6 +445,15 @@ class Daemon:
                 router.reject("forbidden", "shutdown is accepted on the local ipc endpoint only")
         else:
             router.reject("bad_header", f"{kind!r} is not something peers send to a daemon")
+
+
+def _open_spools(config: Config, router: Router) -> None:
+    """Policy "spool": where full queues spill, and the logs an earlier daemon left.
+    Only once this daemon holds the endpoint's lock: a second daemon, refused, must not
+    read (and tidy: an empty segment is removed) the logs the first is writing."""
+    spool_dir = config.spool_dir or spool_dir_for(config.endpoint)
+    ensure_private_dir(spool_dir)
+    router.subscribers.configure_spool(spool_dir, config.spool_bytes, config.spool_fallback)
 
 
 def _lock_endpoint(path: str) -> int:
