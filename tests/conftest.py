@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import zmq
+from stacks import native_stacks
 from zygote import run_program
 
 from tapd.clients import control
@@ -221,9 +222,13 @@ def stop_process(process: subprocess.Popen[str], timeout: float = 20.0) -> int:
     try:
         return process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # What it was doing: a daemon writes its Python stacks to its log on SIGUSR1
+        # (`tapd start`); gdb gives the native ones of any process.
+        process.send_signal(signal.SIGUSR1)
+        where = native_stacks(process.pid)
         process.kill()
         process.wait()
-        pytest.fail(f"process {process.args!r} ignored SIGTERM for {timeout} s")
+        pytest.fail(f"process {process.args!r} ignored SIGTERM for {timeout} s:\n{where}")
     finally:
         if process.stdout is not None:
             process.stdout.close()

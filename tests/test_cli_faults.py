@@ -11,17 +11,23 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import Daemon, tapd_cmd, wait_until
+from tapd import config as config_module
 from tapd.cli.exit_codes import ExitCode
 from tapd.cli.main import main
+from tapd.daemon import server
 from tapd.native.wake import WAKE_SOCKET
 from tapd.runtime import make_first_file, mark_ring_dir, ring_dir_for, runtime_dir_of_rings
+from tapd.tools.replay import StopFlag
+from tapd_client import Subscriber
 
 
 @pytest.fixture
@@ -138,6 +144,93 @@ def test_a_ring_directory_removed_before_its_first_file_is_made_again(tmp_path: 
 
     with pytest.raises(FileNotFoundError):
         make_first_file(directory, fails)
+
+
+def _returns_when_reentered_at_every_line(stop: Callable[[], None], wait: float = 10) -> bool:
+    """Call `stop` as a signal handler, with a second call of it landing at each line it
+    runs: Python runs a pending signal's handler between any two bytecodes, inside an
+    earlier handler too (Ctrl-C twice, a supervisor's repeated SIGTERM). True if it
+    returned; False if it hung, as one that takes a lock does (threading.Event.set)."""
+
+    def run() -> None:
+        nested = False
+
+        def second_signal(frame: Any, event: str, arg: Any) -> Any:
+            nonlocal nested
+            if event == "line" and not nested:
+                nested = True
+                try:
+                    stop()
+                finally:
+                    nested = False
+            return second_signal
+
+        sys.settrace(second_signal)  # (this thread only)
+        try:
+            stop()
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=wait)
+    return not thread.is_alive()
+
+
+def test_the_stop_handlers_survive_a_second_signal_inside_the_first(runtime_dir: Path) -> None:
+    # The daemon's once set a threading.Event: a second SIGTERM landing inside that set()
+    # waited for the lock the first held, forever (a test saw it as "ignored SIGTERM").
+    config = config_module.load({"endpoint": f"ipc://{runtime_dir}/tapd.sock"}, None, {})
+    daemon = server.Daemon(config)
+    try:
+        assert _returns_when_reentered_at_every_line(daemon.request_stop)
+    finally:
+        daemon.close()
+    subscriber = Subscriber(f"ipc://{runtime_dir}/tapd.sock")
+    assert _returns_when_reentered_at_every_line(subscriber.stop)  # `tapd tail`, `subscribe`
+    assert _returns_when_reentered_at_every_line(StopFlag().set)  # `tapd replay`
+    # The check itself: a handler that takes a lock is caught.
+    assert not _returns_when_reentered_at_every_line(threading.Event().set, wait=1)
+
+
+def _signal_burst(pid: int, count: int = 400) -> None:
+    """Stop signals as fast as one process sends them, as an impatient Ctrl-C or a
+    supervisor's repeated SIGTERM does."""
+    for number in range(count):
+        os.kill(pid, signal.SIGTERM if number % 2 else signal.SIGINT)
+
+
+# How a process may end after a burst: stopped (0), or, with its work done, by a late
+# one of the burst's signals: Python's finalization gives them their default action
+# back, as a second Ctrl-C's "quit now" expects.
+BURST_ENDINGS = (0, -signal.SIGINT, -signal.SIGTERM)
+
+
+def test_a_burst_of_stop_signals_stops_the_daemon(start_daemon: Callable[..., Daemon]) -> None:
+    for _ in range(3):
+        daemon = start_daemon()
+        _signal_burst(daemon.process.pid)
+        assert daemon.process.wait(timeout=20) in BURST_ENDINGS, daemon.log()
+        assert "tapd daemon stopped" in daemon.log()  # (by its drain, not by a signal)
+
+
+def test_a_burst_of_stop_signals_stops_a_subscriber(
+    start_daemon: Callable[..., Daemon], runtime_dir: Path
+) -> None:
+    daemon = start_daemon()
+    for _ in range(3):
+        tail = subprocess.Popen(
+            [sys.executable, "-m", "tapd", "tail", "--endpoint", daemon.endpoint, "loss"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert tail.stdout is not None
+            assert tail.stdout.readline().startswith("subscribed to")
+            _signal_burst(tail.pid)
+            assert tail.wait(timeout=20) in BURST_ENDINGS
+        finally:
+            tail.kill()
+            tail.communicate()
 
 
 @pytest.mark.parametrize("how", ["flag", "environment"])

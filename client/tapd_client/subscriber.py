@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -98,7 +97,10 @@ class Subscriber:
         self._handlers = Handlers()
         self.fallback_for = fallback_for  # the emitter whose unwanted taps fallbacks take
         self.group = group
-        self._stop = threading.Event()
+        # A plain flag, no threading.Event: `stop()` runs in signal handlers, and
+        # Event.set takes a lock that a second signal, landing inside the first handler,
+        # would wait on forever.
+        self._stopping = False
         self._context: zmq.Context[Any] = zmq.Context.instance()
         self._links: list[DaemonLink] = []
         self._rings = RingTaps(shm, views)
@@ -262,7 +264,7 @@ class Subscriber:
             self.connect()
         poller = self._poller()
         half_window = max(1, self.window // 2)
-        while not self._stop.is_set() and not (until is not None and until()):
+        while not self._stopping and not (until is not None and until()):
             for link in self._ready(poller, int(self.heartbeat * 500)):
                 for _ in range(self.window):
                     message = link.receive()
@@ -277,8 +279,9 @@ class Subscriber:
             self._handlers.expire()  # e.g. Assembler: report stale steps
 
     def stop(self) -> None:
-        """Make `run()` return; safe from other threads and signal handlers."""
-        self._stop.set()
+        """Make `run()` return (within a heartbeat's poll); safe from other threads and
+        signal handlers, nested ones too: it takes no lock."""
+        self._stopping = True
 
     def close(self) -> None:
         for link in self._links:

@@ -57,7 +57,9 @@ class Daemon:
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._context = zmq.Context()
         self._channels: list[Channel] = []  # the bound sockets, by index (peer keys)
-        self._stop = threading.Event()
+        # A plain flag, no threading.Event: a signal handler sets it, and Event.set takes
+        # a lock that a second signal, landing inside the first handler, waits on forever.
+        self._stopping = False
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -156,8 +158,9 @@ class Daemon:
         security.make_server(sock, self.config.curve_secret_key)
 
     def request_stop(self) -> None:
-        """Safe from signal handlers and other threads."""
-        self._stop.set()
+        """Safe from signal handlers (nested ones too: it takes no lock) and other
+        threads."""
+        self._stopping = True
         self._wake()
 
     def _wake(self) -> None:
@@ -271,12 +274,12 @@ class Daemon:
                     forwarder.flush(now)
                 self.router.flush_credit()
                 self.snapshots.answer(self.stats)  # scrapes of --metrics, if any wait
-                if not self._stop.is_set() and idle_exit.due(self._has_clients(), now):
+                if not self._stopping and idle_exit.due(self._has_clients(), now):
                     logger.info(
                         "no emitters and no subscribers for %g s: stopping", idle_exit.limit
                     )
-                    self._stop.set()
-                if self._stop.is_set():
+                    self._stopping = True
+                if self._stopping:
                     if drain_deadline is None:
                         drain_deadline = now + self.config.drain_timeout
                         logger.info("stopping: draining for up to %g s", self.config.drain_timeout)

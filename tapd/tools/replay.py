@@ -48,6 +48,21 @@ class ReplayResult:
     seconds: float = 0.0
 
 
+class StopFlag:
+    """A stop request that a signal handler may set (`tapd replay`'s SIGINT): set() takes
+    no lock, unlike threading.Event's, which a second signal landing inside the first
+    handler's set() would wait on forever."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 def replay(
     directory: str | Path,
     endpoint: str,
@@ -55,7 +70,7 @@ def replay(
     speed: float | None = 1.0,
     names: Sequence[str] = (),
     barrier_timeout: float = 60.0,
-    stop: threading.Event | None = None,
+    stop: StopFlag | threading.Event | None = None,
     progress: Callable[[ReplayResult], None] | None = None,
 ) -> ReplayResult:
     """Send the taps of the recording in `directory` (those matching `names`, if given)
@@ -64,7 +79,7 @@ def replay(
     Raises TimeoutError if the daemon does not answer."""
     if speed is not None and speed <= 0:
         raise ValueError(f"speed must be positive, got {speed}")
-    stop = stop or threading.Event()
+    stop = stop or StopFlag()
     context: zmq.Context[Any] = zmq.Context.instance()
     sock = emitter_socket.connect(context, endpoint)
     result = ReplayResult()
@@ -133,7 +148,7 @@ class _Link:
         self.result = result
         self.barrier_reply: dict[str, Any] | None = None
 
-    def wait_for_room(self, nbytes: int, stop: threading.Event) -> None:
+    def wait_for_room(self, nbytes: int, stop: StopFlag | threading.Event) -> None:
         waited = time.monotonic()
         while not self.connection.may_send(nbytes) and not stop.is_set():
             self.service(0.1)

@@ -121,7 +121,9 @@ def run_daemon(config: config_module.Config) -> int:
 
     # A crash in native code (libzmq's, tapd's rings) leaves its stacks in the log; one in
     # Python is logged under this pid, so that autostart's error can say why it exited.
+    # A daemon that seems stuck writes every thread's stack there on `kill -USR1 <pid>`.
     faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         daemon.serve(on_ready=announce)
     except Exception:

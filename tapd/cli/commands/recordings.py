@@ -118,11 +118,9 @@ def cmd_record(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    import threading
+    from tapd.tools.replay import StopFlag, replay
 
-    from tapd.tools.replay import replay
-
-    stop = threading.Event()
+    stop = StopFlag()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     speed = None if args.as_fast_as_possible else args.speed
