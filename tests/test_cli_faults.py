@@ -193,6 +193,18 @@ def test_the_stop_handlers_survive_a_second_signal_inside_the_first(runtime_dir:
     assert not _returns_when_reentered_at_every_line(threading.Event().set, wait=1)
 
 
+def test_sigusr1_writes_the_daemons_stacks_to_its_log_and_it_goes_on(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    daemon = start_daemon()
+    daemon.process.send_signal(signal.SIGUSR1)
+    wait_until(lambda: "in serve" in daemon.log(), "the daemon's stacks in its log")
+    assert "Current thread" in daemon.log()
+    assert "counters" in daemon.stats()  # it answers
+    assert daemon.process.poll() is None
+    assert daemon.stop() == 0
+
+
 def _signal_burst(pid: int, count: int = 400) -> None:
     """Stop signals as fast as one process sends them, as an impatient Ctrl-C or a
     supervisor's repeated SIGTERM does."""
