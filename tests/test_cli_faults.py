@@ -98,7 +98,7 @@ def test_a_daemon_refused_as_second_leaves_the_first_ones_ring_directory_alone(
     assert sorted(entry.name for entry in rings.iterdir()) == before
     assert runtime_dir_of_rings(rings) == runtime_dir.resolve()
     assert first.process.poll() is None
-    first.stop()
+    assert first.stop() == 0
     assert not rings.exists(), "the daemon that served tidies its ring directory at stop"
 
 
