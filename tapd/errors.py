@@ -66,8 +66,9 @@ class DaemonAlreadyRunning(TapdError, OSError):
 
 # How DaemonAlreadyRunning's message starts: autostart finds it in a lost daemon's log.
 ALREADY_RUNNING = "another tapd daemon is already running"
-# What a daemon logs once it is bound (tapd/daemon/server.py): autostart tells by it a
-# daemon that served and then died from one that never served.
+# What a daemon logs once it serves (bound, its ring directory claimed: tapd/daemon/
+# server.py): autostart tells by it a daemon that served and then died from one that
+# never served.
 SERVING = "serving on"
 
 

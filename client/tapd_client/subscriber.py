@@ -279,8 +279,8 @@ class Subscriber:
             self._handlers.expire()  # e.g. Assembler: report stale steps
 
     def stop(self) -> None:
-        """Make `run()` return (within a heartbeat's poll); safe from other threads and
-        signal handlers, nested ones too: it takes no lock."""
+        """Make `run()` return (within half a heartbeat: its poll's timeout); safe from
+        other threads and signal handlers, nested ones too: it takes no lock."""
         self._stopping = True
 
     def close(self) -> None:
