@@ -27,7 +27,6 @@ from jax._src import core, ffi, sharding_impls
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
-from jax.sharding import SingleDeviceSharding
 
 from tapd.emitter import (
     entries,
@@ -220,7 +219,7 @@ def _single_device(axis_context: Any, index: int) -> Any:
     if index == 0 or not isinstance(axis_context, sharding_impls.ShardingContext):
         return None  # JAX's default: the first device
     assignment = axis_context.device_assignment
-    return None if not assignment else SingleDeviceSharding(assignment[index])
+    return None if not assignment else jax_compat.single_device_sharding(assignment[index])
 
 
 def _partition_index(ctx: mlir.LoweringRuleContext) -> tuple[list[Any], list[Any]] | None:

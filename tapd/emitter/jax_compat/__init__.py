@@ -9,12 +9,12 @@ version number. The rest of tapd reaches them through this face, `jax_compat.NAM
   and the check that every internal tapd calls fits this jax (`SEAMS`,
   `require_supported`);
 - calls.py: the calls whose signatures changed (`register_lowering`,
-  `emit_python_callback`, `set_sharding`, ...), the workaround for one JAX bug
-  (`tap_effects`: an executable compiled ahead of time takes a C++ fast path that drops
-  an ordered effect's token, docs/UPSTREAM.md), `jax.export`'s stable targets
-  (`export_targets_stable`: tapd's two custom calls, whose attributes are a versioned
-  format, docs/PROTOCOL.md), and what JAX is doing now (tracing, inside a host callback,
-  under which meshes);
+  `emit_python_callback`, `set_sharding`, `single_device_sharding`, ...), the
+  workaround for one JAX bug (`tap_effects`: an executable compiled ahead of time takes
+  a C++ fast path that drops an ordered effect's token, docs/UPSTREAM.md), `jax.export`'s
+  stable targets (`export_targets_stable`: tapd's two custom calls, whose attributes are
+  a versioned format, docs/PROTOCOL.md), and what JAX is doing now (tracing, inside a
+  host callback, under which meshes);
 - dispatch.py: the two internals wrapped rather than called, for the default tap to keep
   JAX's C++ dispatch path (issue 26): `pxla.ExecuteReplicated.__init__`
   (`dispatch_ignores`) and `mlir.lower_jaxpr_to_module` (`wrap_module_lowering`: tapd
@@ -39,6 +39,7 @@ from tapd.emitter.jax_compat.calls import (
     outside_any_mesh,
     register_lowering,
     set_sharding,
+    single_device_sharding,
     tap_effects,
     tracing,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "seam_misfit",
     "served_without_tokens",
     "set_sharding",
+    "single_device_sharding",
     "tap_effects",
     "tracing",
     "unsupported_reason",

@@ -2,11 +2,12 @@
 function that tells the versions apart by the signature itself (`inspect`), not by a
 version number:
 
-| internal                         | change                                    | since  |
-|----------------------------------|-------------------------------------------|--------|
-| `mlir.register_lowering`         | `cacheable=` keyword                      | 0.7.0  |
-| `callback.emit_python_callback`  | `returns_token=` keyword                  | 0.8.2  |
-| `mlir.set_sharding`              | takes the module context first (3 args)   | 0.10.1 |
+| internal                            | change                                    | since  |
+|-------------------------------------|-------------------------------------------|--------|
+| `mlir.register_lowering`            | `cacheable=` keyword                      | 0.7.0  |
+| `callback.emit_python_callback`     | `returns_token=` keyword                  | 0.8.2  |
+| `mlir.set_sharding`                 | takes the module context first (3 args)   | 0.10.1 |
+| `jax.sharding.SingleDeviceSharding` | deprecated: `make_single_device_sharding` | 0.12.1 |
 
 and the other questions tapd asks of JAX's internals: whether this thread traces or runs
 inside one of JAX's host callbacks, the meshes a trace runs under, `jax.export`'s set of
@@ -131,6 +132,18 @@ def set_sharding(module_context: Any, op: Any, sharding: Any) -> None:
         mlir.set_sharding(module_context, op, sharding)
     else:
         mlir.set_sharding(op, sharding)  # type: ignore[call-arg]
+
+
+def single_device_sharding(device: Any) -> Any:
+    """The sharding that places a value on `device`: `make_single_device_sharding` where
+    this jax has it (0.12.1 deprecates the class, and its warning is an error under
+    `-W error`), else the `SingleDeviceSharding` class (0.8.0 to 0.12.0)."""
+    import jax.sharding
+
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    if make is not None:
+        return make(device)
+    return jax.sharding.SingleDeviceSharding(device)
 
 
 # ---- the AOT fast path (docs/UPSTREAM.md) -------------------------------------------

@@ -105,9 +105,9 @@ def _device_putter() -> Callable[..., Any]:
 
 @functools.cache
 def _single_device_sharding(device: Any) -> Any:
-    from jax.sharding import SingleDeviceSharding
+    from tapd.emitter.jax_compat.calls import single_device_sharding
 
-    return SingleDeviceSharding(device)
+    return single_device_sharding(device)
 
 
 @functools.lru_cache(maxsize=1024)
