@@ -136,8 +136,8 @@ def set_sharding(module_context: Any, op: Any, sharding: Any) -> None:
 
 def single_device_sharding(device: Any) -> Any:
     """The sharding that places a value on `device`: `make_single_device_sharding` where
-    this jax has it (0.12.1 deprecates the class, and its warning is an error under
-    `-W error`), else the `SingleDeviceSharding` class (0.8.0 to 0.12.0)."""
+    this jax has it (0.10 does; 0.12.1 deprecates the class, a warning that is an error
+    under `-W error`), else the `SingleDeviceSharding` class (0.8.0 has only that)."""
     import jax.sharding
 
     make = getattr(jax.sharding, "make_single_device_sharding", None)
