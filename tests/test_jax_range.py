@@ -250,3 +250,102 @@ def test_cpu_puts_match_jax_device_put_on_the_fast_path_and_the_fallbacks(
 
     monkeypatch.setattr(cpu_put, "_device_putter", lambda: put_refused)
     check_both()
+
+
+# Uses of a name that the installed jax deprecates which tapd makes on purpose, each where
+# a newer spelling is missing (tapd/emitter/jax_compat), with the reason.
+DEPRECATED_ON_PURPOSE = {
+    ("tapd/emitter/jax_compat/calls.py", "jax.sharding.SingleDeviceSharding"):
+        "single_device_sharding's fallback, for a jax without make_single_device_sharding",
+}  # fmt: skip
+
+
+def jax_names_used(source: str) -> set[tuple[str, int]]:
+    """Each public jax name the source reaches, as (dotted name, line): `from jax.m import
+    n` gives jax.m.n; `jax.m.n` and `alias.n` (after `import jax.m as alias` or `from jax
+    import m`) give every prefix of the chain, so that each can be looked up as a module's
+    attribute."""
+    import ast
+
+    tree = ast.parse(source)
+    aliases = {"jax": "jax"}
+    found: set[tuple[str, int]] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for name in node.names:
+                if name.name.split(".")[0] == "jax":
+                    aliases[name.asname or name.name.split(".")[0]] = (
+                        name.name if name.asname else "jax"
+                    )
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax":
+            for name in node.names:
+                aliases[name.asname or name.name] = f"{node.module}.{name.name}"
+                found.add((f"{node.module}.{name.name}", node.lineno))
+    for node in ast.walk(tree):
+        chain: list[str] = []
+        part: ast.expr = node  # type: ignore[assignment]
+        while isinstance(part, ast.Attribute):
+            chain.insert(0, part.attr)
+            part = part.value
+        if chain and isinstance(part, ast.Name) and part.id in aliases:
+            dotted = aliases[part.id]
+            for attribute in chain:
+                dotted = f"{dotted}.{attribute}"
+                found.add((dotted, node.lineno))
+    return found
+
+
+def deprecated_in_the_installed_jax(dotted: str) -> str | None:
+    """The installed jax's deprecation message for `dotted` (module.name), or None: the
+    names a public jax module lists in its `_deprecations` (what its `__getattr__`
+    warns about, or refuses once removed)."""
+    import importlib
+
+    module_name, _, name = dotted.rpartition(".")
+    if not module_name or "._src" in module_name:
+        return None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None  # not a module: an attribute chain whose prefix is a class or a value
+    table = getattr(module, "_deprecations", None)
+    if not isinstance(table, dict) or name not in table:
+        return None
+    message = table[name][0]
+    return str(message) if message else f"{dotted} is deprecated"
+
+
+@pytest.mark.fast
+def test_tapd_uses_no_name_the_installed_jax_deprecates() -> None:
+    """A deprecated name warns where it runs, and `-W error` (this suite's setting, and
+    some users') makes the warning an error: jax 0.12.1's SingleDeviceSharding failed
+    CI that way. Read from the source, every path counts, also those only a TPU or a GPU
+    runs. CI runs this with the newest jax pip gives."""
+    used: dict[tuple[str, str], str] = {}
+    for path in sorted((ROOT / "tapd").rglob("*.py")):
+        relative = path.relative_to(ROOT).as_posix()
+        for dotted, line in jax_names_used(path.read_text()):
+            message = deprecated_in_the_installed_jax(dotted)
+            if message is not None:
+                used[(relative, dotted)] = f"{relative}:{line}: {message}"
+    unexplained = sorted(where for key, where in used.items() if key not in DEPRECATED_ON_PURPOSE)
+    assert not unexplained, "\n".join(unexplained)
+
+
+@pytest.mark.fast
+def test_the_deprecation_check_reads_every_way_a_jax_name_is_reached() -> None:
+    source = (
+        "import jax\nimport jax.numpy as jnp\nfrom jax import sharding\n"
+        "from jax.sharding import Mesh as M\nfrom jax._src import core\n"
+        "jax.sharding.PartitionSpec\njnp.float32\nsharding.NamedSharding\ncore.Tracer\n"
+    )
+    names = {dotted for dotted, _ in jax_names_used(source)}
+    assert {"jax.sharding.PartitionSpec", "jax.numpy.float32", "jax.sharding.NamedSharding",
+            "jax.sharding.Mesh", "jax._src.core.Tracer"} <= names  # fmt: skip
+    import jax
+
+    if "SingleDeviceSharding" in getattr(jax.sharding, "_deprecations", {}):
+        message = deprecated_in_the_installed_jax("jax.sharding.SingleDeviceSharding")
+        assert message is not None and "make_single_device_sharding" in message
+    assert deprecated_in_the_installed_jax("jax.sharding.PartitionSpec") is None
+    assert deprecated_in_the_installed_jax("jax._src.core.Tracer") is None
