@@ -17,7 +17,7 @@ while it runs) and once at the end of the computation.
 
 Flushes run in program order: each carries an ordered effect of tapd's own, whose
 token JAX threads from flush to flush through the loops and branches; the token is made
-inside the computation (`gathered_flush.gathered_call_p` holds the rewritten jaxpr), so
+inside the computation (`program_order.ordered_call_p` holds the rewritten jaxpr), so
 that JAX's dispatch sees an unordered tap and keeps its fast path. The buffers are never
 cleared: a flush reads only the rows its log names.
 
@@ -39,7 +39,7 @@ from jax._src import core
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-from tapd.emitter import gathered_outputs, lifecycle
+from tapd.emitter import gathered_outputs, host_writers, lifecycle
 from tapd.emitter.gathered_eval import (
     NotGatherable,
     Rewriter,
@@ -50,6 +50,7 @@ from tapd.emitter.gathered_eval import (
 )
 from tapd.emitter.gathered_flush import ClosedJaxpr, FlushPlan, WayOut, call, pack
 from tapd.emitter.gathered_outputs import OutputsEffect
+from tapd.emitter.native_backend import RingSites
 from tapd.emitter.primitive import TapSiteParams
 
 logger = logging.getLogger("tapd.emitter")
@@ -82,6 +83,12 @@ def maybe_gathered(
         return None
     if not all(_host_callback_here(site, platform) for site in found):
         return None
+    for site, avals in found.items():  # (what the per-tap path refuses, refused here too)
+        native = _ring_of(site)
+        if native is not None:
+            leaves = site.leaf_count(len(avals))
+            tapped = [*avals[:leaves], *(avals[-1:] if site.has_coords else [])]
+            host_writers.check_fits(native, site, tapped)
     taps, max_bytes = settings.gather_taps, settings.gather_bytes
     try:
         if output and gathered_outputs.install():
@@ -110,9 +117,14 @@ def _host_callback_here(site: TapSiteParams, platform: str) -> bool:
     if site.strict:
         return False
     local = lifecycle.local_path_of(site.consumer)
-    native = local if local is not None else lifecycle.get_sender().native
     handled = platform in lifecycle.handler_platforms(local=local is not None)
-    return native is None or not handled
+    return _ring_of(site) is None or not handled
+
+
+def _ring_of(site: TapSiteParams) -> RingSites | None:
+    """The ring the site's taps are written to (None: they go to the sender)."""
+    local = lifecycle.local_path_of(site.consumer)
+    return local if local is not None else lifecycle.get_sender().native
 
 
 def rewrite(
@@ -157,7 +169,7 @@ def rewrite(
         lu.wrap_init(gathered, debug_info=debug_info), [*flags_avals, *in_avals]
     )
     inner = _closed(traced[0], traced[2])
-    # The flushes' order (gathered_flush.GatherOrder) is kept inside the computation.
+    # The flushes' order (primitive.PROGRAM_ORDER) is kept inside the computation.
     out = None if way_out is None else WayOut(way_out, plan)
     debug_info = closed.jaxpr.debug_info
     wrapped = lu.wrap_init(lambda *args: call(inner, args, out), debug_info=debug_info)

@@ -88,7 +88,9 @@ def most_records(jaxpr: core.Jaxpr) -> float:
         elif not taps_within_eqn(eqn):
             continue
         elif name == "scan":
-            total += eqn.params["length"] * most_records(eqn.params["jaxpr"].jaxpr)
+            length = eqn.params["length"]
+            if length:  # (a scan of length 0 makes none, even of a body that could loop)
+                total += length * most_records(eqn.params["jaxpr"].jaxpr)
         elif name == "cond":
             total += max(most_records(branch.jaxpr) for branch in eqn.params["branches"])
         elif name == "while":

@@ -26,9 +26,10 @@ from tapd.emitter.gathered_outputs import write_ready
 from tapd.emitter.native_backend import RingSites
 from tapd.emitter.primitive import TapSiteParams
 from tapd.emitter.sender import TapSite
+from tapd.errors import TapDefinitionError
 from tapd.native import library
 from tapd.native.ring import NO_STEP
-from tapd.protocol.ring_format import EVERY_ALWAYS_BIT, writer_every
+from tapd.protocol.ring_format import EVERY_ALWAYS_BIT, RECORD_HEADER, writer_every
 
 
 def site_fields(site: TapSiteParams, platform: str | None) -> dict[str, Any]:
@@ -98,6 +99,28 @@ def ring_site(
     assert lib is not None  # the ring exists, so the library loaded
     every = writer_every(site.every, site.always)
     return site_id, native.consumer_id(site.consumer), every, lib
+
+
+def check_fits(native: RingSites, site: TapSiteParams, tapped_avals: Sequence[Any]) -> None:
+    """Refuse, as the computation lowers, a tap whose record is larger than the whole
+    ring it writes, under the `block` policy: no wait could ever make room for it, and
+    `block` promises that nothing is dropped. (Under `drop_newest` each one is dropped
+    and counted, as that policy says; the library also says why on stderr.)"""
+    settings = lifecycle.settings()
+    if settings.policy != "block":
+        return
+    length = RECORD_HEADER.itemsize + sum(
+        -(-int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize // 8) * 8
+        for aval in tapped_avals
+    )
+    capacity = native.ring.counters().capacity
+    if length > capacity:
+        raise TapDefinitionError(
+            f"tap {site.consumer!r}: one tap is {length} bytes, more than the whole ring "
+            f"of {capacity} bytes it is written to, and the policy is 'block' (which never "
+            "drops a tap): raise TAPD_BUFFER_BYTES (tapd.configure(buffer_bytes=...), now "
+            f"{settings.buffer_bytes}) above {length}, or tap less at a time"
+        )
 
 
 def ring_writer(

@@ -35,12 +35,12 @@ from tapd.emitter import (
     host_writers,
     jax_compat,
     lifecycle,
-    native_backend,
     order,
     primitive,
+    program_order,
 )
 from tapd.emitter.native_backend import FFI_TARGET, RingSites
-from tapd.emitter.primitive import ORDERED, TapSiteParams
+from tapd.emitter.primitive import ORDERED, PROGRAM_ORDER, TapSiteParams
 from tapd.errors import TapDefinitionError
 from tapd.protocol.ring_format import RINGS, writer_every
 
@@ -67,10 +67,16 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
     ring = RINGS["local" if local is not None else "daemon"]
     module = ctx.module_context
     platform = module.platforms[0] if len(module.platforms) == 1 else None
-    # Strict: JAX's token; otherwise tapd's own (tapd.emitter.order), or none.
+    # Strict: JAX's runtime token. Otherwise the computation's own, PROGRAM_ORDER's,
+    # which JAX threads through every loop, branch and call (tapd.emitter.program_order);
+    # where a lowering rule did not pass it in, the chain of this block only
+    # (tapd.emitter.order).
     own_order = site.ordered and not site.strict
+    chained = own_order and PROGRAM_ORDER in ctx.tokens_in.effects()
     token = ctx.tokens_in.get(ORDERED) if site.strict else None
-    if own_order:
+    if chained:
+        token = ctx.tokens_in.get(PROGRAM_ORDER)
+    elif own_order:
         token = order.before_tap(ctx)
     axis_context = module.axis_context
     # A jit the compiler partitions whose mesh the trace could not see (tapping.emit
@@ -83,6 +89,8 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
     native_here = native is not None and handled_here and not partitioned
     if jax_compat.lowering_for_export(ctx):
         _check_exportable(site, local=local is not None, native=native_here, platform=platform)
+    if native is not None:
+        host_writers.check_fits(native, site, tapped_avals)
     if native_here:
         assert native is not None
         fields = host_writers.site_fields(site, platform)
@@ -159,7 +167,8 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             new_token = emit(token)
     if site.strict and token is not None:
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({ORDERED: new_token})))
-        order.strict_tap_lowered()
+    elif chained:
+        ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({PROGRAM_ORDER: new_token})))
     elif own_order:
         order.after_tap(ctx, new_token)
     return leaves
@@ -297,16 +306,13 @@ def _emit_guarded(
 ) -> Any:
     """`wanted(*device_values)` as a host callback, then a `case` on its answer whose second
     branch is the tap's own callback (`emit`); returns the token after both (None
-    without one). The question takes the chain's token first and is marked a tap of it,
-    so that tapd's order pass places it as it places taps; the `case`, which returns
-    the next token, is the tap itself to the pass (`order.after_tap`)."""
+    without one). The question takes the tap's token first, and the `case` returns
+    the one the next tap takes."""
     flag_aval = core.ShapedArray((), np.int32)
     question_ctx = dataclasses.replace(ctx, avals_in=device_avals, avals_out=[flag_aval])
     flag, asked = jax_compat.emit_python_callback_with_result(
         question_ctx, wanted, token, device_values, device_avals, flag_aval, sharding=sharding
     )
-    if asked is not None:
-        order.mark_tap(asked.owner)
     case = hlo.CaseOp([hlo.TokenType.get()] if asked is not None else [], flag, 2)
     skipped, taken = case.regions[0].blocks.append(), case.regions[1].blocks.append()
     with ir.InsertionPoint(skipped):
@@ -318,32 +324,21 @@ def _emit_guarded(
 
 
 def _lower_module_in_order(lower: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """`mlir.lower_jaxpr_to_module`, then tapd's order for the taps it lowered
-    (tapd.emitter.order): where the module is one partition and its platforms have the
-    order handler; and, in any module with strict taps too, tapd's chain joined to
-    JAX's token."""
-    order.start_module()
+    """`mlir.lower_jaxpr_to_module`, on the computation with its taps gathered on the
+    device (tapd.emitter.gathered) where they are, else with its ordered taps chained
+    by one token (tapd.emitter.program_order)."""
     gathered_module.start()
-    args, kwargs = _gathered(args, kwargs)
+    args, kwargs = _rewritten(args, kwargs)
     result = lower(*args, **kwargs)
     way_out = gathered_module.taken()
     if way_out is not None:
         with result.module.context:
             gathered_module.attach(result.module, way_out)
-    if order.lowered_taps() and order.partitions(result.module) == 1:
-        platforms = {str(platform).lower() for platform in kwargs.get("platforms") or ()}
-        if platforms and platforms <= native_backend.order_platforms():
-            with result.module.context:
-                order.order_module(result.module)
-    if order.lowered_taps() and order.lowered_strict_taps():
-        with result.module.context:
-            order.join_chains(result.module)
     return result
 
 
-def _gathered(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The module's jaxpr with its taps gathered on the device, where they are
-    (tapd.emitter.gathered); else the arguments as they came."""
+def _rewritten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The module's jaxpr gathered, or chained; else the arguments as they came."""
     closed = args[1] if len(args) > 1 else kwargs.get("jaxpr")
     if closed is None:
         return args, kwargs
@@ -359,14 +354,17 @@ def _gathered(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[
         # passes the effect's token in and out of each call (gathered_outputs).
         output=ordered_effects is not None,
     )
-    if chosen is None:
-        return args, kwargs
-    gathered_jaxpr, way_out = chosen
-    if way_out is not None and ordered_effects is not None:
-        ordered_effects.append(way_out)
+    if chosen is not None:
+        rewritten, way_out = chosen
+        if way_out is not None and ordered_effects is not None:
+            ordered_effects.append(way_out)
+    else:
+        rewritten = program_order.chained(closed, ordered_effects)
+        if rewritten is None:
+            return args, kwargs
     if len(args) > 1:
-        return (args[0], gathered_jaxpr, *args[2:]), kwargs
-    return args, {**kwargs, "jaxpr": gathered_jaxpr}
+        return (args[0], rewritten, *args[2:]), kwargs
+    return args, {**kwargs, "jaxpr": rewritten}
 
 
 primitive.register_lowering(lower_tap)

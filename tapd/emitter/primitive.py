@@ -74,10 +74,21 @@ class OrderedTapEffect(_OneOfAKind):
     __str__ = lambda _: "tapd.tap(ordered)"  # noqa: E731
 
 
+class ProgramOrder(_OneOfAKind):
+    """The order of a computation's taps inside it (tapd.emitter.program_order): an
+    ordered effect whose token is made inside the computation, which JAX threads through
+    every loop carry, branch and call as it threads its own, and which the
+    computation's dispatch never sees. Set on the taps only as the computation lowers
+    (TapSiteParams.chained), after every transformation."""
+
+    __str__ = lambda _: "tapd.program_order"  # noqa: E731
+
+
 UNORDERED = TapEffect()
 ORDERED = OrderedTapEffect()
+PROGRAM_ORDER = ProgramOrder()
 
-for _effect_type in (TapEffect, OrderedTapEffect):
+for _effect_type in (TapEffect, OrderedTapEffect, ProgramOrder):
     effects.lowerable_effects.add_type(_effect_type)
     effects.control_flow_allowed_effects.add_type(_effect_type)
     effects.custom_derivatives_allowed_effects.add_type(_effect_type)
@@ -87,6 +98,8 @@ for _effect_type in (TapEffect, OrderedTapEffect):
     effects.partial_eval_kept_effects.add_type(_effect_type)
 effects.ordered_effects.add_type(OrderedTapEffect)
 effects.shardable_ordered_effects.add_type(OrderedTapEffect)
+effects.ordered_effects.add_type(ProgramOrder)
+effects.shardable_ordered_effects.add_type(ProgramOrder)
 
 
 # What `jax.effects_barrier()` adds to JAX's own: the emitter's (lifecycle's) waits.
@@ -108,12 +121,15 @@ class TapSiteParams:
     ordered: bool = True
     strict: bool = False
     like_jax_debug: bool = False  # tapd.debug's (tapping.as_jax_debug)
+    chained: bool = False  # threads PROGRAM_ORDER's token (set as it lowers: program_order)
 
     @property
     def effects(self) -> set[effects.Effect]:
         """The site's JAX effects (see the module docstring)."""
         if self.strict and self.ordered:
             return jax_compat.tap_effects(ORDERED, UNORDERED)
+        if self.chained and self.ordered:
+            return {PROGRAM_ORDER, UNORDERED}
         return {UNORDERED}
 
     def decoded_fields(self) -> dict[str, Any]:

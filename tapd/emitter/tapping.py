@@ -26,6 +26,7 @@ from tapd.consumers import MAX_NAME
 from tapd.emitter import (
     jax_compat,
     lifecycle,
+    loop_invariant,  # noqa: F401  (a tap of a loop-invariant value under grad of a scan)
     lowering,  # noqa: F401  (registers the rule)
     primitive,
     sharding,

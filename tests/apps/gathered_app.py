@@ -253,8 +253,16 @@ def zero_length_and_dynamic_loops() -> Any:
     def empty_scan(n: Any) -> Any:  # (not run under disable_jit: JAX refuses it there)
         return T("b", lax.scan(lambda c, k: (T("never", c + k), k), T("a", n), jnp.arange(0))[0])
 
+    def empty_scan_of_a_loop(n: Any) -> Any:
+        # (issue 49: its taps were counted 0 x inf, NaN, and the computation not gathered)
+        def body(c: Any, k: Any) -> Any:
+            return lax.while_loop(lambda c: c < 3, lambda c: T("never_in_while", c + 1), c), k
+
+        return lax.scan(body, T("a", n), jnp.arange(0))[0]
+
     got = twice(func, 11)
     got["empty_scan"] = plain(jax.jit(empty_scan)(3))
+    got["empty_scan_of_a_loop"] = plain(jax.jit(empty_scan_of_a_loop)(0))
     return got
 
 
