@@ -110,9 +110,9 @@ def test_id_taps_of_a_jit_of_pmap_are_strict_and_keep_host_callback_order(
 def test_taps_of_tapd_token_and_strict_taps_in_one_jit_keep_one_program_order(
     start_daemon: StartDaemon, backend: str
 ) -> None:
-    """Where one computation holds both kinds, tapd's chain is joined to JAX's token in
-    each block (`order.join_chains`): around a scan that taps both ways, and a cond
-    whose strict tap takes JAX's token from above."""
+    """Where one computation holds both kinds, all its ordered taps take JAX's token
+    (`program_order.chained`): around a scan that taps both ways, and a cond whose
+    strict tap takes JAX's token from above."""
     daemon = start_daemon()
     result = run_dispatch(daemon, "hcb_mixed_order", "5")
     per_call = ["a", "s1", "loop", "strict_loop", "loop", "strict_loop", "big", "strict_cond", "b"]

@@ -16,14 +16,13 @@ with `device=` when the site said `tap_with_device=True`.
 
 How its taps keep order (`_ordering`, decided per tap when it is traced; docs/MIGRATING.md,
 "Order"): host_callback threaded one token through every tap. tapd keeps that order with
-its own token inside the computation (`tapd.emitter.order`), which leaves the step on
-JAX's C++ dispatch path, wherever that token can place every tap: in a computation on
-one device. A tap traced where the computation is split over several devices (inside
-`pmap` or `shard_map`, under a mesh of more than one device, or of a value sharded over
-several) is *strict* instead: JAX's ordered effect and runtime token, at JAX's per-call
-cost, since tapd's order pass does not run on a partitioned module. A tap of tapd's token
-next to strict ones in one computation (a `jit` around a `pmap`) is joined to their
-chain where the module is lowered (`order.join_chains`).
+its own token inside the computation (`tapd.emitter.program_order`), which leaves the
+step on JAX's C++ dispatch path, in a computation on one device. A tap traced where the
+computation is split over several devices (inside `pmap` or `shard_map`, under a mesh of
+more than one device, or of a value sharded over several) is *strict* instead: JAX's
+ordered effect and runtime token, which such a computation takes on the CPU anyway
+(`jax_compat.dispatch`). A tap of tapd's token next to strict ones in one computation (a
+`jit` around a `pmap`) takes JAX's token too as the module is lowered: one chain.
 """
 
 from __future__ import annotations

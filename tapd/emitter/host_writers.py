@@ -115,8 +115,10 @@ def check_fits(native: RingSites, site: TapSiteParams, tapped_avals: Sequence[An
     )
     capacity = native.ring.counters().capacity
     if length > capacity:
+        # (a function of this process is named as its code names it, not as its ring does)
+        name = site.consumer.rsplit("/", 1)[-1] if site.consumer.startswith("local/") else None
         raise TapDefinitionError(
-            f"tap {site.consumer!r}: one tap is {length} bytes, more than the whole ring "
+            f"tap {name or site.consumer!r}: one tap is {length} bytes, more than the whole ring "
             f"of {capacity} bytes it is written to, and the policy is 'block' (which never "
             "drops a tap): raise TAPD_BUFFER_BYTES (tapd.configure(buffer_bytes=...), now "
             f"{settings.buffer_bytes}) above {length}, or tap less at a time"

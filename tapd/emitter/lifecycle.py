@@ -407,7 +407,8 @@ def _drain_local_at_exit() -> None:
     if not_run or counts["dropped"]:
         logger.error(
             "tapd at exit: not every tap of this process's own tap functions ran: %d not "
-            "run, %d dropped (no room in the ring under drop_newest): %s",
+            "run, %d dropped under drop_newest (no room in the ring, or a tap larger "
+            "than it): %s",
             not_run,
             counts["dropped"],
             counts,

@@ -1,0 +1,158 @@
+"""Program order against the references, on every path (issue 49).
+
+- Random programs (tests/apps/order_property_app.py: Hypothesis draws them, with taps
+  nested in fori_loop, scan, while_loop, cond, switch, nested jit, vmap, grad and
+  checkpoint) deliver, under `jax.jit`, the taps the same program gives run eagerly
+  (`jax.disable_jit()`), and tapd.debug's those of `jax.debug.callback(ordered=True)`:
+  the same taps, values and order. On the native backend, the portable one, and the
+  gathered path with logs of 2 records and of 1 (flushes inside every loop and
+  branch). A fixed seed set here; many more examples in the soak tier (`pytest -m soak`,
+  which `.ci/run` runs).
+- The programs Hypothesis shrank from failures, kept as regressions.
+- The two shapes the issue names, for `tapd.tap` (a subscriber in another process),
+  `id_tap` and `tapd.debug.callback(ordered=True)`, on both CPU backends: 12 of 12.
+- A tap larger than its whole ring, under `block`, is refused as it is traced, naming
+  its size and the setting; under `drop_newest` it is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from zygote import run_program
+
+from conftest import APPS, Daemon, SubscriberProcess, native_unavailable, wait_until
+
+pytestmark = [
+    pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable())),
+    pytest.mark.timeout(900),
+]
+
+SETTINGS = {
+    "native": {"TAPD_BACKEND": "native"},
+    "portable": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "off"},
+    "gathered_taps2": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on", "TAPD_GATHER_TAPS": "2"},
+    "gathered_bytes1": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on", "TAPD_GATHER_BYTES": "1"},
+}
+BASE_ENV = {"JAX_PLATFORMS": "cpu", "TAPD_AUTOSTART": "0"}
+
+# Programs Hypothesis found and shrank (Program.source), each with what it caught.
+REGRESSIONS = [
+    # Two taps in a nested jit, then one after it: the one after ran between them.
+    "[('jit', 0, [('tap', 0, 'a', False), ('tap', 0, 'a', False)], [], []),"
+    " ('tap', 0, 'b', False)]",
+    # A tap of a loop-invariant value under grad of a scan: once a step, as eagerly
+    # (it ran once); tapd.debug's once, as jax.debug's.
+    "[('grad', 0, [('scan', 3, [('tap', 0, 'b', False)], [], [])], [], [])]",
+    # The same under checkpoint, in a loop that runs no step: no tap (one ran).
+    "[('tap', 0, 'a', False), ('grad', 0, [('checkpoint', 0, [('fori', 0, [('tap', 0, 'a',"
+    " False)], [], [])], [], [])], [], [])]",
+    # tapd.debug under grad of checkpoint: staged again, as jax.debug.
+    "[('tap', 0, 'a', False), ('grad', 0, [('checkpoint', 0, [('tap', 0, 'a', False)], [],"
+    " [])], [], [])]",
+    # A while that passes a tapped value through, in a fori_loop (the issue's shape 1).
+    "[('fori', 2, [('tap', 0, 'b', True), ('while', 2, [('bump', 'a'), ('tap', 1, 'a', True)],"
+    " [], [])], [], [])]",
+    # A nested jit whose cond taps, then a tap (shape 2).
+    "[('jit', 0, [('tap', 0, 'a', False), ('cond', 0, [('tap', 1, 'a', False)], [('tap', 2,"
+    " 'v', False)], [])], [], []), ('tap', 3, 'a', False)]",
+    # A vmapped loop whose carry is partly batched.
+    "[('tap', 0, 'a', False), ('bump', 'a'), ('vmap', 0, [('fori', 1, [('tap', 0, 'v', False),"
+    " ('bump', 'v')], [], [])], [], [])]",
+]
+
+
+def run_app(args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    full_env = {**os.environ, **BASE_ENV, **env}
+    result = run_program(
+        [sys.executable, str(APPS / "order_property_app.py"), *args], env=full_env, timeout=800
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result (exit {result.returncode})\n{result.stdout}\n{result.stderr}"
+    outcome: dict[str, Any] = json.loads(lines[-1])
+    assert result.returncode == (0 if outcome["ok"] else 1), result.stderr
+    return outcome
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_random_programs_keep_program_order(setting: str) -> None:
+    outcome = run_app(["25", str(49_000 + list(SETTINGS).index(setting))], SETTINGS[setting])
+    assert outcome["ok"], f"{outcome['program']}\n{outcome['failure']}"
+    assert outcome["checked"] == 25
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_many_random_programs_keep_program_order(setting: str) -> None:
+    outcome = run_app(["200", str(4_900 + list(SETTINGS).index(setting))], SETTINGS[setting])
+    assert outcome["ok"], f"{outcome['program']}\n{outcome['failure']}"
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_shrunk_programs_stay_fixed(setting: str) -> None:
+    outcome = run_app(["--programs", json.dumps(REGRESSIONS)], SETTINGS[setting])
+    assert outcome["ok"], json.dumps(outcome["failures"], indent=1)
+    assert outcome["checked"] == len(REGRESSIONS)
+
+
+PROGRAM_ORDER = {
+    "shape_1": ["before", "inside", "inside", "before", "inside", "inside"],
+    "shape_2": ["first", "in_cond", "after"],
+}
+NAMES = ["before", "inside", "in_cond", "first", "after"]
+BACKENDS = {"native": {"TAPD_BACKEND": "native"}, "portable": {"TAPD_BACKEND": "portable"}}
+
+
+def shapes(kind: str, env: dict[str, str], endpoint: str = "") -> dict[str, Any]:
+    full_env = {**os.environ, **BASE_ENV, **env}
+    if endpoint:
+        full_env["TAPD_ENDPOINT"] = endpoint
+    argv = [sys.executable, str(APPS / "order_shapes_app.py"), "shapes", kind]
+    result = run_program(argv, env=full_env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    outcome: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return outcome
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("kind", ["id_tap", "debug"])
+def test_the_issues_shapes_in_program_order(kind: str, backend: str) -> None:
+    assert shapes(kind, BACKENDS[backend]) == PROGRAM_ORDER
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_the_issues_shapes_reach_a_subscriber_in_program_order(
+    backend: str,
+    start_daemon: Callable[..., Daemon],
+    start_subscriber: Callable[..., SubscriberProcess],
+) -> None:
+    daemon = start_daemon()
+    subscriber = start_subscriber(daemon, "order")
+    shapes("tap", BACKENDS[backend], daemon.endpoint)
+    expected = [*PROGRAM_ORDER["shape_1"], *PROGRAM_ORDER["shape_2"]]
+    wait_until(lambda: len(subscriber.records()) >= len(expected), "every tap at the subscriber")
+    records = subscriber.records()
+    assert [record["seq"] for record in records] == list(range(len(expected)))
+    assert [NAMES[record["value"]["tag"]] for record in records] == expected
+
+
+def test_a_tap_larger_than_its_ring_is_refused_under_block() -> None:
+    env = {**os.environ, **BASE_ENV}
+    result = run_program([sys.executable, str(APPS / "order_shapes_app.py"), "too_big"], env=env)
+    refused = json.loads(result.stdout.splitlines()[-1])["refused"]
+    assert refused is not None, result.stderr
+    assert "4194360 bytes" in refused and "65536" in refused and "TAPD_BUFFER_BYTES" in refused
+    assert "'block'" in refused
+
+
+def test_a_tap_larger_than_its_ring_is_dropped_and_counted_under_drop_newest() -> None:
+    env = {**os.environ, **BASE_ENV, "TAPD_EMITTER_POLICY": "drop_newest"}
+    result = run_program([sys.executable, str(APPS / "order_shapes_app.py"), "too_big"], env=env)
+    assert json.loads(result.stdout.splitlines()[-1])["refused"] is None
+    assert "larger than the whole ring; dropped" in result.stderr
+    assert "1 dropped under drop_newest" in result.stderr
