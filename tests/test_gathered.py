@@ -260,7 +260,8 @@ def test_nested_loops_and_branches_run_taps_as_the_program_does(
         assert tags[0] == "before" and tags[-1] == "end" and len(tags) == 65
         assert tags.count("w") == 3 and tags.count("s") == tags.count("y") == 12
     if case == "zero_length_and_dynamic_loops":
-        assert got["calls"][-2:] == [["a", 3], ["b", 3]]  # the empty scan's neighbours
+        # the empty scans' neighbours (the second's body is a tapping while: issue 49)
+        assert got["calls"][-3:] == [["a", 3], ["b", 3], ["a", 0]]
         assert [c[1] for c in got["calls"] if c[0] == "dyn"] == [
             11 + j * (j + 1) // 2 for j in range(11)
         ]
