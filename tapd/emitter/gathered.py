@@ -39,7 +39,7 @@ from jax._src import core
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-from tapd.emitter import gathered_outputs, host_writers, lifecycle
+from tapd.emitter import gathered_outputs, gathered_slices, host_writers, lifecycle
 from tapd.emitter.gathered_eval import (
     NotGatherable,
     Rewriter,
@@ -52,6 +52,7 @@ from tapd.emitter.gathered_flush import ClosedJaxpr, FlushPlan, WayOut, call, pa
 from tapd.emitter.gathered_outputs import OutputsEffect
 from tapd.emitter.native_backend import RingSites
 from tapd.emitter.primitive import TapSiteParams
+from tapd.errors import TapDefinitionError
 
 logger = logging.getLogger("tapd.emitter")
 
@@ -74,8 +75,16 @@ def maybe_gathered(
     platform = str(platforms[0]).lower()
     if settings.gather == "auto" and platform != "tpu":
         return None
-    if getattr(axis_context, "num_devices", None) != 1 or not taps_within(closed.jaxpr):
+    if not taps_within(closed.jaxpr):
         return None
+    several = getattr(axis_context, "num_devices", None) != 1
+    if several:
+        chosen = _slices(closed, platform, settings.gather_taps, settings.gather_bytes)
+        if chosen is not None or not _partitioned(axis_context):
+            return chosen
+        # A jit the compiler partitions: its taps are of whole (gathered) values, each
+        # a callback on its first device; gathered, one flush there, at its end.
+        output = False
     found: dict[TapSiteParams, list[Any]] = {}
     try:
         site_operands(closed.jaxpr, found)
@@ -83,12 +92,7 @@ def maybe_gathered(
         return None
     if not all(_host_callback_here(site, platform) for site in found):
         return None
-    for site, avals in found.items():  # (what the per-tap path refuses, refused here too)
-        native = _ring_of(site)
-        if native is not None:
-            leaves = site.leaf_count(len(avals))
-            tapped = [*avals[:leaves], *(avals[-1:] if site.has_coords else [])]
-            host_writers.check_fits(native, site, tapped)
+    _check_fits(found)
     taps, max_bytes = settings.gather_taps, settings.gather_bytes
     try:
         if output and gathered_outputs.install():
@@ -109,6 +113,57 @@ def maybe_gathered(
             exc_info=True,
         )
         return None
+
+
+def _slices(closed: ClosedJaxpr, platform: str, taps: int, max_bytes: int) -> Any:
+    """A computation over several devices with each shard_map body's taps gathered on
+    each device (tapd.emitter.gathered_slices); None where it keeps the per-tap path."""
+
+    def gather_body(body: Any, found: dict[TapSiteParams, list[Any]]) -> Any:
+        if not all(_host_callback_here(site, platform) for site in found):
+            raise NotGatherable("a tap in a body that is not a host callback here")
+        _check_fits(found)
+        # (each device's values, as a body traced without checking its manual axes has them)
+        avals = [
+            core.ShapedArray(v.aval.shape, v.aval.dtype, v.aval.weak_type) for v in body.invars
+        ]
+        gathered = rewrite(_closed(body, []), found, taps=taps, max_bytes=max_bytes, in_avals=avals)
+        jaxpr = gathered if isinstance(gathered, core.Jaxpr) else gathered.jaxpr
+        if jaxpr.constvars:
+            raise NotGatherable("a gathered body with constants")
+        return jaxpr
+
+    try:
+        chosen = gathered_slices.gathered_bodies(closed, gather_body)
+    except NotGatherable as exc:
+        logger.debug("taps not gathered: %s", exc)
+        return None
+    except TapDefinitionError:
+        raise
+    except Exception:  # a JAX this rewrite does not know: its taps keep working
+        logger.warning(
+            "tapd could not gather this computation's taps on its devices (one host "
+            "callback a tap instead; TAPD_GATHER=off says so for good)",
+            exc_info=True,
+        )
+        return None
+    return None if chosen is None else (chosen, None)
+
+
+def _partitioned(axis_context: Any) -> bool:
+    from jax._src import sharding_impls
+
+    return isinstance(axis_context, sharding_impls.ShardingContext)
+
+
+def _check_fits(found: dict[TapSiteParams, list[Any]]) -> None:
+    """What the per-tap path refuses (a tap larger than its whole ring), refused here."""
+    for site, avals in found.items():
+        native = _ring_of(site)
+        if native is not None:
+            leaves = site.leaf_count(len(avals))
+            tapped = [*avals[:leaves], *(avals[-1:] if site.has_coords else [])]
+            host_writers.check_fits(native, site, tapped)
 
 
 def _host_callback_here(site: TapSiteParams, platform: str) -> bool:
@@ -134,12 +189,14 @@ def rewrite(
     taps: int,
     max_bytes: int,
     way_out: OutputsEffect | None = None,
+    in_avals: list[Any] | None = None,
 ) -> ClosedJaxpr:
     """`closed` with its taps gathered (see the module docstring); raises NotGatherable.
 
     `found`: its sites and their operands' avals (`site_operands`); `taps` and
     `max_bytes` size the buffers (`plan_buffers`); with `way_out`, the computation
-    takes its sites' wake flags and ends with its buffers as an output (`call`)."""
+    takes its sites' wake flags and ends with its buffers as an output (`call`);
+    `in_avals`: its arguments' (default: its jaxpr's)."""
     sites = list(found)
     records = most_records(closed.jaxpr)
     hint = 0 if math.isinf(records) else int(records)
@@ -150,7 +207,8 @@ def rewrite(
     # flush on, as with one host callback a tap.
     masked = way_out is not None and plan.never_full
     rewriter = Rewriter(plan)
-    in_avals = [var.aval for var in closed.jaxpr.invars]
+    if in_avals is None:
+        in_avals = [var.aval for var in closed.jaxpr.invars]
     flags_avals = [] if way_out is None else [core.ShapedArray((len(sites),), np.dtype(np.int32))]
 
     def gathered(*args: Any) -> list[Any]:

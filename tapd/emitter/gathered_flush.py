@@ -77,14 +77,23 @@ def _abstract_eval(*avals: Any, plan: FlushPlan) -> tuple[core.ShapedArray, set[
 
 def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> list[Any]:
     module = ctx.module_context
-    host_function = _host_function(ctx, plan)
-    avals = list(ctx.avals_in)
+    # Inside a shard_map or pmap body each device flushes its own log: the callback
+    # then also takes the device's index (gathered_slices).
+    device_operand = host_writers.partition_index(ctx)
+    host_function: Any
+    if device_operand is None:
+        host_function = _host_function(ctx, plan)
+        values, index_avals = [], []
+    else:
+        host_function = _per_device_function(ctx, plan)
+        values, index_avals = device_operand
+    avals = [*ctx.avals_in, *index_avals]
     callback_ctx = dataclasses.replace(ctx, avals_in=avals, avals_out=[])
     token = jax_compat.emit_python_callback(
         callback_ctx,
         host_function,
         ctx.tokens_in.get(PROGRAM_ORDER),
-        list(operands),
+        [*operands, *values],
         avals,
         returns_token=False,
         sharding=jax_compat.callback_op_sharding(module.axis_context, None),
@@ -95,17 +104,26 @@ def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> li
     return [joined.results[1]]
 
 
-def _host_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan) -> gathered_host.Flush:
-    """What writes the computation's packed buffers (on the host)."""
+def _host_function(
+    ctx: mlir.LoweringRuleContext, plan: FlushPlan, index: int = 0
+) -> gathered_host.Flush:
+    """What writes the computation's packed buffers (on the host), for the device at
+    `index` of its device assignment."""
     module = ctx.module_context
     platform = module.platforms[0] if len(module.platforms) == 1 else None
-    devices_at = host_writers.DeviceOrdinals(host_writers.local_ordinals(ctx), 0)
-    assert devices_at.fixed is not None  # (a gathered computation runs on one device)
+    devices_at = host_writers.DeviceOrdinals(host_writers.local_ordinals(ctx), index)
+    assert devices_at.fixed is not None
     sites = [
         gathered_host.SiteWriter(site, avals, platform, devices_at)
         for site, avals in zip(plan.sites, plan.operand_avals, strict=True)
     ]
     return gathered_host.Flush(sites, devices_at.fixed, plan.capacity, plan.operand_avals)
+
+
+def _per_device_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan) -> gathered_host.PerDevice:
+    """The host function of a flush every device of a shard_map or pmap body runs, each
+    on its own log: the writer of the device its last operand names."""
+    return gathered_host.PerDevice(lambda index: _host_function(ctx, plan, index))
 
 
 jax_compat.register_lowering(flush_p, _lower)

@@ -17,7 +17,8 @@ buffers ([capacity, *shape] each); every piece padded to 8 bytes.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -142,6 +143,7 @@ class Flush:
         return tuple(site.awake() for site in self.sites)
 
     def __call__(self, packed: Any) -> tuple[()]:
+        lifecycle.host_callback_ran()
         gathered_outputs.write_ready()  # (the outputs of computations before this one)
         self.write_packed(np.asarray(packed))
         return ()
@@ -186,6 +188,28 @@ class Flush:
             width = len(site.tapped) + (site.step is not None)
             operands = [self._piece(packed, starts[index] + k)[row] for k in range(width)]
             site.write_one(operands)
+
+
+class PerDevice:
+    """The host function of a flush that every device of a shard_map or pmap body runs:
+    its last operand is the device's index in the computation's device assignment,
+    whose `Flush` (made the first time, `make(index)`) writes its log. Devices call it
+    at once, each on a thread of its own."""
+
+    def __init__(self, make: Callable[[int], Flush]) -> None:
+        self._make = make
+        self._flushes: dict[int, Flush] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, packed: Any, index: Any) -> tuple[()]:
+        key = int(index)
+        flush = self._flushes.get(key)
+        if flush is None:
+            with self._lock:
+                flush = self._flushes.get(key)
+                if flush is None:
+                    flush = self._flushes[key] = self._make(key)
+        return flush(packed)
 
 
 def _padded(piece: tuple[np.dtype[Any], tuple[int, ...], int]) -> int:

@@ -15,9 +15,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import core, sharding_impls
 from jax._src import mesh as mesh_lib
-from jax._src import sharding_impls
 from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
+from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 from jax.sharding import Mesh
 
 from tapd.emitter import lifecycle, primitive
@@ -58,9 +60,22 @@ class DeviceOrdinals:
         return self.fixed if self.fixed is not None else self.of(int(args[-1]))
 
 
+def partition_index(ctx: mlir.LoweringRuleContext) -> tuple[list[Any], list[Any]] | None:
+    """([this device's index in the computation's device assignment, a u32 scalar], its
+    aval) inside shard_map/pmap, where the callback runs on every device; None under a
+    jit (ShardingContext), where it runs once, on one device known when it is lowered."""
+    if not isinstance(ctx.module_context.axis_context, sharding_impls.SPMDAxisContext):
+        return None
+    value = hlo.partition_id()
+    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_unsigned(32))
+    if value.type != scalar:
+        value = hlo.reshape(scalar, value)
+    return [value], [core.ShapedArray((), np.dtype(np.uint32))]
+
+
 def local_ordinals(ctx: mlir.LoweringRuleContext) -> list[int]:
     """The local device ordinal (what XLA's FFI calls DeviceOrdinal) of each device of
-    the computation's device assignment, which `_partition_index` gives; -1 for another
+    the computation's device assignment, which `partition_index` gives; -1 for another
     process's device."""
     context = ctx.module_context.axis_context
     devices: Sequence[Any] = ()
@@ -163,6 +178,7 @@ def ring_writer(
     def write_record(*args: Any) -> tuple[()]:
         # Runs on an XLA thread; the arrays view XLA's buffers: copy them into the ring
         # now, in this one call, and keep nothing.
+        lifecycle.host_callback_ran()
         write_ready()  # (gathered taps dispatched before this computation: theirs first)
         device = fixed if fixed is not None else int32(device_of(int(args[-1])))
         if asks and skip(handle, site_c, consumer_c, device, every_c):
@@ -221,6 +237,7 @@ def sender_writer(
     has_coords = site.has_coords
 
     def submit(*args: Any) -> tuple[()]:
+        lifecycle.host_callback_ran()
         write_ready()
         device = devices_at(args)
         sender = lifecycle.get_sender()

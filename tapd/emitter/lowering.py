@@ -126,7 +126,7 @@ def lower_tap(ctx: mlir.LoweringRuleContext, *operands: Any, site: TapSiteParams
             where = 0
         # The device's index: an operand where each device runs the callback (inside
         # shard_map/pmap), else `where`, known now (one operand less to convert a call).
-        device_operand = _partition_index(ctx)
+        device_operand = host_writers.partition_index(ctx)
         devices_at = host_writers.DeviceOrdinals(
             host_writers.local_ordinals(ctx), None if device_operand else where
         )
@@ -231,19 +231,6 @@ def _single_device(axis_context: Any, index: int) -> Any:
     return None if not assignment else jax_compat.single_device_sharding(assignment[index])
 
 
-def _partition_index(ctx: mlir.LoweringRuleContext) -> tuple[list[Any], list[Any]] | None:
-    """([this device's index in the computation's device assignment, a u32 scalar], its
-    aval) inside shard_map/pmap, where the callback runs on every device; None under a
-    jit (ShardingContext), where it runs once, on one device known when it is lowered."""
-    if not isinstance(ctx.module_context.axis_context, sharding_impls.SPMDAxisContext):
-        return None
-    value = hlo.partition_id()
-    scalar = ir.RankedTensorType.get([], ir.IntegerType.get_unsigned(32))
-    if value.type != scalar:
-        value = hlo.reshape(scalar, value)
-    return [value], [core.ShapedArray((), np.dtype(np.uint32))]
-
-
 def _constant_index(index: int) -> tuple[list[Any], list[Any]]:
     return [mlir.ir_constant(np.uint32(index))], [core.ShapedArray((), np.dtype(np.uint32))]
 
@@ -289,6 +276,7 @@ def _ring_guard(
     handle = native.ring.handle
 
     def wanted(*args: Any) -> tuple[Any]:
+        lifecycle.host_callback_ran()
         device = devices_at(args)
         return (np.int32(0 if skip(handle, site_id, consumer_id, device, every) else 1),)
 

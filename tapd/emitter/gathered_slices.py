@@ -1,0 +1,131 @@
+"""The gathered path over several devices: each device of a `shard_map` or `pmap` body
+gathers its own taps (issue 50).
+
+A computation over several devices (a `shard_map`, or a `pmap`, which JAX runs as a
+`jit` of a `shard_map`) runs its body on every device at once. Each device's taps are
+that device's: they go into the device's own log and buffers, carried through the
+body's loops and branches exactly as one device's are (`gathered_eval.Rewriter`), and
+leave in few transfers: a flush when the log fills, and one at the end of the body. A
+flush is one host callback that every device runs on its own log
+(`gathered_flush`, `gathered_host.PerDevice`), so a call of a 400-step loop with a tap a
+step makes one host callback a device where it made 400. Records are those of the
+per-tap path: device, shard coordinates, step and seq; each device's taps in program
+order, each site's in step order.
+
+The rewrite happens as the computation lowers (`gathered_bodies`, from
+`gathered.maybe_gathered`), on the jaxpr JAX lowers: each `shard_map` whose body taps
+gets a body that gathers, traced in the body's own context (its mesh axes manual), so
+that collectives and axis indices inside it trace as they did. Only whole
+computations are gathered: where a tap lies outside any `shard_map` body (a sharded
+`jit`'s own taps, or taps around the `shard_map`), or a body holds what the rewrite
+does not enter, the computation keeps the per-tap path, and its taps one order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from jax._src import core
+
+from tapd.emitter.gathered_eval import NotGatherable, site_operands, taps_within
+from tapd.emitter.primitive import TapSiteParams, tap_p
+
+ClosedJaxpr = Any
+
+
+def gathered_bodies(
+    closed: ClosedJaxpr, gather_body: Callable[[Any, dict[TapSiteParams, list[Any]]], Any]
+) -> ClosedJaxpr | None:
+    """`closed` with each tapping `shard_map` body gathered by `gather_body(body,
+    sites)` (which returns the new body, a jaxpr without constants); None where a tap
+    lies outside every such body, or no body taps. Raises NotGatherable where a body
+    cannot be gathered."""
+    jaxpr = closed if isinstance(closed, core.Jaxpr) else closed.jaxpr
+    if _taps_outside_bodies(jaxpr):
+        return None
+    rewritten = _Bodies(gather_body).jaxpr(jaxpr)
+    if rewritten is jaxpr:
+        return None
+    return rewritten if isinstance(closed, core.Jaxpr) else closed.replace(jaxpr=rewritten)
+
+
+def _taps_outside_bodies(jaxpr: Any) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is tap_p:
+            return True
+        if eqn.primitive.name == "shard_map":
+            continue
+        if any(_taps_outside_bodies(sub) for sub in core.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+class _Bodies:
+    def __init__(self, gather_body: Callable[[Any, dict[TapSiteParams, list[Any]]], Any]):
+        self.gather_body = gather_body
+        self.done: dict[int, tuple[Any, Any]] = {}  # id(jaxpr) -> (jaxpr, its rewrite)
+
+    def jaxpr(self, jaxpr: Any) -> Any:
+        known = self.done.get(id(jaxpr))
+        if known is not None:
+            return known[1]
+        eqns = [self.eqn(eqn) for eqn in jaxpr.eqns]
+        changed = any(new is not old for new, old in zip(eqns, jaxpr.eqns, strict=True))
+        result = jaxpr.replace(eqns=eqns) if changed else jaxpr
+        self.done[id(jaxpr)] = (jaxpr, result)
+        return result
+
+    def eqn(self, eqn: Any) -> Any:
+        if eqn.primitive.name == "shard_map":
+            body = eqn.params["jaxpr"]
+            if not taps_within(body):
+                return eqn
+            found: dict[TapSiteParams, list[Any]] = {}
+            site_operands(body, found)
+            with _inside(eqn.params):
+                gathered = self.gather_body(body, found)
+            # (unchecked: the buffers each device fills are its own, "varying" values
+            # that JAX's check of a body's manual axes would have them declared as)
+            return eqn.replace(params={**eqn.params, "jaxpr": gathered, "check_vma": False})
+        params = {name: self.value(value) for name, value in eqn.params.items()}
+        if all(params[name] is value for name, value in eqn.params.items()):
+            return eqn
+        return eqn.replace(params=params)
+
+    def value(self, value: Any) -> Any:
+        if isinstance(value, core.Jaxpr):
+            return self.jaxpr(value)
+        closed_type = getattr(core, "ClosedJaxpr", None)
+        if closed_type is not None and isinstance(value, closed_type):
+            rewritten = self.jaxpr(value.jaxpr)
+            return value if rewritten is value.jaxpr else value.replace(jaxpr=rewritten)
+        if isinstance(value, tuple) and not hasattr(value, "_make"):
+            items = tuple(self.value(item) for item in value)
+            changed = any(new is not old for new, old in zip(items, value, strict=True))
+            return items if changed else value
+        return value
+
+
+@contextlib.contextmanager
+def _inside(params: dict[str, Any]) -> Iterator[None]:
+    """The context JAX traces a shard_map body in: its mesh axes manual (so that
+    `axis_index`, collectives and varying values trace as they did)."""
+    from jax._src import config
+    from jax._src import shard_map as shard_map_lib
+    from jax._src.mesh import use_abstract_mesh
+
+    extend = getattr(shard_map_lib, "_extend_axis_env", None)
+    as_manual = getattr(shard_map_lib, "_as_manual_mesh", None)
+    check_vma = getattr(config, "_check_vma", None)
+    axes = params.get("newly_manual_axes", params.get("manual_axes"))
+    if extend is None or as_manual is None or check_vma is None or axes is None:
+        raise NotGatherable("this JAX traces shard_map bodies otherwise")
+    mesh = params["mesh"]
+    with (
+        extend(mesh, axes),
+        use_abstract_mesh(as_manual(mesh, axes)),
+        check_vma(False),
+    ):
+        yield
