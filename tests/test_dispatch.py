@@ -119,9 +119,12 @@ def test_taps_of_tapd_token_and_strict_taps_in_one_jit_keep_one_program_order(
     assert result["ran"] == per_call * 5
 
 
-def test_an_id_tap_under_a_mesh_of_two_devices_is_strict(
+def test_an_id_tap_under_a_mesh_of_two_cpu_devices_takes_jax_python_dispatch(
     start_daemon: StartDaemon, backend: str
 ) -> None:
+    """Over several CPU devices a tapped step keeps JAX's runtime token (the barrier
+    waits for each device's part: jax_compat.dispatch), so each call goes through Python;
+    its taps are ordered by tapd's token (program_order), which holds there too."""
     daemon = start_daemon()
     result = run_dispatch(
         daemon, "hcb_under_a_mesh", "20", XLA_FLAGS="--xla_force_host_platform_device_count=2"

@@ -341,8 +341,9 @@ def test_flushes_hold_every_tap_and_never_more_than_the_log(
     assert capacity is not None
     assert "could not gather" not in runs[setting].stderr
     # Where calls are not one a tap: prints, a tap function that raised, io_callbacks,
-    # a shard_map, strict taps (not gathered).
-    taps = {"debug_and_print": 25, "exceptions": 25, "placement": 1,
+    # strict taps (not gathered). (A shard_map's body is gathered on each device, issue
+    # 50: placement's flushes hold its every tap.)
+    taps = {"debug_and_print": 25, "exceptions": 25,
             "beside_jax_ordered_effects": 14, "across_computations": 36,
             "taps_in_a_loop_condition": 0, "one_site_two_shapes": 0}  # fmt: skip
     for case in ORDER_CASES:
@@ -549,8 +550,11 @@ def test_hlo_has_no_callback_or_one_a_chunk_where_the_per_tap_path_has_one_a_tap
     on = runs["on"].case("lowered")
     assert off["callbacks"]["few"] == 7 and off["callbacks"]["long"] == 2
     assert on["callbacks"]["few"] == 0 and 1 <= on["callbacks"]["long"] <= 4
-    for kept in ("two_shapes", "strict", "in_condition", "shard_map"):
+    for kept in ("two_shapes", "strict", "in_condition"):
         assert on["callbacks"][kept] == off["callbacks"][kept] >= 1, kept
+    # A shard_map body of one tap: one callback either way (gathered: its flush, which
+    # each device runs on its own log).
+    assert on["callbacks"]["shard_map"] == off["callbacks"]["shard_map"] == 1
     assert off["callbacks"]["python_dispatches"] == 0
     assert on["callbacks"]["python_dispatches"] == 20
     assert on["result"] == off["result"]

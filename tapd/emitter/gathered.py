@@ -77,11 +77,13 @@ def maybe_gathered(
         return None
     if not taps_within(closed.jaxpr):
         return None
-    several = getattr(axis_context, "num_devices", None) != 1
-    if several:
-        chosen = _slices(closed, platform, settings.gather_taps, settings.gather_bytes)
-        if chosen is not None or not _partitioned(axis_context):
-            return chosen
+    # Taps in shard_map or pmap bodies (over one device, or several): each device's.
+    chosen = _slices(closed, platform, settings.gather_taps, settings.gather_bytes)
+    if chosen is not None:
+        return chosen
+    if getattr(axis_context, "num_devices", None) != 1:
+        if not _partitioned(axis_context):
+            return None
         # A jit the compiler partitions: its taps are of whole (gathered) values, each
         # a callback on its first device; gathered, one flush there, at its end.
         output = False
@@ -119,15 +121,14 @@ def _slices(closed: ClosedJaxpr, platform: str, taps: int, max_bytes: int) -> An
     """A computation over several devices with each shard_map body's taps gathered on
     each device (tapd.emitter.gathered_slices); None where it keeps the per-tap path."""
 
-    def gather_body(body: Any, found: dict[TapSiteParams, list[Any]]) -> Any:
+    def gather_body(
+        body: Any, found: dict[TapSiteParams, list[Any]], varying: tuple[str, ...]
+    ) -> Any:
         if not all(_host_callback_here(site, platform) for site in found):
             raise NotGatherable("a tap in a body that is not a host callback here")
         _check_fits(found)
-        # (each device's values, as a body traced without checking its manual axes has them)
-        avals = [
-            core.ShapedArray(v.aval.shape, v.aval.dtype, v.aval.weak_type) for v in body.invars
-        ]
-        gathered = rewrite(_closed(body, []), found, taps=taps, max_bytes=max_bytes, in_avals=avals)
+        closed_body = _closed(body, [])
+        gathered = rewrite(closed_body, found, taps=taps, max_bytes=max_bytes, varying=varying)
         jaxpr = gathered if isinstance(gathered, core.Jaxpr) else gathered.jaxpr
         if jaxpr.constvars:
             raise NotGatherable("a gathered body with constants")
@@ -189,14 +190,14 @@ def rewrite(
     taps: int,
     max_bytes: int,
     way_out: OutputsEffect | None = None,
-    in_avals: list[Any] | None = None,
+    varying: tuple[str, ...] = (),
 ) -> ClosedJaxpr:
     """`closed` with its taps gathered (see the module docstring); raises NotGatherable.
 
     `found`: its sites and their operands' avals (`site_operands`); `taps` and
     `max_bytes` size the buffers (`plan_buffers`); with `way_out`, the computation
     takes its sites' wake flags and ends with its buffers as an output (`call`);
-    `in_avals`: its arguments' (default: its jaxpr's)."""
+    `varying`: in a shard_map body, the manual axes its buffers vary along."""
     sites = list(found)
     records = most_records(closed.jaxpr)
     hint = 0 if math.isinf(records) else int(records)
@@ -206,9 +207,8 @@ def rewrite(
     # them instead, so that a site woken while it runs takes its taps from the next
     # flush on, as with one host callback a tap.
     masked = way_out is not None and plan.never_full
-    rewriter = Rewriter(plan)
-    if in_avals is None:
-        in_avals = [var.aval for var in closed.jaxpr.invars]
+    rewriter = Rewriter(plan, varying)
+    in_avals = [var.aval for var in closed.jaxpr.invars]
     flags_avals = [] if way_out is None else [core.ShapedArray((len(sites),), np.dtype(np.int32))]
 
     def gathered(*args: Any) -> list[Any]:

@@ -113,9 +113,12 @@ class Rewriter:
 
     `checked`: whether a tap must test for a full log itself (its region made no room)."""
 
-    def __init__(self, plan: FlushPlan) -> None:
+    def __init__(self, plan: FlushPlan, varying: tuple[str, ...] = ()) -> None:
         self.plan = plan
         self.index = {site: i for i, site in enumerate(plan.sites)}
+        # In a shard_map body whose manual axes JAX checks: the axes each device's
+        # buffers vary along (what the values written into them do).
+        self.varying = varying
 
     def empty(self, awake: Any = None) -> Gathered:
         """Fresh buffers: zeros (a flush reads only the rows its log names). `awake`:
@@ -127,12 +130,21 @@ class Rewriter:
             log=lax.full((plan.capacity,), 0, np.int32),
             rows=lax.full((sites,), 0, np.int32),
             buffers=tuple(
-                tuple(lax.full((plan.capacity, *a.shape), 0, a.dtype) for a in avals)
+                tuple(self._own(lax.full((plan.capacity, *a.shape), 0, a.dtype)) for a in avals)
                 for avals in plan.operand_avals
             ),
             awake=lax.full((sites,), 1, np.int32) if awake is None else awake,
             skipped=lax.full((sites,), 0, np.int32),
         )
+
+    def _own(self, buffer: Any) -> Any:
+        """`buffer`, each device's own (varying along `varying`)."""
+        if not self.varying:
+            return buffer
+        pcast = getattr(lax, "pcast", None)
+        if pcast is not None:
+            return pcast(buffer, self.varying, to="varying")
+        return lax.pvary(buffer, self.varying)  # type: ignore[attr-defined]
 
     # ---- flushes ------------------------------------------------------------------------
 

@@ -35,11 +35,13 @@ from tapd.emitter.primitive import TapSiteParams, tap_p
 ClosedJaxpr = Any
 
 
-def gathered_bodies(
-    closed: ClosedJaxpr, gather_body: Callable[[Any, dict[TapSiteParams, list[Any]]], Any]
-) -> ClosedJaxpr | None:
-    """`closed` with each tapping `shard_map` body gathered by `gather_body(body,
-    sites)` (which returns the new body, a jaxpr without constants); None where a tap
+# gather_body(body, its sites and their operands' avals, the manual axes its buffers
+# vary along): the body gathered, a jaxpr without constants.
+GatherBody = Callable[[Any, dict[TapSiteParams, list[Any]], tuple[str, ...]], Any]
+
+
+def gathered_bodies(closed: ClosedJaxpr, gather_body: GatherBody) -> ClosedJaxpr | None:
+    """`closed` with each tapping `shard_map` body gathered by `gather_body`; None where a tap
     lies outside every such body, or no body taps. Raises NotGatherable where a body
     cannot be gathered."""
     jaxpr = closed if isinstance(closed, core.Jaxpr) else closed.jaxpr
@@ -63,7 +65,7 @@ def _taps_outside_bodies(jaxpr: Any) -> bool:
 
 
 class _Bodies:
-    def __init__(self, gather_body: Callable[[Any, dict[TapSiteParams, list[Any]]], Any]):
+    def __init__(self, gather_body: GatherBody):
         self.gather_body = gather_body
         self.done: dict[int, tuple[Any, Any]] = {}  # id(jaxpr) -> (jaxpr, its rewrite)
 
@@ -84,11 +86,11 @@ class _Bodies:
                 return eqn
             found: dict[TapSiteParams, list[Any]] = {}
             site_operands(body, found)
+            checked = bool(eqn.params.get("check_vma", False))
+            axes = tuple(sorted(_manual_axes(eqn.params))) if checked else ()
             with _inside(eqn.params):
-                gathered = self.gather_body(body, found)
-            # (unchecked: the buffers each device fills are its own, "varying" values
-            # that JAX's check of a body's manual axes would have them declared as)
-            return eqn.replace(params={**eqn.params, "jaxpr": gathered, "check_vma": False})
+                gathered = self.gather_body(body, found, axes)
+            return eqn.replace(params={**eqn.params, "jaxpr": gathered})
         params = {name: self.value(value) for name, value in eqn.params.items()}
         if all(params[name] is value for name, value in eqn.params.items()):
             return eqn
@@ -108,6 +110,10 @@ class _Bodies:
         return value
 
 
+def _manual_axes(params: dict[str, Any]) -> Any:
+    return params.get("newly_manual_axes", params.get("manual_axes"))
+
+
 @contextlib.contextmanager
 def _inside(params: dict[str, Any]) -> Iterator[None]:
     """The context JAX traces a shard_map body in: its mesh axes manual (so that
@@ -119,13 +125,13 @@ def _inside(params: dict[str, Any]) -> Iterator[None]:
     extend = getattr(shard_map_lib, "_extend_axis_env", None)
     as_manual = getattr(shard_map_lib, "_as_manual_mesh", None)
     check_vma = getattr(config, "_check_vma", None)
-    axes = params.get("newly_manual_axes", params.get("manual_axes"))
+    axes = _manual_axes(params)
     if extend is None or as_manual is None or check_vma is None or axes is None:
         raise NotGatherable("this JAX traces shard_map bodies otherwise")
     mesh = params["mesh"]
     with (
         extend(mesh, axes),
         use_abstract_mesh(as_manual(mesh, axes)),
-        check_vma(False),
+        check_vma(bool(params.get("check_vma", False))),
     ):
         yield

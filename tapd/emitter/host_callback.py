@@ -16,13 +16,11 @@ with `device=` when the site said `tap_with_device=True`.
 
 How its taps keep order (`_ordering`, decided per tap when it is traced; docs/MIGRATING.md,
 "Order"): host_callback threaded one token through every tap. tapd keeps that order with
-its own token inside the computation (`tapd.emitter.program_order`), which leaves the
-step on JAX's C++ dispatch path, in a computation on one device. A tap traced where the
-computation is split over several devices (inside `pmap` or `shard_map`, under a mesh of
-more than one device, or of a value sharded over several) is *strict* instead: JAX's
-ordered effect and runtime token, which such a computation takes on the CPU anyway
-(`jax_compat.dispatch`). A tap of tapd's token next to strict ones in one computation (a
-`jit` around a `pmap`) takes JAX's token too as the module is lowered: one chain.
+its own token inside the computation (`tapd.emitter.program_order`), which JAX threads
+through every loop, branch and call, on one device or several (a partitioned `jit`, each
+device's `pmap` or `shard_map` body), and which leaves the step on JAX's C++ dispatch
+path. `ordered="strict"` (or TAPD_ORDERED=strict) takes JAX's runtime token instead,
+which also orders independent computations, at JAX's per-call cost.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ from tapd.emitter import lifecycle
 from tapd.emitter.local import fallback
 from tapd.emitter.local.functions import describe
 from tapd.emitter.print_order import ipython
-from tapd.emitter.tapping import STRICT, Ordering, check_ordered, emit, spans_devices
+from tapd.emitter.tapping import Ordering, check_ordered, emit
 from tapd.errors import TapDefinitionError
 from tapd.printing import print_tap
 from tapd_client.tap_functions import RESERVED_META
@@ -112,14 +110,11 @@ def _id_tap(
 
 def _ordering(arg: Any, ordered: Ordering | None) -> Ordering:
     """How an id_tap of `arg` traced here keeps host_callback's order (see the module
-    docstring): `ordered` if given; else TAPD_ORDERED's `False` or `"strict"`; else
-    (on, the default) strict where the computation is split over several devices,
-    tapd's own token elsewhere."""
+    docstring): `ordered` if given; else TAPD_ORDERED's (on, the default: tapd's own
+    token, on one device or several)."""
     if ordered is not None:
         return ordered
     setting: Ordering = lifecycle.settings().ordered
-    if setting is True and spans_devices(jax.tree_util.tree_leaves(arg)):
-        return STRICT
     return setting
 
 

@@ -546,7 +546,7 @@ def debug_and_print() -> Any:
 @case
 def placement() -> Any:
     """A jit on the second device is gathered and its taps say so; a tap inside shard_map
-    over both devices (not gathered) taps every shard."""
+    over both devices (gathered on each) taps every shard."""
     devices = jax.devices()
     on_second = jax.device_put(jnp.arange(3), devices[1])
 

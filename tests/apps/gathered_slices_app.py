@@ -1,0 +1,100 @@
+"""Computations over several devices, each kind, for tests/test_gathered_slices.py.
+
+    python tests/apps/gathered_slices_app.py KIND STEPS
+
+KIND: shard_map, pmap, jit_of_pmap, sharded_jit, explicit (a jit over a mesh of
+Explicit axes, whose taps of a sharded value tap each shard where it lives). Each runs a
+`fori_loop` of STEPS steps whose body taps (an `id_tap` of a closure, and a `cond`
+that taps every third step), then a tap after a `psum` (where there is an axis), twice.
+Prints the taps each device ran, in order, the result, and how many host callbacks
+tapd's taps ran (`tapd.stats()["host_callbacks"]`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import tapd
+
+RAN: list[tuple[str, str, Any]] = []
+
+
+def note(tag: str) -> Any:
+    def record(arg: Any, transforms: Any, *, device: Any) -> None:
+        RAN.append((str(device), tag, np.asarray(arg).tolist()))
+
+    return record
+
+
+def T(tag: str, x: Any) -> Any:
+    return tapd.id_tap(note(tag), x, tap_with_device=True)
+
+
+def loop(x: Any, steps: int) -> Any:
+    def step(j: Any, c: Any) -> Any:
+        c = lax.cond(j % 3 == 0, lambda c: T("cond", c + 1000), lambda c: c, c)
+        return T("step", c + j) + 1
+
+    return lax.fori_loop(0, steps, step, T("first", x * 100))
+
+
+def body(steps: int, axis: str | None) -> Any:
+    def run(x: Any) -> Any:
+        y = loop(x, steps)
+        total = lax.psum(y, axis) if axis else y
+        T("after", total)
+        return y
+
+    return run
+
+
+def main() -> dict[str, Any]:
+    kind, steps = sys.argv[1], int(sys.argv[2])
+    n = jax.device_count()
+    x = jnp.arange(float(n))
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    if kind == "shard_map":
+        f = jax.jit(jax.shard_map(body(steps, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    elif kind == "pmap":
+        f, x = jax.pmap(body(steps, "p"), axis_name="p"), x[:, None]
+    elif kind == "jit_of_pmap":
+        f, x = jax.jit(jax.pmap(body(steps, "p"), axis_name="p")), x[:, None]
+    elif kind == "sharded_jit":
+        f, x = jax.jit(body(steps, None)), jax.device_put(x, NamedSharding(mesh, P("d")))
+    elif kind == "explicit":
+        explicit = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+        x = jax.device_put(x, NamedSharding(explicit, P("d")))
+        with jax.set_mesh(explicit):
+            f = jax.jit(body(steps, None))
+            outs = [np.asarray(f(x)).tolist() for _ in range(2)]
+        return report(outs)
+    else:
+        raise SystemExit(f"unknown kind {kind!r}")
+    outs = [np.asarray(f(x)).tolist() for _ in range(2)]
+    return report(outs)
+
+
+def report(outs: list[Any]) -> dict[str, Any]:
+    tapd.barrier_wait()
+    per_device: dict[str, list[Any]] = {}
+    for device, tag, value in RAN:
+        per_device.setdefault(device, []).append([tag, value])
+    return {
+        "out": outs,
+        "per_device": per_device,
+        "taps": len(RAN),
+        "host_callbacks": tapd.stats()["host_callbacks"],
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(), sort_keys=True))

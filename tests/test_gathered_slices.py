@@ -1,0 +1,100 @@
+"""The gathered path over several devices (issue 50; tapd/emitter/gathered_slices.py), on
+the CPU with forced devices (`--xla_force_host_platform_device_count`) and
+`TAPD_BACKEND=portable TAPD_GATHER=on`, what a TPU slice gets by default.
+
+Each kind of computation over several devices (tests/apps/gathered_slices_app.py: a
+`shard_map`, a `pmap`, a `jit` around a `pmap`, a `jit` the compiler partitions over a
+mesh) runs a tapping loop (a `cond` in it taps too) and a tap after a `psum`, twice:
+gathered, every device's taps must be those of the per-tap path (the reference,
+`TAPD_GATHER=off`), value for value, in the same order, with the same device; and the
+host callbacks a call runs (`tapd.stats()["host_callbacks"]`, the figure that costs ~1 ms
+each on a TPU) drop from one a tap to one a device (the flush at the end of each
+device's body; one in all for the partitioned jit, whose taps are of whole values), or,
+with a log of 3 records, to a few a device.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any
+
+import pytest
+from zygote import run_program
+
+from conftest import APPS, native_unavailable
+
+pytestmark = [
+    pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable())),
+    pytest.mark.timeout(600),
+]
+
+STEPS = 50
+CALLS = 2
+# Taps a device makes a call: "first", 50 "step", 17 "cond" (j % 3 == 0), "after".
+TAPS_A_DEVICE = 1 + STEPS + math.ceil(STEPS / 3) + 1
+
+
+def run(kind: str, devices: int, **env: str) -> dict[str, Any]:
+    full_env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "TAPD_AUTOSTART": "0",
+        "TAPD_BACKEND": "portable",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        **env,
+    }
+    argv = [sys.executable, str(APPS / "gathered_slices_app.py"), kind, str(STEPS)]
+    result = run_program(argv, env=full_env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "could not gather" not in result.stderr
+    outcome: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
+    return outcome
+
+
+CASES = [
+    ("shard_map", 1),
+    ("shard_map", 2),
+    ("shard_map", 4),
+    ("shard_map", 8),
+    ("pmap", 1),
+    ("pmap", 2),
+    ("pmap", 8),
+    ("jit_of_pmap", 4),
+    ("sharded_jit", 2),
+    ("sharded_jit", 8),
+]
+
+
+@pytest.mark.parametrize(("kind", "devices"), CASES)
+def test_each_device_gathers_its_taps_and_flushes_once_a_call(kind: str, devices: int) -> None:
+    reference = run(kind, devices, TAPD_GATHER="off")
+    gathered = run(kind, devices, TAPD_GATHER="on")
+    per_device = 1 if kind == "sharded_jit" else devices  # (its taps: whole values, once)
+    assert reference["taps"] == CALLS * per_device * TAPS_A_DEVICE
+    assert reference["host_callbacks"] == reference["taps"]  # one a tap
+    assert gathered["per_device"] == reference["per_device"]
+    assert gathered["out"] == reference["out"]
+    assert gathered["host_callbacks"] == CALLS * per_device  # one a device, a call
+    assert len(gathered["per_device"]) == per_device
+
+
+@pytest.mark.parametrize("kind", ["shard_map", "pmap"])
+def test_a_small_log_flushes_in_the_loop_and_keeps_every_tap_in_order(kind: str) -> None:
+    reference = run(kind, 4, TAPD_GATHER="off")
+    gathered = run(kind, 4, TAPD_GATHER="on", TAPD_GATHER_TAPS="3")
+    assert gathered["per_device"] == reference["per_device"]
+    # Records of a device a call, in logs of 3 (a loop flushes by chunks, so a few more).
+    least = CALLS * 4 * math.ceil(TAPS_A_DEVICE / 3)
+    assert least <= gathered["host_callbacks"] < reference["host_callbacks"]
+
+
+def test_a_mesh_of_explicit_axes_keeps_one_callback_a_tap_per_shard() -> None:
+    """Not gathered yet: each tap of a value sharded over Explicit axes is a shard_map
+    of its own (tapd.emitter.tapping), so each device's log would be one tap long."""
+    reference = run("explicit", 2, TAPD_GATHER="off")
+    gathered = run("explicit", 2, TAPD_GATHER="on")
+    assert gathered["per_device"] == reference["per_device"]
+    assert gathered["host_callbacks"] == reference["host_callbacks"] == reference["taps"]
