@@ -84,6 +84,22 @@ def child(quick: bool) -> dict[str, Any]:
             return lambda x: f(x, STEPS)
         return jax.jit(lambda x: lax.fori_loop(0, STEPS, body, x))
 
+    def over_devices(form: str, kind: str) -> Callable[[Any], Any]:
+        """The loop inside a shard_map, or a pmap, over every device (one chip: its one)."""
+        from jax.sharding import Mesh
+        from jax.sharding import PartitionSpec as P
+
+        def body(i: Any, x: Any) -> Any:
+            return tapped(kind, x, i) * 0.999 + 0.001
+
+        def per_device(x: Any) -> Any:
+            return lax.fori_loop(0, STEPS, body, x.reshape(SMALL)).reshape(x.shape)
+
+        if form == "pmap":
+            return jax.pmap(per_device)
+        mesh = Mesh(jax.devices(), ("d",))
+        return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
     def step(kind: str) -> Callable[[Any], Any]:
         return jax.jit(lambda x: tapped(kind, x, 0) * 1.0001)
 
@@ -113,15 +129,38 @@ def child(quick: bool) -> dict[str, Any]:
         variants[f"loop1M {kind}"] = (loop(kind, BIG, False), big, 1, STEPS)
     for kind in ("none", "tap", "dormant", "jax", "tapd.debug", "id_tap", "untaken"):
         variants[f"call {kind}"] = (step(kind), small, step_calls, 1)
+    devices = jax.device_count()
+    spread = jnp.zeros((devices, SMALL), jnp.float32)
+    for form in ("smap64", "pmap64"):
+        for kind in ("none", "tap", "dormant", "jax", "id_tap"):
+            function = over_devices("pmap" if form == "pmap64" else "shard_map", kind)
+            variants[f"{form} {kind}"] = (
+                function,
+                spread.reshape(-1) if form == "smap64" else spread,
+                loop_calls,
+                STEPS,
+            )
 
+    # Host callbacks of tapd's that one call runs (tapd.stats()): ~1 ms each on a TPU.
+    callbacks: dict[str, int] = {}
+    for name, (function, x, _, _) in variants.items():
+        jax.block_until_ready(function(x))
+        tapd.barrier_wait(timeout=600)
+        before = tapd.stats().get("host_callbacks", 0)
+        jax.block_until_ready(function(x))
+        tapd.barrier_wait(timeout=600)
+        callbacks[name] = tapd.stats().get("host_callbacks", 0) - before
+        if name.endswith(" tap"):
+            made["loss" if x.size % BIG else "big"] += 2 * per_call_of(name)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, (function, x, calls, per_call) in variants.items():
             seconds = timed(function, x, calls)
             times[name].append(seconds / (calls * per_call) * 1e6)
             if name.endswith(" tap"):
-                made["loss" if x.size == SMALL else "big"] += (calls + 1) * per_call
+                made["loss" if x.size % BIG else "big"] += (calls + 1) * per_call
     return {
+        "callbacks": callbacks,
         "us": {name: statistics.median(values) for name, values in times.items()},
         "all_us": times,
         "made": made,
@@ -129,6 +168,11 @@ def child(quick: bool) -> dict[str, Any]:
         "device": str(jax.devices()[0]),
         "jax": jax.__version__,
     }
+
+
+def per_call_of(name: str) -> int:
+    """Taps a call of variant `name` makes."""
+    return 1 if name.startswith("call ") else STEPS
 
 
 def added(us: dict[str, float], prefix: str, kind: str) -> float:
@@ -143,14 +187,19 @@ def report(results: dict[str, dict[str, Any]], delivered: dict[str, int], quick:
         f"Machine: {first['device']}, JAX {first['jax']}, Python {platform.python_version()}, "
         f"host {platform.machine()} ({os.cpu_count()} CPUs). {'Quick run. ' if quick else ''}"
         f"Loops: {STEPS} steps a call, µs a step; calls: µs a call; medians of interleaved "
-        "rounds, each setting in one process of its own.",
+        "rounds, each setting in one process of its own. In brackets: the host callbacks "
+        "of tapd's that one call runs (tapd.stats()).",
         "",
         "| variant | " + " | ".join(f"TAPD_GATHER={g}" for g in results) + " |",
         "|---|" + "---|" * len(results),
     ]
     for name in first["us"]:
-        cells = " | ".join(f"{r['us'][name]:.1f}" for r in results.values())
+        cells = " | ".join(
+            f"{r['us'][name]:.1f} ({r.get('callbacks', {}).get(name, '-')})"
+            for r in results.values()
+        )
         lines.append(f"| {name} | {cells} |")
+
     lines += ["", "Ratios (added cost over the untapped variant, each within its own process):", ""]
     lines.append("| figure | " + " | ".join(f"TAPD_GATHER={g}" for g in results) + " | target |")
     lines.append("|---|" + "---|" * (len(results) + 1))
@@ -160,6 +209,12 @@ def report(results: dict[str, dict[str, Any]], delivered: dict[str, int], quick:
         ("loop, 1 MiB: tapd.tap ÷ scan outputs", "loop1M", "tap", "outputs", "≤ 1.5"),
         ("loop, tapd.debug.callback ÷ jax.debug.callback", "loop64", "tapd.debug", "jax", "≤ 0.02"),
         ("while, 64 B: tapd.tap ÷ jax.debug.callback", "while64", "tap", "jax", "(≤ 0.02)"),
+        ("shard_map loop, 64 B: tapd.tap ÷ jax.debug.callback", "smap64", "tap", "jax", "≤ 0.02"),
+        ("shard_map loop, dormant ÷ jax.debug.callback", "smap64", "dormant", "jax", "≤ 0.005"),
+        ("shard_map loop, id_tap ÷ jax.debug.callback", "smap64", "id_tap", "jax", ""),
+        ("pmap loop, 64 B: tapd.tap ÷ jax.debug.callback", "pmap64", "tap", "jax", "≤ 0.02"),
+        ("pmap loop, dormant ÷ jax.debug.callback", "pmap64", "dormant", "jax", "≤ 0.005"),
+        ("pmap loop, id_tap ÷ jax.debug.callback", "pmap64", "id_tap", "jax", ""),
         ("call: tapd.tap ÷ jax.debug.callback", "call", "tap", "jax", "≤ 0.25"),
         ("call: id_tap closure ÷ jax.debug.callback", "call", "id_tap", "jax", "≤ 0.25"),
         ("call: dormant ÷ jax.debug.callback", "call", "dormant", "jax", ""),
