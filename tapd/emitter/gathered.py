@@ -117,7 +117,9 @@ def maybe_gathered(
         return None
 
 
-def _slices(closed: ClosedJaxpr, platform: str, taps: int, max_bytes: int) -> Any:
+def _slices(
+    closed: ClosedJaxpr, platform: str, taps: int, max_bytes: int
+) -> tuple[ClosedJaxpr, None] | None:
     """A computation over several devices with each shard_map body's taps gathered on
     each device (tapd.emitter.gathered_slices); None where it keeps the per-tap path."""
 

@@ -83,7 +83,8 @@ def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> li
     host_function: Any
     if device_operand is None:
         host_function = _host_function(ctx, plan)
-        values, index_avals = [], []
+        values: list[Any] = []
+        index_avals: list[Any] = []
     else:
         host_function = _per_device_function(ctx, plan)
         values, index_avals = device_operand
