@@ -123,8 +123,12 @@ def _host_function(
 
 def _per_device_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan) -> gathered_host.PerDevice:
     """The host function of a flush every device of a shard_map or pmap body runs, each
-    on its own log: the writer of the device its last operand names."""
-    return gathered_host.PerDevice(lambda index: _host_function(ctx, plan, index))
+    on its own log: the writer of the device its last operand names. Those of this
+    process's devices are made now, registering the sites as the computation lowers
+    (as a per-tap lowering does: a site registered late may find no slot left in the
+    ring's site table)."""
+    local = [i for i, ordinal in enumerate(host_writers.local_ordinals(ctx)) if ordinal >= 0]
+    return gathered_host.PerDevice(lambda index: _host_function(ctx, plan, index), local)
 
 
 jax_compat.register_lowering(flush_p, _lower)

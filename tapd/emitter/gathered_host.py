@@ -196,9 +196,9 @@ class PerDevice:
     whose `Flush` (made the first time, `make(index)`) writes its log. Devices call it
     at once, each on a thread of its own."""
 
-    def __init__(self, make: Callable[[int], Flush]) -> None:
+    def __init__(self, make: Callable[[int], Flush], indices: Sequence[int] = ()) -> None:
         self._make = make
-        self._flushes: dict[int, Flush] = {}
+        self._flushes: dict[int, Flush] = {index: make(index) for index in indices}
         self._lock = threading.Lock()
 
     def __call__(self, packed: Any, index: Any) -> tuple[()]:

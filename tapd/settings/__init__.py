@@ -287,8 +287,9 @@ class EmitterFields:
     dormant: bool = DORMANT.field()
     ordered: bool | Literal["strict"] = emitter(
         True,
-        "taps keep program order inside each computation (tapd's own token; an id_tap's is "
-        "strict where its computation spans several devices); strict: every tap takes "
+        "taps keep program order inside each computation, whatever the data flows (tapd's "
+        "own token, threaded through every loop, branch and call, on one device or "
+        "several); strict: every tap takes "
         "JAX's ordered effect (order between computations too, at JAX's per-call cost); 0: "
         'lowered without one, order per site rebuilt from seq (docs/TAPPING.md, "Ordered, '
         'strict and unordered taps"); `tap(..., ordered=)` and `id_tap(..., ordered=)` '
