@@ -28,9 +28,15 @@ pytestmark = pytest.mark.usefixtures("backend")
 STEPS = 3
 
 
-def run_job(endpoints: list[str], coordinator: str, prefixes: list[list[str]]) -> list[str]:
+def run_job(
+    endpoints: list[str],
+    coordinator: str,
+    prefixes: list[list[str]],
+    env: dict[str, str] | None = None,
+) -> list[str]:
     """Run the 2-process job, process i tapping into endpoints[i] (its command prefixed
-    by prefixes[i], e.g. `ip netns exec HOST`); return each process's stdout."""
+    by prefixes[i], e.g. `ip netns exec HOST`), with `env` added; return each process's
+    stdout."""
     jobs = [
         subprocess.Popen(
             [
@@ -46,6 +52,7 @@ def run_job(endpoints: list[str], coordinator: str, prefixes: list[list[str]]) -
                 **os.environ,
                 "TAPD_ENDPOINT": endpoint,
                 "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                **(env or {}),
             },
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -119,6 +126,56 @@ def test_two_process_job_taps_reach_one_subscriber_from_both_hosts(
             for device in devices:
                 steps = [r["step"] for r in mine if r["device"] == device]
                 assert steps == list(range(STEPS))
+
+
+@pytest.mark.waits
+def test_two_process_job_gathered_on_each_device_reaches_one_subscriber(
+    start_daemon: Callable[..., Daemon], runtime_dir: Path, backend: str
+) -> None:
+    """The same job gathered (TAPD_GATHER=on, what a TPU slice gets; issue 50), its step
+    tapping three times: each process moves its own devices' logs, one host callback a
+    device a call where the per-tap path runs three, and the subscriber gets every
+    host's taps, tagged by process, device and shard, each device's in program order."""
+    if backend != "portable":
+        pytest.skip("the gathered path replaces host callbacks: the portable backend's")
+    repeats = 3
+    hosts = [start_daemon(name="host0.sock"), start_daemon(name="host1.sock")]
+    record = runtime_dir / "all.jsonl"
+    follow = [arg for host in hosts for arg in ("--endpoint", host.endpoint)]
+    subscriber = subprocess.Popen([sys.executable, str(APPS / "subscriber_app.py"), *follow,
+                                   "--record", str(record), "multihost"])  # fmt: skip
+    try:
+        wait_until(lambda: all(h.subscriber_count() == 1 for h in hosts), "the subscriber")
+        coordinator = f"127.0.0.1:{free_port()}"
+        env = {"TAPD_GATHER": "on", "MULTIHOST_TAPS_A_STEP": str(repeats)}
+        outputs = run_job([h.endpoint for h in hosts], coordinator, [[], []], env)
+        results = [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+        expected = 2 * 4 * STEPS * repeats
+        wait_until(lambda: len(record.read_text().splitlines()) >= expected, "every tap")
+        records = [json.loads(line) for line in record.read_text().splitlines()]
+    finally:
+        subscriber.terminate()
+        subscriber.wait(timeout=30)
+
+    expected_total = sum(range(4)) + sum(range(10, 14))
+    assert len(records) == expected
+    for result in results:
+        assert result["totals"] == [[float(expected_total)] * 4] * STEPS
+        # One flush a device a call (4 devices, STEPS calls), not one a tap.
+        assert result["stats"]["host_callbacks"] == 4 * STEPS
+    for process in (0, 1):
+        mine = [r for r in records if r["process"] == process]
+        assert len(mine) == 4 * STEPS * repeats
+        assert sorted({r["shard_index"] for r in mine}) == [4 * process + d for d in range(4)]
+        for index in range(4 * process, 4 * process + 4):
+            device = [r for r in mine if r["shard_index"] == index]
+            shard = 10.0 * process + index - 4 * process
+            # In program order: step by step, the step's three taps in turn.
+            assert [(r["step"], r["value"]["shard"]) for r in device] == [
+                (step, shard + 100.0 * k) for step in range(STEPS) for k in range(repeats)
+            ]
+            assert [r["seq"] for r in device] == list(range(STEPS * repeats))
+            assert all(r["value"]["total"] == expected_total for r in device)
 
 
 # ---- the same job across network namespaces: two real hosts on one machine ----------

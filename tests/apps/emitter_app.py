@@ -226,9 +226,14 @@ def multihost(process_id: str, coordinator: str, steps: str) -> dict[str, Any]:
     local = jax.local_device_count()
     shards = jnp.arange(local, dtype=jnp.float32) + 10 * jax.process_index()
 
+    repeats = int(os.environ.get("MULTIHOST_TAPS_A_STEP", "1"))  # (the gathered test's)
+
     def step(x: jax.Array, i: jax.Array) -> jax.Array:
         total = jax.lax.psum(x, "devices")
-        return tapd.tap({"shard": x, "total": total}, "multihost", step=i)["total"]
+        for k in range(repeats):  # (tap k of a step: its shard + 100 k)
+            total = tapd.tap({"shard": x + 100.0 * k, "total": total}, "multihost", step=i)
+            total = total["total"]
+        return total
 
     run = jax.pmap(step, axis_name="devices", in_axes=(0, None))
     totals = [run(shards, i).tolist() for i in range(int(steps))]
