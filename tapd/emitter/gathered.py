@@ -39,7 +39,7 @@ from jax._src import core
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-from tapd.emitter import gathered_outputs, gathered_slices, host_writers, lifecycle
+from tapd.emitter import gathered_outputs, gathered_slices, host_writers, jax_compat, lifecycle
 from tapd.emitter.gathered_eval import (
     NotGatherable,
     Rewriter,
@@ -136,6 +136,8 @@ def _slices(
             raise NotGatherable("a gathered body with constants")
         return jaxpr
 
+    if platform == "cpu" and not jax_compat.cpu_partition_id_in_branches():
+        return None  # (this JAX's CPU compiler would abort on a device's flush in a cond)
     try:
         chosen = gathered_slices.gathered_bodies(closed, gather_body)
     except NotGatherable as exc:

@@ -38,6 +38,16 @@ def _parse(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in numbers.group(0).split(".")) if numbers else ()
 
 
+def cpu_partition_id_in_branches() -> bool:
+    """Whether this JAX's CPU compiler resolves a partition id read inside a branch of a
+    loop (a device's flush in a `cond`, tapd.emitter.gathered_slices): jax 0.8.0's aborts
+    the process ("LLVM ERROR: Program used external function
+    '__xla_cpu_runtime_PartitionId' which could not be resolved"); 0.10.2 and 0.12.1
+    resolve it; 0.9 was not tried, so it is taken as 0.8."""
+    version = installed_jax()
+    return version is not None and _parse(version) >= (0, 10)
+
+
 def installed_jax() -> str | None:
     """The jax version of this process (without importing JAX), or None if none."""
     module = sys.modules.get("jax")
