@@ -21,10 +21,13 @@ inside the computation (`program_order.ordered_call_p` holds the rewritten jaxpr
 that JAX's dispatch sees an unordered tap and keeps its fast path. The buffers are never
 cleared: a flush reads only the rows its log names.
 
-Only a computation on one device whose every tap would be a host callback is gathered,
-and only whole: a tap in a region the rewrite does not enter (a
-`shard_map` or `pmap` body, a loop's condition) leaves the computation to the per-tap
-path, so that its taps keep one order.
+Only a computation whose every tap would be a host callback is gathered, and only
+whole: a tap in a region the rewrite does not enter (a loop's condition) leaves the
+computation to the per-tap path, so that its taps keep one order. A computation on one
+device is gathered as above; one whose taps all lie in `shard_map` or `pmap` bodies has
+each body gathered on each device (tapd.emitter.gathered_slices); a `jit` the compiler
+partitions over several devices, whose taps are of whole values on its first device, is
+gathered there and flushed at its end.
 """
 
 from __future__ import annotations

@@ -28,7 +28,10 @@ from tapd.runtime import make_first_file
 logger = logging.getLogger("tapd.emitter")
 
 FFI_TARGET = "tapd_tap"
-ORDER_TARGET = "tapd_order"  # (tapd/emitter/order.py)
+# The no-op order custom call that tapd emitted before its taps' order was a token JAX
+# threads (tapd.emitter.program_order): no longer emitted, still registered, so that a
+# computation exported (jax.export) by an earlier tapd still runs.
+ORDER_TARGET = "tapd_order"
 
 
 class NativeEmitter:
@@ -149,8 +152,8 @@ def register_ffi_target() -> bool:
                 continue
             registered.add(platform)
             order = library.order_handler()
-            if order is not None and _register(ORDER_TARGET, order, xla_platform, "order"):
-                _order_platforms.add(platform)
+            if order is not None:
+                _register(ORDER_TARGET, order, xla_platform, "order")
         if not registered:
             return False
         # (a computation compiled elsewhere asks for its sites: tapd.emitter.entries)
@@ -161,9 +164,6 @@ def register_ffi_target() -> bool:
         _registered_platforms = frozenset(registered)
         _ffi_registered = True
         return True
-
-
-_order_platforms: set[str] = set()
 
 
 def _register(target: str, function: Any, xla_platform: str, what: str) -> bool:
@@ -177,12 +177,6 @@ def _register(target: str, function: Any, xla_platform: str, what: str) -> bool:
         logger.warning("tapd: could not register the %s %s handler: %s", xla_platform, what, exc)
         return False
     return True
-
-
-def order_platforms() -> frozenset[str]:
-    """The JAX platforms whose computations can take tapd's order custom calls."""
-    register_ffi_target()
-    return frozenset(_order_platforms)
 
 
 def registered_platforms() -> frozenset[str]:
