@@ -108,16 +108,24 @@ def maybe_gathered(
             except Exception:  # (a dtype the packing does not take): a flush at the end
                 logger.debug("gathered taps end with a flush", exc_info=True)
         return rewrite(closed, found, taps=taps, max_bytes=max_bytes), None
-    except NotGatherable as exc:
+    except Exception as exc:
+        _not_gathered(exc, "the device")
+        return None
+
+
+def _not_gathered(exc: Exception, where: str) -> None:
+    """Say why a computation keeps the per-tap path: quietly where the rewrite declined
+    it (NotGatherable), aloud where it failed (a JAX this rewrite does not know; its
+    taps keep working)."""
+    if isinstance(exc, NotGatherable):
         logger.debug("taps not gathered: %s", exc)
-        return None
-    except Exception:  # a JAX this rewrite does not know: its taps keep working
-        logger.warning(
-            "tapd could not gather this computation's taps on the device (one host "
-            "callback a tap instead; TAPD_GATHER=off says so for good)",
-            exc_info=True,
-        )
-        return None
+        return
+    logger.warning(
+        "tapd could not gather this computation's taps on %s (one host callback a tap "
+        "instead; TAPD_GATHER=off says so for good)",
+        where,
+        exc_info=exc,
+    )
 
 
 def _slices(
@@ -143,17 +151,10 @@ def _slices(
         return None  # (this JAX's CPU compiler would abort on a device's flush in a cond)
     try:
         chosen = gathered_slices.gathered_bodies(closed, gather_body)
-    except NotGatherable as exc:
-        logger.debug("taps not gathered: %s", exc)
-        return None
     except TapDefinitionError:
         raise
-    except Exception:  # a JAX this rewrite does not know: its taps keep working
-        logger.warning(
-            "tapd could not gather this computation's taps on its devices (one host "
-            "callback a tap instead; TAPD_GATHER=off says so for good)",
-            exc_info=True,
-        )
+    except Exception as exc:
+        _not_gathered(exc, "its devices")
         return None
     return None if chosen is None else (chosen, None)
 

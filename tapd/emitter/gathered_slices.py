@@ -30,6 +30,7 @@ from typing import Any
 from jax._src import core
 
 from tapd.emitter.gathered_eval import NotGatherable, site_operands, taps_within
+from tapd.emitter.jaxpr_walk import JaxprRewrite
 from tapd.emitter.primitive import TapSiteParams, tap_p
 
 ClosedJaxpr = Any
@@ -64,50 +65,24 @@ def _taps_outside_bodies(jaxpr: Any) -> bool:
     return False
 
 
-class _Bodies:
+class _Bodies(JaxprRewrite):
     def __init__(self, gather_body: GatherBody):
+        super().__init__()
         self.gather_body = gather_body
-        self.done: dict[int, tuple[Any, Any]] = {}  # id(jaxpr) -> (jaxpr, its rewrite)
-
-    def jaxpr(self, jaxpr: Any) -> Any:
-        known = self.done.get(id(jaxpr))
-        if known is not None:
-            return known[1]
-        eqns = [self.eqn(eqn) for eqn in jaxpr.eqns]
-        changed = any(new is not old for new, old in zip(eqns, jaxpr.eqns, strict=True))
-        result = jaxpr.replace(eqns=eqns) if changed else jaxpr
-        self.done[id(jaxpr)] = (jaxpr, result)
-        return result
 
     def eqn(self, eqn: Any) -> Any:
-        if eqn.primitive.name == "shard_map":
-            body = eqn.params["jaxpr"]
-            if not taps_within(body):
-                return eqn
-            found: dict[TapSiteParams, list[Any]] = {}
-            site_operands(body, found)
-            checked = bool(eqn.params.get("check_vma", False))
-            axes = tuple(sorted(_manual_axes(eqn.params))) if checked else ()
-            with _inside(eqn.params):
-                gathered = self.gather_body(body, found, axes)
-            return eqn.replace(params={**eqn.params, "jaxpr": gathered})
-        params = {name: self.value(value) for name, value in eqn.params.items()}
-        if all(params[name] is value for name, value in eqn.params.items()):
+        if eqn.primitive.name != "shard_map":
+            return super().eqn(eqn)
+        body = eqn.params["jaxpr"]
+        if not taps_within(body):
             return eqn
-        return eqn.replace(params=params)
-
-    def value(self, value: Any) -> Any:
-        if isinstance(value, core.Jaxpr):
-            return self.jaxpr(value)
-        closed_type = getattr(core, "ClosedJaxpr", None)
-        if closed_type is not None and isinstance(value, closed_type):
-            rewritten = self.jaxpr(value.jaxpr)
-            return value if rewritten is value.jaxpr else value.replace(jaxpr=rewritten)
-        if isinstance(value, tuple) and not hasattr(value, "_make"):
-            items = tuple(self.value(item) for item in value)
-            changed = any(new is not old for new, old in zip(items, value, strict=True))
-            return items if changed else value
-        return value
+        found: dict[TapSiteParams, list[Any]] = {}
+        site_operands(body, found)
+        checked = bool(eqn.params.get("check_vma", False))
+        axes = tuple(sorted(_manual_axes(eqn.params))) if checked else ()
+        with _inside(eqn.params):
+            gathered = self.gather_body(body, found, axes)
+        return eqn.replace(params={**eqn.params, "jaxpr": gathered})
 
 
 def _manual_axes(params: dict[str, Any]) -> Any:

@@ -41,6 +41,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 
 from tapd.emitter import jax_compat
+from tapd.emitter.jaxpr_walk import JaxprRewrite
 from tapd.emitter.primitive import ORDERED, PROGRAM_ORDER, UNORDERED, TapSiteParams, tap_p
 
 # A jaxpr with its constants: core.ClosedJaxpr before JAX 0.12, core.Jaxpr since (which
@@ -124,26 +125,16 @@ def chained(closed: ClosedJaxpr, ordered_effects: Sequence[Any] | None) -> Close
     return make(traced[0], traced[2])
 
 
-class _Chain:
-    """One rewrite: each jaxpr rewritten once (a nested `jit` called twice stays one
-    function in the module)."""
+class _Chain(JaxprRewrite):
+    """One rewrite: each ordered tap marked, and every equation and jaxpr around one
+    given `effect` too."""
 
     def __init__(self, effect: Any) -> None:
+        super().__init__()
         self.effect = effect
-        self.done: dict[int, tuple[Any, Any]] = {}  # id(jaxpr) -> (jaxpr, its rewrite)
 
-    def jaxpr(self, jaxpr: Any) -> Any:
-        """`jaxpr` (a core.Jaxpr) rewritten; `jaxpr` itself if nothing in it taps."""
-        known = self.done.get(id(jaxpr))
-        if known is not None:
-            return known[1]
-        eqns = [self.eqn(eqn) for eqn in jaxpr.eqns]
-        if all(new is old for new, old in zip(eqns, jaxpr.eqns, strict=True)):
-            result = jaxpr
-        else:
-            result = jaxpr.replace(eqns=eqns, effects=jaxpr.effects | {self.effect})
-        self.done[id(jaxpr)] = (jaxpr, result)  # (keeps jaxpr alive: its id stays its own)
-        return result
+    def rebuilt(self, jaxpr: Any, eqns: list[Any]) -> Any:
+        return jaxpr.replace(eqns=eqns, effects=jaxpr.effects | {self.effect})
 
     def eqn(self, eqn: Any) -> Any:
         if eqn.primitive is tap_p:
@@ -156,27 +147,10 @@ class _Chain:
                 marked = dataclasses.replace(site, chained=True)
             effects = eqn.effects | marked.effects
             return eqn.replace(params={**eqn.params, "site": marked}, effects=effects)
-        params = {name: self.value(value) for name, value in eqn.params.items()}
-        if all(params[name] is value for name, value in eqn.params.items()):
+        params = self.params(eqn)
+        if params is None:
             return eqn
         return eqn.replace(params=params, effects=eqn.effects | {self.effect})
-
-    def value(self, value: Any) -> Any:
-        """A parameter of an equation, with the jaxprs in it rewritten."""
-        if isinstance(value, core.Jaxpr):
-            return self.jaxpr(value)
-        closed_type = getattr(core, "ClosedJaxpr", None)
-        if closed_type is not None and isinstance(value, closed_type):
-            rewritten = self.jaxpr(value.jaxpr)
-            return value if rewritten is value.jaxpr else value.replace(jaxpr=rewritten)
-        if isinstance(value, (tuple, list)):
-            items = [self.value(item) for item in value]
-            if all(new is old for new, old in zip(items, value, strict=True)):
-                return value
-            if hasattr(value, "_make"):  # a named tuple (custom_linear_solve's jaxprs)
-                return value._make(items)
-            return type(value)(items)
-        return value
 
 
 def _jaxpr_of(closed: ClosedJaxpr) -> Any:
