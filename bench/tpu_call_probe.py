@@ -9,9 +9,9 @@ waiting for the last), medians of interleaved rounds:
 - `output floor`: the step returning the tapped value as a second output, which a thread
   copies to the host (what the issue measured as the floor of a tap that is an output);
 - `id_tap`: the step with an id_tap of a closure (gathered: its buffers come out as an
-  output, tapd/emitter/gathered_outputs.py);
+  output, tapd/emitter/taps_as_outputs.py);
 - `id_tap, copied in the dispatch`: the copy to the host started in JAX's dispatch, not
-  by tapd's thread (`gathered_outputs.Collector.copy_ahead`, off by default);
+  by tapd's thread (`taps_as_outputs.Collector.copy_ahead`, off by default);
 - `id_tap, outputs dropped`: the same, with tapd's collector dropping what comes out
   (the dispatch and the execution alone);
 - `id_tap, fetched, not written`: what comes out copied to the host, not written;
@@ -46,7 +46,7 @@ def main() -> None:
     import numpy as np
 
     import tapd
-    from tapd.emitter import gathered_outputs
+    from tapd.emitter import taps_as_outputs
 
     received: list[int] = []
 
@@ -71,8 +71,8 @@ def main() -> None:
         copies.put(side)
         return out
 
-    keep = gathered_outputs.collector.received
-    from tapd.emitter import gathered_host
+    keep = taps_as_outputs.collector.received
+    from tapd.emitter.gathered import host as gathered_host
 
     write = gathered_host.Flush.write_packed
     write_us: list[float] = []
@@ -95,18 +95,18 @@ def main() -> None:
             skip_writes[0] = False
 
     def dropped(x: Any) -> Any:
-        gathered_outputs.collector.received = lambda array, receiver: None  # type: ignore[method-assign]
+        taps_as_outputs.collector.received = lambda array, receiver: None  # type: ignore[method-assign]
         try:
             return tapped(x)
         finally:
-            gathered_outputs.collector.received = keep  # type: ignore[method-assign]
+            taps_as_outputs.collector.received = keep  # type: ignore[method-assign]
 
     def copied_in_dispatch(x: Any) -> Any:
-        gathered_outputs.Collector.copy_ahead = True
+        taps_as_outputs.Collector.copy_ahead = True
         try:
             return tapped(x)
         finally:
-            gathered_outputs.Collector.copy_ahead = False
+            taps_as_outputs.Collector.copy_ahead = False
 
     variants = {
         "untapped": untapped,

@@ -40,7 +40,7 @@ scenario = sys.argv[1]
 
 FLUSHES = []  # the gathered path's flushes: [records written, dormant taps skipped]
 if os.environ.get("TAPD_GATHER") == "on":
-    from tapd.emitter import gathered_host
+    from tapd.emitter.gathered import host as gathered_host
 
     _write = gathered_host.Flush.write_packed
 

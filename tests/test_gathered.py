@@ -1,5 +1,5 @@
-"""The gathered path (tapd/emitter/gathered.py; the rewrite, gathered_eval.py; the flush,
-gathered_flush.py) on the CPU, where `TAPD_BACKEND=portable TAPD_GATHER=on` forces it.
+"""The gathered path (tapd/emitter/gathered/: the rewrite, rewrite.py; the flush,
+flush.py) on the CPU, where `TAPD_BACKEND=portable TAPD_GATHER=on` forces it.
 
 Each program of tests/apps/gathered_app.py runs under TAPD_GATHER=off (one host callback
 a tap: the reference), and gathered with logs of 1 record (TAPD_GATHER_BYTES smaller
@@ -544,7 +544,7 @@ def test_hlo_has_no_callback_or_one_a_chunk_where_the_per_tap_path_has_one_a_tap
 ) -> None:
     """`python_cpu_callback` custom calls in the lowered HLO: none for a computation whose
     taps fit in the log (5 taps and a 3-step scan of 2: its buffers come out as an
-    output, tapd.emitter.gathered_outputs), a few for a 1000-step scan (a flush a chunk
+    output, tapd.emitter.taps_as_outputs), a few for a 1000-step scan (a flush a chunk
     of the loop), against one a tap site per tap; as many as the per-tap path where
     gathering must not apply. The way out is an ordered effect's token, which JAX's
     Python dispatch passes: each call of a gathered step takes it (the per-tap path

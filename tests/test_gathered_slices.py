@@ -1,4 +1,4 @@
-"""The gathered path over several devices (issue 50; tapd/emitter/gathered_slices.py), on
+"""The gathered path over several devices (issue 50; tapd/emitter/gathered/slices.py), on
 the CPU with forced devices (`--xla_force_host_platform_device_count`) and
 `TAPD_BACKEND=portable TAPD_GATHER=on`, what a TPU slice gets by default.
 

@@ -258,7 +258,7 @@ def test_cpu_puts_match_jax_device_put_on_the_fast_path_and_the_fallbacks(
 DEPRECATED_ON_PURPOSE = {
     ("tapd/emitter/jax_compat/calls.py", "jax.sharding.SingleDeviceSharding"):
         "single_device_sharding's fallback, for a jax without make_single_device_sharding",
-    ("tapd/emitter/gathered_eval.py", "jax.lax.pvary"):
+    ("tapd/emitter/gathered/rewrite.py", "jax.lax.pvary"):
         "Rewriter._own's fallback, for a jax without lax.pcast (jax 0.8.0 has only pvary)",
 }  # fmt: skip
 

@@ -337,3 +337,22 @@ def test_a_module_and_its_classes_are_within_their_bounds(module: str) -> None:
             assert size <= MAX_CLASS_LINES, (
                 f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name}, {size} lines"
             )
+
+
+# The gathered path's room (tapd/emitter/gathered/): the rest of tapd reaches it through
+# its face (its __init__.py) only, so that its modules can change among themselves.
+GATHERED = "tapd.emitter.gathered"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith(GATHERED)))
+def test_the_gathered_room_is_entered_through_its_face(module: str) -> None:
+    inside = sorted(m for m in IMPORTS[module] if m.startswith(GATHERED + "."))
+    assert not inside, f"{module} imports {inside}, not the face {GATHERED}"
+
+
+@pytest.mark.fast
+def test_the_gathered_face_is_what_lowering_imports() -> None:
+    """(So that the check above cannot pass on a graph that misses the room.)"""
+    assert GATHERED in IMPORTS["tapd.emitter.lowering"]
+    assert f"{GATHERED}.host" in IMPORTS[f"{GATHERED}.flush"]

@@ -1,7 +1,7 @@
 """The host functions of portable taps: what runs on the host when a tap is a host
 callback, and writes its record (into the ring, or to the sender).
 
-`tapd.emitter.lowering` makes one per portable tap; `tapd.emitter.gathered_flush` makes
+`tapd.emitter.lowering` makes one per portable tap; `tapd.emitter.gathered.flush` makes
 one per site of a gathered computation and calls it once per gathered record. Either
 way the record is the one the native handler would write: site id, seq, step, device.
 """
@@ -24,10 +24,10 @@ from jax.sharding import Mesh
 
 from tapd.emitter import lifecycle, primitive
 from tapd.emitter.device_names import device_names
-from tapd.emitter.gathered_outputs import write_ready
 from tapd.emitter.native_backend import RingSites
 from tapd.emitter.primitive import TapSiteParams
 from tapd.emitter.sender import TapSite
+from tapd.emitter.taps_as_outputs import write_ready
 from tapd.errors import TapDefinitionError
 from tapd.native import library
 from tapd.native.ring import NO_STEP

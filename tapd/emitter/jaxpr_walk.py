@@ -1,7 +1,7 @@
 """One walk for the rewrites tapd makes to a computation as it lowers: each equation
 offered to a subclass (`eqn`), and the jaxprs an equation holds in its parameters (a
 `Jaxpr`, a `ClosedJaxpr`, tuples, lists and named tuples of them) rewritten in turn.
-`tapd.emitter.program_order` marks ordered taps with it, `tapd.emitter.gathered_slices`
+`tapd.emitter.program_order` marks ordered taps with it, `tapd.emitter.gathered.slices`
 gathers shard_map bodies."""
 
 from __future__ import annotations

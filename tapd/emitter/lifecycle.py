@@ -29,7 +29,7 @@ import numpy as np
 
 from tapd import hcb_hook
 from tapd.autostart import ensure_daemon
-from tapd.emitter import entries, gathered_outputs, jax_compat
+from tapd.emitter import entries, jax_compat, taps_as_outputs
 from tapd.emitter.local import threads
 from tapd.emitter.local.fallback import FallbackReceiver, connect_timeout
 from tapd.emitter.local.path import LocalPath
@@ -284,7 +284,7 @@ def flush_devices(*, cpu_arrays: bool = True) -> None:
     with jax_compat.outside_any_mesh():  # (a caller's mesh would refuse one device)
         markers = [increment(jax.device_put(np.uint8(0), device)) for device in jax.local_devices()]
     jax.block_until_ready(markers)  # type: ignore[no-untyped-call]
-    gathered_outputs.drain()  # (gathered computations' taps that came out as outputs)
+    taps_as_outputs.drain()  # (gathered computations' taps that came out as outputs)
 
 
 def _wait_for_live_cpu_arrays() -> None:
@@ -376,7 +376,7 @@ def after_jax_barrier() -> None:
     if jax_compat.served_without_tokens():
         flush_devices()
     else:
-        gathered_outputs.drain()
+        taps_as_outputs.drain()
     if local is not None and local.has_sites():
         local.barrier(_EFFECTS_BARRIER_TIMEOUT, keep_errors=not hcb_hook.installed())
 

@@ -31,7 +31,6 @@ from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 from tapd.emitter import (
     entries,
     gathered,
-    gathered_module,
     host_writers,
     jax_compat,
     lifecycle,
@@ -315,13 +314,13 @@ def _lower_module_in_order(lower: Callable[..., Any], *args: Any, **kwargs: Any)
     """`mlir.lower_jaxpr_to_module`, on the computation with its taps gathered on the
     device (tapd.emitter.gathered) where they are, else with its ordered taps chained
     by one token (tapd.emitter.program_order)."""
-    gathered_module.start()
+    gathered.start_module()
     args, kwargs = _rewritten(args, kwargs)
     result = lower(*args, **kwargs)
-    way_out = gathered_module.taken()
+    way_out = gathered.module_way_out()
     if way_out is not None:
         with result.module.context:
-            gathered_module.attach(result.module, way_out)
+            gathered.attach_way_out(result.module, way_out)
     return result
 
 
@@ -339,7 +338,7 @@ def _rewritten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict
         kwargs.get("axis_context"),
         bool(getattr(parameters, "for_export", False)),
         # The way out is an ordered effect: JAX's caller keeps this very list, and so
-        # passes the effect's token in and out of each call (gathered_outputs).
+        # passes the effect's token in and out of each call (taps_as_outputs).
         output=ordered_effects is not None,
     )
     if chosen is not None:

@@ -50,7 +50,7 @@ ClosedJaxpr = Any
 
 
 class Exit(Protocol):
-    """What a call that ends with an output adds (tapd.emitter.gathered_flush.WayOut):
+    """What a call that ends with an output adds (tapd.emitter.gathered.flush.WayOut):
     its jaxpr takes `operands(ctx)` first and returns one more result, given to `done`."""
 
     def operands(self, ctx: mlir.LoweringRuleContext) -> list[Any]: ...

@@ -382,7 +382,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         # (packed, device, sites, rings, site ids, consumers, everys, first leaf,
         # leaves, leaf offsets, leaf bytes, step bytes, step offsets: the arrays as plain
         # pointers; the offsets of the log's length, the log and the dormant counts;
-        # capacity): tapd/emitter/gathered_host.py
+        # capacity): tapd/emitter/gathered/host.py
         "tapd_ring_write_gathered": (
             [
                 c.c_void_p,

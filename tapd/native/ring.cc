@@ -1039,7 +1039,7 @@ int tapd_ring_skip(void* handle, uint64_t site, uint32_t consumer, int32_t devic
 }
 
 // A gathered computation's `count` taps of `site` that the device did not keep, their
-// site dormant when the computation was dispatched (tapd/emitter/gathered_outputs.py):
+// site dormant when the computation was dispatched (tapd/emitter/taps_as_outputs.py):
 // their seqs used up and the skips counted, as `count` dormant taps written one by one
 // would have. `handle` NULL: the installed ring; nothing if there is none.
 void tapd_ring_skip_many(void* handle, uint64_t site, uint32_t consumer, int32_t device,
@@ -1075,7 +1075,7 @@ int tapd_ring_write_leaves(void* handle, uint64_t site, uint32_t consumer, int32
                            nleaves, data, sizes);
 }
 
-// A gathered computation's packed buffers (tapd/emitter/gathered_flush.py, `Flush`)
+// A gathered computation's packed buffers (tapd/emitter/gathered/flush.py, `Flush`)
 // written as its taps' records, in the log's order, each into its site's ring; each
 // site's dormant taps counted as skipped first (their seqs used up: a site is dormant
 // or not for a whole computation). `packed` holds the log's length (int32) at

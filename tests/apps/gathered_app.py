@@ -1,6 +1,6 @@
 """A JAX process for tests/test_gathered.py: the same programs under TAPD_GATHER=off
 (one host callback a tap, the reference) and under TAPD_GATHER=on (the gathered path,
-tapd/emitter/gathered.py), on the portable backend (TAPD_BACKEND=portable).
+tapd/emitter/gathered/), on the portable backend (TAPD_BACKEND=portable).
 
 `python gathered_app.py local CASE...` runs each case (tap functions of this process:
 id_tap closures, tapd.debug, id_print) and prints one JSON line last: per case the
@@ -31,7 +31,7 @@ from jax.experimental import io_callback
 
 import tapd
 import tapd.debug
-from tapd.emitter import gathered_host
+from tapd.emitter.gathered import host as gathered_host
 
 # ---- what the gathered path's flushes did (white-box: the path is really taken) -------
 
@@ -41,7 +41,7 @@ _flush_write = gathered_host.Flush.write_packed
 
 def _counted_flush(self: Any, packed: Any) -> None:
     """Every flush: a host callback's, and the end of a computation that comes out as
-    an output (tapd.emitter.gathered_outputs)."""
+    an output (tapd.emitter.taps_as_outputs)."""
     FLUSHES.append(self.records(packed)[0])
     _flush_write(self, packed)
 

@@ -40,7 +40,7 @@ def _parse(version: str) -> tuple[int, ...]:
 
 def cpu_partition_id_in_branches() -> bool:
     """Whether this JAX's CPU compiler resolves a partition id read inside a branch of a
-    loop (a device's flush in a `cond`, tapd.emitter.gathered_slices): jax 0.8.0's aborts
+    loop (a device's flush in a `cond`, tapd.emitter.gathered.slices): jax 0.8.0's aborts
     the process ("LLVM ERROR: Program used external function
     '__xla_cpu_runtime_PartitionId' which could not be resolved"); 0.10.2 and 0.12.1
     resolve it; 0.9 was not tried, so it is taken as 0.8."""

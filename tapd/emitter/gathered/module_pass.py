@@ -1,9 +1,9 @@
-"""The module pass of a gathered computation's way out (`tapd.emitter.gathered_outputs`).
+"""The module pass of a gathered computation's way out (`tapd.emitter.taps_as_outputs`).
 
 JAX lowers a module whose ordered effects include an `OutputsEffect` with one more token
 argument and one more token result for it (the last of each, as the effect is the last
 of `ordered_effects`), the one passed straight to the other: nothing in the computation
-uses that effect. The gathered computation's lowering (`gathered_flush._lower_call`)
+uses that effect. The gathered computation's lowering (`flush.WayOut`)
 meanwhile leaves a placeholder where it reads the wake flags and notes the value of its
 packed buffers (`note`). `attach` then joins them: the argument becomes the flags
 (int32[sites]) and replaces the placeholder, the result becomes the packed buffers, and

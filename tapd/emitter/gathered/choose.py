@@ -1,34 +1,7 @@
-"""The gathered path: a computation's taps kept on the device and moved out together.
-
-On a TPU every host callback is a transfer to the host (0.4 to 1 ms, whatever its size
-up to a MiB; docs/TAPPING.md), so a tap that is its own host callback costs as much as
-the `jax.debug.callback` it replaces. A gathered computation moves its taps in few
-transfers instead. Before JAX lowers it (`maybe_gathered`, called by
-`tapd.emitter.lowering` on the whole computation; the rewrite itself is
-`tapd.emitter.gathered_eval`), each tap becomes a write into device buffers that the
-computation carries: the tapped operands into its site's rows, its site's
-index into the log. Loops (`scan`, `while`) and branches (`cond`) carry the buffers
-too, so the log is in program order however the taps nest. A flush
-(`tapd.emitter.gathered_flush`) is one host callback that takes the buffers, and writes
-each logged record, in order, as the tap's own host callback would have (the same ring
-record, so subscribers cannot tell the paths apart). It runs when the log is full (at
-most `gather_taps` records, or `gather_bytes` of buffers: a long loop's taps arrive
-while it runs) and once at the end of the computation.
-
-Flushes run in program order: each carries an ordered effect of tapd's own, whose
-token JAX threads from flush to flush through the loops and branches; the token is made
-inside the computation (`program_order.ordered_call_p` holds the rewritten jaxpr), so
-that JAX's dispatch sees an unordered tap and keeps its fast path. The buffers are never
-cleared: a flush reads only the rows its log names.
-
-Only a computation whose every tap would be a host callback is gathered, and only
-whole: a tap in a region the rewrite does not enter (a loop's condition) leaves the
-computation to the per-tap path, so that its taps keep one order. A computation on one
-device is gathered as above; one whose taps all lie in `shard_map` or `pmap` bodies has
-each body gathered on each device (tapd.emitter.gathered_slices); a `jit` the compiler
-partitions over several devices, whose taps are of whole values on its first device, is
-gathered there and flushed at its end.
-"""
+"""Which computations are gathered, and the rewrite that gathers one (the room's face,
+`tapd.emitter.gathered`, says what the gathered path is): `maybe_gathered` decides from
+the settings, the platform and the computation's devices; `rewrite` threads the buffers
+(`tapd.emitter.gathered.rewrite`) and adds the way out (`tapd.emitter.gathered.flush`)."""
 
 from __future__ import annotations
 
@@ -42,8 +15,10 @@ from jax._src import core
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-from tapd.emitter import gathered_outputs, gathered_slices, host_writers, jax_compat, lifecycle
-from tapd.emitter.gathered_eval import (
+from tapd.emitter import host_writers, jax_compat, lifecycle, taps_as_outputs
+from tapd.emitter.gathered import slices
+from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, WayOut, call, pack
+from tapd.emitter.gathered.rewrite import (
     NotGatherable,
     Rewriter,
     certainly_taps,
@@ -51,10 +26,9 @@ from tapd.emitter.gathered_eval import (
     site_operands,
     taps_within,
 )
-from tapd.emitter.gathered_flush import ClosedJaxpr, FlushPlan, WayOut, call, pack
-from tapd.emitter.gathered_outputs import OutputsEffect
 from tapd.emitter.native_backend import RingSites
 from tapd.emitter.primitive import TapSiteParams
+from tapd.emitter.taps_as_outputs import OutputsEffect
 from tapd.errors import TapDefinitionError
 
 logger = logging.getLogger("tapd.emitter")
@@ -70,7 +44,7 @@ def maybe_gathered(
 ) -> tuple[ClosedJaxpr, OutputsEffect | None] | None:
     """`closed` gathered, where the settings ask and the computation can be (see the
     module docstring), and the effect of its way out where it ends with an output
-    (`output`: the module can have one; tapd.emitter.gathered_outputs); None where it
+    (`output`: the module can have one; tapd.emitter.taps_as_outputs); None where it
     keeps the per-tap path."""
     settings = lifecycle.settings()
     if settings.gather == "off" or for_export or len(platforms) != 1:
@@ -100,7 +74,7 @@ def maybe_gathered(
     _check_fits(found)
     taps, max_bytes = settings.gather_taps, settings.gather_bytes
     try:
-        if output and gathered_outputs.install():
+        if output and taps_as_outputs.install():
             try:
                 effect = OutputsEffect(len(found))
                 gathered = rewrite(closed, found, taps=taps, max_bytes=max_bytes, way_out=effect)
@@ -132,7 +106,7 @@ def _slices(
     closed: ClosedJaxpr, platform: str, taps: int, max_bytes: int
 ) -> tuple[ClosedJaxpr, None] | None:
     """A computation over several devices with each shard_map body's taps gathered on
-    each device (tapd.emitter.gathered_slices); None where it keeps the per-tap path."""
+    each device (tapd.emitter.gathered.slices); None where it keeps the per-tap path."""
 
     def gather_body(
         body: Any, found: dict[TapSiteParams, list[Any]], varying: tuple[str, ...]
@@ -150,7 +124,7 @@ def _slices(
     if platform == "cpu" and not jax_compat.cpu_partition_id_in_branches():
         return None  # (this JAX's CPU compiler would abort on a device's flush in a cond)
     try:
-        chosen = gathered_slices.gathered_bodies(closed, gather_body)
+        chosen = slices.gathered_bodies(closed, gather_body)
     except TapDefinitionError:
         raise
     except Exception as exc:

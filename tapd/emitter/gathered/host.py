@@ -2,8 +2,8 @@
 byte array on the device (`pack`), written as its taps' records (`Flush`).
 
 The same packed bytes come to the host two ways: as a flush's host callback's operand
-(`tapd.emitter.gathered_flush`), and as the output a computation ends with
-(`tapd.emitter.gathered_outputs`). Either way one call of the ring library
+(`tapd.emitter.gathered.flush`), and as the output a computation ends with
+(`tapd.emitter.taps_as_outputs`). Either way one call of the ring library
 (`tapd_ring_write_gathered`) writes every record, in the log's order, as the tap's own
 host callback would have (the same record: site, seq, step, device), and counts the
 taps of dormant sites as skipped. Sites without a ring (the sender's path) are written
@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax._src import core
 
-from tapd.emitter import gathered_outputs, host_writers, lifecycle
+from tapd.emitter import host_writers, lifecycle, taps_as_outputs
 from tapd.emitter.primitive import TapSiteParams
 from tapd.native import library
 from tapd.protocol.ring_format import EVERY_ALWAYS_BIT, EVERY_DORMANT
@@ -108,7 +108,7 @@ class SiteWriter:
 
 class Flush:
     """Writes a gathered computation's packed buffers (see the module docstring): a
-    flush's host function, and the `gathered_outputs.Receiver` of a computation that
+    flush's host function, and the `taps_as_outputs.Receiver` of a computation that
     ends with an output."""
 
     def __init__(
@@ -144,7 +144,7 @@ class Flush:
 
     def __call__(self, packed: Any) -> tuple[()]:
         lifecycle.host_callback_ran()
-        gathered_outputs.write_ready()  # (the outputs of computations before this one)
+        taps_as_outputs.write_ready()  # (the outputs of computations before this one)
         self.write_packed(np.asarray(packed))
         return ()
 

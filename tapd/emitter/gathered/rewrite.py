@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax._src import core, source_info_util
 
-from tapd.emitter.gathered_flush import ClosedJaxpr, FlushPlan, flush
+from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, flush
 from tapd.emitter.primitive import TapSiteParams, tap_p
 
 

@@ -4,10 +4,10 @@ gathers its own taps (issue 50).
 A computation over several devices (a `shard_map`, or a `pmap`, which JAX runs as a
 `jit` of a `shard_map`) runs its body on every device at once. Each device's taps are
 that device's: they go into the device's own log and buffers, carried through the
-body's loops and branches exactly as one device's are (`gathered_eval.Rewriter`), and
+body's loops and branches exactly as one device's are (`rewrite.Rewriter`), and
 leave in few transfers: a flush when the log fills, and one at the end of the body. A
 flush is one host callback that every device runs on its own log
-(`gathered_flush`, `gathered_host.PerDevice`), so a call of a 400-step loop with a tap a
+(`flush`, `host.PerDevice`), so a call of a 400-step loop with a tap a
 step makes one host callback a device where it made 400. Records are those of the
 per-tap path: device, shard coordinates, step and seq; each device's taps in program
 order, each site's in step order.
@@ -29,7 +29,7 @@ from typing import Any
 
 from jax._src import core
 
-from tapd.emitter.gathered_eval import NotGatherable, site_operands, taps_within
+from tapd.emitter.gathered.rewrite import NotGatherable, site_operands, taps_within
 from tapd.emitter.jaxpr_walk import JaxprRewrite
 from tapd.emitter.primitive import TapSiteParams, tap_p
 

@@ -1,6 +1,6 @@
 """The flush of a gathered computation (`tapd.emitter.gathered`): one host callback that
 takes the device buffers and writes each logged record, in program order, as the tap's
-own host callback would have (`tapd.emitter.gathered_host`).
+own host callback would have (`tapd.emitter.gathered.host`).
 
 `flush_p` takes the buffers packed into one byte array (`pack`: the log's length, the
 log, each site's count of dormant taps, every site's buffers) and returns the log's
@@ -18,7 +18,7 @@ holds the whole gathered jaxpr), not taken from JAX's runtime: the computation k
 JAX's fast dispatch path, as a computation of unordered taps does.
 
 The end of a gathered computation is no flush where it can be an output
-(tapd.emitter.gathered_outputs): its `program_order.call` then has a `WayOut`, its
+(tapd.emitter.taps_as_outputs): its `program_order.call` then has a `WayOut`, its
 jaxpr takes the sites' wake flags first and returns the packed buffers last (`pack`),
 and the same host function (`Flush`) writes them when they come out.
 """
@@ -34,9 +34,10 @@ from jax._src import core, dispatch
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 
-from tapd.emitter import gathered_host, gathered_module, host_writers, jax_compat, program_order
-from tapd.emitter.gathered_outputs import OutputsEffect
+from tapd.emitter import host_writers, jax_compat, program_order
+from tapd.emitter.gathered import host, module_pass
 from tapd.emitter.primitive import PROGRAM_ORDER, TapSiteParams
+from tapd.emitter.taps_as_outputs import OutputsEffect
 
 # A jaxpr with its constants: core.ClosedJaxpr before JAX 0.12, core.Jaxpr since (which
 # holds them); written as Any so that one annotation type-checks against both.
@@ -65,9 +66,9 @@ def flush(state: Any, plan: FlushPlan) -> Any:
 
 
 def pack(state: Any) -> Any:
-    """`state` (a `gathered.Gathered`) as the bytes the host reads (gathered_host)."""
+    """`state` (a `gathered.Gathered`) as the bytes the host reads (gathered.host)."""
     buffers = [buffer for site in state.buffers for buffer in site]
-    return gathered_host.pack(state.count, state.log, state.skipped, buffers)
+    return host.pack(state.count, state.log, state.skipped, buffers)
 
 
 @flush_p.def_effectful_abstract_eval  # type: ignore[untyped-decorator]
@@ -78,7 +79,7 @@ def _abstract_eval(*avals: Any, plan: FlushPlan) -> tuple[core.ShapedArray, set[
 def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> list[Any]:
     module = ctx.module_context
     # Inside a shard_map or pmap body each device flushes its own log: the callback
-    # then also takes the device's index (gathered_slices).
+    # then also takes the device's index (gathered.slices).
     device_operand = host_writers.partition_index(ctx)
     host_function: Any
     if device_operand is None:
@@ -105,9 +106,7 @@ def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> li
     return [joined.results[1]]
 
 
-def _host_function(
-    ctx: mlir.LoweringRuleContext, plan: FlushPlan, index: int = 0
-) -> gathered_host.Flush:
+def _host_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan, index: int = 0) -> host.Flush:
     """What writes the computation's packed buffers (on the host), for the device at
     `index` of its device assignment."""
     module = ctx.module_context
@@ -115,20 +114,20 @@ def _host_function(
     devices_at = host_writers.DeviceOrdinals(host_writers.local_ordinals(ctx), index)
     assert devices_at.fixed is not None
     sites = [
-        gathered_host.SiteWriter(site, avals, platform, devices_at)
+        host.SiteWriter(site, avals, platform, devices_at)
         for site, avals in zip(plan.sites, plan.operand_avals, strict=True)
     ]
-    return gathered_host.Flush(sites, devices_at.fixed, plan.capacity, plan.operand_avals)
+    return host.Flush(sites, devices_at.fixed, plan.capacity, plan.operand_avals)
 
 
-def _per_device_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan) -> gathered_host.PerDevice:
+def _per_device_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan) -> host.PerDevice:
     """The host function of a flush every device of a shard_map or pmap body runs, each
     on its own log: the writer of the device its last operand names. Those of this
     process's devices are made now, registering the sites as the computation lowers
     (as a per-tap lowering does: a site registered late may find no slot left in the
     ring's site table)."""
     local = [i for i, ordinal in enumerate(host_writers.local_ordinals(ctx)) if ordinal >= 0]
-    return gathered_host.PerDevice(lambda index: _host_function(ctx, plan, index), local)
+    return host.PerDevice(lambda index: _host_function(ctx, plan, index), local)
 
 
 jax_compat.register_lowering(flush_p, _lower)
@@ -149,11 +148,11 @@ class WayOut:
 
     def operands(self, ctx: mlir.LoweringRuleContext) -> list[Any]:
         self.effect.receiver = _host_function(ctx, self.plan)
-        self._placeholder = gathered_module.placeholder(self.effect.flag_count)
+        self._placeholder = module_pass.placeholder(self.effect.flag_count)
         return [self._placeholder.results[0]]
 
     def done(self, result: Any) -> None:
-        gathered_module.note(gathered_module.Joints(self._placeholder, result))
+        module_pass.note(module_pass.Joints(self._placeholder, result))
 
 
 def call(jaxpr: ClosedJaxpr, args: Sequence[Any], way_out: WayOut | None = None) -> list[Any]:

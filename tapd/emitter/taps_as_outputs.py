@@ -9,7 +9,7 @@ array, taken from JAX's execution as the result of an ordered effect of tapd's o
 
 JAX threads an ordered effect's token through each call: it passes one in
 (`RuntimeTokenSet.get_token_input`) and keeps the one that comes out
-(`set_token_result`). tapd's module pass (`tapd.emitter.gathered_module`) turns the
+(`set_token_result`). tapd's module pass (`tapd.emitter.gathered.module_pass`) turns the
 effect's token result into the packed buffers, and its token argument into the sites'
 wake flags: whether each site has a taker now, read from the ring's site table when the
 call is dispatched, so that a dormant site's taps move nothing (in a computation whose
@@ -39,7 +39,7 @@ logger = logging.getLogger("tapd.emitter")
 
 
 class Receiver(Protocol):
-    """What one gathered computation hands its way out (gathered_host.Flush)."""
+    """What one gathered computation hands its way out (gathered.host.Flush)."""
 
     def wake_flags(self) -> tuple[int, ...]:
         """Per site, 1 if its taps are to be kept on the device now, 0 if dormant."""
@@ -58,7 +58,7 @@ class OutputsEffect(effects.Effect):
         self._flags: tuple[tuple[int, ...], Any, Any] | None = None
 
     def __str__(self) -> str:
-        return "tapd.gathered_outputs"
+        return "tapd.taps_as_outputs"
 
     def flags_on(self, device: Any) -> Any:
         """The wake flags as an int32 array on `device`; the last one made is kept while

@@ -1,0 +1,50 @@
+"""The gathered path: a computation's taps kept on the device and moved out together.
+
+On a TPU every host callback is a transfer to the host (0.4 to 1 ms, whatever its size
+up to a MiB; docs/TAPPING.md), so a tap that is its own host callback costs as much as
+the `jax.debug.callback` it replaces. A gathered computation moves its taps in few
+transfers instead. Before JAX lowers it (`maybe_gathered`, called by
+`tapd.emitter.lowering` on the whole computation; the rewrite itself is
+`tapd.emitter.gathered.rewrite`), each tap becomes a write into device buffers that the
+computation carries: the tapped operands into its site's rows, its site's
+index into the log. Loops (`scan`, `while`) and branches (`cond`) carry the buffers
+too, so the log is in program order however the taps nest. A flush
+(`tapd.emitter.gathered.flush`) is one host callback that takes the buffers, and writes
+each logged record, in order, as the tap's own host callback would have (the same ring
+record, so subscribers cannot tell the paths apart). It runs when the log is full (at
+most `gather_taps` records, or `gather_bytes` of buffers: a long loop's taps arrive
+while it runs) and once at the end of the computation.
+
+Flushes run in program order: each carries an ordered effect of tapd's own, whose
+token JAX threads from flush to flush through the loops and branches; the token is made
+inside the computation (`program_order.ordered_call_p` holds the rewritten jaxpr), so
+that JAX's dispatch sees an unordered tap and keeps its fast path. The buffers are never
+cleared: a flush reads only the rows its log names.
+
+Only a computation whose every tap would be a host callback is gathered, and only
+whole: a tap in a region the rewrite does not enter (a loop's condition) leaves the
+computation to the per-tap path, so that its taps keep one order. A computation on one
+device is gathered as above; one whose taps all lie in `shard_map` or `pmap` bodies has
+each body gathered on each device (tapd.emitter.gathered.slices); a `jit` the compiler
+partitions over several devices, whose taps are of whole values on its first device, is
+gathered there and flushed at its end.
+
+The room (this package), from the top:
+- choose.py: which computations are gathered (`maybe_gathered`), and the rewrite's plan;
+- rewrite.py: the jaxpr evaluated with each tap turned into writes into the buffers;
+- slices.py: a computation over several devices, each shard_map body gathered on each;
+- flush.py: the flush primitive, and the gathered computation's call and way out;
+- host.py: the packed buffers' layout, and what writes them into the ring on the host;
+- module_pass.py: the MLIR pass that joins a computation's way out to JAX's token slots.
+
+The rest of the emitter sees only this face: `maybe_gathered`, called by
+`tapd.emitter.lowering` on each computation it lowers, and the module pass around that
+lowering (`start_module`, `module_way_out`, `attach_way_out`).
+"""
+
+from tapd.emitter.gathered.choose import maybe_gathered
+from tapd.emitter.gathered.module_pass import attach as attach_way_out
+from tapd.emitter.gathered.module_pass import start as start_module
+from tapd.emitter.gathered.module_pass import taken as module_way_out
+
+__all__ = ["attach_way_out", "maybe_gathered", "module_way_out", "start_module"]
