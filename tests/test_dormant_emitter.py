@@ -39,16 +39,25 @@ from tapd.printing import print_tap
 scenario = sys.argv[1]
 
 FLUSHES = []  # the gathered path's flushes: [records written, dormant taps skipped]
+HEADS = []  # its outputs of which only the head moved (a dormant call): [0, skipped]
 if os.environ.get("TAPD_GATHER") == "on":
     from tapd.emitter.gathered import host as gathered_host
 
     _write = gathered_host.Flush.write_packed
+    _write_header = gathered_host.Flush.write_header
 
     def _counted(self, packed):
         FLUSHES.append(list(self.records(packed)))
         _write(self, packed)
 
+    def _counted_header(self, header):
+        written = _write_header(self, header)
+        if written:
+            HEADS.append(list(self.records(header)))
+        return written
+
     gathered_host.Flush.write_packed = _counted
+    gathered_host.Flush.write_header = _counted_header
 
 
 def loop(name, n, every=1, size=int(os.environ.get("TEST_LEAF_FLOATS", "256"))):
@@ -62,7 +71,7 @@ def compiled(function, *args):
 
 
 def output(**fields):
-    fields.update(stats=tapd.stats(), backend=tapd.backend(), flushes=FLUSHES)
+    fields.update(stats=tapd.stats(), backend=tapd.backend(), flushes=FLUSHES, heads=HEADS)
     print(json.dumps(fields), flush=True)
 
 
@@ -97,11 +106,11 @@ if scenario == "slots":
     [unslotted] = native.sites_of("unslotted")
     ring.set_site_every(unslotted, EVERY_DORMANT)  # (no slot: nothing to set)
     head = ring.counters().head
-    flushed = len(FLUSHES)
+    flushed, heads = len(FLUSHES), len(HEADS)
     programs["dormant"]()
     jax.effects_barrier()
     dormant_reserved = ring.counters().head - head
-    dormant_flushes = FLUSHES[flushed:]
+    dormant_flushes, dormant_heads = FLUSHES[flushed:], HEADS[heads:]
     # (each run waited for before a slot changes: calls are asynchronous)
     for name, program in programs.items():
         if name == "dormant":
@@ -131,7 +140,8 @@ if scenario == "slots":
         records.setdefault(names[record.site], []).append(
             [record.seq, record.step, record.device])
     output(records=records, unslotted_site=unslotted, dormant_reserved=dormant_reserved,
-           counters_skipped=ring.counters().skipped, dormant_flushes=dormant_flushes)
+           counters_skipped=ring.counters().skipped, dormant_flushes=dormant_flushes,
+           dormant_heads=dormant_heads)
 
 elif scenario == "long_dormant":  # gathered: a loop that flushes while it runs
     native = lifecycle.get_sender().native
@@ -145,6 +155,28 @@ elif scenario == "long_dormant":  # gathered: a loop that flushes while it runs
     jax.effects_barrier()
     seqs = [r.seq for r in native.ring.read(0, 1_000_000)]
     output(first=seqs[:1], count=len(seqs))
+
+elif scenario == "woken_mid_loop":  # gathered: a site woken while a long loop runs
+    native = lifecycle.get_sender().native
+    steps, wake_at = 3000, 500
+
+    def wake(i):
+        if int(i) == wake_at:
+            native.ring.set_site_every(site, 1)
+        return np.int32(0)
+
+    def body(i, c):
+        from jax.experimental import io_callback
+        c = c + io_callback(wake, jax.ShapeDtypeStruct((), np.int32), i).astype(c.dtype)
+        return tapd.tap(c + 1.0, "mid", step=i)
+
+    program = jax.jit(lambda: lax.fori_loop(0, steps, body, jnp.zeros(4))).lower().compile()
+    [site] = native.sites_of("mid")
+    native.ring.set_site_every(site, EVERY_DORMANT)
+    jax.block_until_ready(program())
+    jax.effects_barrier()
+    steps_seen = [r.step for r in native.ring.read(0, 1_000_000)]
+    output(steps_seen=steps_seen, wake_at=wake_at, steps=steps)
 
 elif scenario == "no_dormant":  # run with TAPD_DORMANT=0
     native = lifecycle.get_sender().native
@@ -241,28 +273,49 @@ def test_gathered_taps_are_kept_or_skipped_on_the_device_by_the_site_table(
     }
     result = run_script(runtime_dir, "slots", env=flags)
     assert result["backend"] == "portable"
-    # The dormant program's one flush (its end): no record, ten taps skipped.
-    assert result["dormant_flushes"] == [[0, 10]]
+    # The dormant program's call: its buffers never moved (only the head of its output,
+    # which counts its ten taps skipped).
+    assert result["dormant_flushes"] == []
+    assert result["dormant_heads"] == [[0, 10]]
     # "woken": dormant for its first call (4 skipped), then 4 written.
-    assert [0, 4] in result["flushes"] and [4, 0] in result["flushes"]
+    assert [0, 4] in result["heads"] and [4, 0] in result["flushes"]
     check_slots(result)
 
 
 def test_a_gathered_loop_that_flushes_while_it_runs_skips_dormant_taps_at_the_flush(
     runtime_dir: Path,
 ) -> None:
-    """A loop longer than the log flushes while it runs; its dormant site's taps come
-    out with the flushes and are skipped there (the site table read at each flush), so
-    that a site woken while such a loop runs takes its taps from the next flush on."""
+    """A loop longer than the log runs live (tapd.emitter.gathered.live): each chunk's
+    end asks the host for fresh wake flags, so a dormant site's taps are not kept on
+    the device (they move nothing: counted as skipped), and once woken its taps come."""
     if reason := native_unavailable():
         pytest.skip(reason)
     env = {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on", "TEST_LEAF_FLOATS": "4"}
     result = run_script(runtime_dir, "long_dormant", env=env)
     assert result["stats"]["skipped_by_consumer"] == {"long": 3000}
     assert result["first"] == [3000] and result["count"] == 3000
-    # Every tap of both calls came out (flushes of at most 1024, and the ends).
-    assert sum(records for records, _ in result["flushes"]) == 6000
+    # Only the woken call's taps came out (flushes of at most 1024, and the end); the
+    # dormant call's were counted, not moved.
+    assert sum(records for records, _ in result["flushes"]) == 3000
     assert max(records for records, _ in result["flushes"]) <= 1024
+    assert sum(skipped for _, skipped in result["flushes"] + result["heads"]) == 3000
+
+
+def test_a_site_woken_while_a_gathered_loop_runs_takes_its_taps_from_the_next_chunk(
+    runtime_dir: Path,
+) -> None:
+    """Woken at step 500 of a 3000-step loop (by a callback inside it), a dormant site
+    takes every tap from the next chunk's start on: a run of steps with no gap up to
+    the loop's end, starting within one log (1024 steps) of the wake."""
+    if reason := native_unavailable():
+        pytest.skip(reason)
+    env = {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on"}
+    result = run_script(runtime_dir, "woken_mid_loop", env=env)
+    seen, wake_at, steps = result["steps_seen"], result["wake_at"], result["steps"]
+    assert seen, "no tap came after the site was woken"
+    assert seen == list(range(seen[0], steps))
+    assert wake_at < seen[0] <= wake_at + 1025
+    assert result["stats"]["skipped_by_consumer"] == {"mid": seen[0]}
 
 
 def check_slots(result: dict[str, Any]) -> None:

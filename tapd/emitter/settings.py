@@ -31,6 +31,8 @@ class EmitterSettings(EmitterFields):
                 f"gather_taps and gather_bytes must be positive, got {self.gather_taps} "
                 f"and {self.gather_bytes}"
             )
+        if self.gather_latency < 0:
+            raise ConfigError(f"gather_latency must be >= 0, got {self.gather_latency}")
         if self.cell_timeout < 0:
             raise ConfigError(f"cell_timeout must be >= 0, got {self.cell_timeout}")
 

@@ -41,11 +41,18 @@ logger = logging.getLogger("tapd.emitter")
 class Receiver(Protocol):
     """What one gathered computation hands its way out (gathered.host.Flush)."""
 
+    header_size: int  # the packed bytes' head: the log's length, the log, dormant counts
+
     def wake_flags(self) -> tuple[int, ...]:
-        """Per site, 1 if its taps are to be kept on the device now, 0 if dormant."""
+        """Per site, 1 if its taps are to be kept on the device now, 0 if dormant; then
+        a live loop's first chunk of steps (tapd.emitter.gathered.live)."""
 
     def write_packed(self, packed: np.ndarray) -> None:
         """The computation's packed buffers (uint8), written into the ring."""
+
+    def write_header(self, header: np.ndarray) -> bool:
+        """The dormant taps a head of packed bytes counts, where its log is empty
+        (False where it is not: the whole is then read)."""
 
 
 class OutputsEffect(effects.Effect):
@@ -56,6 +63,11 @@ class OutputsEffect(effects.Effect):
         self.flag_count = flag_count  # the computation's sites
         self.receiver: Receiver | None = None  # set when the computation is lowered
         self._flags: tuple[tuple[int, ...], Any, Any] | None = None
+        # Whether the computation's flushes or polls bring fresh flags while it runs: if
+        # not, a call dispatched with every site dormant logs nothing, and only the head
+        # of its buffers is read (its dormant taps counted), the rest never moved.
+        self.refreshed = True
+        self.dormant_call = False  # the last call dispatched had every site dormant
 
     def __str__(self) -> str:
         return "tapd.taps_as_outputs"
@@ -65,6 +77,7 @@ class OutputsEffect(effects.Effect):
         they do not change (one table read a call, no transfer)."""
         assert self.receiver is not None  # (lowered before it runs)
         flags = self.receiver.wake_flags()
+        self.dormant_call = not self.refreshed and not any(flags[: self.flag_count - 1])
         kept = self._flags
         if kept is not None and kept[0] == flags and kept[1] is device:
             return kept[2]
@@ -84,20 +97,22 @@ class Collector:
     copy_ahead = False  # start each output's copy in the dispatch (else the thread copies)
 
     def __init__(self) -> None:
-        self._pending: collections.deque[tuple[Any, Receiver]] = collections.deque()
+        # (the packed buffers, their writer, whether only their head is to be read)
+        self._pending: collections.deque[tuple[Any, Receiver, bool]] = collections.deque()
         self._changed = threading.Condition()
         self._sleeping = False  # the thread waits for `_changed`
         self._writing = threading.Lock()  # held while outputs are written: their order
         self._thread: threading.Thread | None = None
 
-    def received(self, array: Any, receiver: Receiver) -> None:
-        """A computation's packed buffers, as its call returns them (not yet computed)."""
-        if self.copy_ahead:
+    def received(self, array: Any, receiver: Receiver, dormant: bool = False) -> None:
+        """A computation's packed buffers, as its call returns them (not yet computed);
+        `dormant`: dispatched with every site dormant (`OutputsEffect.dormant_call`)."""
+        if self.copy_ahead and not dormant:
             try:
                 array.copy_to_host_async()
             except Exception:  # (the copy is then made when the thread reads it)
                 pass
-        self._pending.append((array, receiver))  # (a deque's append is atomic)
+        self._pending.append((array, receiver, dormant))  # (a deque's append is atomic)
         if self._sleeping or self._thread is None:
             with self._changed:
                 if self._thread is None:
@@ -117,8 +132,8 @@ class Collector:
             return
         with self._writing:
             while self._pending and _is_ready(self._pending[0][0]):
-                array, receiver = self._pending.popleft()
-                _write(array, receiver)
+                array, receiver, dormant = self._pending.popleft()
+                _write(array, receiver, dormant)
 
     def drain(self) -> None:
         """Return once every output received before the call is written."""
@@ -162,8 +177,10 @@ def _wait(array: Any) -> None:
         pass
 
 
-def _write(array: Any, receiver: Receiver) -> None:
+def _write(array: Any, receiver: Receiver, dormant: bool) -> None:
     try:
+        if dormant and receiver.write_header(np.asarray(array[: receiver.header_size])):
+            return
         packed = np.asarray(array)
     except Exception as exc:
         logger.warning("a gathered computation failed; its taps are lost: %s", exc)
@@ -232,7 +249,7 @@ def _wrap_tokens(tokens: Any, token: Callable[[Any], Any]) -> None:
     def set_token_result(self: Any, effect: Any, result: Any) -> None:
         if isinstance(effect, OutputsEffect):
             assert effect.receiver is not None  # (lowered before it runs)
-            collector.received(result._buf, effect.receiver)
+            collector.received(result._buf, effect.receiver, effect.dormant_call)
             return
         set_result(self, effect, result)
 

@@ -171,7 +171,7 @@ class DaemonFields:
     emitter_window_bytes: int = daemon(
         64 * 2**20,
         "bytes of taps an emitter may have sent that the daemon has not yet passed on",
-        default_text="8 MiB",
+        default_text="64 MiB",
     )
     subscriber_timeout: float = daemon(
         10.0, "drop a subscriber silent (no ack, no heartbeat) this many seconds"
@@ -313,6 +313,13 @@ class EmitterFields:
         "the most device memory a gathered computation's tap buffers take, in bytes (a "
         "flush then comes after fewer taps; at least one)",
         default_text="8 MiB",
+    )
+    gather_latency: float = emitter(
+        0.25,
+        "in a long loop, a gathered tap reaches the host within about this many seconds, "
+        "whatever the loop's step time: the host paces the device's flushes from the time "
+        "its steps take (docs/TAPPING.md, \"Live loops\"); 0: a loop flushes only when its "
+        "log fills, and at the computation's end",
     )
 
 

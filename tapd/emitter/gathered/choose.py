@@ -5,6 +5,7 @@ the settings, the platform and the computation's devices; `rewrite` threads the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from tapd.emitter import host_writers, jax_compat, lifecycle, taps_as_outputs
 from tapd.emitter.gathered import slices
+from tapd.emitter.gathered.live import Pace
 from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, WayOut, call, pack
 from tapd.emitter.gathered.rewrite import (
     NotGatherable,
@@ -58,12 +60,15 @@ def maybe_gathered(
     chosen = _slices(closed, platform, settings.gather_taps, settings.gather_bytes)
     if chosen is not None:
         return chosen
-    if getattr(axis_context, "num_devices", None) != 1:
+    one_device = getattr(axis_context, "num_devices", None) == 1
+    if not one_device:
         if not _partitioned(axis_context):
             return None
         # A jit the compiler partitions: its taps are of whole (gathered) values, each
         # a callback on its first device; gathered, one flush there, at its end.
         output = False
+    # On one device flushes answer, and long loops run live (tapd.emitter.gathered.live).
+    live_on = (platform, settings.gather_latency) if one_device else None
     found: dict[TapSiteParams, list[Any]] = {}
     try:
         site_operands(closed.jaxpr, found)
@@ -76,12 +81,14 @@ def maybe_gathered(
     try:
         if output and taps_as_outputs.install():
             try:
-                effect = OutputsEffect(len(found))
-                gathered = rewrite(closed, found, taps=taps, max_bytes=max_bytes, way_out=effect)
+                effect = OutputsEffect(len(found) + 1)  # (wake flags, a chunk's steps)
+                gathered = rewrite(
+                    closed, found, taps=taps, max_bytes=max_bytes, way_out=effect, live=live_on
+                )
                 return gathered, effect
             except Exception:  # (a dtype the packing does not take): a flush at the end
                 logger.debug("gathered taps end with a flush", exc_info=True)
-        return rewrite(closed, found, taps=taps, max_bytes=max_bytes), None
+        return rewrite(closed, found, taps=taps, max_bytes=max_bytes, live=live_on), None
     except Exception as exc:
         _not_gathered(exc, "the device")
         return None
@@ -173,29 +180,37 @@ def rewrite(
     max_bytes: int,
     way_out: OutputsEffect | None = None,
     varying: tuple[str, ...] = (),
+    live: tuple[str, float] | None = None,
 ) -> ClosedJaxpr:
     """`closed` with its taps gathered (see the module docstring); raises NotGatherable.
 
     `found`: its sites and their operands' avals (`site_operands`); `taps` and
     `max_bytes` size the buffers (`plan_buffers`); with `way_out`, the computation
     takes its sites' wake flags and ends with its buffers as an output (`call`);
-    `varying`: in a shard_map body, the manual axes its buffers vary along."""
+    `varying`: in a shard_map body, the manual axes its buffers vary along; `live`: on
+    one device, (the platform, `gather_latency`): its flushes answer with fresh wake
+    flags, and its long loops run live (tapd.emitter.gathered.live)."""
     sites = list(found)
     records = most_records(closed.jaxpr)
     hint = 0 if math.isinf(records) else int(records)
     plan = plan_buffers(sites, [found[s] for s in sites], hint, taps=taps, max_bytes=max_bytes)
-    # The wake flags are read when a call is dispatched. A computation that flushes
-    # while it runs (a long loop) keeps its dormant sites' taps and lets the flush skip
-    # them instead, so that a site woken while it runs takes its taps from the next
-    # flush on, as with one host callback a tap.
-    masked = way_out is not None and plan.never_full
-    rewriter = Rewriter(plan, varying)
+    if live is not None:
+        plan = dataclasses.replace(plan, answers=True, pace=Pace(live[1]))
+    # The wake flags are read when a call is dispatched, and come again with each answer
+    # of a flush or poll, so that a site woken while a long loop runs takes its taps
+    # from the next chunk on. Where flushes do not answer (over several devices), a
+    # computation that flushes while it runs keeps its dormant sites' taps and lets the
+    # flush skip them.
+    masked = way_out is not None and (plan.never_full or plan.answers)
+    platform, latency = live if live is not None else ("cpu", 0.0)
+    rewriter = Rewriter(plan, varying, platform=platform, latency=latency)
     in_avals = [var.aval for var in closed.jaxpr.invars]
-    flags_avals = [] if way_out is None else [core.ShapedArray((len(sites),), np.dtype(np.int32))]
+    flags_avals = [] if way_out is None else [plan.answer_aval()]
 
     def gathered(*args: Any) -> list[Any]:
         flags, args = (None, args) if way_out is None else (args[0], args[1:])
-        state = rewriter.empty(flags if masked else None)
+        awake = None if flags is None or not masked else flags[: len(sites)]
+        state = rewriter.empty(awake, None if flags is None else flags[len(sites)])
         outs, state = rewriter.run(
             closed.jaxpr, closed.consts, list(args), state, checked=not plan.never_full
         )
@@ -209,6 +224,8 @@ def rewrite(
         lu.wrap_init(gathered, debug_info=debug_info), [*flags_avals, *in_avals]
     )
     inner = _closed(traced[0], traced[2])
+    if way_out is not None:  # (its dormant calls' buffers need not move: taps_as_outputs)
+        way_out.refreshed = rewriter.answers_traced
     # The flushes' order (primitive.PROGRAM_ORDER) is kept inside the computation.
     out = None if way_out is None else WayOut(way_out, plan)
     debug_info = closed.jaxpr.debug_info

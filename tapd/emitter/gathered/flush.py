@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import numpy as np
+from jax import lax
 from jax._src import core, dispatch
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
@@ -52,17 +53,44 @@ class FlushPlan:
     operand_avals: tuple[tuple[core.ShapedArray, ...], ...]  # per site: the tap's operands
     capacity: int  # records the log holds
     never_full: bool  # one run makes at most `capacity` records: flushed at its end only
+    # Each flush answers with the sites' wake flags and a live chunk's steps (on one
+    # device: tapd.emitter.gathered.live), as does a poll; the host's pace of them.
+    answers: bool = False
+    pace: Any = dataclasses.field(default=None, compare=False, hash=False)
+
+    def answer_aval(self) -> core.ShapedArray:
+        """The host's answer: each site's wake flag, then the next chunk's steps."""
+        return core.ShapedArray((len(self.sites) + 1,), np.dtype(np.int32))
 
 
 flush_p = core.Primitive("tapd_gathered_flush")
+flush_p.multiple_results = True
 dispatch.prim_requires_devices_during_lowering.add(flush_p)
+# A live chunk's end that logged nothing: the host's answer alone (no buffers move).
+poll_p = core.Primitive("tapd_gathered_poll")
+dispatch.prim_requires_devices_during_lowering.add(poll_p)
 
 _COUNT = core.ShapedArray((), np.dtype(np.int32))
+_ASK = core.ShapedArray((2,), np.dtype(np.int32))
 
 
-def flush(state: Any, plan: FlushPlan) -> Any:
-    """Flush `state` (a `gathered.Gathered`); returns the log's new length (0)."""
-    return flush_p.bind(pack(state), plan=plan)  # type: ignore[no-untyped-call]
+def flush(state: Any, plan: FlushPlan, steps: Any = 0, polls: Any = 0) -> tuple[Any, Any]:
+    """Flush `state` (a `gathered.Gathered`); returns the log's new length (0) and,
+    where the plan's flushes answer, the host's answer (`FlushPlan.answer_aval`) to a
+    chunk of `steps` (the call's answer number `polls`)."""
+    operands = [pack(state), *([_ask(steps, polls)] if plan.answers else [])]
+    results = flush_p.bind(*operands, plan=plan)  # type: ignore[no-untyped-call]
+    return results[0], results[1] if plan.answers else None
+
+
+def poll(plan: FlushPlan, steps: Any, polls: Any) -> Any:
+    """The host's answer to a live chunk of `steps` that logged nothing."""
+    return poll_p.bind(_ask(steps, polls), plan=plan)  # type: ignore[no-untyped-call]
+
+
+def _ask(steps: Any, polls: Any) -> Any:
+    parts = [lax.broadcast(lax.convert_element_type(v, np.int32), (1,)) for v in (steps, polls)]
+    return lax.concatenate(parts, 0)
 
 
 def pack(state: Any) -> Any:
@@ -72,8 +100,13 @@ def pack(state: Any) -> Any:
 
 
 @flush_p.def_effectful_abstract_eval  # type: ignore[untyped-decorator]
-def _abstract_eval(*avals: Any, plan: FlushPlan) -> tuple[core.ShapedArray, set[Any]]:
-    return _COUNT, {PROGRAM_ORDER}
+def _abstract_eval(*avals: Any, plan: FlushPlan) -> tuple[list[core.ShapedArray], set[Any]]:
+    return [_COUNT, *([plan.answer_aval()] if plan.answers else [])], {PROGRAM_ORDER}
+
+
+@poll_p.def_effectful_abstract_eval  # type: ignore[untyped-decorator]
+def _poll_abstract_eval(ask: Any, plan: FlushPlan) -> tuple[core.ShapedArray, set[Any]]:
+    return plan.answer_aval(), {PROGRAM_ORDER}
 
 
 def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> list[Any]:
@@ -90,6 +123,10 @@ def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> li
         host_function = _per_device_function(ctx, plan)
         values, index_avals = device_operand
     avals = [*ctx.avals_in, *index_avals]
+    if plan.answers:  # (one device: no index)
+        answer, token = _answering(ctx, plan, host_function.answered, list(operands))
+        zero = _after(token, np.int32(0))
+        return [zero, answer]
     callback_ctx = dataclasses.replace(ctx, avals_in=avals, avals_out=[])
     token = jax_compat.emit_python_callback(
         callback_ctx,
@@ -101,9 +138,39 @@ def _lower(ctx: mlir.LoweringRuleContext, *operands: Any, plan: FlushPlan) -> li
         sharding=jax_compat.callback_op_sharding(module.axis_context, None),
     )
     ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({PROGRAM_ORDER: token})))
-    zero = mlir.ir_constant(np.int32(0))
-    joined = hlo.OptimizationBarrierOp([token, zero])
-    return [joined.results[1]]
+    return [_after(token, np.int32(0))]
+
+
+def _after(token: Any, value: Any) -> Any:
+    """`value`, made after the callback whose token is `token` (joined by an
+    optimization barrier): the log is written again only once its flush has read it."""
+    joined = hlo.OptimizationBarrierOp([token, mlir.ir_constant(value)])
+    return joined.results[1]
+
+
+def _answering(
+    ctx: mlir.LoweringRuleContext, plan: FlushPlan, host_function: Any, operands: list[Any]
+) -> tuple[Any, Any]:
+    """A host callback (in program order) whose result is the host's answer; returns
+    (the answer, the new token)."""
+    answer_aval = plan.answer_aval()
+    callback_ctx = dataclasses.replace(ctx, avals_out=[answer_aval])
+    answer, token = jax_compat.emit_python_callback_with_result(
+        callback_ctx,
+        host_function,
+        ctx.tokens_in.get(PROGRAM_ORDER),
+        operands,
+        list(ctx.avals_in),
+        answer_aval,
+        sharding=jax_compat.callback_op_sharding(ctx.module_context.axis_context, None),
+    )
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({PROGRAM_ORDER: token})))
+    return answer, token
+
+
+def _lower_poll(ctx: mlir.LoweringRuleContext, ask: Any, plan: FlushPlan) -> list[Any]:
+    answer, _ = _answering(ctx, plan, _host_function(ctx, plan).poll, [ask])
+    return [answer]
 
 
 def _host_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan, index: int = 0) -> host.Flush:
@@ -117,7 +184,7 @@ def _host_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan, index: int = 
         host.SiteWriter(site, avals, platform, devices_at)
         for site, avals in zip(plan.sites, plan.operand_avals, strict=True)
     ]
-    return host.Flush(sites, devices_at.fixed, plan.capacity, plan.operand_avals)
+    return host.Flush(sites, devices_at.fixed, plan.capacity, plan.operand_avals, plan.pace)
 
 
 def _per_device_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan) -> host.PerDevice:
@@ -131,6 +198,7 @@ def _per_device_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan) -> host
 
 
 jax_compat.register_lowering(flush_p, _lower)
+jax_compat.register_lowering(poll_p, _lower_poll)
 
 
 # ---- the gathered computation, which makes its flushes' token ---------------------------

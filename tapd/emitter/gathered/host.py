@@ -27,6 +27,7 @@ from jax import lax
 from jax._src import core
 
 from tapd.emitter import host_writers, lifecycle, taps_as_outputs
+from tapd.emitter.gathered import live
 from tapd.emitter.primitive import TapSiteParams
 from tapd.native import library
 from tapd.protocol.ring_format import EVERY_ALWAYS_BIT, EVERY_DORMANT
@@ -117,12 +118,15 @@ class Flush:
         device: int,
         capacity: int,
         operand_avals: Sequence[Sequence[core.ShapedArray]],
+        pace: live.Pace | None = None,
     ) -> None:
         self.sites = sites
+        self.pace = pace
         self.device = device
         self.capacity = capacity
         self.layout = packed_layout(len(sites), capacity, operand_avals)
         self.size = self.layout[-1][2] + _padded(self.layout[-1])
+        self.header_size = self.layout[3][2] if len(self.layout) > 3 else self.size
         self.unringed = [i for i, site in enumerate(sites) if site.ring is None]
         self._tables = _Tables(sites, self.layout)
         # Its arguments but the first made once: called without ctypes' conversions.
@@ -140,13 +144,42 @@ class Flush:
             self._write_gathered.restype = ctypes.c_int64
 
     def wake_flags(self) -> tuple[int, ...]:
-        return tuple(site.awake() for site in self.sites)
+        """Each site's wake flag, then a live chunk's first steps (the pace known)."""
+        interval = 1 if self.pace is None else self.pace.interval()
+        return (*(site.awake() for site in self.sites), interval)
 
     def __call__(self, packed: Any) -> tuple[()]:
         lifecycle.host_callback_ran()
         taps_as_outputs.write_ready()  # (the outputs of computations before this one)
         self.write_packed(np.asarray(packed))
         return ()
+
+    def answered(self, packed: Any, ask: Any) -> tuple[np.ndarray]:
+        """A flush that answers (one device, tapd.emitter.gathered.live): the records
+        written, then the wake flags and the next chunk's steps."""
+        self(packed)
+        return self._answer(ask)
+
+    def poll(self, ask: Any) -> tuple[np.ndarray]:
+        """A live chunk's end that logged nothing: the answer alone."""
+        lifecycle.host_callback_ran()
+        return self._answer(ask)
+
+    def _answer(self, ask: Any) -> tuple[np.ndarray]:
+        steps, polls = (int(v) for v in np.asarray(ask))
+        interval = 1 if self.pace is None else self.pace.answered(steps, polls)
+        flags = [site.awake() for site in self.sites]
+        return (np.array([*flags, interval], np.int32),)
+
+    def write_header(self, header: np.ndarray) -> bool:
+        """Where the log is empty (dormant sites' taps only), their count from the
+        packed bytes' head alone, its buffers never moved; False where it is not."""
+        header = np.ascontiguousarray(header, np.uint8)
+        if header.size < self.header_size or int(self._piece(header, 0)) != 0:
+            return False
+        if self._write_gathered is not None:
+            self._write_gathered(ctypes.c_void_p(header.ctypes.data), *self._arguments)
+        return True
 
     def write_packed(self, packed: np.ndarray) -> None:
         packed = np.ascontiguousarray(packed, np.uint8)

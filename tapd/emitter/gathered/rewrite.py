@@ -20,7 +20,8 @@ import numpy as np
 from jax import lax
 from jax._src import core, source_info_util
 
-from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, flush
+from tapd.emitter.gathered import live
+from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, flush, poll
 from tapd.emitter.primitive import TapSiteParams, tap_p
 
 
@@ -37,6 +38,8 @@ class Gathered(NamedTuple):
     buffers: tuple[tuple[Any, ...], ...]  # per site, per operand: [capacity, *shape]
     awake: Any  # int32[sites]: 1 where the site's taps are kept, 0 where it is dormant
     skipped: Any  # int32[sites]: each dormant site's taps since the last flush
+    interval: Any  # int32[]: the steps a live loop's chunk runs (tapd.emitter.gathered.live)
+    polls: Any  # int32[]: the host's answers so far this call
 
 
 # The primitives whose one jaxpr runs where they stand: the rewrite inlines it.
@@ -113,16 +116,30 @@ class Rewriter:
 
     `checked`: whether a tap must test for a full log itself (its region made no room)."""
 
-    def __init__(self, plan: FlushPlan, varying: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        plan: FlushPlan,
+        varying: tuple[str, ...] = (),
+        *,
+        platform: str = "cpu",
+        latency: float = 0.0,
+    ) -> None:
         self.plan = plan
         self.index = {site: i for i, site in enumerate(plan.sites)}
         # In a shard_map body whose manual axes JAX checks: the axes each device's
         # buffers vary along (what the values written into them do).
         self.varying = varying
+        # Live loops (tapd.emitter.gathered.live): where flushes answer, a loop at the
+        # top (not inside another loop) that runs long enough.
+        self.platform = platform
+        self.latency = latency if plan.answers else 0.0
+        self.loops = 0  # loops around what is being traced
+        self.answers_traced = False  # a flush or poll that answers was traced
 
-    def empty(self, awake: Any = None) -> Gathered:
+    def empty(self, awake: Any = None, interval: Any = None) -> Gathered:
         """Fresh buffers: zeros (a flush reads only the rows its log names). `awake`:
-        the sites' wake flags (`Gathered.awake`), all awake if not given."""
+        the sites' wake flags (`Gathered.awake`), all awake if not given; `interval`:
+        a live chunk's first steps (one if not given: tapd.emitter.gathered.live)."""
         plan = self.plan
         sites = len(plan.sites)
         return Gathered(
@@ -135,6 +152,8 @@ class Rewriter:
             ),
             awake=lax.full((sites,), 1, np.int32) if awake is None else awake,
             skipped=lax.full((sites,), 0, np.int32),
+            interval=np.int32(1) if interval is None else interval,
+            polls=np.int32(0),
         )
 
     def _own(self, buffer: Any) -> Any:
@@ -148,11 +167,34 @@ class Rewriter:
 
     # ---- flushes ------------------------------------------------------------------------
 
-    def flushed(self, state: Gathered) -> Gathered:
-        """`state` flushed: its log empty, made after the flush's transfer."""
-        count = flush(state, self.plan)
+    def flushed(self, state: Gathered, steps: Any = 0) -> Gathered:
+        """`state` flushed: its log empty, made after the flush's transfer. Where the
+        plan's flushes answer, with the host's answer (`steps`: of the live chunk
+        that ends here, 0 elsewhere)."""
+        count, answer = flush(state, self.plan, steps, state.polls)
         zeros = lax.full(state.rows.shape, count, np.int32)
-        return state._replace(count=count, rows=zeros, skipped=zeros)
+        state = state._replace(count=count, rows=zeros, skipped=zeros)
+        return state if answer is None else self._with_answer(state, answer)
+
+    def answered(self, state: Gathered, steps: Any) -> Gathered:
+        """`state` after the host answers a live chunk's end: flushed where it logged,
+        else polled (its buffers, the dormant sites' taps, move nothing)."""
+
+        def polled(st: Gathered) -> Gathered:
+            return self._with_answer(st, poll(self.plan, steps, st.polls))
+
+        result: Gathered = lax.cond(
+            state.count > 0, lambda st: self.flushed(st, steps), polled, state
+        )
+        return result
+
+    def _with_answer(self, state: Gathered, answer: Any) -> Gathered:
+        """The host's answer: the sites' wake flags now, and the next chunk's steps."""
+        self.answers_traced = True
+        sites = len(self.plan.sites)
+        return state._replace(
+            awake=answer[:sites], interval=answer[sites], polls=state.polls + 1
+        )
 
     def flush_if(self, condition: Any, state: Gathered) -> Gathered:
         result: Gathered = lax.cond(condition, self.flushed, lambda s: s, state)
@@ -171,8 +213,10 @@ class Rewriter:
 
     def chunk_end(self, state: Gathered, certain: bool) -> Gathered:
         """The flush after a loop's chunk: unconditional where the chunk certainly logs
-        (no test), else where it logged. (Only a computation whose taps all fit takes
-        wake flags, and such a one has no chunks: every tap here is kept.)"""
+        (no test), else where it logged; where flushes answer, a poll where it did not
+        (so that fresh wake flags come in)."""
+        if self.plan.answers:
+            return self.answered(state, 0)
         if certain:
             return self.flushed(state)
         return self.flush_if(state.count > 0, state)
@@ -251,11 +295,23 @@ class Rewriter:
             return self.run(jaxpr, consts, invals, state, checked)
         if name == "cond":
             return self._run_cond(params, invals, state, checked)
-        if name == "scan":
-            return self._run_scan(params, invals, state, checked)
-        if name == "while":
+        if name not in ("scan", "while"):
+            raise NotGatherable(f"taps inside {name}")
+        self.loops += 1
+        try:
+            if name == "scan":
+                return self._run_scan(params, invals, state, checked)
             return self._run_while(params, invals, state, checked)
-        raise NotGatherable(f"taps inside {name}")
+        finally:
+            self.loops -= 1
+
+    def _live(self, per_step: float, records: float, seconds: Callable[[], float]) -> bool:
+        """Whether the loop being rewritten (at the top: inside no other loop), which
+        taps `per_step` records a step and `records` in all, runs live."""
+        if self.loops != 1 or self.latency <= 0 or not 0 < per_step <= self.plan.capacity:
+            return False
+        overflows = records > self.plan.capacity
+        return live.is_live(math.inf if overflows else seconds(), overflows, self.latency)
 
     def _run_cond(
         self, params: dict[str, Any], invals: list[Any], state: Gathered, checked: bool
@@ -280,6 +336,12 @@ class Rewriter:
         carry_count = len(carry)
         length, reverse = params["length"], params["reverse"]
         per_step = most_records(body.jaxpr)
+        if self._live(
+            per_step,
+            length * per_step,
+            lambda: length * live.estimated_seconds(body.jaxpr, self.platform),
+        ):
+            return live.scan(self, params, consts, carry, xs, state, int(per_step))
 
         def scan(
             carry: list[Any], state: Gathered, xs: list[Any], length: int, checked: bool
@@ -366,6 +428,8 @@ class Rewriter:
                 ]
             return outs, st
 
+        if self._live(per_step, math.inf, lambda: math.inf):
+            return live.while_loop(self, going_on, step, carry, state, int(per_step))
         if not checked or not self._bounded(per_step) or per_step == 0:
             carry, state = lax.while_loop(
                 lambda both: going_on(both[0]), lambda both: step(*both, checked), (carry, state)
