@@ -33,8 +33,11 @@ def loop(kind: str):
         if kind == "never":
             lax.cond(i < 0, lambda: jax.debug.callback(noop, c), lambda: None)
         elif kind == "never_result":
-            r = lax.cond(i < 0, lambda: io_callback(answer, jax.ShapeDtypeStruct((), jnp.int32), c),
-                         lambda: jnp.int32(0))
+            r = lax.cond(
+                i < 0,
+                lambda: io_callback(answer, jax.ShapeDtypeStruct((), jnp.int32), c),
+                lambda: jnp.int32(0),
+            )
             c = c + r.astype(c.dtype) * 0
         elif kind == "each":
             jax.debug.callback(noop, c)
@@ -42,9 +45,11 @@ def loop(kind: str):
             r = io_callback(answer, jax.ShapeDtypeStruct((), jnp.int32), c)
             c = c + r.astype(c.dtype) * 0
         elif kind == "every100_result":
-            r = lax.cond(i % 100 == 99,
-                         lambda: io_callback(answer, jax.ShapeDtypeStruct((), jnp.int32), c),
-                         lambda: jnp.int32(0))
+            r = lax.cond(
+                i % 100 == 99,
+                lambda: io_callback(answer, jax.ShapeDtypeStruct((), jnp.int32), c),
+                lambda: jnp.int32(0),
+            )
             c = c + r.astype(c.dtype) * 0
         elif kind == "every100":
             lax.cond(i % 100 == 99, lambda: jax.debug.callback(noop, c), lambda: None)
@@ -70,7 +75,9 @@ def main():
     for _ in range(5):
         for k in kinds:
             samples[k].append(timed(fs[k], x, 5 if k.startswith("each") else 20))
-    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, {STEPS}-step loop, µs a call")
+    print(
+        f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, {STEPS}-step loop, µs a call"
+    )
     for k in kinds:
         print(f"{k:18s} {statistics.median(samples[k]):10.1f}")
 

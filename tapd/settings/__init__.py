@@ -318,7 +318,7 @@ class EmitterFields:
         0.25,
         "in a long loop, a gathered tap reaches the host within about this many seconds, "
         "whatever the loop's step time: the host paces the device's flushes from the time "
-        "its steps take (docs/TAPPING.md, \"Live loops\"); 0: a loop flushes only when its "
+        'its steps take (docs/TAPPING.md, "Live loops"); 0: a loop flushes only when its '
         "log fills, and at the computation's end",
     )
 

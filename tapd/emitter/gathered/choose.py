@@ -18,8 +18,8 @@ from jax._src.interpreters import partial_eval as pe
 
 from tapd.emitter import host_writers, jax_compat, lifecycle, taps_as_outputs
 from tapd.emitter.gathered import slices
-from tapd.emitter.gathered.live import Pace
 from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, WayOut, call, pack
+from tapd.emitter.gathered.live import Pace
 from tapd.emitter.gathered.rewrite import (
     NotGatherable,
     Rewriter,

@@ -192,9 +192,7 @@ class Rewriter:
         """The host's answer: the sites' wake flags now, and the next chunk's steps."""
         self.answers_traced = True
         sites = len(self.plan.sites)
-        return state._replace(
-            awake=answer[:sites], interval=answer[sites], polls=state.polls + 1
-        )
+        return state._replace(awake=answer[:sites], interval=answer[sites], polls=state.polls + 1)
 
     def flush_if(self, condition: Any, state: Gathered) -> Gathered:
         result: Gathered = lax.cond(condition, self.flushed, lambda s: s, state)
