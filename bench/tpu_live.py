@@ -19,6 +19,7 @@ TPU host moves them in seconds a call; the rate is that of 100 steps).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -162,7 +163,7 @@ def live_loops(quick: bool) -> dict[str, Any]:
                         "seconds": end - start,
                         "taps": len(arrivals),
                         "first": arrivals[0] - start if arrivals else None,
-                        "largest_gap": max(b - a for a, b in zip(times, times[1:]))
+                        "largest_gap": max(b - a for a, b in itertools.pairwise(times))
                         if arrivals
                         else None,
                     }
@@ -217,8 +218,8 @@ def report(result: dict[str, Any], delivered: int, quick: bool) -> str:
     for name, entry in result["live"].items():
         label, kind = name.split(" ")
         call = entry["calls"][-1]
-        first = "–" if call["first"] is None else f"{call['first']:.3f}"
-        gap = "–" if call["largest_gap"] is None else f"{call['largest_gap']:.3f}"
+        first = "-" if call["first"] is None else f"{call['first']:.3f}"
+        gap = "-" if call["largest_gap"] is None else f"{call['largest_gap']:.3f}"
         lines.append(
             f"| {entry['steps']} steps of {label} | {kind} | {call['seconds']:.3f} | "
             f"{call['taps']} | {first} | {gap} |"

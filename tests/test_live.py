@@ -15,6 +15,7 @@ as eager execution makes them.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -53,7 +54,7 @@ def run(*args: str, **env: str) -> dict[str, Any]:
 def gaps(call: dict[str, Any]) -> list[float]:
     """The time to the first tap, then between taps, of one call."""
     times = [call["start"], *call["times"]]
-    return [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    return [later - earlier for earlier, later in itertools.pairwise(times)]
 
 
 @pytest.mark.parametrize("kind", ["while", "scan"])
