@@ -75,9 +75,8 @@ def main():
     for _ in range(5):
         for k in kinds:
             samples[k].append(timed(fs[k], x, 5 if k.startswith("each") else 20))
-    print(
-        f"device {jax.devices()[0].device_kind}, jax {jax.__version__}, {STEPS}-step loop, µs a call"
-    )
+    kind = jax.devices()[0].device_kind
+    print(f"device {kind}, jax {jax.__version__}, {STEPS}-step loop, µs a call")
     for k in kinds:
         print(f"{k:18s} {statistics.median(samples[k]):10.1f}")
 

@@ -69,10 +69,10 @@ def estimated_seconds(jaxpr: core.Jaxpr, platform: str) -> float:
 
 def _dot_flops(eqn: core.JaxprEqn) -> float:
     (contracting, _), _ = eqn.params["dimension_numbers"]
-    lhs = eqn.invars[0].aval
-    out = eqn.outvars[0].aval
-    reduced = math.prod(lhs.shape[d] for d in contracting)
-    return 2.0 * math.prod(out.shape) * reduced
+    lhs: Any = eqn.invars[0].aval
+    out: Any = eqn.outvars[0].aval
+    reduced = math.prod(int(lhs.shape[d]) for d in contracting)
+    return 2.0 * float(math.prod(out.shape)) * reduced
 
 
 def _bytes(aval: Any) -> float:
@@ -80,7 +80,7 @@ def _bytes(aval: Any) -> float:
     dtype = getattr(aval, "dtype", None)
     if shape is None or dtype is None:
         return 0.0
-    return float(math.prod(shape)) * np.dtype(dtype).itemsize
+    return float(math.prod(shape)) * float(np.dtype(dtype).itemsize)
 
 
 def is_live(loop_seconds: float, overflows: bool, latency: float) -> bool:
