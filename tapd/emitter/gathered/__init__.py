@@ -11,9 +11,12 @@ index into the log. Loops (`scan`, `while`) and branches (`cond`) carry the buff
 too, so the log is in program order however the taps nest. A flush
 (`tapd.emitter.gathered.flush`) is one host callback that takes the buffers, and writes
 each logged record, in order, as the tap's own host callback would have (the same ring
-record, so subscribers cannot tell the paths apart). It runs when the log is full (at
-most `gather_taps` records, or `gather_bytes` of buffers: a long loop's taps arrive
-while it runs) and once at the end of the computation.
+record, so subscribers cannot tell the paths apart). It runs where the log could
+fill (at most `gather_taps` records, or `gather_bytes` of buffers), at the end of a
+computation that cannot end with its buffers as an output, and, on one device, where a
+long loop's chunk ends: such a loop is paced by the host so that its taps arrive
+within `gather_latency` seconds (tapd.emitter.gathered.live), and each flush there
+answers with fresh wake flags.
 
 Flushes run in program order: each carries an ordered effect of tapd's own, whose
 token JAX threads from flush to flush through the loops and branches; the token is made
@@ -32,6 +35,7 @@ gathered there and flushed at its end.
 The room (this package), from the top:
 - choose.py: which computations are gathered (`maybe_gathered`), and the rewrite's plan;
 - rewrite.py: the jaxpr evaluated with each tap turned into writes into the buffers;
+- live.py: a long loop's taps within `gather_latency`: which loops, their chunks, the pace;
 - slices.py: a computation over several devices, each shard_map body gathered on each;
 - flush.py: the flush primitive, and the gathered computation's call and way out;
 - host.py: the packed buffers' layout, and what writes them into the ring on the host;
