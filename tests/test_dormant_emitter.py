@@ -273,8 +273,8 @@ def test_gathered_taps_are_kept_or_skipped_on_the_device_by_the_site_table(
     }
     result = run_script(runtime_dir, "slots", env=flags)
     assert result["backend"] == "portable"
-    # The dormant program's call: its buffers never moved (only the head of its output,
-    # which counts its ten taps skipped).
+    # The dormant program's call: nothing of its output moved (its ten taps, known
+    # before it ran, counted as skipped by the host, as a head of counts).
     assert result["dormant_flushes"] == []
     assert result["dormant_heads"] == [[0, 10]]
     # "woken": dormant for its first call (4 skipped), then 4 written.

@@ -54,6 +54,9 @@ class Receiver(Protocol):
         """The dormant taps a head of packed bytes counts, where its log is empty
         (False where it is not: the whole is then read)."""
 
+    def write_skipped(self, counts: Sequence[int]) -> None:
+        """Each site's dormant taps of a call, counted as skipped (their seqs used)."""
+
 
 class OutputsEffect(effects.Effect):
     """The ordered effect of one gathered computation's way out (ordered once
@@ -68,6 +71,9 @@ class OutputsEffect(effects.Effect):
         # of its buffers is read (its dormant taps counted), the rest never moved.
         self.refreshed = True
         self.dormant_call = False  # the last call dispatched had every site dormant
+        # Each site's taps in every call, where known before it runs: a dormant call's
+        # are then counted here, and nothing of its output moves (not even its head).
+        self.dormant_counts: tuple[int, ...] | None = None
 
     def __str__(self) -> str:
         return "tapd.taps_as_outputs"
@@ -104,9 +110,11 @@ class Collector:
         self._writing = threading.Lock()  # held while outputs are written: their order
         self._thread: threading.Thread | None = None
 
-    def received(self, array: Any, receiver: Receiver, dormant: bool = False) -> None:
+    def received(self, array: Any, receiver: Receiver, dormant: Any = False) -> None:
         """A computation's packed buffers, as its call returns them (not yet computed);
-        `dormant`: dispatched with every site dormant (`OutputsEffect.dormant_call`)."""
+        `dormant`: dispatched with every site dormant (`OutputsEffect.dormant_call`):
+        True (read the head only), or each site's count of taps (read nothing; the
+        array is then None)."""
         if self.copy_ahead and not dormant:
             try:
                 array.copy_to_host_async()
@@ -164,6 +172,8 @@ class Collector:
 
 
 def _is_ready(array: Any) -> bool:
+    if array is None:  # (nothing to read: a dormant call's counts)
+        return True
     try:
         return bool(array.is_ready())
     except Exception:  # deleted, or failed: reading it says which
@@ -171,14 +181,19 @@ def _is_ready(array: Any) -> bool:
 
 
 def _wait(array: Any) -> None:
+    if array is None:
+        return
     try:
         array.block_until_ready()
     except Exception:  # a failed computation: said where its outputs are read
         pass
 
 
-def _write(array: Any, receiver: Receiver, dormant: bool) -> None:
+def _write(array: Any, receiver: Receiver, dormant: Any) -> None:
     try:
+        if isinstance(dormant, tuple):
+            receiver.write_skipped(dormant)
+            return
         if dormant and receiver.write_header(np.asarray(array[: receiver.header_size])):
             return
         packed = np.asarray(array)
@@ -249,6 +264,9 @@ def _wrap_tokens(tokens: Any, token: Callable[[Any], Any]) -> None:
     def set_token_result(self: Any, effect: Any, result: Any) -> None:
         if isinstance(effect, OutputsEffect):
             assert effect.receiver is not None  # (lowered before it runs)
+            if effect.dormant_call and effect.dormant_counts is not None:
+                collector.received(None, effect.receiver, effect.dormant_counts)
+                return
             collector.received(result._buf, effect.receiver, effect.dormant_call)
             return
         set_result(self, effect, result)

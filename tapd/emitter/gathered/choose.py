@@ -24,6 +24,7 @@ from tapd.emitter.gathered.rewrite import (
     NotGatherable,
     Rewriter,
     certainly_taps,
+    exact_taps,
     most_records,
     site_operands,
     taps_within,
@@ -226,6 +227,9 @@ def rewrite(
     inner = _closed(traced[0], traced[2])
     if way_out is not None:  # (its dormant calls' buffers need not move: taps_as_outputs)
         way_out.refreshed = rewriter.answers_traced
+        counts = exact_taps(closed.jaxpr)
+        if counts is not None:
+            way_out.dormant_counts = tuple(counts[site] for site in sites)
     # The flushes' order (primitive.PROGRAM_ORDER) is kept inside the computation.
     out = None if way_out is None else WayOut(way_out, plan)
     debug_info = closed.jaxpr.debug_info

@@ -171,6 +171,13 @@ class Flush:
         flags = [site.awake() for site in self.sites]
         return (np.array([*flags, interval], np.int32),)
 
+    def write_skipped(self, counts: Sequence[int]) -> None:
+        """A dormant call's taps, `counts` a site, counted as skipped (no buffers)."""
+        header = np.zeros(self.header_size, np.uint8)
+        dtype, shape, offset = self.layout[2]
+        header[offset : offset + 4 * len(counts)] = np.asarray(counts, np.int32).view(np.uint8)
+        self.write_header(header)
+
     def write_header(self, header: np.ndarray) -> bool:
         """Where the log is empty (dormant sites' taps only), their count from the
         packed bytes' head alone, its buffers never moved; False where it is not."""

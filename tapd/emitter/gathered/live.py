@@ -144,13 +144,13 @@ def scan(
     length, reverse = int(params["length"]), bool(params["reverse"])
     carry_count = len(carry)
     y_avals = [var.aval for var in body.jaxpr.outvars[carry_count:]]
-    most = max(1, rewriter.plan.capacity // per_step)
+    room = _room(rewriter, per_step)
     ys = [lax.full((length, *a.shape), 0, a.dtype) for a in y_avals]
     state = rewriter.flush_if(state.count > 0, state)
 
     def chunk(outer: tuple[Any, ...]) -> tuple[Any, ...]:
         start, values, ys, st = outer
-        end = lax.min(start + lax.min(st.interval, np.int32(most)), np.int32(length))
+        end = lax.min(start + st.interval, np.int32(length))
 
         def step(inner: tuple[Any, ...]) -> tuple[Any, ...]:
             i, values, ys, st = inner
@@ -163,7 +163,10 @@ def scan(
             ]
             return i + 1, outs[:carry_count], ys, st
 
-        i, values, ys, st = lax.while_loop(lambda inner: inner[0] < end, step, outer)
+        def going_on(inner: tuple[Any, ...]) -> Any:
+            return lax.bitwise_and(inner[0] < end, room(inner[3]))
+
+        i, values, ys, st = lax.while_loop(going_on, step, outer)
         st = _answered_unless(i >= length, rewriter, st, i - start)
         return i, values, ys, st
 
@@ -183,15 +186,15 @@ def while_loop(
 ) -> tuple[list[Any], Any]:
     """A `while` loop with taps, run live (as `scan`; the condition, which does not
     tap, is evaluated once more a chunk)."""
-    most = max(1, rewriter.plan.capacity // per_step)
+    room = _room(rewriter, per_step)
     state = rewriter.flush_if(state.count > 0, state)
 
     def chunk(outer: tuple[list[Any], Any]) -> tuple[list[Any], Any]:
         values, st = outer
-        limit = lax.min(st.interval, np.int32(most))
 
         def inner_going_on(inner: tuple[Any, list[Any], Any]) -> Any:
-            return lax.bitwise_and(inner[0] < limit, going_on(inner[1]))
+            paced = lax.bitwise_and(inner[0] < st.interval, room(inner[2]))
+            return lax.bitwise_and(paced, going_on(inner[1]))
 
         def inner_step(inner: tuple[Any, list[Any], Any]) -> Any:
             values, st = step(inner[1], inner[2], False)
@@ -203,6 +206,13 @@ def while_loop(
 
     carry, state = lax.while_loop(lambda outer: going_on(outer[0]), chunk, (carry, state))
     return list(carry), state
+
+
+def _room(rewriter: Any, per_step: int) -> Callable[[Any], Any]:
+    """Whether the log has room for one more step's taps: a chunk ends where it has
+    not. (Kept taps only fill it: a dormant site's loop runs its chunk at the pace.)"""
+    most = np.int32(rewriter.plan.capacity - per_step)
+    return lambda state: state.count <= most
 
 
 def _answered_unless(done: Any, rewriter: Any, state: Any, steps: Any) -> Any:

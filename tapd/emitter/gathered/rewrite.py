@@ -12,6 +12,7 @@ and a log of 256 makes 40 flushes and no test at any step.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -100,6 +101,38 @@ def most_records(jaxpr: core.Jaxpr) -> float:
             return math.inf
         else:
             total += sum(most_records(sub) for sub in core.jaxprs_in_params(eqn.params))
+    return total
+
+
+def exact_taps(jaxpr: core.Jaxpr) -> collections.Counter[TapSiteParams] | None:
+    """The taps each site makes in every run of `jaxpr`, where that is known before it
+    runs (None where a `while` loop taps, or a `cond`'s branches tap differently)."""
+    total: collections.Counter[TapSiteParams] = collections.Counter()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if eqn.primitive is tap_p:
+            total[eqn.params["site"]] += 1
+        elif not taps_within_eqn(eqn):
+            continue
+        elif name == "scan":
+            body = exact_taps(eqn.params["jaxpr"].jaxpr)
+            if body is None:
+                return None
+            for site, count in body.items():
+                total[site] += count * eqn.params["length"]
+        elif name == "cond":
+            branches = [exact_taps(branch.jaxpr) for branch in eqn.params["branches"]]
+            if any(b is None or b != branches[0] for b in branches):
+                return None
+            total.update(branches[0])
+        elif name == "while":
+            return None
+        else:
+            for sub in core.jaxprs_in_params(eqn.params):
+                inner = exact_taps(sub)
+                if inner is None:
+                    return None
+                total.update(inner)
     return total
 
 
