@@ -174,7 +174,7 @@ class Flush:
     def write_skipped(self, counts: Sequence[int]) -> None:
         """A dormant call's taps, `counts` a site, counted as skipped (no buffers)."""
         header = np.zeros(self.header_size, np.uint8)
-        dtype, shape, offset = self.layout[2]
+        offset = self.layout[2][2]  # (the dormant counts)
         header[offset : offset + 4 * len(counts)] = np.asarray(counts, np.int32).view(np.uint8)
         self.write_header(header)
 
