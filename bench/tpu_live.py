@@ -145,10 +145,12 @@ def live_loops(quick: bool) -> dict[str, Any]:
     if quick:
         shapes = [("1.4ms", 250, 2), ("100ms", 6, 40)]
     for label, steps, matmuls in shapes:
-        for kind in ("none", "tap", "jax"):
-            if kind == "jax" and label == "100ms":
+        for kind in ("none", "tap", "unpaced", "jax"):
+            if kind in ("jax", "unpaced") and label == "100ms":
                 continue  # (its gaps are its steps: each callback runs as the step does)
-            function = program(kind, steps, matmuls)
+            function = program("tap" if kind == "unpaced" else kind, steps, matmuls)
+            if kind == "unpaced":  # (what pacing costs: the same loop, lowered unpaced)
+                function = unpaced(function, c)
             calls = []
             for _ in range(2):  # the first compiles; its taps arrive too
                 jax.block_until_ready(c)
@@ -170,6 +172,21 @@ def live_loops(quick: bool) -> dict[str, Any]:
                 )
             out[f"{label} {kind}"] = {"steps": steps, "calls": calls}
     return out
+
+
+def unpaced(function: Callable[[Any], Any], c: Any) -> Callable[[Any], Any]:
+    """`function` compiled with `gather_latency` 0 (its loop flushes when its log fills)."""
+    import dataclasses
+
+    from tapd.emitter import lifecycle
+
+    settings = lifecycle.settings()
+    lifecycle._settings = dataclasses.replace(settings, gather_latency=0.0)
+    try:
+        compiled = function.lower(c).compile()  # type: ignore[attr-defined]
+    finally:
+        lifecycle._settings = settings
+    return compiled  # type: ignore[no-any-return]
 
 
 def report(result: dict[str, Any], delivered: int, quick: bool) -> str:
