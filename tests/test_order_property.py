@@ -6,7 +6,7 @@
   (`jax.disable_jit()`), and tapd.debug's those of `jax.debug.callback(ordered=True)`:
   the same taps, values and order. On the native backend, the portable one, and the
   gathered path with logs of 2 records and of 1 (flushes inside every loop and
-  branch). A fixed seed set here; many more examples in the soak tier (`pytest -m soak`,
+  branch), and with every loop paced a step a chunk (a latency of a nanosecond). A fixed seed set here; many more examples in the soak tier (`pytest -m soak`,
   which `.ci/run` runs).
 - The programs Hypothesis shrank from failures, kept as regressions.
 - The two shapes the issue names, for `tapd.tap` (a subscriber in another process),
@@ -38,6 +38,12 @@ SETTINGS = {
     "portable": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "off"},
     "gathered_taps2": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on", "TAPD_GATHER_TAPS": "2"},
     "gathered_bytes1": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on", "TAPD_GATHER_BYTES": "1"},
+    # Every loop at the top paced, one step a chunk (tapd.emitter.gathered.live).
+    "gathered_paced": {
+        "TAPD_BACKEND": "portable",
+        "TAPD_GATHER": "on",
+        "TAPD_GATHER_LATENCY": "1e-9",
+    },
 }
 BASE_ENV = {"JAX_PLATFORMS": "cpu", "TAPD_AUTOSTART": "0"}
 
