@@ -92,6 +92,10 @@ class OutputsEffect(effects.Effect):
         return array
 
 
+# The most bytes of flushes handed to the thread at once (`Collector.write_later`).
+LATER_BYTES = 64 * 2**20
+
+
 class Collector:
     """The outputs not yet written, in dispatch order, and the thread that writes them
     as their computations finish.
@@ -103,12 +107,13 @@ class Collector:
     copy_ahead = False  # start each output's copy in the dispatch (else the thread copies)
 
     def __init__(self) -> None:
-        # (the packed buffers, their writer, whether only their head is to be read)
-        self._pending: collections.deque[tuple[Any, Receiver, bool]] = collections.deque()
+        # (the packed buffers, their writer, what of them to read: `received`)
+        self._pending: collections.deque[tuple[Any, Receiver, Any]] = collections.deque()
         self._changed = threading.Condition()
         self._sleeping = False  # the thread waits for `_changed`
         self._writing = threading.Lock()  # held while outputs are written: their order
         self._thread: threading.Thread | None = None
+        self._later_bytes = 0  # flushes' bytes waiting (`write_later`)
 
     def received(self, array: Any, receiver: Receiver, dormant: Any = False) -> None:
         """A computation's packed buffers, as its call returns them (not yet computed);
@@ -121,6 +126,9 @@ class Collector:
             except Exception:  # (the copy is then made when the thread reads it)
                 pass
         self._pending.append((array, receiver, dormant))  # (a deque's append is atomic)
+        self._wake()
+
+    def _wake(self) -> None:
         if self._sleeping or self._thread is None:
             with self._changed:
                 if self._thread is None:
@@ -139,9 +147,30 @@ class Collector:
         if not self._pending:
             return
         with self._writing:
-            while self._pending and _is_ready(self._pending[0][0]):
-                array, receiver, dormant = self._pending.popleft()
-                _write(array, receiver, dormant)
+            self._write_ready_held()
+
+    def _write_ready_held(self) -> None:
+        while self._pending and _is_ready(self._pending[0][0]):
+            array, receiver, dormant = self._pending.popleft()
+            if isinstance(array, np.ndarray):
+                self._later_bytes -= array.nbytes
+            _write(array, receiver, dormant)
+
+    def write_later(self, packed: np.ndarray, receiver: Receiver) -> bool:
+        """A flush's packed bytes (the host's copy), to be written by the thread, so that
+        the device, which waits for a flush that answers, does not wait for the ring.
+        They go after the outputs of the computations that ran before (written now, or
+        queued), and before the output of the one that flushes, which has not finished:
+        the first output not ready. False where `LATER_BYTES` already wait: the caller
+        then writes them itself (under `block`, a full ring still slows the device)."""
+        with self._writing:
+            self._write_ready_held()
+            if self._later_bytes + packed.nbytes > LATER_BYTES:
+                return False
+            self._pending.appendleft((packed, receiver, False))
+            self._later_bytes += packed.nbytes
+        self._wake()
+        return True
 
     def drain(self) -> None:
         """Return once every output received before the call is written."""

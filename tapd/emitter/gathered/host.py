@@ -155,9 +155,13 @@ class Flush:
         return ()
 
     def answered(self, packed: Any, ask: Any) -> tuple[np.ndarray]:
-        """A flush that answers (one device, tapd.emitter.gathered.live): the records
-        written, then the wake flags and the next chunk's steps."""
-        self(packed)
+        """A flush that answers (one device, tapd.emitter.gathered.live): the wake flags
+        and the next chunk's steps at once; the records are written by the outputs'
+        thread, in order (the device waits for this answer, not for the ring)."""
+        lifecycle.host_callback_ran()
+        copied = np.array(packed, np.uint8)  # (the operand lives only during the call)
+        if not taps_as_outputs.collector.write_later(copied, self):
+            self.write_packed(copied)
         return self._answer(ask)
 
     def poll(self, ask: Any) -> tuple[np.ndarray]:
