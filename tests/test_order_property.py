@@ -6,8 +6,9 @@
   (`jax.disable_jit()`), and tapd.debug's those of `jax.debug.callback(ordered=True)`:
   the same taps, values and order. On the native backend, the portable one, and the
   gathered path with logs of 2 records and of 1 (flushes inside every loop and
-  branch), and with every loop paced a step a chunk (a latency of a nanosecond). A fixed seed set here; many more examples in the soak tier (`pytest -m soak`,
-  which `.ci/run` runs).
+  branch), and with every loop paced a step a chunk (a latency of a nanosecond). A
+  fixed seed set here; many more examples in the soak tier (`pytest -m soak`, which
+  `.ci/run` runs).
 - The programs Hypothesis shrank from failures, kept as regressions.
 - The two shapes the issue names, for `tapd.tap` (a subscriber in another process),
   `id_tap` and `tapd.debug.callback(ordered=True)`, on both CPU backends: 12 of 12.
