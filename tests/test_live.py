@@ -10,7 +10,8 @@ holds on a machine of any speed; each call must then show its first tap and ever
 between taps within half the call (4 latencies: a chunk is paced at half of one). And
 at the log's edges (a log of 8 taps; loops of 7 to 33 steps, one or three taps a
 step, `scan` and `while`, live or not), every value arrives once, in program order,
-as eager execution makes them.
+as eager execution makes them, whether a paced flush's bytes are written by the
+outputs' thread or, where too many wait there, by the flush itself.
 """
 
 from __future__ import annotations
@@ -76,7 +77,11 @@ def test_a_long_loop_s_taps_arrive_while_it_runs(kind: str) -> None:
     assert 2 < live["host_callbacks"] < steps
 
 
-def test_no_tap_is_lost_or_reordered_at_the_log_s_edges() -> None:
-    result = run("thresholds", TAPD_GATHER_TAPS="8")
+@pytest.mark.parametrize("later_bytes", [None, "0"], ids=["handed_off", "written_in_flush"])
+def test_no_tap_is_lost_or_reordered_at_the_log_s_edges(later_bytes: str | None) -> None:
+    """Whether a paced flush hands its bytes to the outputs' thread (the default) or,
+    with no room for them there (`taps_as_outputs.LATER_BYTES`), writes them itself."""
+    env = {"LIVE_LATER_BYTES": later_bytes} if later_bytes is not None else {}
+    result = run("thresholds", TAPD_GATHER_TAPS="8", **env)
     for case, outcome in result["cases"].items():
         assert outcome["got"] == outcome["expected"], case

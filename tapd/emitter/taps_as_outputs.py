@@ -70,7 +70,9 @@ class OutputsEffect(effects.Effect):
         # not, a call dispatched with every site dormant logs nothing, and only the head
         # of its buffers is read (its dormant taps counted), the rest never moved.
         self.refreshed = True
-        self.dormant_call = False  # the last call dispatched had every site dormant
+        # Whether the call this thread is dispatching had every site dormant (a call's
+        # flags are read and its result taken in one thread; two threads may dispatch).
+        self._dispatching = threading.local()
         # Each site's taps in every call, where known before it runs: a dormant call's
         # are then counted here, and nothing of its output moves (not even its head).
         self.dormant_counts: tuple[int, ...] | None = None
@@ -78,12 +80,16 @@ class OutputsEffect(effects.Effect):
     def __str__(self) -> str:
         return "tapd.taps_as_outputs"
 
+    def dormant_call(self) -> bool:
+        """Whether the call this thread dispatches now had every site dormant."""
+        return bool(getattr(self._dispatching, "dormant", False))
+
     def flags_on(self, device: Any) -> Any:
         """The wake flags as an int32 array on `device`; the last one made is kept while
         they do not change (one table read a call, no transfer)."""
         assert self.receiver is not None  # (lowered before it runs)
         flags = self.receiver.wake_flags()
-        self.dormant_call = not self.refreshed and not any(flags[: self.flag_count - 1])
+        self._dispatching.dormant = not self.refreshed and not any(flags[: self.flag_count - 1])
         kept = self._flags
         if kept is not None and kept[0] == flags and kept[1] is device:
             return kept[2]
@@ -293,10 +299,11 @@ def _wrap_tokens(tokens: Any, token: Callable[[Any], Any]) -> None:
     def set_token_result(self: Any, effect: Any, result: Any) -> None:
         if isinstance(effect, OutputsEffect):
             assert effect.receiver is not None  # (lowered before it runs)
-            if effect.dormant_call and effect.dormant_counts is not None:
+            dormant = effect.dormant_call()
+            if dormant and effect.dormant_counts is not None:
                 collector.received(None, effect.receiver, effect.dormant_counts)
                 return
-            collector.received(result._buf, effect.receiver, effect.dormant_call)
+            collector.received(result._buf, effect.receiver, dormant)
             return
         set_result(self, effect, result)
 

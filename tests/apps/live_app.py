@@ -13,6 +13,7 @@ arrived and the eager reference.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -116,6 +117,10 @@ def thresholds() -> dict[str, Any]:
 
 
 def main() -> None:
+    if "LIVE_LATER_BYTES" in os.environ:  # (how many flushed bytes may wait for the thread)
+        from tapd.emitter import taps_as_outputs
+
+        taps_as_outputs.LATER_BYTES = int(os.environ["LIVE_LATER_BYTES"])
     mode = sys.argv[1]
     result = timed(sys.argv[2], int(sys.argv[3])) if mode == "timed" else thresholds()
     print(json.dumps(result), flush=True)
