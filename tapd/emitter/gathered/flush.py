@@ -5,8 +5,12 @@ own host callback would have (`tapd.emitter.gathered.host`).
 `flush_p` takes the buffers packed into one byte array (`pack`: the log's length, the
 log, each site's count of dormant taps, every site's buffers) and returns the log's
 new length, zero, made after the callback's transfer (an optimization barrier joins it
-to the callback's token). The callback returns nothing to the device, which goes on
-without waiting for the host (on a TPU: sends only, no receive).
+to the callback's token). On one device a flush answers (`FlushPlan.answers`): it also
+returns the sites' wake flags and a live loop's next chunk of steps
+(tapd.emitter.gathered.live), and the device waits for that answer (the host copies the
+bytes and answers; the outputs' thread writes them). Over several devices it returns
+nothing, and the device goes on without waiting for the host (on a TPU: sends only).
+`poll_p` is the answer alone, where a live chunk kept no tap.
 
 Flushes run in the order they were traced: each carries `PROGRAM_ORDER`, tapd's
 ordered effect (tapd.emitter.program_order), whose token JAX threads from flush to
@@ -71,7 +75,6 @@ poll_p = core.Primitive("tapd_gathered_poll")
 dispatch.prim_requires_devices_during_lowering.add(poll_p)
 
 _COUNT = core.ShapedArray((), np.dtype(np.int32))
-_ASK = core.ShapedArray((2,), np.dtype(np.int32))
 
 
 def flush(state: Any, plan: FlushPlan, steps: Any = 0, polls: Any = 0) -> tuple[Any, Any]:
