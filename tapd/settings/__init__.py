@@ -305,8 +305,8 @@ class EmitterFields:
     gather_taps: int = emitter(
         1024,
         "a gathered computation flushes its taps to the host after at most this many "
-        "(a long loop's taps arrive while it runs), and at its end; one whose taps fit "
-        "needs no host callback at all (on a TPU, ~1.7 ms a call less)",
+        "(and, in a long loop on one device, within gather_latency), and at its end; "
+        "one whose taps fit needs no host callback at all (on a TPU, ~1.7 ms a call less)",
     )
     gather_bytes: int = emitter(
         8 * 2**20,
