@@ -12,10 +12,13 @@ JAX threads an ordered effect's token through each call: it passes one in
 (`set_token_result`). tapd's module pass (`tapd.emitter.gathered.module_pass`) turns the
 effect's token result into the packed buffers, and its token argument into the sites'
 wake flags: whether each site has a taker now, read from the ring's site table when the
-call is dispatched, so that a dormant site's taps move nothing (in a computation whose
-taps fit in one log: tapd.emitter.gathered). This module intercepts
-the two token calls for `OutputsEffect` (`install`) and keeps the arrays that come out,
-in dispatch order, until their bytes are written (`Collector`).
+call is dispatched (then a live loop's first chunk of steps: tapd.emitter.gathered.live).
+A dormant site's taps are not kept, and a call dispatched with every site dormant moves
+nothing: its taps' counts, where known before it ran, are written here, or else only the
+head of its output is read. This module intercepts the two token calls for
+`OutputsEffect` (`install`) and keeps the arrays that come out, in dispatch order, until
+their bytes are written (`Collector`). A live loop's flushes hand their bytes to the
+same thread (`Collector.write_later`), ahead of their computation's output.
 
 Order with taps that are host callbacks: each of those first writes the outputs whose
 computations have finished (`write_ready`; on one device a computation runs after those
