@@ -201,3 +201,15 @@ def run_backend_child(script: str, backend: str, argv: Sequence[str]) -> dict[st
         raise RuntimeError(f"{backend} run failed ({result.returncode}):\n{result.stderr[-3000:]}")
     out: dict[str, Any] = json.loads(lines[-1])
     return out
+
+
+def run_child(command: list[str], env: dict[str, str], what: str) -> dict[str, Any]:
+    """A bench's child process (one process at a time holds a TPU): its stderr's tail
+    passed on, its result the last JSON line it printed; SystemExit where it failed."""
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500)
+    sys.stderr.write(done.stderr[-4000:])
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"{what} failed: {done.returncode}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result

@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -247,7 +246,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.quick)))
         return
-    from processes import Processes
+    from processes import Processes, run_child
 
     with tempfile.TemporaryDirectory(prefix="tb-", dir="/tmp") as workdir:
         processes = Processes(Path(workdir))
@@ -276,14 +275,7 @@ def main() -> None:
                     "--child",
                     *(["--quick"] if args.quick else []),
                 ]
-                done = subprocess.run(
-                    command, env=env, capture_output=True, text=True, timeout=1500
-                )
-                sys.stderr.write(done.stderr[-4000:])
-                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-                if done.returncode != 0 or not lines:
-                    raise SystemExit(f"child (TAPD_GATHER={gather}) failed: {done.returncode}")
-                results[gather] = json.loads(lines[-1])
+                results[gather] = run_child(command, env, f"child (TAPD_GATHER={gather})")
         finally:
             processes.stop_all()
         delivered = {

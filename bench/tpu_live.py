@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -273,7 +272,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.quick)))
         return
-    from processes import Processes
+    from processes import Processes, run_child
 
     with tempfile.TemporaryDirectory(prefix="tl-", dir="/tmp") as workdir:
         processes = Processes(Path(workdir))
@@ -282,12 +281,7 @@ def main() -> None:
             sink = processes.start_sink("big")
             env = {**os.environ, "TAPD_ENDPOINT": processes.endpoint, "TAPD_AUTOSTART": "0"}
             command = [sys.executable, __file__, "--child", *(["--quick"] if args.quick else [])]
-            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1500)
-            sys.stderr.write(done.stderr[-4000:])
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode != 0 or not lines:
-                raise SystemExit(f"child failed: {done.returncode}")
-            result = json.loads(lines[-1])
+            result = run_child(command, env, "child")
         finally:
             processes.stop_all()
         delivered = sink.results()["processed"]
