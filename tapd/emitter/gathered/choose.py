@@ -197,12 +197,12 @@ def rewrite(
     plan = plan_buffers(sites, [found[s] for s in sites], hint, taps=taps, max_bytes=max_bytes)
     if live is not None:
         plan = dataclasses.replace(plan, answers=True, pace=Pace(live[1]))
-    # The wake flags are read when a call is dispatched, and come again with each answer
-    # of a flush or poll, so that a site woken while a long loop runs takes its taps
-    # from the next chunk on. Where flushes do not answer (over several devices), a
-    # computation that flushes while it runs keeps its dormant sites' taps and lets the
-    # flush skip them.
-    masked = way_out is not None and (plan.never_full or plan.answers)
+    # The wake flags come in with a call (only a computation on one device has a way
+    # out, and its flushes answer), and again with each answer of a flush or poll, so
+    # that a site woken while a long loop runs takes its taps from the next chunk on.
+    # Without them (over several devices) every tap is kept, and a flush skips those of
+    # dormant sites.
+    assert way_out is None or plan.answers, "a way out takes flags its flushes renew"
     platform, latency = live if live is not None else ("cpu", 0.0)
     rewriter = Rewriter(plan, varying, platform=platform, latency=latency)
     in_avals = [var.aval for var in closed.jaxpr.invars]
@@ -210,8 +210,10 @@ def rewrite(
 
     def gathered(*args: Any) -> list[Any]:
         flags, args = (None, args) if way_out is None else (args[0], args[1:])
-        awake = None if flags is None or not masked else flags[: len(sites)]
-        state = rewriter.empty(awake, None if flags is None else flags[len(sites)])
+        if flags is None:
+            state = rewriter.empty()
+        else:
+            state = rewriter.empty(flags[: len(sites)], flags[len(sites)])
         outs, state = rewriter.run(
             closed.jaxpr, closed.consts, list(args), state, checked=not plan.never_full
         )
