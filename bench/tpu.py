@@ -97,6 +97,11 @@ def child(quick: bool) -> dict[str, Any]:
         if form == "pmap":
             return jax.pmap(per_device)
         mesh = Mesh(jax.devices(), ("d",))
+        if form == "shard_map in a loop":  # (a shard_map a step: gathered.threaded)
+            each = jax.shard_map(
+                lambda i, x: body(i, x), mesh=mesh, in_specs=(P(), P("d")), out_specs=P("d")
+            )
+            return jax.jit(lambda x: lax.fori_loop(0, STEPS, each, x))
         return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
     def step(kind: str) -> Callable[[Any], Any]:
@@ -130,12 +135,13 @@ def child(quick: bool) -> dict[str, Any]:
         variants[f"call {kind}"] = (step(kind), small, step_calls, 1)
     devices = jax.device_count()
     spread = jnp.zeros((devices, SMALL), jnp.float32)
-    for form in ("smap64", "pmap64"):
+    forms = {"smap64": "shard_map", "pmap64": "pmap", "smaploop64": "shard_map in a loop"}
+    for form, made_as in forms.items():
         for kind in ("none", "tap", "dormant", "jax", "id_tap"):
-            function = over_devices("pmap" if form == "pmap64" else "shard_map", kind)
+            function = over_devices(made_as, kind)
             variants[f"{form} {kind}"] = (
                 function,
-                spread.reshape(-1) if form == "smap64" else spread,
+                spread if form == "pmap64" else spread.reshape(-1),
                 loop_calls,
                 STEPS,
             )
@@ -214,6 +220,20 @@ def report(results: dict[str, dict[str, Any]], delivered: dict[str, int], quick:
         ("pmap loop, 64 B: tapd.tap ÷ jax.debug.callback", "pmap64", "tap", "jax", "≤ 0.02"),
         ("pmap loop, dormant ÷ jax.debug.callback", "pmap64", "dormant", "jax", "≤ 0.005"),
         ("pmap loop, id_tap ÷ jax.debug.callback", "pmap64", "id_tap", "jax", ""),
+        (
+            "shard_map a step, 64 B: tapd.tap ÷ jax.debug.callback",
+            "smaploop64",
+            "tap",
+            "jax",
+            "≤ 0.02",
+        ),
+        (
+            "shard_map a step, dormant ÷ jax.debug.callback",
+            "smaploop64",
+            "dormant",
+            "jax",
+            "≤ 0.005",
+        ),
         ("call: tapd.tap ÷ jax.debug.callback", "call", "tap", "jax", "≤ 0.25"),
         ("call: id_tap closure ÷ jax.debug.callback", "call", "id_tap", "jax", "≤ 0.25"),
         ("call: dormant ÷ jax.debug.callback", "call", "dormant", "jax", ""),

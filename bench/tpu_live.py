@@ -2,7 +2,7 @@
 costs against the floor of moving its bytes, woken and dormant, and how soon a long
 loop's taps arrive.
 
-    python bench/tpu_live.py [--quick] [--out bench/RESULTS-tpu-live.md] [--log PATH]
+    python bench/tpu_live.py [--quick] [--live-only] [--out bench/RESULTS-tpu-live.md] [--log PATH]
 
 The parent starts a tapd daemon and a subscriber for the woken big taps ("big"), then
 one child (TAPD_GATHER=auto: the gathered path on a TPU). Each cell of the grid is a
@@ -38,7 +38,7 @@ STEP_COUNTS = (1, 7, 8, 9, 100, 1000)
 MOST_BYTES_A_CALL = 400 * 2**20
 
 
-def child(quick: bool) -> dict[str, Any]:
+def child(quick: bool, live_only: bool = False) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -77,7 +77,7 @@ def child(quick: bool) -> dict[str, Any]:
         return time.perf_counter() - start
 
     cells: dict[str, tuple[Callable[[Any], Any], Any, int, int]] = {}
-    for size_name, elements in SIZES.items():
+    for size_name, elements in {} if live_only else SIZES.items():
         x = jnp.zeros(elements, jnp.float32)
         for steps in STEP_COUNTS:
             if elements * 4 * steps > MOST_BYTES_A_CALL or (quick and steps > 9):
@@ -86,7 +86,7 @@ def child(quick: bool) -> dict[str, Any]:
             for kind in ("none", "tap", "dormant", "floor"):
                 cells[f"{size_name} x{steps} {kind}"] = (loop(kind, steps), x, calls, steps)
     x = jnp.zeros(SIZES["1MiB"], jnp.float32)
-    for kind in ("none", "every100", "floor10"):
+    for kind in () if live_only else ("none", "every100", "floor10"):
         steps = 1000 if not quick else 100
         function = loop(kind, steps) if kind != "floor10" else loop("floor", steps // 100)
         cells[f"1MiB x{steps} {kind}"] = (function, x, 2, steps if kind != "floor10" else 10)
@@ -265,12 +265,13 @@ def _cell_order(cell: str) -> tuple[int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--live-only", action="store_true", help="only the long loops")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="write the report here (Markdown)")
     parser.add_argument("--log", default=None, help="write the raw results here (JSON)")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.quick)))
+        print(json.dumps(child(args.quick, args.live_only)))
         return
     from processes import Processes, run_child
 
@@ -280,7 +281,11 @@ def main() -> None:
             processes.start_daemon()
             sink = processes.start_sink("big")
             env = {**os.environ, "TAPD_ENDPOINT": processes.endpoint, "TAPD_AUTOSTART": "0"}
-            command = [sys.executable, __file__, "--child", *(["--quick"] if args.quick else [])]
+            flags = [
+                *(["--quick"] if args.quick else []),
+                *(["--live-only"] if args.live_only else []),
+            ]
+            command = [sys.executable, __file__, "--child", *flags]
             result = run_child(command, env, "child")
         finally:
             processes.stop_all()

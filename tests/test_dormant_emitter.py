@@ -178,6 +178,23 @@ elif scenario == "woken_mid_loop":  # gathered: a site woken while a long loop r
     steps_seen = [r.step for r in native.ring.read(0, 1_000_000)]
     output(steps_seen=steps_seen, wake_at=wake_at, steps=steps)
 
+elif scenario == "slice_dormant":  # gathered: a pmap over 2 devices, dormant, then woken
+    native = lifecycle.get_sender().native
+    n = jax.device_count()
+    program = jax.pmap(lambda x: lax.fori_loop(
+        0, 6, lambda i, c: tapd.tap(c + 1.0, "sd", step=i), x)).lower(
+            jnp.zeros((n, 4))).compile()
+    [site] = native.sites_of("sd")
+    native.ring.set_site_every(site, EVERY_DORMANT)
+    jax.block_until_ready(program(jnp.zeros((n, 4))))
+    jax.effects_barrier()
+    dormant_flushes, dormant_heads = list(FLUSHES), list(HEADS)
+    native.ring.set_site_every(site, 1)
+    jax.block_until_ready(program(jnp.zeros((n, 4))))
+    jax.effects_barrier()
+    records = [[r.seq, r.step, r.device] for r in native.ring.read(0, 1_000_000)]
+    output(records=records, dormant_flushes=dormant_flushes, dormant_heads=dormant_heads)
+
 elif scenario == "no_dormant":  # run with TAPD_DORMANT=0
     native = lifecycle.get_sender().native
     program = loop("plain", 4, every=2).lower().compile()
@@ -316,6 +333,31 @@ def test_a_site_woken_while_a_gathered_loop_runs_takes_its_taps_from_the_next_ch
     assert seen == list(range(seen[0], steps))
     assert wake_at < seen[0] <= wake_at + 1025
     assert result["stats"]["skipped_by_consumer"] == {"mid": seen[0]}
+
+
+def test_a_dormant_slice_moves_nothing_and_each_device_counts_its_taps(
+    runtime_dir: Path,
+) -> None:
+    """A `pmap` over 2 devices, gathered, its site dormant: no device keeps a tap, no
+    byte of its output moves (each device's count, known before it runs, is counted as
+    skipped by the host), and no host callback runs; woken, each device's six taps come
+    out as its shard of the output, with the seqs the dormant call used up counted."""
+    if reason := native_unavailable():
+        pytest.skip(reason)
+    env = {
+        "TAPD_BACKEND": "portable",
+        "TAPD_GATHER": "on",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
+    result = run_script(runtime_dir, "slice_dormant", env=env)
+    assert result["dormant_flushes"] == []
+    assert result["dormant_heads"] == [[0, 6], [0, 6]]
+    assert result["flushes"] == [[6, 0], [6, 0]]
+    assert result["stats"]["host_callbacks"] == 0
+    assert result["stats"]["skipped_by_consumer"] == {"sd": 12}
+    for device in (0, 1):
+        mine = [[seq, step] for seq, step, dev in result["records"] if dev == device]
+        assert mine == [[6 + step, step] for step in range(6)]
 
 
 def check_slots(result: dict[str, Any]) -> None:

@@ -3,14 +3,16 @@ the CPU with forced devices (`--xla_force_host_platform_device_count`) and
 `TAPD_BACKEND=portable TAPD_GATHER=on`, what a TPU slice gets by default.
 
 Each kind of computation over several devices (tests/apps/gathered_slices_app.py: a
-`shard_map`, a `pmap`, a `jit` around a `pmap`, a `jit` the compiler partitions over a
-mesh) runs a tapping loop (a `cond` in it taps too) and a tap after a `psum`, twice:
+`shard_map`, a `pmap`, a `jit` around a `pmap`, a `shard_map` called at each step of a
+loop (tapd.emitter.gathered.threaded), a `jit` over a mesh of Explicit axes (each tap of
+a sharded value a `shard_map` of its own: threaded too), a `jit` the compiler partitions
+over a mesh) runs a tapping loop (a `cond` in it taps too) and a tap after a `psum`, twice:
 gathered, every device's taps must be those of the per-tap path (the reference,
 `TAPD_GATHER=off`), value for value, in the same order, with the same device; and the
 host callbacks a call runs (`tapd.stats()["host_callbacks"]`, the figure that costs ~1 ms
-each on a TPU) drop from one a tap to one a device (the flush at the end of each
-device's body; one in all for the partitioned jit, whose taps are of whole values), or,
-with a log of 3 records, to a few a device.
+each on a TPU) drop from one a tap to none where each device's taps fit its log (they
+leave as its shard of the computation's output; one flush in all for the partitioned
+jit, whose taps are of whole values), or, with a log of 3 records, to a few a device.
 """
 
 from __future__ import annotations
@@ -69,13 +71,18 @@ CASES = [
     ("pmap", 2),
     ("pmap", 8),
     ("jit_of_pmap", 4),
+    ("shard_map_in_loop", 2),
+    ("shard_map_in_loop", 8),
+    ("explicit", 2),
+    ("explicit", 4),
+    ("explicit", 8),
     ("sharded_jit", 2),
     ("sharded_jit", 8),
 ]
 
 
 @pytest.mark.parametrize(("kind", "devices"), CASES)
-def test_each_device_gathers_its_taps_and_flushes_once_a_call(kind: str, devices: int) -> None:
+def test_each_device_gathers_its_taps_and_they_leave_as_an_output(kind: str, devices: int) -> None:
     reference = run(kind, devices, TAPD_GATHER="off")
     gathered = run(kind, devices, TAPD_GATHER="on")
     per_device = 1 if kind == "sharded_jit" else devices  # (its taps: whole values, once)
@@ -83,24 +90,19 @@ def test_each_device_gathers_its_taps_and_flushes_once_a_call(kind: str, devices
     assert reference["host_callbacks"] == reference["taps"]  # one a tap
     assert gathered["per_device"] == reference["per_device"]
     assert gathered["out"] == reference["out"]
-    assert gathered["host_callbacks"] == CALLS * per_device  # one a device, a call
+    if kind == "sharded_jit":  # one flush a call, on its first device
+        assert gathered["host_callbacks"] == CALLS
+    else:  # each device's log its shard of the output: no host callback
+        assert gathered["host_callbacks"] == 0
     assert len(gathered["per_device"]) == per_device
 
 
-@pytest.mark.parametrize("kind", ["shard_map", "pmap"])
+@pytest.mark.parametrize("kind", ["shard_map", "pmap", "shard_map_in_loop", "explicit"])
 def test_a_small_log_flushes_in_the_loop_and_keeps_every_tap_in_order(kind: str) -> None:
     reference = run(kind, 4, TAPD_GATHER="off")
     gathered = run(kind, 4, TAPD_GATHER="on", TAPD_GATHER_TAPS="3")
     assert gathered["per_device"] == reference["per_device"]
-    # Records of a device a call, in logs of 3 (a loop flushes by chunks, so a few more).
-    least = CALLS * 4 * math.ceil(TAPS_A_DEVICE / 3)
+    # Records of a device a call, in logs of 3 (a loop flushes by chunks, so a few
+    # more), the last of them leaving as an output.
+    least = CALLS * 4 * (math.ceil(TAPS_A_DEVICE / 3) - 1)
     assert least <= gathered["host_callbacks"] < reference["host_callbacks"]
-
-
-def test_a_mesh_of_explicit_axes_keeps_one_callback_a_tap_per_shard() -> None:
-    """Not gathered yet: each tap of a value sharded over Explicit axes is a shard_map
-    of its own (tapd.emitter.tapping), so each device's log would be one tap long."""
-    reference = run("explicit", 2, TAPD_GATHER="off")
-    gathered = run("explicit", 2, TAPD_GATHER="on")
-    assert gathered["per_device"] == reference["per_device"]
-    assert gathered["host_callbacks"] == reference["host_callbacks"] == reference["taps"]

@@ -77,17 +77,21 @@ def local_ordinals(ctx: mlir.LoweringRuleContext) -> list[int]:
     """The local device ordinal (what XLA's FFI calls DeviceOrdinal) of each device of
     the computation's device assignment, which `partition_index` gives; -1 for another
     process's device."""
-    context = ctx.module_context.axis_context
-    devices: Sequence[Any] = ()
-    if isinstance(context, sharding_impls.ShardingContext):
-        devices = context.device_assignment or ()
-    elif isinstance(context, sharding_impls.SPMDAxisContext):
-        devices = _mesh_devices(context.mesh)
     ordinals = []
-    for device in devices:
+    for device in device_assignment(ctx):
         ordinal = getattr(device, "local_hardware_id", None)
         ordinals.append(-1 if ordinal is None else int(ordinal))
     return ordinals
+
+
+def device_assignment(ctx: mlir.LoweringRuleContext) -> tuple[Any, ...]:
+    """The devices of the computation, in the order `partition_index` counts them."""
+    context = ctx.module_context.axis_context
+    if isinstance(context, sharding_impls.ShardingContext):
+        return tuple(context.device_assignment or ())
+    if isinstance(context, sharding_impls.SPMDAxisContext):
+        return _mesh_devices(context.mesh)
+    return ()
 
 
 def _mesh_devices(mesh: Any) -> tuple[Any, ...]:

@@ -32,7 +32,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import jax
 import numpy as np
@@ -61,13 +61,29 @@ class Receiver(Protocol):
         """Each site's dormant taps of a call, counted as skipped (their seqs used)."""
 
 
+class ShardedReceiver(Protocol):
+    """What a gathered computation over several devices hands its way out
+    (gathered.host.PerDevice): each device's packed buffers come out as its shard of one
+    output, written by that device's own `Receiver`."""
+
+    @property
+    def header_size(self) -> int: ...
+
+    def wake_flags(self) -> tuple[int, ...]:
+        """As `Receiver.wake_flags` (the same flags go to every device)."""
+
+    def of_device(self, device: Any) -> Receiver:
+        """The writer of the packed buffers that `device` computed."""
+
+
 class OutputsEffect(effects.Effect):
     """The ordered effect of one gathered computation's way out (ordered once
     `install` has run). Equal only to itself: JAX keeps one token per effect."""
 
     def __init__(self, flag_count: int) -> None:
         self.flag_count = flag_count  # the computation's sites
-        self.receiver: Receiver | None = None  # set when the computation is lowered
+        # Set when the computation is lowered; a ShardedReceiver over several devices.
+        self.receiver: Receiver | ShardedReceiver | None = None
         self._flags: tuple[tuple[int, ...], Any, Any] | None = None
         # Whether the computation's flushes or polls bring fresh flags while it runs: if
         # not, a call dispatched with every site dormant logs nothing, and only the head
@@ -87,18 +103,31 @@ class OutputsEffect(effects.Effect):
         """Whether the call this thread dispatches now had every site dormant."""
         return bool(getattr(self._dispatching, "dormant", False))
 
-    def flags_on(self, device: Any) -> Any:
-        """The wake flags as an int32 array on `device`; the last one made is kept while
-        they do not change (one table read a call, no transfer)."""
+    def flags_on(self, devices: Sequence[Any]) -> Any:
+        """The wake flags as an int32 array on `devices` (this process's of the
+        computation: on each, the same flags); the last one made is kept while they do
+        not change (one table read a call, no transfer)."""
         assert self.receiver is not None  # (lowered before it runs)
         flags = self.receiver.wake_flags()
         self._dispatching.dormant = not self.refreshed and not any(flags[: self.flag_count - 1])
         kept = self._flags
-        if kept is not None and kept[0] == flags and kept[1] is device:
+        placed = tuple(devices)
+        if kept is not None and kept[0] == flags and kept[1] == placed:
             return kept[2]
-        array = jax.device_put(np.asarray(flags, np.int32), device)
-        self._flags = (flags, device, array)
+        array = jax.device_put(np.asarray(flags, np.int32), _replicated(placed))
+        self._flags = (flags, placed, array)
         return array
+
+
+def _replicated(devices: tuple[Any, ...]) -> Any:
+    """Where the flags go: the one device, or each of `devices` (a computation over
+    several devices takes them on each, as JAX places an ordered effect's first token)."""
+    if len(devices) == 1:
+        return devices[0]
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    every = PartitionSpec()  # type: ignore[no-untyped-call]
+    return NamedSharding(Mesh(np.array(devices, dtype=object), ("devices",)), every)
 
 
 # The most bytes of flushes handed to the thread at once (`Collector.write_later`).
@@ -117,23 +146,30 @@ class Collector:
 
     def __init__(self) -> None:
         # (the packed buffers, their writer, what of them to read: `received`)
-        self._pending: collections.deque[tuple[Any, Receiver, Any]] = collections.deque()
+        self._pending: collections.deque[tuple[Any, Any, Any]] = collections.deque()
         self._changed = threading.Condition()
         self._sleeping = False  # the thread waits for `_changed`
         self._writing = threading.Lock()  # held while outputs are written: their order
         self._thread: threading.Thread | None = None
         self._later_bytes = 0  # flushes' bytes waiting (`write_later`)
+        # Writes a flush's handed bytes at once: the outputs' thread is then most likely
+        # waiting for the running computation's output, behind them.
+        self._later_wanted = threading.Event()
+        self._later_thread: threading.Thread | None = None
 
-    def received(self, array: Any, receiver: Receiver, dormant: Any = False) -> None:
-        """A computation's packed buffers, as its call returns them (not yet computed);
-        `dormant`: dispatched with every site dormant (`OutputsEffect.dormant_call`):
-        True (read the head only), or each site's count of taps (read nothing; the
-        array is then None)."""
+    def received(
+        self, array: Any, receiver: Receiver | ShardedOutputs, dormant: Any = False
+    ) -> None:
+        """A computation's packed buffers, as its call returns them (not yet computed;
+        over several devices, a list of each device's); `dormant`: dispatched with
+        every site dormant (`OutputsEffect.dormant_call`): True (read the head only),
+        or each site's count of taps (read nothing; the array is then None)."""
         if self.copy_ahead and not dormant:
-            try:
-                array.copy_to_host_async()
-            except Exception:  # (the copy is then made when the thread reads it)
-                pass
+            for shard in array if isinstance(array, list) else [array]:
+                try:
+                    shard.copy_to_host_async()
+                except Exception:  # (the copy is then made when the thread reads it)
+                    pass
         self._pending.append((array, receiver, dormant))  # (a deque's append is atomic)
         self._wake()
 
@@ -159,27 +195,47 @@ class Collector:
             self._write_ready_held()
 
     def _write_ready_held(self) -> None:
+        # Each leaves the queue once written, not before: a host callback that finds
+        # the queue empty (`write_ready`'s test, without the lock) may then write its
+        # own tap at once, so nothing may be in flight then. (Only `write_later` adds at
+        # the head, under the lock held here: the head stays the one being written.)
         while self._pending and _is_ready(self._pending[0][0]):
-            array, receiver, dormant = self._pending.popleft()
+            array, receiver, dormant = self._pending[0]
+            _write(array, receiver, dormant)
+            self._pending.popleft()
             if isinstance(array, np.ndarray):
                 self._later_bytes -= array.nbytes
-            _write(array, receiver, dormant)
 
     def write_later(self, packed: np.ndarray, receiver: Receiver) -> bool:
         """A flush's packed bytes (the host's copy), to be written by the thread, so that
         the device, which waits for a flush that answers, does not wait for the ring.
         They go after the outputs of the computations that ran before (written now, or
         queued), and before the output of the one that flushes, which has not finished:
-        the first output not ready. False where `LATER_BYTES` already wait: the caller
-        then writes them itself (under `block`, a full ring still slows the device)."""
+        the first output not ready. A thread of their own writes them at once (the
+        outputs' thread waits for that output, behind them). False where `LATER_BYTES`
+        already wait: the caller then writes them itself (under `block`, a full ring
+        still slows the device)."""
         with self._writing:
             self._write_ready_held()
             if self._later_bytes + packed.nbytes > LATER_BYTES:
                 return False
             self._pending.appendleft((packed, receiver, False))
             self._later_bytes += packed.nbytes
-        self._wake()
+            if self._later_thread is None:
+                self._later_thread = threading.Thread(
+                    target=self._run_later, name="tapd-gathered-flushes", daemon=True
+                )
+                self._later_thread.start()
+        self._later_wanted.set()
         return True
+
+    def _run_later(self) -> None:
+        """Write the flushes' handed bytes as they come (`write_later`); they head the
+        queue, so `write_ready` writes them, and stops at the first output not ready."""
+        while True:
+            self._later_wanted.wait()
+            self._later_wanted.clear()
+            self.write_ready()
 
     def drain(self) -> None:
         """Return once every output received before the call is written."""
@@ -212,6 +268,8 @@ class Collector:
 def _is_ready(array: Any) -> bool:
     if array is None:  # (nothing to read: a dormant call's counts)
         return True
+    if isinstance(array, list):  # (each device's shard)
+        return all(_is_ready(shard) for shard in array)
     try:
         return bool(array.is_ready())
     except Exception:  # deleted, or failed: reading it says which
@@ -221,13 +279,21 @@ def _is_ready(array: Any) -> bool:
 def _wait(array: Any) -> None:
     if array is None:
         return
+    if isinstance(array, list):
+        for shard in array:
+            _wait(shard)
+        return
     try:
         array.block_until_ready()
     except Exception:  # a failed computation: said where its outputs are read
         pass
 
 
-def _write(array: Any, receiver: Receiver, dormant: Any) -> None:
+def _write(array: Any, receiver: Any, dormant: Any) -> None:
+    if isinstance(receiver, ShardedOutputs):
+        for device, shard in receiver.shards(array):
+            _write(shard, receiver.receiver.of_device(device), dormant)
+        return
     try:
         if isinstance(dormant, tuple):
             receiver.write_skipped(dormant)
@@ -242,6 +308,26 @@ def _write(array: Any, receiver: Receiver, dormant: Any) -> None:
         receiver.write_packed(packed)
     except Exception:
         logger.exception("tapd could not write a gathered computation's taps")
+
+
+class ShardedOutputs:
+    """A computation over several devices as the collector holds it: its receiver, and
+    which device each of its output's shards (or, for a dormant call, each of its
+    receiver's devices) belongs to."""
+
+    def __init__(self, receiver: ShardedReceiver, devices: Sequence[Any]) -> None:
+        self.receiver = receiver
+        self.devices = list(devices)
+
+    def shards(self, array: Any) -> list[tuple[Any, Any]]:
+        if array is None:  # (a dormant call's counts: for each device)
+            return [(device, None) for device in self.devices]
+        return [(_device_of(shard), shard) for shard in array]
+
+
+def _device_of(shard: Any) -> Any:
+    (device,) = shard.devices()
+    return device
 
 
 collector = Collector()
@@ -286,7 +372,11 @@ def install() -> bool:
     ):
         return False
     effects.ordered_effects.add_type(OutputsEffect)
+    # Over several devices too (pxla lowers ordered effects there only if shardable):
+    # each device's buffers leave as its shard of the output (`_wrap_shards`).
+    effects.shardable_ordered_effects.add_type(OutputsEffect)
     _wrap_tokens(tokens, core.Token)
+    _wrap_shards(execute)
     _installed = True
     return True
 
@@ -296,19 +386,66 @@ def _wrap_tokens(tokens: Any, token: Callable[[Any], Any]) -> None:
 
     def get_token_input(self: Any, effect: Any, devices: Sequence[Any]) -> Any:
         if isinstance(effect, OutputsEffect):
-            return token(effect.flags_on(devices[0]))
+            return token(effect.flags_on(devices))
         return get_input(self, effect, devices)
 
     def set_token_result(self: Any, effect: Any, result: Any) -> None:
         if isinstance(effect, OutputsEffect):
-            assert effect.receiver is not None  # (lowered before it runs)
-            dormant = effect.dormant_call()
-            if dormant and effect.dormant_counts is not None:
-                collector.received(None, effect.receiver, effect.dormant_counts)
-                return
-            collector.received(result._buf, effect.receiver, dormant)
+            _received(effect, result._buf)
             return
         set_result(self, effect, result)
 
     tokens.get_token_input = get_token_input
     tokens.set_token_result = set_token_result
+
+
+def _wrap_shards(execute: Any) -> None:
+    """A computation over several devices returns an ordered effect's token as one
+    buffer a device, which JAX joins into one array of shape (0,); an `OutputsEffect`'s
+    (each device's packed buffers, `ShardedReceiver`) are taken before that, as they
+    are. The rest go on to JAX's own handling."""
+    handle = execute._handle_token_bufs
+
+    def _handle_token_bufs(self: Any, token_bufs: Any, sharded_token: Any) -> Any:
+        effects_in = list(self.ordered_effects)
+        ours = [
+            i
+            for i, effect in enumerate(effects_in)
+            if isinstance(effect, OutputsEffect) and len(token_bufs[i]) > 1
+        ]
+        if not ours:
+            return handle(self, token_bufs, sharded_token)
+        for i in ours:
+            _received(effects_in[i], list(token_bufs[i]))
+        rest = [i for i in range(len(effects_in)) if i not in ours]
+        others = _TokenHandling(self._local_devices, [effects_in[i] for i in rest])
+        return handle(others, [token_bufs[i] for i in rest], sharded_token)
+
+    execute._handle_token_bufs = _handle_token_bufs
+
+
+class _TokenHandling:
+    """What JAX's `_handle_token_bufs` reads of its executable: its devices, and the
+    ordered effects whose tokens it is given."""
+
+    def __init__(self, local_devices: Any, ordered_effects: list[Any]) -> None:
+        self._local_devices = local_devices
+        self.ordered_effects = ordered_effects
+
+
+def _received(effect: OutputsEffect, result: Any) -> None:
+    """A call's packed buffers (one array, or a list of each device's), to the
+    collector; a dormant call's only as much as `OutputsEffect.dormant_call` says."""
+    receiver = effect.receiver
+    assert receiver is not None  # (lowered before it runs)
+    dormant = effect.dormant_call()
+    writer: Any = receiver
+    if hasattr(receiver, "of_device"):
+        shards = result if isinstance(result, list) else [result]
+        sharded = cast(ShardedReceiver, receiver)
+        writer = ShardedOutputs(sharded, [_device_of(shard) for shard in shards])
+        result = shards
+    if dormant and effect.dormant_counts is not None:
+        collector.received(None, writer, effect.dormant_counts)
+        return
+    collector.received(result, writer, dormant)

@@ -2,10 +2,12 @@
 
     python tests/apps/gathered_slices_app.py KIND STEPS
 
-KIND: shard_map, pmap, jit_of_pmap, sharded_jit, explicit (a jit over a mesh of
-Explicit axes, whose taps of a sharded value tap each shard where it lives). Each runs a
-`fori_loop` of STEPS steps whose body taps (an `id_tap` of a closure, and a `cond`
-that taps every third step), then a tap after a `psum` (where there is an axis), twice.
+KIND: shard_map, pmap, jit_of_pmap, shard_map_in_loop (the same taps in several
+shard_maps, one called at each step of the loop), sharded_jit, explicit (a jit over a
+mesh of Explicit axes, whose taps of a sharded value tap each shard where it lives). Each
+runs a `fori_loop` of STEPS steps whose body taps (an `id_tap` of a closure, and a
+`cond` that taps every third step), then a tap after a `psum` (where there is an axis),
+twice.
 Prints the taps each device ran, in order, the result, and how many host callbacks
 tapd's taps ran (`tapd.stats()["host_callbacks"]`).
 """
@@ -39,12 +41,28 @@ def T(tag: str, x: Any) -> Any:
     return tapd.id_tap(note(tag), x, tap_with_device=True)
 
 
-def loop(x: Any, steps: int) -> Any:
-    def step(j: Any, c: Any) -> Any:
-        c = lax.cond(j % 3 == 0, lambda c: T("cond", c + 1000), lambda c: c, c)
-        return T("step", c + j) + 1
+def step(j: Any, c: Any) -> Any:
+    c = lax.cond(j % 3 == 0, lambda c: T("cond", c + 1000), lambda c: c, c)
+    return T("step", c + j) + 1
 
+
+def loop(x: Any, steps: int) -> Any:
     return lax.fori_loop(0, steps, step, T("first", x * 100))
+
+
+def shard_map_in_loop(steps: int, mesh: Mesh) -> Any:
+    """The same taps, each part a `shard_map` of its own: a step's called in the loop."""
+
+    def on_each(function: Any, *in_specs: Any) -> Any:
+        return jax.shard_map(function, mesh=mesh, in_specs=in_specs, out_specs=P("d"))
+
+    def run(x: Any) -> Any:
+        first = on_each(lambda x: T("first", x * 100), P("d"))(x)
+        y = lax.fori_loop(0, steps, on_each(step, P(), P("d")), first)
+        on_each(lambda y: T("after", lax.psum(y, "d")), P("d"))(y)
+        return y
+
+    return run
 
 
 def body(steps: int, axis: str | None) -> Any:
@@ -68,6 +86,8 @@ def main() -> dict[str, Any]:
         f, x = jax.pmap(body(steps, "p"), axis_name="p"), x[:, None]
     elif kind == "jit_of_pmap":
         f, x = jax.jit(jax.pmap(body(steps, "p"), axis_name="p")), x[:, None]
+    elif kind == "shard_map_in_loop":
+        f = jax.jit(shard_map_in_loop(steps, mesh))
     elif kind == "sharded_jit":
         f, x = jax.jit(body(steps, None)), jax.device_put(x, NamedSharding(mesh, P("d")))
     elif kind == "explicit":

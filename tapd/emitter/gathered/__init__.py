@@ -27,16 +27,20 @@ cleared: a flush reads only the rows its log names.
 Only a computation whose every tap would be a host callback is gathered, and only
 whole: a tap in a region the rewrite does not enter (a loop's condition) leaves the
 computation to the per-tap path, so that its taps keep one order. A computation on one
-device is gathered as above; one whose taps all lie in `shard_map` or `pmap` bodies has
-each body gathered on each device (tapd.emitter.gathered.slices); a `jit` the compiler
-partitions over several devices, whose taps are of whole values on its first device, is
-gathered there and flushed at its end.
+device is gathered as above; one whose taps all lie in `shard_map` or `pmap` bodies
+gathers on each device: one body's buffers leave as that device's shard of the output
+(tapd.emitter.gathered.slices), many bodies' over one mesh are carried across them
+(tapd.emitter.gathered.threaded: an Explicit mesh's taps, a shard_map in a loop), else
+each body is gathered and flushed on its own; a `jit` the compiler partitions over
+several devices, whose taps are of whole values on its first device, is gathered there
+and flushed at its end.
 
 The room (this package), from the top:
 - choose.py: which computations are gathered (`maybe_gathered`), and the rewrite's plan;
 - rewrite.py: the jaxpr evaluated with each tap turned into writes into the buffers;
 - live.py: a long loop's taps within `gather_latency`: which loops, their chunks, the pace;
 - slices.py: a computation over several devices, each shard_map body gathered on each;
+- threaded.py: over several devices, the buffers carried across many shard_map bodies;
 - flush.py: the flush primitive, and the gathered computation's call and way out;
 - host.py: the packed buffers' layout, and what writes them into the ring on the host;
 - module_pass.py: the MLIR pass that joins a computation's way out to JAX's token slots.

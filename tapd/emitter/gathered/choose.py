@@ -17,8 +17,8 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
 from tapd.emitter import host_writers, jax_compat, lifecycle, taps_as_outputs
-from tapd.emitter.gathered import slices
-from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, WayOut, call, pack
+from tapd.emitter.gathered import slices, threaded
+from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, WayOut, call
 from tapd.emitter.gathered.live import Pace
 from tapd.emitter.gathered.rewrite import (
     NotGatherable,
@@ -28,6 +28,7 @@ from tapd.emitter.gathered.rewrite import (
     most_records,
     site_operands,
     taps_within,
+    taps_within_eqn,
 )
 from tapd.emitter.native_backend import RingSites
 from tapd.emitter.primitive import TapSiteParams
@@ -58,7 +59,7 @@ def maybe_gathered(
     if not taps_within(closed.jaxpr):
         return None
     # Taps in shard_map or pmap bodies (over one device, or several): each device's.
-    chosen = _slices(closed, platform, settings.gather_taps, settings.gather_bytes)
+    chosen = _slices(closed, platform, axis_context, output)
     if chosen is not None:
         return chosen
     one_device = getattr(axis_context, "num_devices", None) == 1
@@ -111,26 +112,54 @@ def _not_gathered(exc: Exception, where: str) -> None:
 
 
 def _slices(
-    closed: ClosedJaxpr, platform: str, taps: int, max_bytes: int
-) -> tuple[ClosedJaxpr, None] | None:
+    closed: ClosedJaxpr, platform: str, axis_context: Any, output: bool
+) -> tuple[ClosedJaxpr, OutputsEffect | None] | None:
     """A computation over several devices with each shard_map body's taps gathered on
-    each device (tapd.emitter.gathered.slices); None where it keeps the per-tap path."""
+    each device (tapd.emitter.gathered.slices); None where it keeps the per-tap path.
+    With `output` (the module can have one), a computation whose one tapping shard_map
+    spans its devices ends with each device's buffers as its shard of an output."""
+    settings = lifecycle.settings()
 
     def gather_body(
-        body: Any, found: dict[TapSiteParams, list[Any]], varying: tuple[str, ...]
-    ) -> Any:
+        body: Any, found: dict[TapSiteParams, list[Any]], varying: tuple[str, ...], packed: bool
+    ) -> tuple[Any, FlushPlan]:
         if not all(_host_callback_here(site, platform) for site in found):
             raise NotGatherable("a tap in a body that is not a host callback here")
         _check_fits(found)
-        closed_body = _closed(body, [])
-        gathered = rewrite(closed_body, found, taps=taps, max_bytes=max_bytes, varying=varying)
+        gathered, plan = rewrite_planned(
+            _closed(body, []),
+            found,
+            taps=settings.gather_taps,
+            max_bytes=settings.gather_bytes,
+            varying=varying,
+            ends_packed=packed,
+        )
         jaxpr = gathered if isinstance(gathered, core.Jaxpr) else gathered.jaxpr
         if jaxpr.constvars:
             raise NotGatherable("a gathered body with constants")
-        return jaxpr
+        return jaxpr, plan
 
     if platform == "cpu" and not jax_compat.cpu_partition_id_in_branches():
         return None  # (this JAX's CPU compiler would abort on a device's flush in a cond)
+    devices = getattr(axis_context, "num_devices", None)
+    if output and isinstance(devices, int) and taps_as_outputs.install():
+        try:
+            packed = _slices_ending_packed(closed, gather_body, devices)
+            if packed is not None:
+                return packed
+        except TapDefinitionError:
+            raise
+        except Exception:  # (what the packing does not take): a flush at each body's end
+            logger.debug("gathered slices end with a flush", exc_info=True)
+    if isinstance(devices, int):
+        try:
+            threaded_result = _threaded(closed, platform, devices, output)
+            if threaded_result is not None:
+                return threaded_result
+        except TapDefinitionError:
+            raise
+        except Exception:  # (what the rewrite does not take): body by body
+            logger.debug("gathered slices body by body", exc_info=True)
     try:
         chosen = slices.gathered_bodies(closed, gather_body)
     except TapDefinitionError:
@@ -139,6 +168,64 @@ def _slices(
         _not_gathered(exc, "its devices")
         return None
     return None if chosen is None else (chosen, None)
+
+
+def _threaded(
+    closed: ClosedJaxpr, platform: str, devices: int, output: bool
+) -> tuple[ClosedJaxpr, OutputsEffect | None] | None:
+    """A computation whose taps lie in shard_map bodies over one mesh, each device's
+    buffers carried across them (tapd.emitter.gathered.threaded); None where that does
+    not apply."""
+    mesh = threaded.common_mesh(closed.jaxpr, devices)
+    if mesh is None:
+        return None
+    found: dict[TapSiteParams, list[Any]] = {}
+    site_operands(closed.jaxpr, found)
+    if not all(_host_callback_here(site, platform) for site in found):
+        return None
+    _check_fits(found)
+    settings = lifecycle.settings()
+    taps, max_bytes = settings.gather_taps, settings.gather_bytes
+    if output and taps_as_outputs.install():
+        effect = OutputsEffect(len(found) + 1)
+        gathered, _ = rewrite_planned(
+            closed, found, taps=taps, max_bytes=max_bytes, way_out=effect, mesh=mesh
+        )
+        return gathered, effect
+    gathered, _ = rewrite_planned(closed, found, taps=taps, max_bytes=max_bytes, mesh=mesh)
+    return gathered, None
+
+
+def _slices_ending_packed(
+    closed: ClosedJaxpr, gather_body: slices.GatherBody, devices: int
+) -> tuple[ClosedJaxpr, OutputsEffect] | None:
+    """`closed` (over `devices`) ending with each device's packed buffers as its shard
+    of its way out (slices.ends_packed, flush.WayOut); None where that does not apply."""
+    packed = slices.ends_packed(closed, gather_body, devices, lambda info: _debug_info(info, 1))
+    if packed is None:
+        return None
+    effect = OutputsEffect(len(packed.plan.sites) + 1)
+    inner = packed.jaxpr if isinstance(closed, core.Jaxpr) else closed.replace(jaxpr=packed.jaxpr)
+    way_out = WayOut(effect, packed.plan, per_device=True)
+    effect.refreshed = False  # (a body's flushes do not answer: flags only at dispatch)
+    counts = _body_counts(packed.jaxpr.eqns, packed.plan.sites)
+    if counts is not None:
+        effect.dormant_counts = counts
+    in_avals = [var.aval for var in closed.jaxpr.invars]
+    wrapped = lu.wrap_init(
+        lambda *args: call(inner, args, way_out), debug_info=closed.jaxpr.debug_info
+    )
+    traced = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    return _closed(traced[0], traced[2]), effect
+
+
+def _body_counts(eqns: Any, sites: Sequence[TapSiteParams]) -> tuple[int, ...] | None:
+    """Each site's taps a device makes in every call, where known before it runs."""
+    for eqn in eqns:
+        if eqn.primitive.name == "shard_map" and taps_within_eqn(eqn):
+            counts = exact_taps(eqn.params["jaxpr"])
+            return None if counts is None else tuple(counts[site] for site in sites)
+    return None
 
 
 def _partitioned(axis_context: Any) -> bool:
@@ -180,9 +267,27 @@ def rewrite(
     taps: int,
     max_bytes: int,
     way_out: OutputsEffect | None = None,
-    varying: tuple[str, ...] = (),
     live: tuple[str, float] | None = None,
 ) -> ClosedJaxpr:
+    """`closed` with its taps gathered: `rewrite_planned`'s jaxpr."""
+    gathered, _ = rewrite_planned(
+        closed, found, taps=taps, max_bytes=max_bytes, way_out=way_out, live=live
+    )
+    return gathered
+
+
+def rewrite_planned(
+    closed: ClosedJaxpr,
+    found: dict[TapSiteParams, list[Any]],
+    *,
+    taps: int,
+    max_bytes: int,
+    way_out: OutputsEffect | None = None,
+    varying: tuple[str, ...] = (),
+    live: tuple[str, float] | None = None,
+    ends_packed: bool = False,
+    mesh: Any = None,
+) -> tuple[ClosedJaxpr, FlushPlan]:
     """`closed` with its taps gathered (see the module docstring); raises NotGatherable.
 
     `found`: its sites and their operands' avals (`site_operands`); `taps` and
@@ -190,7 +295,12 @@ def rewrite(
     takes its sites' wake flags and ends with its buffers as an output (`call`);
     `varying`: in a shard_map body, the manual axes its buffers vary along; `live`: on
     one device, (the platform, `gather_latency`): its flushes answer with fresh wake
-    flags, and its long loops run live (tapd.emitter.gathered.live)."""
+    flags, and its long loops run live (tapd.emitter.gathered.live); `ends_packed`: a
+    shard_map body that takes the wake flags first and returns its packed buffers last
+    (no flush at its end: tapd.emitter.gathered.slices.ends_packed); `mesh`: a
+    computation over several devices whose taps lie in shard_map bodies over `mesh`,
+    each device's buffers carried across them (tapd.emitter.gathered.threaded; its way
+    out, each device's its shard). Returns the gathered jaxpr and its buffers' plan."""
     sites = list(found)
     records = most_records(closed.jaxpr)
     hint = 0 if math.isinf(records) else int(records)
@@ -202,14 +312,20 @@ def rewrite(
     # that a site woken while a long loop runs takes its taps from the next chunk on.
     # Without them (over several devices) every tap is kept, and a flush skips those of
     # dormant sites.
-    assert way_out is None or plan.answers, "a way out takes flags its flushes renew"
+    # (Over several devices flags come in with the call only: flushes do not answer.)
+    assert way_out is None or plan.answers or mesh is not None, "flags its flushes renew"
     platform, latency = live if live is not None else ("cpu", 0.0)
-    rewriter = Rewriter(plan, varying, platform=platform, latency=latency)
+    rewriter: Rewriter
+    if mesh is not None:
+        rewriter = threaded.Threaded(plan, mesh)
+    else:
+        rewriter = Rewriter(plan, varying, platform=platform, latency=latency)
     in_avals = [var.aval for var in closed.jaxpr.invars]
-    flags_avals = [] if way_out is None else [plan.answer_aval()]
+    packs = way_out is not None or ends_packed
+    flags_avals = [plan.answer_aval()] if packs else []
 
     def gathered(*args: Any) -> list[Any]:
-        flags, args = (None, args) if way_out is None else (args[0], args[1:])
+        flags, args = (args[0], args[1:]) if packs else (None, args)
         if flags is None:
             state = rewriter.empty()
         else:
@@ -217,8 +333,8 @@ def rewrite(
         outs, state = rewriter.run(
             closed.jaxpr, closed.consts, list(args), state, checked=not plan.never_full
         )
-        if way_out is not None:
-            return [*outs, pack(state)]
+        if packs:
+            return [*outs, rewriter.packed(state)]
         rewriter.final(state, certain=certainly_taps(closed.jaxpr))
         return outs
 
@@ -233,12 +349,14 @@ def rewrite(
         if counts is not None:
             way_out.dormant_counts = tuple(counts[site] for site in sites)
     # The flushes' order (primitive.PROGRAM_ORDER) is kept inside the computation.
-    out = None if way_out is None else WayOut(way_out, plan)
+    out = None if way_out is None else WayOut(way_out, plan, per_device=mesh is not None)
     debug_info = closed.jaxpr.debug_info
+    if ends_packed:
+        debug_info = _debug_info(debug_info, 1)
     wrapped = lu.wrap_init(lambda *args: call(inner, args, out), debug_info=debug_info)
-    traced = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    traced = pe.trace_to_jaxpr_dynamic(wrapped, [*(flags_avals if ends_packed else []), *in_avals])
     closed_result: ClosedJaxpr = _closed(traced[0], traced[2])
-    return closed_result
+    return closed_result, plan
 
 
 def _debug_info(debug_info: Any, flags: int) -> Any:

@@ -5,12 +5,13 @@ own host callback would have (`tapd.emitter.gathered.host`).
 `flush_p` takes the buffers packed into one byte array (`pack`: the log's length, the
 log, each site's count of dormant taps, every site's buffers) and returns the log's
 new length, zero, made after the callback's transfer (an optimization barrier joins it
-to the callback's token). On one device a flush answers (`FlushPlan.answers`): it also
-returns the sites' wake flags and a live loop's next chunk of steps
-(tapd.emitter.gathered.live), and the device waits for that answer (the host copies the
-bytes and answers; the outputs' thread writes them). Over several devices it returns
-nothing, and the device goes on without waiting for the host (on a TPU: sends only).
-`poll_p` is the answer alone, where a live chunk kept no tap.
+to the callback's token). On one device the flush that ends a live loop's chunk
+answers (`FlushPlan.answers`): it also returns the sites' wake flags and the next
+chunk's steps (tapd.emitter.gathered.live), and the device waits for that answer (the
+host copies the bytes and answers; the outputs' thread writes them). Any other flush (a
+full log's; every flush over several devices) returns nothing, and the device goes on
+without waiting for the host (on a TPU: sends only). `poll_p` is the answer alone, where
+a live chunk kept no tap.
 
 Flushes run in the order they were traced: each carries `PROGRAM_ORDER`, tapd's
 ordered effect (tapd.emitter.program_order), whose token JAX threads from flush to
@@ -77,10 +78,15 @@ dispatch.prim_requires_devices_during_lowering.add(poll_p)
 _COUNT = core.ShapedArray((), np.dtype(np.int32))
 
 
-def flush(state: Any, plan: FlushPlan, steps: Any = 0, polls: Any = 0) -> tuple[Any, Any]:
+def flush(
+    state: Any, plan: FlushPlan, steps: Any = 0, polls: Any = 0, *, answer: bool = True
+) -> tuple[Any, Any]:
     """Flush `state` (a `gathered.Gathered`); returns the log's new length (0) and,
-    where the plan's flushes answer, the host's answer (`FlushPlan.answer_aval`) to a
-    chunk of `steps` (the call's answer number `polls`)."""
+    where the plan's flushes answer and `answer` asks, the host's answer
+    (`FlushPlan.answer_aval`) to a chunk of `steps` (the call's answer number `polls`);
+    else None (the flush only sends)."""
+    if plan.answers and not answer:
+        plan = dataclasses.replace(plan, answers=False)
     operands = [pack(state), *([_ask(steps, polls)] if plan.answers else [])]
     results = flush_p.bind(*operands, plan=plan)  # type: ignore[no-untyped-call]
     return results[0], results[1] if plan.answers else None
@@ -197,7 +203,8 @@ def _per_device_function(ctx: mlir.LoweringRuleContext, plan: FlushPlan) -> host
     (as a per-tap lowering does: a site registered late may find no slot left in the
     ring's site table)."""
     local = [i for i, ordinal in enumerate(host_writers.local_ordinals(ctx)) if ordinal >= 0]
-    return host.PerDevice(lambda index: _host_function(ctx, plan, index), local)
+    devices = host_writers.device_assignment(ctx)
+    return host.PerDevice(lambda index: _host_function(ctx, plan, index), local, devices)
 
 
 jax_compat.register_lowering(flush_p, _lower)
@@ -215,10 +222,16 @@ class WayOut:
 
     effect: OutputsEffect
     plan: FlushPlan
+    # Over several devices: the plan is each device's (a shard_map body's), and each
+    # device's packed buffers leave as its shard of the output (gathered.slices).
+    per_device: bool = False
     _placeholder: Any = dataclasses.field(default=None, init=False)  # (as it lowers)
 
     def operands(self, ctx: mlir.LoweringRuleContext) -> list[Any]:
-        self.effect.receiver = _host_function(ctx, self.plan)
+        if self.per_device:
+            self.effect.receiver = _per_device_function(ctx, self.plan)
+        else:
+            self.effect.receiver = _host_function(ctx, self.plan)
         self._placeholder = module_pass.placeholder(self.effect.flag_count)
         return [self._placeholder.results[0]]
 

@@ -238,22 +238,45 @@ class PerDevice:
     """The host function of a flush that every device of a shard_map or pmap body runs:
     its last operand is the device's index in the computation's device assignment,
     whose `Flush` (made the first time, `make(index)`) writes its log. Devices call it
-    at once, each on a thread of its own."""
+    at once, each on a thread of its own.
 
-    def __init__(self, make: Callable[[int], Flush], indices: Sequence[int] = ()) -> None:
+    Also the `taps_as_outputs.ShardedReceiver` of a body whose buffers leave as its
+    shard of the computation's output: `of_device` is then the `Flush` of the device
+    that holds a shard (`devices`: the computation's device assignment)."""
+
+    def __init__(
+        self,
+        make: Callable[[int], Flush],
+        indices: Sequence[int] = (),
+        devices: Sequence[Any] = (),
+    ) -> None:
         self._make = make
         self._flushes: dict[int, Flush] = {index: make(index) for index in indices}
         self._lock = threading.Lock()
+        self._index_of = {device: index for index, device in enumerate(devices)}
+
+    @property
+    def header_size(self) -> int:
+        return self.of_index(min(self._flushes, default=0)).header_size
 
     def __call__(self, packed: Any, index: Any) -> tuple[()]:
-        key = int(index)
+        return self.of_index(int(index))(packed)
+
+    def of_index(self, key: int) -> Flush:
         flush = self._flushes.get(key)
         if flush is None:
             with self._lock:
                 flush = self._flushes.get(key)
                 if flush is None:
                     flush = self._flushes[key] = self._make(key)
-        return flush(packed)
+        return flush
+
+    def of_device(self, device: Any) -> Flush:
+        return self.of_index(self._index_of[device])
+
+    def wake_flags(self) -> tuple[int, ...]:
+        """The sites' wake flags (every device's flush registers the same sites)."""
+        return self.of_index(min(self._flushes, default=0)).wake_flags()
 
 
 def _padded(piece: tuple[np.dtype[Any], tuple[int, ...], int]) -> int:

@@ -10,6 +10,9 @@ the loop carries; each chunk ends with a host callback that writes the chunk's t
 fresh wake flags and the next `interval`, which the host (`Pace`) sets from the time
 the chunk took: as many steps as half the latency holds. So a site woken while the loop
 runs takes its taps from the next chunk, and a dormant site's taps move nothing.
+Where the log fills before the chunk's steps are run, its flush only sends (the device
+goes on without waiting for the host, which on a TPU would stall the loop for the copy
+of the whole log) and the chunk goes on.
 
 A loop's first chunk, before anything is known of its step time, is one step, the
 next two; the host then knows. It remembers the step time across calls (the interval
@@ -149,7 +152,7 @@ def scan(
     state = rewriter.flush_if(state.count > 0, state)
 
     def chunk(outer: tuple[Any, ...]) -> tuple[Any, ...]:
-        start, values, ys, st = outer
+        start, i, values, ys, st = outer  # (the chunk's first step, the next one)
         end = lax.min(start + st.interval, np.int32(length))
 
         def step(inner: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -166,12 +169,13 @@ def scan(
         def going_on(inner: tuple[Any, ...]) -> Any:
             return lax.bitwise_and(inner[0] < end, room(inner[3]))
 
-        i, values, ys, st = lax.while_loop(going_on, step, outer)
-        st = _answered_unless(i >= length, rewriter, st, i - start)
-        return i, values, ys, st
+        i, values, ys, st = lax.while_loop(going_on, step, (i, values, ys, st))
+        start, st = _chunk_ended(i >= length, i >= end, rewriter, st, start, i)
+        return start, i, values, ys, st
 
-    _, carry, ys, state = lax.while_loop(
-        lambda outer: outer[0] < length, chunk, (np.int32(0), carry, ys, state)
+    zero = np.int32(0)
+    _, _, carry, ys, state = lax.while_loop(
+        lambda outer: outer[1] < length, chunk, (zero, zero, carry, ys, state)
     )
     return [*carry, *ys], state
 
@@ -189,8 +193,8 @@ def while_loop(
     room = _room(rewriter, per_step)
     state = rewriter.flush_if(state.count > 0, state)
 
-    def chunk(outer: tuple[list[Any], Any]) -> tuple[list[Any], Any]:
-        values, st = outer
+    def chunk(outer: tuple[Any, list[Any], Any]) -> tuple[Any, list[Any], Any]:
+        steps, values, st = outer  # (the steps the chunk has run so far)
 
         def inner_going_on(inner: tuple[Any, list[Any], Any]) -> Any:
             paced = lax.bitwise_and(inner[0] < st.interval, room(inner[2]))
@@ -200,11 +204,14 @@ def while_loop(
             values, st = step(inner[1], inner[2], False)
             return inner[0] + 1, values, st
 
-        steps, values, st = lax.while_loop(inner_going_on, inner_step, (np.int32(0), values, st))
-        st = _answered_unless(lax.bitwise_not(going_on(values)), rewriter, st, steps)
-        return values, st
+        steps, values, st = lax.while_loop(inner_going_on, inner_step, (steps, values, st))
+        done = lax.bitwise_not(going_on(values))
+        answered_at, st = _chunk_ended(done, steps >= st.interval, rewriter, st, np.int32(0), steps)
+        return steps - answered_at, values, st  # (0 after an answer, else as it was)
 
-    carry, state = lax.while_loop(lambda outer: going_on(outer[0]), chunk, (carry, state))
+    _, carry, state = lax.while_loop(
+        lambda outer: going_on(outer[1]), chunk, (np.int32(0), carry, state)
+    )
     return list(carry), state
 
 
@@ -215,7 +222,25 @@ def _room(rewriter: Any, per_step: int) -> Callable[[Any], Any]:
     return lambda state: state.count <= most
 
 
-def _answered_unless(done: Any, rewriter: Any, state: Any, steps: Any) -> Any:
-    """`state` after a chunk's answer (a flush, or a poll where it logged nothing),
-    unless the loop is `done` (what it logged then leaves with what follows)."""
-    return lax.cond(done, lambda st: st, lambda st: rewriter.answered(st, steps), state)
+def _chunk_ended(
+    done: Any, paced: Any, rewriter: Any, state: Any, start: Any, at: Any
+) -> tuple[Any, Any]:
+    """After a chunk's steps (from `start` to `at`): if the loop is `done`, nothing (what
+    it logged leaves with what follows); if the chunk ran its `paced` steps, the host's
+    answer (a flush, or a poll where it logged nothing), and the next chunk starts at
+    `at`; else its log is full: a flush that only sends (the device does not wait for
+    the host), and the chunk goes on from `start`, its steps paced as before. Returns
+    (the chunk's first step, `state` after)."""
+
+    def answered(st: Any) -> tuple[Any, Any]:
+        return at, rewriter.answered(st, at - start)
+
+    def full(st: Any) -> tuple[Any, Any]:
+        return start, rewriter.flushed(st)
+
+    def ended(st: Any) -> tuple[Any, Any]:
+        result: tuple[Any, Any] = lax.cond(paced, answered, full, st)
+        return result
+
+    result: tuple[Any, Any] = lax.cond(done, lambda st: (start, st), ended, state)
+    return result

@@ -24,7 +24,7 @@ from jax import lax
 from jax._src import core, source_info_util
 
 from tapd.emitter.gathered import live
-from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, flush, poll
+from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, flush, pack, poll
 from tapd.emitter.primitive import TapSiteParams, tap_p
 
 
@@ -202,11 +202,13 @@ class Rewriter:
 
     # ---- flushes ------------------------------------------------------------------------
 
-    def flushed(self, state: Gathered, steps: Any = 0) -> Gathered:
-        """`state` flushed: its log empty, made after the flush's transfer. Where the
-        plan's flushes answer, with the host's answer (`steps`: of the live chunk
-        that ends here, 0 elsewhere)."""
-        count, answer = flush(state, self.plan, steps, state.polls)
+    def flushed(self, state: Gathered, steps: Any = 0, *, answer: bool = False) -> Gathered:
+        """`state` flushed: its log empty, made after the flush's transfer. With
+        `answer` (a live chunk's end, where the plan's flushes answer), with the host's
+        answer to a chunk of `steps`. Any other flush (a full log's) only sends: the
+        device does not wait for the host (on a TPU the wait would stall the loop for
+        the copy of the whole log)."""
+        count, answer = flush(state, self.plan, steps, state.polls, answer=answer)
         zeros = lax.full(state.rows.shape, count, np.int32)
         state = state._replace(count=count, rows=zeros, skipped=zeros)
         return state if answer is None else self._with_answer(state, answer)
@@ -219,7 +221,7 @@ class Rewriter:
             return self._with_answer(st, poll(self.plan, steps, st.polls))
 
         result: Gathered = lax.cond(
-            state.count > 0, lambda st: self.flushed(st, steps), polled, state
+            state.count > 0, lambda st: self.flushed(st, steps, answer=True), polled, state
         )
         return result
 
@@ -246,10 +248,8 @@ class Rewriter:
 
     def chunk_end(self, state: Gathered, certain: bool) -> Gathered:
         """The flush after a loop's chunk: unconditional where the chunk certainly logs
-        (no test), else where it logged; where flushes answer, a poll where it did not
-        (so that fresh wake flags come in)."""
-        if self.plan.answers:
-            return self.answered(state, 0)
+        (no test), else where it logged. (A loop chunked by its log, not live: its
+        flushes send only, and the flags it took with the call hold to its end.)"""
         if certain:
             return self.flushed(state)
         return self.flush_if(state.count > 0, state)
@@ -328,6 +328,8 @@ class Rewriter:
             return self.run(jaxpr, consts, invals, state, checked)
         if name == "cond":
             return self._run_cond(params, invals, state, checked)
+        if name == "shard_map":
+            return self.run_shard_map(eqn, invals, state, checked)
         if name not in ("scan", "while"):
             raise NotGatherable(f"taps inside {name}")
         self.loops += 1
@@ -337,6 +339,17 @@ class Rewriter:
             return self._run_while(params, invals, state, checked)
         finally:
             self.loops -= 1
+
+    def run_shard_map(
+        self, eqn: core.JaxprEqn, invals: list[Any], state: Gathered, checked: bool
+    ) -> tuple[list[Any], Gathered]:
+        """A `shard_map` whose body taps: not entered here (each device's buffers are
+        its own: tapd.emitter.gathered.threaded enters it)."""
+        raise NotGatherable("taps inside shard_map")
+
+    def packed(self, state: Gathered) -> Any:
+        """`state` as the bytes the host reads (flush.pack)."""
+        return pack(state)
 
     def _live(self, per_step: float, records: float, seconds: Callable[[], float]) -> bool:
         """Whether the loop being rewritten (at the top: inside no other loop), which
