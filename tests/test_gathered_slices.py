@@ -106,3 +106,23 @@ def test_a_small_log_flushes_in_the_loop_and_keeps_every_tap_in_order(kind: str)
     # more), the last of them leaving as an output.
     least = CALLS * 4 * (math.ceil(TAPS_A_DEVICE / 3) - 1)
     assert least <= gathered["host_callbacks"] < reference["host_callbacks"]
+
+
+def test_vmap_grad_and_checkpoint_in_a_body_tap_as_the_per_tap_path_does() -> None:
+    reference = run("transforms", 4, TAPD_GATHER="off")
+    gathered = run("transforms", 4, TAPD_GATHER="on")
+    assert reference["taps"] > 0
+    assert gathered["per_device"] == reference["per_device"]
+    assert gathered["out"] == reference["out"]
+    assert gathered["host_callbacks"] == 0 < reference["host_callbacks"]
+
+
+def test_a_tap_function_s_exception_surfaces_at_the_next_barrier() -> None:
+    """Raised on every device's step 7, twice a device: the barrier raises it, as on the
+    per-tap path, and every other tap has run."""
+    reference = run("failing", 4, TAPD_GATHER="off")
+    gathered = run("failing", 4, TAPD_GATHER="on")
+    for outcome in (reference, gathered):
+        assert outcome["raised"] is not None and "tap function failed at 7" in outcome["raised"]
+        assert outcome["taps"] == CALLS * 4 * (STEPS - 1)
+    assert gathered["host_callbacks"] == 0

@@ -4,7 +4,9 @@
 
 KIND: shard_map, pmap, jit_of_pmap, shard_map_in_loop (the same taps in several
 shard_maps, one called at each step of the loop), sharded_jit, explicit (a jit over a
-mesh of Explicit axes, whose taps of a sharded value tap each shard where it lives). Each
+mesh of Explicit axes, whose taps of a sharded value tap each shard where it lives),
+transforms (vmap, grad and checkpoint of tapping steps in a shard_map), failing (a tap
+function that raises at step 7, what the barrier says). Each
 runs a `fori_loop` of STEPS steps whose body taps (an `id_tap` of a closure, and a
 `cond` that taps every third step), then a tap after a `psum` (where there is an axis),
 twice.
@@ -50,6 +52,39 @@ def loop(x: Any, steps: int) -> Any:
     return lax.fori_loop(0, steps, step, T("first", x * 100))
 
 
+def transformed(steps: int) -> Any:
+    """A loop whose step taps under vmap, grad and checkpoint (each device its own)."""
+
+    def tapped_square(c: Any) -> Any:
+        return T("inner", c) ** 2
+
+    def run(x: Any) -> Any:
+        def one(j: Any, c: Any) -> Any:
+            batch = jax.vmap(lambda v: T("vmap", v + j))(jnp.stack([c, c + 1.0]))
+            slope = jax.grad(lambda v: jnp.sum(jax.checkpoint(tapped_square)(v)))(c)
+            return c + batch[0] * 0.001 + slope * 0.001
+
+        return lax.fori_loop(0, steps, one, x)
+
+    return run
+
+
+def failing(steps: int) -> Any:
+    def flaky(arg: Any, transforms: Any) -> None:
+        if int(np.asarray(arg)[0]) == 7:
+            raise RuntimeError("tap function failed at 7")
+        RAN.append(("?", "flaky", np.asarray(arg).tolist()))
+
+    def run(x: Any) -> Any:
+        def one(j: Any, c: Any) -> Any:
+            tapd.id_tap(flaky, jnp.full((1,), j))
+            return c + 1.0
+
+        return lax.fori_loop(0, steps, one, x)
+
+    return run
+
+
 def shard_map_in_loop(steps: int, mesh: Mesh) -> Any:
     """The same taps, each part a `shard_map` of its own: a step's called in the loop."""
 
@@ -86,6 +121,17 @@ def main() -> dict[str, Any]:
         f, x = jax.pmap(body(steps, "p"), axis_name="p"), x[:, None]
     elif kind == "jit_of_pmap":
         f, x = jax.jit(jax.pmap(body(steps, "p"), axis_name="p")), x[:, None]
+    elif kind == "transforms":  # vmap, grad and checkpoint of a tapping step, per device
+        f = jax.jit(jax.shard_map(transformed(steps), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    elif kind == "failing":  # a tap function that raises, at step 7 of each device's loop
+        f = jax.jit(jax.shard_map(failing(steps), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        outs = [np.asarray(f(x)).tolist() for _ in range(2)]
+        try:
+            tapd.barrier_wait()
+            raised = None
+        except Exception as exc:  # what the barrier raises: the tap function's error
+            raised = f"{type(exc).__name__}: {exc}"
+        return {**report(outs), "raised": raised}
     elif kind == "shard_map_in_loop":
         f = jax.jit(shard_map_in_loop(steps, mesh))
     elif kind == "sharded_jit":
