@@ -126,3 +126,19 @@ def test_a_tap_function_s_exception_surfaces_at_the_next_barrier() -> None:
         assert outcome["raised"] is not None and "tap function failed at 7" in outcome["raised"]
         assert outcome["taps"] == CALLS * 4 * (STEPS - 1)
     assert gathered["host_callbacks"] == 0
+
+
+def test_a_full_ring_under_drop_newest_counts_every_drop_on_every_device() -> None:
+    """50 taps of 4 KiB a device, 4 devices, into a 64 KiB ring whose tap function
+    takes a millisecond: each device's taps that ran are in order, and every tap ran or
+    was counted dropped."""
+    env = {"TAPD_BUFFER_BYTES": str(64 * 1024), "TAPD_EMITTER_POLICY": "drop_newest"}
+    steps = STEPS
+    for gather in ("off", "on"):
+        got = run("drop", 4, TAPD_GATHER=gather, **env)
+        dropped = got["stats"]["dropped"]
+        assert 0 < dropped and got["taps"] + dropped == 4 * steps, gather
+        for device, records in got["per_device"].items():
+            values = [value for _, value in records]
+            assert values == sorted(set(values)), (gather, device)
+

@@ -6,7 +6,8 @@ KIND: shard_map, pmap, jit_of_pmap, shard_map_in_loop (the same taps in several
 shard_maps, one called at each step of the loop), sharded_jit, explicit (a jit over a
 mesh of Explicit axes, whose taps of a sharded value tap each shard where it lives),
 transforms (vmap, grad and checkpoint of tapping steps in a shard_map), failing (a tap
-function that raises at step 7, what the barrier says). Each
+function that raises at step 7, what the barrier says), drop (4 KiB taps into a small
+ring whose tap function is slow: run TAPD_BUFFER_BYTES and TAPD_EMITTER_POLICY). Each
 runs a `fori_loop` of STEPS steps whose body taps (an `id_tap` of a closure, and a
 `cond` that taps every third step), then a tap after a `psum` (where there is an axis),
 twice.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import jax
@@ -85,6 +87,23 @@ def failing(steps: int) -> Any:
     return run
 
 
+def slow_taps(steps: int) -> Any:
+    """A loop tapping 4 KiB a step to a function that takes a millisecond."""
+
+    def slow(arg: Any, transforms: Any, *, device: Any) -> None:
+        time.sleep(0.001)
+        RAN.append((str(device), "slow", int(np.asarray(arg)[0])))
+
+    def run(x: Any) -> Any:
+        def one(j: Any, c: Any) -> Any:
+            tapd.id_tap(slow, jnp.full((1024,), j, jnp.float32), tap_with_device=True)
+            return c + 1.0
+
+        return lax.fori_loop(0, steps, one, x)
+
+    return run
+
+
 def shard_map_in_loop(steps: int, mesh: Mesh) -> Any:
     """The same taps, each part a `shard_map` of its own: a step's called in the loop."""
 
@@ -132,6 +151,10 @@ def main() -> dict[str, Any]:
         except Exception as exc:  # what the barrier raises: the tap function's error
             raised = f"{type(exc).__name__}: {exc}"
         return {**report(outs), "raised": raised}
+    elif kind == "drop":  # 4 KiB taps a step into a small ring, a slow tap function
+        f = jax.jit(jax.shard_map(slow_taps(steps), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        outs = [np.asarray(f(x)).tolist()]
+        return {**report(outs), "stats": tapd.stats()}
     elif kind == "shard_map_in_loop":
         f = jax.jit(shard_map_in_loop(steps, mesh))
     elif kind == "sharded_jit":
