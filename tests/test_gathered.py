@@ -556,8 +556,11 @@ def test_hlo_has_no_callback_or_one_a_chunk_where_the_per_tap_path_has_one_a_tap
     for kept in ("two_shapes", "strict", "in_condition"):
         assert on["callbacks"][kept] == off["callbacks"][kept] >= 1, kept
     # A shard_map body of one tap: one callback per tap; gathered, none (each device's
-    # log leaves as its shard of the output: tapd.emitter.gathered.slices.ends_packed).
-    assert off["callbacks"]["shard_map"] == 1 and on["callbacks"]["shard_map"] == 0
+    # log leaves as its shard of the output: tapd.emitter.gathered.slices.ends_packed),
+    # where this JAX's CPU gathers slices at all.
+    gathered_slice = 0 if cpu_partition_id_in_branches() else 1
+    assert off["callbacks"]["shard_map"] == 1
+    assert on["callbacks"]["shard_map"] == gathered_slice
     assert off["callbacks"]["python_dispatches"] == 0
     assert on["callbacks"]["python_dispatches"] == 20
     assert on["result"] == off["result"]

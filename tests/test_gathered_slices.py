@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,6 +77,7 @@ CASES = [
     ("explicit", 2),
     ("explicit", 4),
     ("explicit", 8),
+    ("while", 4),
     ("sharded_jit", 2),
     ("sharded_jit", 8),
 ]
@@ -137,8 +139,24 @@ def test_a_full_ring_under_drop_newest_counts_every_drop_on_every_device() -> No
     for gather in ("off", "on"):
         got = run("drop", 4, TAPD_GATHER=gather, **env)
         dropped = got["stats"]["dropped"]
-        assert 0 < dropped and got["taps"] + dropped == 4 * steps, gather
+        assert dropped > 0 and got["taps"] + dropped == 4 * steps, gather
         for device, records in got["per_device"].items():
             values = [value for _, value in records]
             assert values == sorted(set(values)), (gather, device)
 
+
+def test_barriers_return_once_every_earlier_tap_of_every_device_has_run() -> None:
+    for gather in ("off", "on"):
+        got = run("barriers", 4, TAPD_GATHER=gather)
+        assert got["seen"] == [got["expected"]] * 2, gather
+
+
+def test_the_exit_drain_runs_every_device_s_taps_left_behind(tmp_path: Path) -> None:
+    for gather in ("off", "on"):
+        path = tmp_path / f"{gather}.lines"
+        run("exit", 4, TAPD_GATHER=gather, SLICES_EXIT_FILE=str(path))
+        lines = [line.split() for line in path.read_text().splitlines()]
+        for device in {device for device, _ in lines}:
+            values = [int(value) for dev, value in lines if dev == device]
+            assert values == list(range(STEPS)), (gather, device)
+        assert len(lines) == 4 * STEPS, gather

@@ -45,6 +45,14 @@ SETTINGS = {
         "TAPD_GATHER": "on",
         "TAPD_GATHER_LATENCY": "1e-9",
     },
+    # No loop paced, every one chunked by a log of 2 (what a loop over several devices
+    # gets: rewrite's chunked scan and while).
+    "gathered_unpaced": {
+        "TAPD_BACKEND": "portable",
+        "TAPD_GATHER": "on",
+        "TAPD_GATHER_TAPS": "2",
+        "TAPD_GATHER_LATENCY": "0",
+    },
 }
 BASE_ENV = {"JAX_PLATFORMS": "cpu", "TAPD_AUTOSTART": "0"}
 

@@ -7,7 +7,10 @@ shard_maps, one called at each step of the loop), sharded_jit, explicit (a jit o
 mesh of Explicit axes, whose taps of a sharded value tap each shard where it lives),
 transforms (vmap, grad and checkpoint of tapping steps in a shard_map), failing (a tap
 function that raises at step 7, what the barrier says), drop (4 KiB taps into a small
-ring whose tap function is slow: run TAPD_BUFFER_BYTES and TAPD_EMITTER_POLICY). Each
+ring whose tap function is slow: run TAPD_BUFFER_BYTES and TAPD_EMITTER_POLICY), while
+(the loop a `while_loop`), barriers (slow taps, then `tapd.barrier_wait()` or
+`jax.effects_barrier()`: how many had run), exit (slow taps left to the exit drain, each
+a line in SLICES_EXIT_FILE). Each
 runs a `fori_loop` of STEPS steps whose body taps (an `id_tap` of a closure, and a
 `cond` that taps every third step), then a tap after a `psum` (where there is an axis),
 twice.
@@ -18,6 +21,7 @@ tapd's taps ran (`tapd.stats()["host_callbacks"]`).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -87,7 +91,25 @@ def failing(steps: int) -> Any:
     return run
 
 
-def slow_taps(steps: int) -> Any:
+def while_body(steps: int) -> Any:
+    """The loop as a `while_loop` whose condition reads the carry."""
+
+    def run(x: Any) -> Any:
+        def going_on(jc: Any) -> Any:
+            return jc[0] < steps
+
+        def one(jc: Any) -> Any:
+            j, c = jc
+            return j + 1, step(j, c)
+
+        y = lax.while_loop(going_on, one, (0, T("first", x * 100)))[1]
+        T("after", lax.psum(y, "d"))
+        return y
+
+    return run
+
+
+def slow_taps(steps: int, function: Any = None) -> Any:
     """A loop tapping 4 KiB a step to a function that takes a millisecond."""
 
     def slow(arg: Any, transforms: Any, *, device: Any) -> None:
@@ -96,7 +118,8 @@ def slow_taps(steps: int) -> Any:
 
     def run(x: Any) -> Any:
         def one(j: Any, c: Any) -> Any:
-            tapd.id_tap(slow, jnp.full((1024,), j, jnp.float32), tap_with_device=True)
+            value = jnp.full((1024,), j, jnp.float32)
+            tapd.id_tap(function or slow, value, tap_with_device=True)
             return c + 1.0
 
         return lax.fori_loop(0, steps, one, x)
@@ -155,6 +178,34 @@ def main() -> dict[str, Any]:
         f = jax.jit(jax.shard_map(slow_taps(steps), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
         outs = [np.asarray(f(x)).tolist()]
         return {**report(outs), "stats": tapd.stats()}
+    elif kind == "while":  # a while_loop in the body (its trip count unknown)
+        f = jax.jit(jax.shard_map(while_body(steps), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    elif kind == "barriers":  # each barrier returns once every earlier tap has run
+        slow = jax.jit(
+            jax.shard_map(slow_taps(steps), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+        )
+        tapd.install_debug()  # (jax.effects_barrier then waits for tapd's taps too)
+        seen = []
+        for barrier in (tapd.barrier_wait, jax.effects_barrier):
+            RAN.clear()
+            slow(x)
+            slow(x)
+            barrier()
+            seen.append(len(RAN))
+        return {"seen": seen, "expected": 2 * n * steps, "host_callbacks": 0}
+    elif kind == "exit":  # slow taps that only the exit drain runs: each writes a line
+        path = os.environ["SLICES_EXIT_FILE"]
+
+        def write(arg: Any, transforms: Any, *, device: Any) -> None:
+            time.sleep(0.001)
+            with open(path, "a") as out:
+                out.write(f"{device} {int(np.asarray(arg)[0])}\n")
+
+        f = jax.jit(
+            jax.shard_map(slow_taps(steps, write), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+        )
+        jax.block_until_ready(f(x))
+        return {"left": "to the exit drain"}
     elif kind == "shard_map_in_loop":
         f = jax.jit(shard_map_in_loop(steps, mesh))
     elif kind == "sharded_jit":

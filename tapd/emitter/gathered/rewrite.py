@@ -481,24 +481,25 @@ class Rewriter:
                 lambda both: going_on(both[0]), lambda both: step(*both, checked), (carry, state)
             )
             return list(carry), state
-        # In chunks: an inner loop of at most as many steps as the log holds, unchecked,
-        # then a flush. (The condition, which does not tap, is evaluated once more a chunk.)
-        steps = int(self.plan.capacity // per_step)
-        certain = certainly_taps(body.jaxpr)
-        state = self.flush_if(state.count > 0, state)
+        # In chunks: an inner loop, unchecked, of as many steps as the log has room for;
+        # each chunk after the first begins with a flush (the one before it stopped for
+        # want of room). So the loop's end flushes nothing: what it logged leaves with
+        # what follows (a call whose taps fit runs no flush at all).
+        most = np.int32(self.plan.capacity - per_step)
+
+        def room(st: Gathered) -> Any:
+            return st.count <= most
 
         def chunk(both: tuple[list[Any], Gathered]) -> tuple[list[Any], Gathered]:
-            def inner_going_on(inner: tuple[Any, list[Any], Gathered]) -> Any:
-                return lax.bitwise_and(inner[0] < steps, going_on(inner[1]))
+            st = self.flush_if(lax.bitwise_not(room(both[1])), both[1])
 
-            def inner_step(inner: tuple[Any, list[Any], Gathered]) -> Any:
-                values, st = step(inner[1], inner[2], False)
-                return inner[0] + 1, values, st
+            def inner_going_on(inner: tuple[list[Any], Gathered]) -> Any:
+                return lax.bitwise_and(room(inner[1]), going_on(inner[0]))
 
-            _, values, st = lax.while_loop(
-                inner_going_on, inner_step, (np.int32(0), both[0], both[1])
-            )
-            st = self.chunk_end(st, certain)
+            def inner_step(inner: tuple[list[Any], Gathered]) -> Any:
+                return step(inner[0], inner[1], False)
+
+            values, st = lax.while_loop(inner_going_on, inner_step, (both[0], st))
             return values, st
 
         carry, state = lax.while_loop(lambda both: going_on(both[0]), chunk, (carry, state))
