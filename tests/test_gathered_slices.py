@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -160,3 +161,18 @@ def test_the_exit_drain_runs_every_device_s_taps_left_behind(tmp_path: Path) -> 
             values = [int(value) for dev, value in lines if dev == device]
             assert values == list(range(STEPS)), (gather, device)
         assert len(lines) == 4 * STEPS, gather
+
+
+def test_jax_export_refuses_a_slice_s_taps_as_on_the_per_tap_path() -> None:
+    """Gathered or not, an export of tapping computations over several devices is
+    refused with the per-tap path's message (an export is never gathered)."""
+
+    def unnamed(text: str) -> str:
+        return re.sub(r"'local/[^']*'", "'SITE'", text)
+
+    reference = run("export", 4, TAPD_GATHER="off")
+    gathered = run("export", 4, TAPD_GATHER="on")
+    for form, said in gathered["exported"].items():
+        assert said.startswith("TapDefinitionError: tap site 'local/"), (form, said)
+        assert "cannot be exported" in said, form
+        assert unnamed(said) == unnamed(reference["exported"][form]), form

@@ -10,7 +10,8 @@ function that raises at step 7, what the barrier says), drop (4 KiB taps into a 
 ring whose tap function is slow: run TAPD_BUFFER_BYTES and TAPD_EMITTER_POLICY), while
 (the loop a `while_loop`), barriers (slow taps, then `tapd.barrier_wait()` or
 `jax.effects_barrier()`: how many had run), exit (slow taps left to the exit drain, each
-a line in SLICES_EXIT_FILE). Each
+a line in SLICES_EXIT_FILE), export (what jax.export says of a shard_map, a shard_map in
+a loop and an Explicit mesh's taps). Each
 runs a `fori_loop` of STEPS steps whose body taps (an `id_tap` of a closure, and a
 `cond` that taps every third step), then a tap after a `psum` (where there is an axis),
 twice.
@@ -56,6 +57,15 @@ def step(j: Any, c: Any) -> Any:
 
 def loop(x: Any, steps: int) -> Any:
     return lax.fori_loop(0, steps, step, T("first", x * 100))
+
+
+def exported(function: Any, x: Any) -> str:
+    """What jax.export makes of `function`: its refusal, or "exported"."""
+    try:
+        jax.export.export(jax.jit(function))(x)
+    except Exception as exc:  # what the refusal says, whatever it is
+        return f"{type(exc).__name__}: {exc}"
+    return "exported"
 
 
 def transformed(steps: int) -> Any:
@@ -206,6 +216,21 @@ def main() -> dict[str, Any]:
         )
         jax.block_until_ready(f(x))
         return {"left": "to the exit drain"}
+    elif kind == "export":  # what jax.export makes of each kind over the devices
+        explicit = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+        forms = {
+            "shard_map": jax.shard_map(
+                body(steps, "d"), mesh=mesh, in_specs=P("d"), out_specs=P("d")
+            ),
+            "shard_map_in_loop": shard_map_in_loop(steps, mesh),
+        }
+        said = {}
+        for name, function in forms.items():
+            said[name] = exported(function, x)
+        with jax.set_mesh(explicit):
+            on_explicit = jax.device_put(x, NamedSharding(explicit, P("d")))
+            said["explicit"] = exported(body(steps, None), on_explicit)
+        return {"exported": said, "host_callbacks": tapd.stats()["host_callbacks"]}
     elif kind == "shard_map_in_loop":
         f = jax.jit(shard_map_in_loop(steps, mesh))
     elif kind == "sharded_jit":
