@@ -78,6 +78,7 @@ CASES = [
     ("explicit", 2),
     ("explicit", 4),
     ("explicit", 8),
+    ("explicit_2d", 4),
     ("while", 4),
     ("sharded_jit", 2),
     ("sharded_jit", 8),

@@ -5,6 +5,7 @@
 KIND: shard_map, pmap, jit_of_pmap, shard_map_in_loop (the same taps in several
 shard_maps, one called at each step of the loop), sharded_jit, explicit (a jit over a
 mesh of Explicit axes, whose taps of a sharded value tap each shard where it lives),
+explicit_2d (the same over a 2-D mesh, the value split along one of its axes),
 transforms (vmap, grad and checkpoint of tapping steps in a shard_map), failing (a tap
 function that raises at step 7, what the barrier says), drop (4 KiB taps into a small
 ring whose tap function is slow: run TAPD_BUFFER_BYTES and TAPD_EMITTER_POLICY), while
@@ -235,6 +236,15 @@ def main() -> dict[str, Any]:
         f = jax.jit(shard_map_in_loop(steps, mesh))
     elif kind == "sharded_jit":
         f, x = jax.jit(body(steps, None)), jax.device_put(x, NamedSharding(mesh, P("d")))
+    elif kind == "explicit_2d":  # a 2-D Explicit mesh, the value split along one axis
+        grid = jax.make_mesh(
+            (n // 2, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+        )
+        x = jax.device_put(jnp.arange(2.0 * n).reshape(n, 2), NamedSharding(grid, P("x", None)))
+        with jax.set_mesh(grid):
+            f = jax.jit(body(steps, None))
+            outs = [np.asarray(f(x)).tolist() for _ in range(2)]
+        return report(outs)
     elif kind == "explicit":
         explicit = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
         x = jax.device_put(x, NamedSharding(explicit, P("d")))
