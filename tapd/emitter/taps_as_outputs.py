@@ -18,7 +18,12 @@ nothing: its taps' counts, where known before it ran, are written here, or else 
 head of its output is read. This module intercepts the two token calls for
 `OutputsEffect` (`install`) and keeps the arrays that come out, in dispatch order, until
 their bytes are written (`Collector`). A live loop's flushes hand their bytes to the
-same thread (`Collector.write_later`), ahead of their computation's output.
+same queue (`Collector.write_later`), ahead of their computation's output.
+
+Over several devices (gathered.slices, gathered.threaded) the effect is shardable: the
+flags go to every device, and each device's packed buffers come out as its own token
+buffer, which JAX would join into one array of shape (0,); `_wrap_shards` takes them
+first, and each is written by its device's writer (`ShardedReceiver`).
 
 Order with taps that are host callbacks: each of those first writes the outputs whose
 computations have finished (`write_ready`; on one device a computation runs after those

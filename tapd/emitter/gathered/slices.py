@@ -5,12 +5,14 @@ A computation over several devices (a `shard_map`, or a `pmap`, which JAX runs a
 `jit` of a `shard_map`) runs its body on every device at once. Each device's taps are
 that device's: they go into the device's own log and buffers, carried through the
 body's loops and branches exactly as one device's are (`rewrite.Rewriter`), and
-leave in few transfers: a flush when the log fills, and one at the end of the body. A
-flush is one host callback that every device runs on its own log
-(`flush`, `host.PerDevice`), so a call of a 400-step loop with a tap a
-step makes one host callback a device where it made 400. Records are those of the
-per-tap path: device, shard coordinates, step and seq; each device's taps in program
-order, each site's in step order.
+leave in few transfers. Where the computation's taps lie in one body spanning its
+devices (`ends_packed`), each device's buffers leave as its shard of one more output
+of the computation (tapd.emitter.taps_as_outputs), and the wake flags come in with the
+call: a call whose taps fit runs no host callback. Elsewhere a body ends with a flush,
+one host callback that every device runs on its own log (`flush`, `host.PerDevice`);
+a flush also runs where the log fills. Records are those of the per-tap path: device,
+shard coordinates, step and seq; each device's taps in program order, each site's in
+step order. (Taps in many bodies over one mesh: tapd.emitter.gathered.threaded.)
 
 The rewrite happens as the computation lowers (`gathered_bodies`, from
 `gathered.maybe_gathered`), on the jaxpr JAX lowers: each `shard_map` whose body taps
