@@ -84,7 +84,8 @@ def main() -> None:
     base = statistics.median(times["none"])
     for kind, values in times.items():
         seconds = statistics.median(values)
-        print(f"{kind:8s} {seconds:.4f} s a call, added {1e6 * (seconds - base) / STEPS:.1f} µs a step")
+        added = 1e6 * (seconds - base) / STEPS
+        print(f"{kind:8s} {seconds:.4f} s a call, added {added:.1f} µs a step")
 
 
 if __name__ == "__main__":
