@@ -203,7 +203,7 @@ def main() -> dict[str, Any]:
             slow(x)
             barrier()
             seen.append(len(RAN))
-        return {"seen": seen, "expected": 2 * n * steps, "host_callbacks": 0}
+        return {"seen": seen, "expected": 2 * n * steps}
     elif kind == "exit":  # slow taps that only the exit drain runs: each writes a line
         path = os.environ["SLICES_EXIT_FILE"]
 

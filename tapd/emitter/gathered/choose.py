@@ -28,7 +28,6 @@ from tapd.emitter.gathered.rewrite import (
     most_records,
     site_operands,
     taps_within,
-    taps_within_eqn,
 )
 from tapd.emitter.native_backend import RingSites
 from tapd.emitter.primitive import TapSiteParams
@@ -84,13 +83,14 @@ def maybe_gathered(
         if output and taps_as_outputs.install():
             try:
                 effect = OutputsEffect(len(found) + 1)  # (wake flags, a chunk's steps)
-                gathered = rewrite(
+                gathered, _ = rewrite(
                     closed, found, taps=taps, max_bytes=max_bytes, way_out=effect, live=live_on
                 )
                 return gathered, effect
             except Exception:  # (a dtype the packing does not take): a flush at the end
                 logger.debug("gathered taps end with a flush", exc_info=True)
-        return rewrite(closed, found, taps=taps, max_bytes=max_bytes, live=live_on), None
+        gathered, _ = rewrite(closed, found, taps=taps, max_bytes=max_bytes, live=live_on)
+        return gathered, None
     except Exception as exc:
         _not_gathered(exc, "the device")
         return None
@@ -126,7 +126,7 @@ def _slices(
         if not all(_host_callback_here(site, platform) for site in found):
             raise NotGatherable("a tap in a body that is not a host callback here")
         _check_fits(found)
-        gathered, plan = rewrite_planned(
+        gathered, plan = rewrite(
             _closed(body, []),
             found,
             taps=settings.gather_taps,
@@ -186,14 +186,9 @@ def _threaded(
     _check_fits(found)
     settings = lifecycle.settings()
     taps, max_bytes = settings.gather_taps, settings.gather_bytes
-    if output and taps_as_outputs.install():
-        effect = OutputsEffect(len(found) + 1)
-        gathered, _ = rewrite_planned(
-            closed, found, taps=taps, max_bytes=max_bytes, way_out=effect, mesh=mesh
-        )
-        return gathered, effect
-    gathered, _ = rewrite_planned(closed, found, taps=taps, max_bytes=max_bytes, mesh=mesh)
-    return gathered, None
+    effect = OutputsEffect(len(found) + 1) if output and taps_as_outputs.install() else None
+    gathered, _ = rewrite(closed, found, taps=taps, max_bytes=max_bytes, way_out=effect, mesh=mesh)
+    return gathered, effect
 
 
 def _slices_ending_packed(
@@ -206,26 +201,14 @@ def _slices_ending_packed(
         return None
     effect = OutputsEffect(len(packed.plan.sites) + 1)
     inner = packed.jaxpr if isinstance(closed, core.Jaxpr) else closed.replace(jaxpr=packed.jaxpr)
-    way_out = WayOut(effect, packed.plan, per_device=True)
     effect.refreshed = False  # (a body's flushes do not answer: flags only at dispatch)
-    counts = _body_counts(packed.jaxpr.eqns, packed.plan.sites)
+    # (Its taps all lie in the one body: the computation's counts are each device's.)
+    counts = exact_taps(closed.jaxpr)
     if counts is not None:
-        effect.dormant_counts = counts
+        effect.dormant_counts = tuple(counts[site] for site in packed.plan.sites)
+    way_out = WayOut(effect, packed.plan, per_device=True)
     in_avals = [var.aval for var in closed.jaxpr.invars]
-    wrapped = lu.wrap_init(
-        lambda *args: call(inner, args, way_out), debug_info=closed.jaxpr.debug_info
-    )
-    traced = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
-    return _closed(traced[0], traced[2]), effect
-
-
-def _body_counts(eqns: Any, sites: Sequence[TapSiteParams]) -> tuple[int, ...] | None:
-    """Each site's taps a device makes in every call, where known before it runs."""
-    for eqn in eqns:
-        if eqn.primitive.name == "shard_map" and taps_within_eqn(eqn):
-            counts = exact_taps(eqn.params["jaxpr"])
-            return None if counts is None else tuple(counts[site] for site in sites)
-    return None
+    return _as_call(inner, in_avals, closed.jaxpr.debug_info, way_out), effect
 
 
 def _partitioned(axis_context: Any) -> bool:
@@ -267,22 +250,6 @@ def rewrite(
     taps: int,
     max_bytes: int,
     way_out: OutputsEffect | None = None,
-    live: tuple[str, float] | None = None,
-) -> ClosedJaxpr:
-    """`closed` with its taps gathered: `rewrite_planned`'s jaxpr."""
-    gathered, _ = rewrite_planned(
-        closed, found, taps=taps, max_bytes=max_bytes, way_out=way_out, live=live
-    )
-    return gathered
-
-
-def rewrite_planned(
-    closed: ClosedJaxpr,
-    found: dict[TapSiteParams, list[Any]],
-    *,
-    taps: int,
-    max_bytes: int,
-    way_out: OutputsEffect | None = None,
     varying: tuple[str, ...] = (),
     live: tuple[str, float] | None = None,
     ends_packed: bool = False,
@@ -307,12 +274,11 @@ def rewrite_planned(
     plan = plan_buffers(sites, [found[s] for s in sites], hint, taps=taps, max_bytes=max_bytes)
     if live is not None:
         plan = dataclasses.replace(plan, answers=True, pace=Pace(live[1]))
-    # The wake flags come in with a call (only a computation on one device has a way
-    # out, and its flushes answer), and again with each answer of a flush or poll, so
-    # that a site woken while a long loop runs takes its taps from the next chunk on.
-    # Without them (over several devices) every tap is kept, and a flush skips those of
-    # dormant sites.
-    # (Over several devices flags come in with the call only: flushes do not answer.)
+    # The wake flags come in with a call that ends with an output, and on one device
+    # again with each answer of a live chunk's flush or poll, so that a site woken while
+    # a long loop runs takes its taps from the next chunk on. Over several devices they
+    # come with the call only (flushes do not answer). Without them every tap is kept,
+    # and a flush skips those of dormant sites.
     assert way_out is None or plan.answers or mesh is not None, "flags its flushes renew"
     platform, latency = live if live is not None else ("cpu", 0.0)
     rewriter: Rewriter
@@ -353,10 +319,16 @@ def rewrite_planned(
     debug_info = closed.jaxpr.debug_info
     if ends_packed:
         debug_info = _debug_info(debug_info, 1)
-    wrapped = lu.wrap_init(lambda *args: call(inner, args, out), debug_info=debug_info)
-    traced = pe.trace_to_jaxpr_dynamic(wrapped, [*(flags_avals if ends_packed else []), *in_avals])
-    closed_result: ClosedJaxpr = _closed(traced[0], traced[2])
-    return closed_result, plan
+    outer_avals = [*(flags_avals if ends_packed else []), *in_avals]
+    return _as_call(inner, outer_avals, debug_info, out), plan
+
+
+def _as_call(inner: ClosedJaxpr, in_avals: list[Any], debug_info: Any, way_out: Any) -> Any:
+    """`inner` as one `flush.call` (its flushes' token made inside; `way_out`, if any,
+    its exit), traced over `in_avals`."""
+    wrapped = lu.wrap_init(lambda *args: call(inner, args, way_out), debug_info=debug_info)
+    traced = pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    return _closed(traced[0], traced[2])
 
 
 def _debug_info(debug_info: Any, flags: int) -> Any:

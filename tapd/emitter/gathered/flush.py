@@ -78,9 +78,7 @@ dispatch.prim_requires_devices_during_lowering.add(poll_p)
 _COUNT = core.ShapedArray((), np.dtype(np.int32))
 
 
-def flush(
-    state: Any, plan: FlushPlan, steps: Any = 0, polls: Any = 0, *, answer: bool = True
-) -> tuple[Any, Any]:
+def flush(state: Any, plan: FlushPlan, steps: Any, polls: Any, *, answer: bool) -> tuple[Any, Any]:
     """Flush `state` (a `gathered.Gathered`); returns the log's new length (0) and,
     where the plan's flushes answer and `answer` asks, the host's answer
     (`FlushPlan.answer_aval`) to a chunk of `steps` (the call's answer number `polls`);

@@ -257,7 +257,7 @@ class PerDevice:
 
     @property
     def header_size(self) -> int:
-        return self.of_index(min(self._flushes, default=0)).header_size
+        return self._any().header_size
 
     def __call__(self, packed: Any, index: Any) -> tuple[()]:
         return self.of_index(int(index))(packed)
@@ -276,7 +276,11 @@ class PerDevice:
 
     def wake_flags(self) -> tuple[int, ...]:
         """The sites' wake flags (every device's flush registers the same sites)."""
-        return self.of_index(min(self._flushes, default=0)).wake_flags()
+        return self._any().wake_flags()
+
+    def _any(self) -> Flush:
+        """One device's `Flush` (the layout and the sites are every device's)."""
+        return self.of_index(min(self._flushes, default=0))
 
 
 def _padded(piece: tuple[np.dtype[Any], tuple[int, ...], int]) -> int:

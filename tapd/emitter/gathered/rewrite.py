@@ -6,8 +6,9 @@ Where a flush may be needed is decided ahead, not at each tap (a `cond` per tap 
 a TPU several µs a step): a region whose taps are bounded (`most_records`) first makes
 room for all of them (one test of the log's length), then taps unchecked. A loop whose
 every run could overflow the log runs in chunks: an inner loop of as many iterations as
-the log holds, unchecked, then a flush; so a `scan` of 10 000 steps with one tap a step
-and a log of 256 makes 40 flushes and no test at any step. On one device, a loop at the
+the log holds, unchecked, then a flush (a `while`'s before its next chunk, so that its
+end flushes nothing); so a `scan` of 10 000 steps with one tap a step and a log of 256
+makes 40 flushes and no test at any step. On one device, a loop at the
 top that runs long (`Rewriter._live`) runs in chunks the host paces instead, each ended
 where the log has no room for another step's kept taps (tapd.emitter.gathered.live).
 """
