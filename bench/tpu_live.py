@@ -38,7 +38,7 @@ STEP_COUNTS = (1, 7, 8, 9, 100, 1000)
 MOST_BYTES_A_CALL = 400 * 2**20
 
 
-def child(quick: bool, live_only: bool = False) -> dict[str, Any]:
+def child(quick: bool, live_only: bool = False, sampled_only: bool = False) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -77,7 +77,7 @@ def child(quick: bool, live_only: bool = False) -> dict[str, Any]:
         return time.perf_counter() - start
 
     cells: dict[str, tuple[Callable[[Any], Any], Any, int, int]] = {}
-    for size_name, elements in {} if live_only else SIZES.items():
+    for size_name, elements in {} if live_only or sampled_only else SIZES.items():
         x = jnp.zeros(elements, jnp.float32)
         for steps in STEP_COUNTS:
             if elements * 4 * steps > MOST_BYTES_A_CALL or (quick and steps > 9):
@@ -100,7 +100,7 @@ def child(quick: bool, live_only: bool = False) -> dict[str, Any]:
                 made["big"] += (calls + 1) * steps
             elif name.endswith(" every100"):
                 made["big"] += (calls + 1) * (steps // 100)
-    live = live_loops(quick)
+    live = {} if sampled_only else live_loops(quick)
     return {
         "us_a_call": {name: statistics.median(values) for name, values in times.items()},
         "all_us": times,
@@ -266,12 +266,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--live-only", action="store_true", help="only the long loops")
+    parser.add_argument(
+        "--sampled-only", action="store_true", help="only the every=100 cell and its floor"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="write the report here (Markdown)")
     parser.add_argument("--log", default=None, help="write the raw results here (JSON)")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.quick, args.live_only)))
+        print(json.dumps(child(args.quick, args.live_only, args.sampled_only)))
         return
     from processes import Processes, run_child
 
@@ -284,6 +287,7 @@ def main() -> None:
             flags = [
                 *(["--quick"] if args.quick else []),
                 *(["--live-only"] if args.live_only else []),
+                *(["--sampled-only"] if args.sampled_only else []),
             ]
             command = [sys.executable, __file__, "--child", *flags]
             result = run_child(command, env, "child")

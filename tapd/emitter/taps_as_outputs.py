@@ -51,9 +51,11 @@ class Receiver(Protocol):
 
     header_size: int  # the packed bytes' head: the log's length, the log, dormant counts
 
-    def wake_flags(self) -> tuple[int, ...]:
-        """Per site, 1 if its taps are to be kept on the device now, 0 if dormant; then
-        a live loop's first chunk of steps (tapd.emitter.gathered.live)."""
+    def wake_flags(self, counts: Sequence[int] | None = None) -> tuple[int, ...]:
+        """A call's flags: per site, which of its taps the device keeps (0 none: dormant,
+        1 all, W > 1 one in W: tapd.emitter.gathered.sampling); a live loop's first chunk
+        of steps (tapd.emitter.gathered.live); per site, the phase of its sampling.
+        `counts`: each site's taps in the call, where known before it runs."""
 
     def write_packed(self, packed: np.ndarray) -> None:
         """The computation's packed buffers (uint8), written into the ring."""
@@ -74,7 +76,7 @@ class ShardedReceiver(Protocol):
     @property
     def header_size(self) -> int: ...
 
-    def wake_flags(self) -> tuple[int, ...]:
+    def wake_flags(self, counts: Sequence[int] | None = None) -> tuple[int, ...]:
         """As `Receiver.wake_flags` (the same flags go to every device)."""
 
     def of_device(self, device: Any) -> Receiver:
@@ -85,8 +87,11 @@ class OutputsEffect(effects.Effect):
     """The ordered effect of one gathered computation's way out (ordered once
     `install` has run). Equal only to itself: JAX keeps one token per effect."""
 
-    def __init__(self, flag_count: int) -> None:
-        self.flag_count = flag_count  # the computation's sites
+    def __init__(self, sites: int) -> None:
+        self.sites = sites
+        # The call's flags: each site's wake flag, a live chunk's first steps, each
+        # site's phase (tapd.emitter.gathered.sampling).
+        self.flag_count = 2 * sites + 1
         # Set when the computation is lowered; a ShardedReceiver over several devices.
         self.receiver: Receiver | ShardedReceiver | None = None
         self._flags: tuple[tuple[int, ...], Any, Any] | None = None
@@ -99,7 +104,7 @@ class OutputsEffect(effects.Effect):
         self._dispatching = threading.local()
         # Each site's taps in every call, where known before it runs: a dormant call's
         # are then counted here, and nothing of its output moves (not even its head).
-        self.dormant_counts: tuple[int, ...] | None = None
+        self.call_counts: tuple[int, ...] | None = None
 
     def __str__(self) -> str:
         return "tapd.taps_as_outputs"
@@ -113,8 +118,8 @@ class OutputsEffect(effects.Effect):
         computation: on each, the same flags); the last one made is kept while they do
         not change (one table read a call, no transfer)."""
         assert self.receiver is not None  # (lowered before it runs)
-        flags = self.receiver.wake_flags()
-        self._dispatching.dormant = not self.refreshed and not any(flags[: self.flag_count - 1])
+        flags = self.receiver.wake_flags(self.call_counts)
+        self._dispatching.dormant = not self.refreshed and not any(flags[: self.sites])
         kept = self._flags
         placed = tuple(devices)
         if kept is not None and kept[0] == flags and kept[1] == placed:
@@ -450,7 +455,7 @@ def _received(effect: OutputsEffect, result: Any) -> None:
         sharded = cast(ShardedReceiver, receiver)
         writer = ShardedOutputs(sharded, [_device_of(shard) for shard in shards])
         result = shards
-    if dormant and effect.dormant_counts is not None:
-        collector.received(None, writer, effect.dormant_counts)
+    if dormant and effect.call_counts is not None:
+        collector.received(None, writer, effect.call_counts)
         return
     collector.received(result, writer, dormant)

@@ -381,8 +381,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         ),
         # (packed, device, sites, rings, site ids, consumers, everys, first leaf,
         # leaves, leaf offsets, leaf bytes, step bytes, step offsets: the arrays as plain
-        # pointers; the offsets of the log's length, the log and the dormant counts;
-        # capacity): tapd/emitter/gathered/host.py
+        # pointers; the offsets of the log's length, the log, the records' places and
+        # the skipped counts; capacity): tapd/emitter/gathered/host.py
         "tapd_ring_write_gathered": (
             [
                 c.c_void_p,
@@ -390,13 +390,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                 c.c_uint32,
                 c.c_void_p,
                 *[c.c_void_p] * 9,
-                c.c_uint64,
-                c.c_uint64,
-                c.c_uint64,
-                c.c_uint64,
+                *[c.c_uint64] * 5,
             ],
             c.c_int64,
         ),
+        # (ring or None, consumer, device): the seq its next tap takes.
+        "tapd_ring_next_seq": ([c.c_void_p, c.c_uint32, c.c_int32], c.c_uint64),
         "tapd_ring_record_header_bytes": ([], c.c_uint64),
         "tapd_ring_internal_api": ([c.c_uint32], c.c_void_p),
         "tapd_ring_reserve_for_test": (

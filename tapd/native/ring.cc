@@ -1075,16 +1075,32 @@ int tapd_ring_write_leaves(void* handle, uint64_t site, uint32_t consumer, int32
                            nleaves, data, sizes);
 }
 
-// A gathered computation's packed buffers (tapd/emitter/gathered/flush.py, `Flush`)
-// written as its taps' records, in the log's order, each into its site's ring; each
-// site's dormant taps counted as skipped first (their seqs used up: a site is dormant
-// or not for a whole computation). `packed` holds the log's length (int32) at
-// `count_offset`, the log (an int32 site index a record) at `log_offset`, the dormant
-// counts (int32 a site) at `skipped_offset`; site i's j-th leaf of record row r at
-// leaf_offsets[k] + r * leaf_bytes[k], k = first_leaf[i] + j, and its step (step_bytes[i]
-// 4 or 8, signed; 0: none) at step_offsets[i] + r * step_bytes[i]. A site whose ring is
-// NULL is left to the caller (the sender's path). Returns the records in the log, or -1
-// if the log names a site out of range or holds more than `capacity` records.
+// The seq the next tap of (consumer, device) takes in this process: where a gathered
+// computation's sampling starts (tapd/emitter/gathered/sampling.py). `handle` NULL: the
+// installed ring; 0 if there is none.
+uint64_t tapd_ring_next_seq(void* handle, uint32_t consumer, int32_t device) {
+  Ring* ring = handle != nullptr ? static_cast<Ring*>(handle) : tapd::InstalledRing();
+  if (ring == nullptr) return 0;
+  uint64_t key = (uint64_t{consumer} << 32) | uint32_t(device);
+  std::lock_guard<std::mutex> lock(ring->seq_mutex);
+  auto found = ring->seq.find(key);
+  return found == ring->seq.end() ? 0 : found->second;
+}
+
+// A gathered computation's packed buffers (tapd/emitter/gathered/host.py, `Flush`)
+// written as its taps' records, in the log's order, each into its site's ring. `packed`
+// holds the log's length (int32) at `count_offset`, the log (an int32 site index a
+// record) at `log_offset`, each record's place among its site's taps since the last
+// flush (int32, kept or not) at `order_offset`, and each site's taps not kept (dormant
+// or sampled out on the device; int32 a site) at `skipped_offset`. The taps not kept
+// before a record use up their seqs and are counted as skipped just before it, the rest
+// after the last record: each record takes the seq its tap would have taken alone.
+// Site i's j-th leaf of record row r is at leaf_offsets[k] + r * leaf_bytes[k],
+// k = first_leaf[i] + j, and its step (step_bytes[i] 4 or 8, signed; 0: none) at
+// step_offsets[i] + r * step_bytes[i]. A site whose ring is NULL is left to the caller
+// (the sender's path). Returns the records in the log, or -1 if the log names a site out
+// of range, holds more than `capacity` records, or places a record before its site's
+// last one or past its taps.
 int64_t tapd_ring_write_gathered(const uint8_t* packed, int32_t device, uint32_t nsites,
                                  void* const* rings, const uint64_t* site_ids,
                                  const uint32_t* consumers, const uint64_t* everys,
@@ -1092,24 +1108,42 @@ int64_t tapd_ring_write_gathered(const uint8_t* packed, int32_t device, uint32_t
                                  const uint64_t* leaf_offsets, const uint64_t* leaf_bytes,
                                  const int32_t* step_bytes, const uint64_t* step_offsets,
                                  uint64_t count_offset, uint64_t log_offset,
-                                 uint64_t skipped_offset, uint64_t capacity) {
+                                 uint64_t order_offset, uint64_t skipped_offset,
+                                 uint64_t capacity) {
   int32_t count;
   std::memcpy(&count, packed + count_offset, sizeof(count));
   if (count < 0 || uint64_t(count) > capacity) return -1;
+  std::vector<uint64_t> taps(nsites, 0);  // each site's taps, kept or not
   for (uint32_t i = 0; i < nsites; ++i) {
     int32_t skipped;
     std::memcpy(&skipped, packed + skipped_offset + 4 * uint64_t{i}, sizeof(skipped));
-    if (skipped > 0 && rings[i] != nullptr) {
-      tapd_ring_skip_many(rings[i], site_ids[i], consumers[i], device, uint64_t(skipped));
-    }
+    if (skipped < 0) return -1;
+    taps[i] = uint64_t(skipped);
   }
-  std::vector<uint64_t> rows(nsites, 0);
-  std::vector<const void*> data;
-  std::vector<uint64_t> sizes;
   for (int32_t r = 0; r < count; ++r) {
     int32_t i;
     std::memcpy(&i, packed + log_offset + 4 * uint64_t(r), sizeof(i));
     if (i < 0 || uint32_t(i) >= nsites) return -1;
+    ++taps[i];
+  }
+  std::vector<uint64_t> rows(nsites, 0);
+  std::vector<uint64_t> done(nsites, 0);  // each site's taps accounted for so far
+  std::vector<const void*> data;
+  std::vector<uint64_t> sizes;
+  auto skip = [&](uint32_t i, uint64_t upto) {
+    if (upto > done[i] && rings[i] != nullptr) {
+      tapd_ring_skip_many(rings[i], site_ids[i], consumers[i], device, upto - done[i]);
+    }
+    done[i] = upto;
+  };
+  for (int32_t r = 0; r < count; ++r) {
+    int32_t i;
+    int32_t place;
+    std::memcpy(&i, packed + log_offset + 4 * uint64_t(r), sizeof(i));
+    std::memcpy(&place, packed + order_offset + 4 * uint64_t(r), sizeof(place));
+    if (place < 0 || uint64_t(place) < done[i] || uint64_t(place) >= taps[i]) return -1;
+    skip(uint32_t(i), uint64_t(place));
+    done[i] = uint64_t(place) + 1;
     uint64_t row = rows[i]++;
     if (rings[i] == nullptr) continue;
     data.resize(nleaves[i]);
@@ -1133,6 +1167,7 @@ int64_t tapd_ring_write_gathered(const uint8_t* packed, int32_t device, uint32_t
                       tapd::RecordFields{site_ids[i], consumers[i], device, step, everys[i]},
                       nleaves[i], data.data(), sizes.data());
   }
+  for (uint32_t i = 0; i < nsites; ++i) skip(i, taps[i]);
   return count;
 }
 

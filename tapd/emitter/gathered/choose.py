@@ -82,7 +82,7 @@ def maybe_gathered(
     try:
         if output and taps_as_outputs.install():
             try:
-                effect = OutputsEffect(len(found) + 1)  # (wake flags, a chunk's steps)
+                effect = OutputsEffect(len(found))
                 gathered, _ = rewrite(
                     closed, found, taps=taps, max_bytes=max_bytes, way_out=effect, live=live_on
                 )
@@ -186,7 +186,7 @@ def _threaded(
     _check_fits(found)
     settings = lifecycle.settings()
     taps, max_bytes = settings.gather_taps, settings.gather_bytes
-    effect = OutputsEffect(len(found) + 1) if output and taps_as_outputs.install() else None
+    effect = OutputsEffect(len(found)) if output and taps_as_outputs.install() else None
     gathered, _ = rewrite(closed, found, taps=taps, max_bytes=max_bytes, way_out=effect, mesh=mesh)
     return gathered, effect
 
@@ -199,13 +199,13 @@ def _slices_ending_packed(
     packed = slices.ends_packed(closed, gather_body, devices, lambda info: _debug_info(info, 1))
     if packed is None:
         return None
-    effect = OutputsEffect(len(packed.plan.sites) + 1)
+    effect = OutputsEffect(len(packed.plan.sites))
     inner = packed.jaxpr if isinstance(closed, core.Jaxpr) else closed.replace(jaxpr=packed.jaxpr)
     effect.refreshed = False  # (a body's flushes do not answer: flags only at dispatch)
     # (Its taps all lie in the one body: the computation's counts are each device's.)
     counts = exact_taps(closed.jaxpr)
     if counts is not None:
-        effect.dormant_counts = tuple(counts[site] for site in packed.plan.sites)
+        effect.call_counts = tuple(counts[site] for site in packed.plan.sites)
     way_out = WayOut(effect, packed.plan, per_device=True)
     in_avals = [var.aval for var in closed.jaxpr.invars]
     return _as_call(inner, in_avals, closed.jaxpr.debug_info, way_out), effect
@@ -288,14 +288,11 @@ def rewrite(
         rewriter = Rewriter(plan, varying, platform=platform, latency=latency)
     in_avals = [var.aval for var in closed.jaxpr.invars]
     packs = way_out is not None or ends_packed
-    flags_avals = [plan.answer_aval()] if packs else []
+    flags_avals = [plan.flags_aval()] if packs else []
 
     def gathered(*args: Any) -> list[Any]:
         flags, args = (args[0], args[1:]) if packs else (None, args)
-        if flags is None:
-            state = rewriter.empty()
-        else:
-            state = rewriter.empty(flags[: len(sites)], flags[len(sites)])
+        state = rewriter.empty(flags)
         outs, state = rewriter.run(
             closed.jaxpr, closed.consts, list(args), state, checked=not plan.never_full
         )
@@ -313,7 +310,7 @@ def rewrite(
         way_out.refreshed = rewriter.answers_traced
         counts = exact_taps(closed.jaxpr)
         if counts is not None:
-            way_out.dormant_counts = tuple(counts[site] for site in sites)
+            way_out.call_counts = tuple(counts[site] for site in sites)
     # The flushes' order (primitive.PROGRAM_ORDER) is kept inside the computation.
     out = None if way_out is None else WayOut(way_out, plan, per_device=mesh is not None)
     debug_info = closed.jaxpr.debug_info

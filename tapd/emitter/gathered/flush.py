@@ -67,6 +67,10 @@ class FlushPlan:
         """The host's answer: each site's wake flag, then the next chunk's steps."""
         return core.ShapedArray((len(self.sites) + 1,), np.dtype(np.int32))
 
+    def flags_aval(self) -> core.ShapedArray:
+        """A call's flags: the answer's, then each site's phase (gathered.sampling)."""
+        return core.ShapedArray((2 * len(self.sites) + 1,), np.dtype(np.int32))
+
 
 flush_p = core.Primitive("tapd_gathered_flush")
 flush_p.multiple_results = True
@@ -103,7 +107,7 @@ def _ask(steps: Any, polls: Any) -> Any:
 def pack(state: Any) -> Any:
     """`state` (a `gathered.Gathered`) as the bytes the host reads (gathered.host)."""
     buffers = [buffer for site in state.buffers for buffer in site]
-    return host.pack(state.count, state.log, state.skipped, buffers)
+    return host.pack(state.count, state.log, state.order, state.skipped, buffers)
 
 
 @flush_p.def_effectful_abstract_eval  # type: ignore[untyped-decorator]

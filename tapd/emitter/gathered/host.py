@@ -10,12 +10,15 @@ taps of dormant sites as skipped. Sites without a ring (the sender's path) are w
 here, one record at a time, by the tap's own host function.
 
 The packed layout (`packed_layout`): the log's length (int32), the log (an int32 site
-index a record), each site's count of dormant taps (int32), then each site's operand
-buffers ([capacity, *shape] each); every piece padded to 8 bytes.
+index a record), each record's place among its site's taps since the last flush (int32,
+kept or not: the writer gives each record the seq its tap would have taken alone), each
+site's count of taps not kept (dormant or sampled out on the device; int32), then each
+site's operand buffers ([capacity, *shape] each); every piece padded to 8 bytes.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import threading
 from collections.abc import Callable, Sequence
@@ -27,10 +30,13 @@ from jax import lax
 from jax._src import core
 
 from tapd.emitter import host_writers, lifecycle, taps_as_outputs
-from tapd.emitter.gathered import live
+from tapd.emitter.gathered import live, sampling
 from tapd.emitter.primitive import TapSiteParams
 from tapd.native import library
-from tapd.protocol.ring_format import EVERY_ALWAYS_BIT, EVERY_DORMANT
+from tapd.protocol.ring_format import EVERY_ALWAYS_BIT
+
+# The packed pieces, in order (`packed_layout`); each site's buffers from BUFFERS on.
+COUNT, LOG, ORDER, SKIPPED, BUFFERS = range(5)
 
 
 def packed_layout(
@@ -38,7 +44,7 @@ def packed_layout(
 ) -> list[tuple[np.dtype[Any], tuple[int, ...], int]]:
     """(dtype, shape, offset) of each piece `pack` packs, in order (the module docstring)."""
     int32 = np.dtype(np.int32)
-    pieces = [(int32, ()), (int32, (capacity,)), (int32, (sites,))]
+    pieces = [(int32, ()), (int32, (capacity,)), (int32, (capacity,)), (int32, (sites,))]
     for avals in operand_avals:
         pieces += [(np.dtype(a.dtype), (capacity, *a.shape)) for a in avals]
     layout, offset = [], 0
@@ -49,9 +55,10 @@ def packed_layout(
     return layout
 
 
-def pack(count: Any, log: Any, skipped: Any, buffers: Sequence[Any]) -> Any:
+def pack(count: Any, log: Any, order: Any, skipped: Any, buffers: Sequence[Any]) -> Any:
     """The pieces as one uint8 array (traced, on the device): `packed_layout`'s."""
-    return lax.concatenate([_bytes(piece) for piece in (count, log, skipped, *buffers)], 0)
+    pieces = (count, log, order, skipped, *buffers)
+    return lax.concatenate([_bytes(piece) for piece in pieces], 0)
 
 
 def _bytes(piece: Any) -> Any:
@@ -88,6 +95,9 @@ class SiteWriter:
         fields = host_writers.site_fields(site, platform)
         self.ring: int | None = None
         self.site_id, self.consumer_id, self.every = 0, 0, 0
+        # May be sampled on the device: its consumer's only site in the computation
+        # (tapd.emitter.gathered.sampling; set by `Flush`).
+        self.sampled = False
         if native is not None:
             self.site_id, self.consumer_id, self.every, lib = host_writers.ring_site(
                 native, site, fields, tapped_avals
@@ -99,12 +109,14 @@ class SiteWriter:
         order = [*self.tapped, *([self.step] if self.step is not None else [])]
         self.write_one = lambda operands: write(*[operands[i] for i in order])
 
-    def awake(self) -> int:
-        """1 if the site's taps are to be kept (it has a taker, or takes no notice of
-        takers: id_tap's, or one without a ring), 0 if dormant (the site table)."""
+    def keep(self) -> int:
+        """Which of the site's taps the device keeps (`Gathered.awake`): 0 none (no
+        taker: dormant), 1 all (or one without a ring, or id_tap's, which takes no notice
+        of takers), W > 1 one in W where it may be sampled on the device (`sampled`)."""
         if self.ring is None or self.every & EVERY_ALWAYS_BIT:
             return 1
-        return 0 if self.site_every(self.ring, self.site_id) == EVERY_DORMANT else 1
+        wanted = self.site_every(self.ring, self.site_id)
+        return sampling.keep_flag(self.every, wanted, self.sampled)
 
 
 class Flush:
@@ -121,12 +133,15 @@ class Flush:
         pace: live.Pace | None = None,
     ) -> None:
         self.sites = sites
+        consumers = collections.Counter(site.consumer_id for site in sites if site.ring)
+        for site in sites:
+            site.sampled = site.ring is not None and consumers[site.consumer_id] == 1
         self.pace = pace
         self.device = device
         self.capacity = capacity
         self.layout = packed_layout(len(sites), capacity, operand_avals)
         self.size = self.layout[-1][2] + _padded(self.layout[-1])
-        self.header_size = self.layout[3][2] if len(self.layout) > 3 else self.size
+        self.header_size = self.layout[BUFFERS][2] if len(self.layout) > BUFFERS else self.size
         self.unringed = [i for i, site in enumerate(sites) if site.ring is None]
         self._tables = _Tables(sites, self.layout)
         # Its arguments but the first made once: called without ctypes' conversions.
@@ -134,7 +149,7 @@ class Flush:
             ctypes.c_int32(device),
             ctypes.c_uint32(len(sites)),
             *self._tables.arguments,
-            *[ctypes.c_uint64(piece[2]) for piece in self.layout[:3]],
+            *[ctypes.c_uint64(piece[2]) for piece in self.layout[:BUFFERS]],
             ctypes.c_uint64(capacity),
         )
         lib = library.load()
@@ -143,10 +158,16 @@ class Flush:
             self._write_gathered = lib._FuncPtr(("tapd_ring_write_gathered", lib))
             self._write_gathered.restype = ctypes.c_int64
 
-    def wake_flags(self) -> tuple[int, ...]:
-        """Each site's wake flag, then a live chunk's first steps (the pace known)."""
+    def wake_flags(self, counts: Sequence[int] | None = None) -> tuple[int, ...]:
+        """A call's flags (`taps_as_outputs.Receiver.wake_flags`): each site's keep flag,
+        a live chunk's first steps (the pace known), each site's sampling phase."""
         interval = 1 if self.pace is None else self.pace.interval()
-        return (*(site.awake() for site in self.sites), interval)
+        keeps = [site.keep() for site in self.sites]
+        if max(keeps, default=0) <= 1:  # (nothing sampled: no phase)
+            return (*keeps, interval, *[0] * len(keeps))
+        idle = taps_as_outputs.collector.pending() == 0
+        phases = sampling.phases(keeps, self.sites, self.device, counts, idle)
+        return (*keeps, interval, *phases)
 
     def __call__(self, packed: Any) -> tuple[()]:
         lifecycle.host_callback_ran()
@@ -172,13 +193,13 @@ class Flush:
     def _answer(self, ask: Any) -> tuple[np.ndarray]:
         steps, polls = (int(v) for v in np.asarray(ask))
         interval = 1 if self.pace is None else self.pace.answered(steps, polls)
-        flags = [site.awake() for site in self.sites]
+        flags = [site.keep() for site in self.sites]
         return (np.array([*flags, interval], np.int32),)
 
     def write_skipped(self, counts: Sequence[int]) -> None:
         """A dormant call's taps, `counts` a site, counted as skipped (no buffers)."""
         header = np.zeros(self.header_size, np.uint8)
-        offset = self.layout[2][2]  # (the dormant counts)
+        offset = self.layout[SKIPPED][2]
         header[offset : offset + 4 * len(counts)] = np.asarray(counts, np.int32).view(np.uint8)
         self.write_header(header)
 
@@ -186,7 +207,7 @@ class Flush:
         """Where the log is empty (dormant sites' taps only), their count from the
         packed bytes' head alone, its buffers never moved; False where it is not."""
         header = np.ascontiguousarray(header, np.uint8)
-        if header.size < self.header_size or int(self._piece(header, 0)) != 0:
+        if header.size < self.header_size or int(self._piece(header, COUNT)) != 0:
             return False
         if self._write_gathered is not None:
             self._write_gathered(ctypes.c_void_p(header.ctypes.data), *self._arguments)
@@ -205,8 +226,8 @@ class Flush:
 
     def records(self, packed: np.ndarray) -> tuple[int, int]:
         """(records in the log, dormant taps counted): what `packed` holds."""
-        count = int(self._piece(packed, 0))
-        return count, int(self._piece(packed, 2).sum())
+        count = int(self._piece(packed, COUNT))
+        return count, int(self._piece(packed, SKIPPED).sum())
 
     def _piece(self, packed: np.ndarray, index: int) -> np.ndarray:
         dtype, shape, offset = self.layout[index]
@@ -215,10 +236,10 @@ class Flush:
 
     def _write_unringed(self, packed: np.ndarray) -> None:
         """The records of sites without a ring, by their own host functions, in order."""
-        count = int(self._piece(packed, 0))
-        log = self._piece(packed, 1)[:count].tolist()
+        count = int(self._piece(packed, COUNT))
+        log = self._piece(packed, LOG)[:count].tolist()
         rows = [0] * len(self.sites)
-        first = 3
+        first = BUFFERS
         starts = []
         for site in self.sites:
             starts.append(first)
@@ -274,9 +295,11 @@ class PerDevice:
     def of_device(self, device: Any) -> Flush:
         return self.of_index(self._index_of[device])
 
-    def wake_flags(self) -> tuple[int, ...]:
-        """The sites' wake flags (every device's flush registers the same sites)."""
-        return self._any().wake_flags()
+    def wake_flags(self, counts: Sequence[int] | None = None) -> tuple[int, ...]:
+        """The call's flags (every device's flush registers the same sites; a sampled
+        site's phase is the first device's: where another's differs, its ring counts
+        the taps it then keeps as skipped)."""
+        return self._any().wake_flags(counts)
 
     def _any(self) -> Flush:
         """One device's `Flush` (the layout and the sites are every device's)."""
@@ -306,7 +329,7 @@ class _Tables:
         leaf_bytes: list[int] = []
         step_bytes: list[int] = []
         step_offsets: list[int] = []
-        piece = 3  # (after the log's length, the log, the dormant counts)
+        piece = BUFFERS
         for site in sites:
             operands = len(site.tapped) + (site.step is not None)
             first_leaf.append(len(leaf_offsets))

@@ -38,10 +38,15 @@ class Gathered(NamedTuple):
 
     count: Any  # int32[]: records in the log
     log: Any  # int32[capacity]: each record's site index
+    order: Any  # int32[capacity]: each record's place among its site's taps since the last flush
     rows: Any  # int32[sites]: each site's records since the last flush
     buffers: tuple[tuple[Any, ...], ...]  # per site, per operand: [capacity, *shape]
-    awake: Any  # int32[sites]: 1 where the site's taps are kept, 0 where it is dormant
-    skipped: Any  # int32[sites]: each dormant site's taps since the last flush
+    # int32[sites]: which of a site's taps are kept: 0 none (dormant), 1 all, W > 1 those
+    # whose (phase + seen) is a multiple of W (sampled on the device: gathered.sampling)
+    awake: Any
+    skipped: Any  # int32[sites]: each site's taps not kept since the last flush
+    seen: Any  # int32[sites]: each site's taps this call, kept or not
+    phase: Any  # int32[sites]: each sampled site's first seq this call, modulo its W
     interval: Any  # int32[]: the steps a live loop's chunk runs (tapd.emitter.gathered.live)
     polls: Any  # int32[]: the host's answers so far this call
 
@@ -144,6 +149,14 @@ def certainly_taps(jaxpr: core.Jaxpr) -> bool:
     return any(eqn.primitive is tap_p for eqn in jaxpr.eqns)
 
 
+def _kept(keep: Any, phase: Any, seen: Any) -> Any:
+    """1 if a tap is kept, else 0 (int32): its site's `keep` flag (`Gathered.awake`) is
+    1, or is W > 1 and the tap's seq, `phase` + `seen` modulo W, a multiple of W."""
+    every = lax.max(keep, np.int32(1))
+    sampled_in = lax.rem(lax.rem(seen, every) + phase, every) == 0
+    return lax.convert_element_type(lax.bitwise_and(keep > 0, sampled_in), np.int32)
+
+
 # ---- the rewrite -------------------------------------------------------------------------
 
 
@@ -172,23 +185,27 @@ class Rewriter:
         self.loops = 0  # loops around what is being traced
         self.answers_traced = False  # a flush or poll that answers was traced
 
-    def empty(self, awake: Any = None, interval: Any = None) -> Gathered:
-        """Fresh buffers: zeros (a flush reads only the rows its log names). `awake`:
-        the sites' wake flags (`Gathered.awake`), all awake if not given; `interval`:
-        a live chunk's first steps (one if not given: tapd.emitter.gathered.live)."""
+    def empty(self, flags: Any = None) -> Gathered:
+        """Fresh buffers: zeros (a flush reads only the rows its log names). `flags`:
+        the call's (`FlushPlan.flags_aval`: the sites' wake flags, a live chunk's first
+        steps, the sampled sites' phases); without them every tap is kept."""
         plan = self.plan
         sites = len(plan.sites)
+        zeros = lax.full((sites,), 0, np.int32)
         return Gathered(
             count=np.int32(0),
             log=lax.full((plan.capacity,), 0, np.int32),
-            rows=lax.full((sites,), 0, np.int32),
+            order=lax.full((plan.capacity,), 0, np.int32),
+            rows=zeros,
             buffers=tuple(
                 tuple(self._own(lax.full((plan.capacity, *a.shape), 0, a.dtype)) for a in avals)
                 for avals in plan.operand_avals
             ),
-            awake=lax.full((sites,), 1, np.int32) if awake is None else awake,
-            skipped=lax.full((sites,), 0, np.int32),
-            interval=np.int32(1) if interval is None else interval,
+            awake=lax.full((sites,), 1, np.int32) if flags is None else flags[:sites],
+            skipped=zeros,
+            seen=zeros,
+            phase=zeros if flags is None else flags[sites + 1 :],
+            interval=np.int32(1) if flags is None else flags[sites],
             polls=np.int32(0),
         )
 
@@ -307,15 +324,20 @@ class Rewriter:
             lax.dynamic_update_index_in_dim(buffer, operand, row, 0)
             for buffer, operand in zip(state.buffers[site], operands, strict=True)
         )
-        # A dormant site's tap is written all the same (no branch: a `cond` a tap costs
-        # more than the copy), but not kept: the next tap writes over it; it is counted.
-        kept = state.awake[site]
+        # A tap not kept (its site dormant, or sampled out) is written all the same (no
+        # branch: a `cond` a tap costs more than the copy), but the next tap writes over
+        # it; it is counted, and its place among the site's taps gives the next kept
+        # one its seq.
+        kept = _kept(state.awake[site], state.phase[site], state.seen[site])
+        place = state.rows[site] + state.skipped[site]
         return state._replace(
             count=state.count + kept,
             log=lax.dynamic_update_index_in_dim(state.log, np.int32(site), state.count, 0),
+            order=lax.dynamic_update_index_in_dim(state.order, place, state.count, 0),
             rows=state.rows.at[site].add(kept),
             buffers=(*state.buffers[:site], written, *state.buffers[site + 1 :]),
             skipped=state.skipped.at[site].add(1 - kept),
+            seen=state.seen.at[site].add(1),
         )
 
     def _run_tapping(

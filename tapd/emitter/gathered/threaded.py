@@ -95,9 +95,9 @@ class Threaded(Rewriter):
         self.names = tuple(mesh.axis_names)
         self._inside = 0  # bodies around what is being traced
 
-    def empty(self, awake: Any = None, interval: Any = None) -> Gathered:
+    def empty(self, flags: Any = None) -> Gathered:
         """Fresh buffers, each global: every device's rows, one after another."""
-        state = super().empty(awake, interval)
+        state = super().empty(flags)
         devices = int(self.mesh.size)
         buffers = tuple(
             tuple(
@@ -126,10 +126,13 @@ class Threaded(Rewriter):
         return state._replace(
             count=REPLICATED,
             log=REPLICATED,
+            order=REPLICATED,
             rows=REPLICATED,
             buffers=tuple(tuple(rows for _ in site) for site in state.buffers),
             awake=REPLICATED,
             skipped=REPLICATED,
+            seen=REPLICATED,
+            phase=REPLICATED,
             interval=REPLICATED,
             polls=REPLICATED,
         )
