@@ -27,9 +27,9 @@ from conftest import APPS, native_unavailable
 pytestmark = pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable()))
 
 
-def run(runtime_dir: Path, scenario: str, gather: str) -> dict[str, Any]:
+def run(runtime_dir: Path, scenario: str, gather: str, *args: str) -> dict[str, Any]:
     result = run_program(
-        [sys.executable, str(APPS / "gathered_sampling_app.py"), scenario],
+        [sys.executable, str(APPS / "gathered_sampling_app.py"), scenario, *args],
         env={
             **os.environ,
             "TAPD_ENDPOINT": f"ipc://{runtime_dir}/tapd.sock",
@@ -119,3 +119,39 @@ def test_a_call_of_unknown_count_leaves_the_next_a_guess_never_a_wrong_seq(
     assert taps_of(gathered, "mix") == 95
     # The first call's taps are reserved before anything else runs: those are exact.
     assert [seq for seq, _ in got if seq < 25] == [0, 4, 8, 12, 16, 20, 24]
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_random_programs_whose_counts_are_known_send_the_references_taps(
+    runtime_dir: Path, seed: int
+) -> None:
+    """Random loops over three consumers (random `every`, one or two taps a step, two
+    sites of one consumer at times), called in a random order, back to back, the
+    subscribers' one-in-N changed between some: the same records as the per-tap path,
+    and only those move off the device."""
+    reference = run(runtime_dir, "random", "off", str(seed), "known")
+    gathered = run(runtime_dir, "random", "on", str(seed), "known")
+    assert not gathered["unknown"]
+    assert gathered["records"] == reference["records"]
+    counted = gathered["stats"]["skipped_by_consumer"]
+    assert counted == reference["stats"]["skipped_by_consumer"]
+    sent = sum(len(records) for records in gathered["records"].values())
+    assert sent > 0 and sum(counted.values()) > 0
+    assert sum(gathered["moved"]) < sent + sum(counted.values())
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_random_programs_with_unknown_counts_send_no_wrong_seq(
+    runtime_dir: Path, seed: int
+) -> None:
+    """The same with `while` loops and branches that tap in one arm: every record sent
+    is one the per-tap path sends (seq and step), in order, and every tap is counted."""
+    reference = run(runtime_dir, "random", "off", str(seed), "any")
+    gathered = run(runtime_dir, "random", "on", str(seed), "any")
+    assert gathered["unknown"]  # (the seeds chosen for it)
+    for name, records in reference["records"].items():
+        expected = {seq: step for seq, step in records}
+        got = gathered["records"].get(name, [])
+        assert all(expected.get(seq) == step for seq, step in got), name
+        assert [seq for seq, _ in got] == sorted(seq for seq, _ in got)
+        assert taps_of(gathered, name) == taps_of(reference, name)

@@ -14,6 +14,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import tapd
@@ -54,12 +55,73 @@ def while_loop(name: str, steps: int, every: int):  # type: ignore[no-untyped-de
     return jax.jit(run).lower(jnp.zeros(4)).compile()
 
 
+def random_programs(seed: int, native: object, known: bool) -> bool:
+    """Random computations over consumers "ra", "rb" and "rc" (loops of random kinds and
+    lengths, one or two taps a step, each with its own `every`, a branch that taps or
+    not), called in a random order, the subscribers' one-in-N changed now and then
+    between calls (after a barrier: the per-tap path reads it as each tap runs). `known`:
+    only loops whose count of taps is known before they run (no `while`, no branch).
+    Returns whether any call's count was unknown before it ran."""
+    rng = np.random.default_rng(seed)
+    names = ["ra", "rb", "rc"]
+    programs = []
+    unknown = False
+    for index in range(6):
+        kind = str(rng.choice(["fori", "scan"] if known else ["fori", "scan", "while", "cond"]))
+        steps = int(rng.choice([1, 3, 7, 40, 1500]))
+        taps = [
+            (str(rng.choice(names)), int(rng.choice([1, 1, 2, 3, 5])))
+            for _ in range(int(rng.integers(1, 3)))
+        ]
+        unknown |= kind in ("while", "cond")
+
+        def body(i, c, taps=taps, kind=kind, index=index):  # type: ignore[no-untyped-def]
+            for k, (name, every) in enumerate(taps):
+
+                def tapped(c, name=name, every=every, k=k):  # type: ignore[no-untyped-def]
+                    return tapd.tap(c + 1.0, name, step=i, every=every, at=index, k=k)
+
+                if kind == "cond" and k == 0:
+                    c = lax.cond(i % 3 == 1, tapped, lambda c: c, c)
+                else:
+                    c = tapped(c)
+            return c
+
+        if kind == "while":
+
+            def run(c, steps=steps, body=body):  # type: ignore[no-untyped-def]
+                return lax.while_loop(
+                    lambda ic: ic[0] < steps, lambda ic: (ic[0] + 1, body(ic[0], ic[1])), (0, c)
+                )[1]
+        elif kind == "scan":
+
+            def run(c, steps=steps, body=body):  # type: ignore[no-untyped-def]
+                return lax.scan(lambda c, i: (body(i, c), None), c, jnp.arange(steps))[0]
+        else:
+
+            def run(c, steps=steps, body=body):  # type: ignore[no-untyped-def]
+                return lax.fori_loop(0, steps, body, c)
+
+        programs.append(jax.jit(run).lower(jnp.zeros(4)).compile())
+    ring = native.ring  # type: ignore[attr-defined]
+    zeros = jnp.zeros(4)
+    for _ in range(24):
+        if rng.random() < 0.15:
+            jax.effects_barrier()
+            name = str(rng.choice(names))
+            for site in native.sites_of(name):  # type: ignore[attr-defined]
+                ring.set_site_every(site, int(rng.choice([1, 2, 3, 4])))
+        programs[int(rng.integers(len(programs)))](zeros)
+    return unknown
+
+
 def main() -> None:
     scenario = sys.argv[1]
     native = lifecycle.get_sender().native
     ring = native.ring
     zeros = jnp.zeros(4)
     outs = []
+    unknown = False
     if scenario == "every":  # 3 calls of 1000 steps, every=100, back to back
         program = loop("e100", 1000, every=100)
         outs = [program(zeros) for _ in range(3)]
@@ -91,19 +153,23 @@ def main() -> None:
             ring.set_site_every(site, n)
             jax.block_until_ready(program(zeros))
             jax.effects_barrier()
+    elif scenario == "random":
+        unknown = random_programs(int(sys.argv[2]), native, sys.argv[3] == "known")
     else:
         raise SystemExit(f"no scenario {scenario!r}")
     jax.block_until_ready(outs)
     jax.effects_barrier()
     names = {}
-    for name in ("e100", "k2n3", "live7", "mix", "two", "re"):
+    for name in ("e100", "k2n3", "live7", "mix", "two", "re", "ra", "rb", "rc"):
         for site in native.sites_of(name):
             names[site] = name
     records: dict[str, list[list[int]]] = {}
     for record in ring.read(0, 10_000_000):
         records.setdefault(names[record.site], []).append([record.seq, record.step])
     stats = tapd.stats()
-    print(json.dumps({"records": records, "moved": MOVED, "stats": stats}), flush=True)
+    unknown = scenario == "random" and unknown
+    output = {"records": records, "moved": MOVED, "stats": stats, "unknown": unknown}
+    print(json.dumps(output), flush=True)
 
 
 if __name__ == "__main__":

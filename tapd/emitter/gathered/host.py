@@ -112,11 +112,15 @@ class SiteWriter:
     def keep(self) -> int:
         """Which of the site's taps the device keeps (`Gathered.awake`): 0 none (no
         taker: dormant), 1 all (or one without a ring, or id_tap's, which takes no notice
-        of takers), W > 1 one in W where it may be sampled on the device (`sampled`)."""
+        of takers), W > 1 one in W where it may be sampled on the device (`sampled`;
+        elsewhere the ring samples what the device keeps)."""
         if self.ring is None or self.every & EVERY_ALWAYS_BIT:
             return 1
         wanted = self.site_every(self.ring, self.site_id)
-        return sampling.keep_flag(self.every, wanted, self.sampled)
+        keep = sampling.keep_flag(self.every, wanted)
+        if keep > 1:
+            sampling.note(self.ring, self.consumer_id, keep)
+        return keep if self.sampled else min(keep, 1)
 
 
 class Flush:
@@ -163,7 +167,7 @@ class Flush:
         a live chunk's first steps (the pace known), each site's sampling phase."""
         interval = 1 if self.pace is None else self.pace.interval()
         keeps = [site.keep() for site in self.sites]
-        if max(keeps, default=0) <= 1:  # (nothing sampled: no phase)
+        if not sampling.wanted(self.sites):  # (no consumer sampled: no phase)
             return (*keeps, interval, *[0] * len(keeps))
         idle = taps_as_outputs.collector.pending() == 0
         phases = sampling.phases(keeps, self.sites, self.device, counts, idle)

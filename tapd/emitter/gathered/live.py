@@ -141,8 +141,9 @@ def scan(
     state: Any,
     per_step: int,
 ) -> tuple[list[Any], Any]:
-    """A `scan` with taps, run live: chunks of the steps the host paces (see the module
-    docstring), each made room for (unchecked taps), each answered but the last."""
+    """A `scan` with taps, run live: one loop over its steps, each begun by `_chunk_step`
+    (an answer where the chunk's paced steps have run, a flush where the log has no
+    room), then run unchecked."""
     body = params["jaxpr"]
     length, reverse = int(params["length"]), bool(params["reverse"])
     carry_count = len(carry)
@@ -151,31 +152,21 @@ def scan(
     ys = [lax.full((length, *a.shape), 0, a.dtype) for a in y_avals]
     state = rewriter.flush_if(state.count > 0, state)
 
-    def chunk(outer: tuple[Any, ...]) -> tuple[Any, ...]:
-        start, i, values, ys, st = outer  # (the chunk's first step, the next one)
-        end = lax.min(start + st.interval, np.int32(length))
-
-        def step(inner: tuple[Any, ...]) -> tuple[Any, ...]:
-            i, values, ys, st = inner
-            at = np.int32(length - 1) - i if reverse else i
-            x = [lax.dynamic_index_in_dim(x, at, 0, keepdims=False) for x in xs]
-            outs, st = rewriter.run(body.jaxpr, body.consts, [*consts, *values, *x], st, False)
-            ys = [
-                lax.dynamic_update_index_in_dim(y, out, at, 0)
-                for y, out in zip(ys, outs[carry_count:], strict=True)
-            ]
-            return i + 1, outs[:carry_count], ys, st
-
-        def going_on(inner: tuple[Any, ...]) -> Any:
-            return lax.bitwise_and(inner[0] < end, room(inner[3]))
-
-        i, values, ys, st = lax.while_loop(going_on, step, (i, values, ys, st))
-        start, st = _chunk_ended(i >= length, i >= end, rewriter, st, start, i)
-        return start, i, values, ys, st
+    def step(loop: tuple[Any, ...]) -> tuple[Any, ...]:
+        i, start, values, ys, st = loop  # (start: the chunk's first step)
+        start, st = _chunk_step(rewriter, room, i - start >= st.interval, i, start, st)
+        at = np.int32(length - 1) - i if reverse else i
+        x = [lax.dynamic_index_in_dim(x, at, 0, keepdims=False) for x in xs]
+        outs, st = rewriter.run(body.jaxpr, body.consts, [*consts, *values, *x], st, False)
+        ys = [
+            lax.dynamic_update_index_in_dim(y, out, at, 0)
+            for y, out in zip(ys, outs[carry_count:], strict=True)
+        ]
+        return i + 1, start, outs[:carry_count], ys, st
 
     zero = np.int32(0)
     _, _, carry, ys, state = lax.while_loop(
-        lambda outer: outer[1] < length, chunk, (zero, zero, carry, ys, state)
+        lambda loop: loop[0] < length, step, (zero, zero, carry, ys, state)
     )
     return [*carry, *ys], state
 
@@ -188,59 +179,47 @@ def while_loop(
     state: Any,
     per_step: int,
 ) -> tuple[list[Any], Any]:
-    """A `while` loop with taps, run live (as `scan`; the condition, which does not
-    tap, is evaluated once more a chunk)."""
+    """A `while` loop with taps, run live (as `scan`: its steps counted from the
+    chunk's first)."""
     room = _room(rewriter, per_step)
     state = rewriter.flush_if(state.count > 0, state)
 
-    def chunk(outer: tuple[Any, list[Any], Any]) -> tuple[Any, list[Any], Any]:
-        steps, values, st = outer  # (the steps the chunk has run so far)
-
-        def inner_going_on(inner: tuple[Any, list[Any], Any]) -> Any:
-            paced = lax.bitwise_and(inner[0] < st.interval, room(inner[2]))
-            return lax.bitwise_and(paced, going_on(inner[1]))
-
-        def inner_step(inner: tuple[Any, list[Any], Any]) -> Any:
-            values, st = step(inner[1], inner[2], False)
-            return inner[0] + 1, values, st
-
-        steps, values, st = lax.while_loop(inner_going_on, inner_step, (steps, values, st))
-        done = lax.bitwise_not(going_on(values))
-        answered_at, st = _chunk_ended(done, steps >= st.interval, rewriter, st, np.int32(0), steps)
-        return steps - answered_at, values, st  # (0 after an answer, else as it was)
+    def live_step(loop: tuple[Any, list[Any], Any]) -> tuple[Any, list[Any], Any]:
+        i, values, st = loop  # (i: the step, counted from the chunk's first)
+        start, st = _chunk_step(rewriter, room, i >= st.interval, i, np.int32(0), st)
+        values, st = step(values, st, False)
+        return i - start + 1, values, st
 
     _, carry, state = lax.while_loop(
-        lambda outer: going_on(outer[1]), chunk, (np.int32(0), carry, state)
+        lambda loop: going_on(loop[1]), live_step, (np.int32(0), carry, state)
     )
     return list(carry), state
 
 
 def _room(rewriter: Any, per_step: int) -> Callable[[Any], Any]:
-    """Whether the log has room for one more step's taps: a chunk ends where it has
-    not. (Kept taps only fill it: a dormant site's loop runs its chunk at the pace.)"""
+    """Whether the log has room for one more step's taps. (Kept taps only fill it: a
+    dormant or sampled-out site's loop runs its chunk at the pace.)"""
     most = np.int32(rewriter.plan.capacity - per_step)
     return lambda state: state.count <= most
 
 
-def _chunk_ended(
-    done: Any, paced: Any, rewriter: Any, state: Any, start: Any, at: Any
+def _chunk_step(
+    rewriter: Any, room: Callable[[Any], Any], paced: Any, i: Any, start: Any, state: Any
 ) -> tuple[Any, Any]:
-    """After a chunk's steps (from `start` to `at`): if the loop is `done`, nothing (what
-    it logged leaves with what follows); if the chunk ran its `paced` steps, the host's
-    answer (a flush, or a poll where it logged nothing), and the next chunk starts at
-    `at`; else its log is full: a flush that only sends (the device does not wait for
-    the host), and the chunk goes on from `start`, its steps paced as before. Returns
+    """Before step `i` of a live loop (in a chunk begun at `start`): if the chunk ran its
+    `paced` steps, the host's answer (a flush, or a poll where it logged nothing), and a
+    chunk begins at `i`; else, if the log has no `room` for the step, a flush that only
+    sends (the device does not wait for the host) and the chunk goes on; else nothing.
+    One `switch` a step: on a TPU a loop of chunks, each an inner loop, cost ~6 ms a
+    chunk more than one loop, callbacks or not (bench/tpu_answer_probe.py). Returns
     (the chunk's first step, `state` after)."""
 
     def answered(st: Any) -> tuple[Any, Any]:
-        return at, rewriter.answered(st, at - start)
+        return i, rewriter.answered(st, i - start)
 
     def full(st: Any) -> tuple[Any, Any]:
         return start, rewriter.flushed(st)
 
-    def ended(st: Any) -> tuple[Any, Any]:
-        result: tuple[Any, Any] = lax.cond(paced, answered, full, st)
-        return result
-
-    result: tuple[Any, Any] = lax.cond(done, lambda st: (start, st), ended, state)
+    which = lax.select(paced, np.int32(2), lax.select(room(state), np.int32(0), np.int32(1)))
+    result: tuple[Any, Any] = lax.switch(which, [lambda st: (start, st), full, answered], state)
     return result

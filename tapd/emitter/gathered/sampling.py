@@ -17,9 +17,10 @@ before it are written.
 
 The phase is the seq the consumer takes next on that device (`tapd_ring_next_seq`), or,
 while calls dispatched before this one have not yet been written, what they leave it
-at: each reserves its taps as it is dispatched, where their count is known
-(`Reservations`; a call with a tapping `while` reserves nothing, and the next call
-guesses from the ring).
+at: once a consumer has been sampled, each call that taps it reserves its taps as it is
+dispatched, where their count is known (`Reservations`; a call with a tapping `while`,
+or a branch that taps in one arm only, reserves nothing, and the next call guesses from
+the ring).
 
 Where it applies: a site with a ring, not `always` (id_tap's), the only site of its
 consumer in the computation (a seq counts a consumer's taps over all its sites), with
@@ -39,16 +40,16 @@ from tapd.protocol.ring_format import EVERY_ALL, EVERY_ALWAYS_BIT, EVERY_DORMANT
 MOST = 2**30  # the largest W the device samples (above it, the ring does)
 
 
-def keep_flag(own_every: int, wanted: int, on_device: bool) -> int:
+def keep_flag(own_every: int, wanted: int) -> int:
     """A site's flag (`Gathered.awake`): 0 dormant, 1 every tap kept, W > 1 one in W.
     `own_every`: the site's K (with the always bit); `wanted`: its N in the ring's
-    table (EVERY_ALL, EVERY_DORMANT or N); `on_device`: it may be sampled there."""
+    table (EVERY_ALL, EVERY_DORMANT or N)."""
     if own_every & EVERY_ALWAYS_BIT:
         return 1
     if wanted == EVERY_DORMANT:
         return 0
     every = (own_every or 1) * (1 if wanted == EVERY_ALL else wanted)
-    return every if on_device and 1 < every < MOST else 1
+    return every if every < MOST else 1
 
 
 class Reservations:
@@ -73,6 +74,21 @@ class Reservations:
 
 
 reservations = Reservations()
+# (ring, consumer) that has had a site sampled (W > 1): from then on every gathered call
+# that taps it reserves its taps, so that a sampled call after it knows its phase.
+_sampled: set[tuple[int, int]] = set()
+
+
+def note(ring: int, consumer: int, every: int) -> None:
+    """A site of `consumer` in `ring` is sampled one in `every` now."""
+    if every > 1 and (ring, consumer) not in _sampled:
+        _sampled.add((ring, consumer))
+
+
+def wanted(sites: Sequence[Any]) -> bool:
+    """Whether a call of `sites` (gathered.host.SiteWriter) needs phases or reservations:
+    one of its consumers has been sampled."""
+    return bool(_sampled) and any((site.ring, site.consumer_id) in _sampled for site in sites)
 
 
 def phases(
@@ -82,15 +98,22 @@ def phases(
     counts: Sequence[int] | None,
     idle: bool,
 ) -> list[int]:
-    """Each site's phase for a call: its first seq modulo its W (0 where W <= 1).
+    """Each site's phase for a call: its first seq modulo its W (0 where W <= 1). Every
+    sampled consumer's taps in the call are reserved (all its sites', kept or not).
     `sites`: the gathered.host.SiteWriter of each; `counts`: each site's taps in the
     call, where known."""
-    result = []
-    for i, (keep, site) in enumerate(zip(keeps, sites, strict=True)):
-        if keep <= 1:
-            result.append(0)
+    taps: dict[tuple[int, int], int | None] = {}
+    for i, site in enumerate(sites):
+        key = (site.ring, site.consumer_id)
+        if site.ring is None or key not in _sampled:
             continue
-        taps = None if counts is None else int(counts[i])
-        start = reservations.start(site.ring, site.consumer_id, device, taps, idle)
-        result.append(start % keep)
+        known = taps.get(key, 0) if key not in taps or taps[key] is not None else None
+        taps[key] = None if counts is None or known is None else known + int(counts[i])
+    starts = {
+        key: reservations.start(key[0], key[1], device, count, idle) for key, count in taps.items()
+    }
+    result = []
+    for keep, site in zip(keeps, sites, strict=True):
+        start = starts.get((site.ring, site.consumer_id))
+        result.append(start % keep if keep > 1 and start is not None else 0)
     return result
