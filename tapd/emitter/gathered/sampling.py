@@ -81,7 +81,7 @@ _sampled: set[tuple[int, int]] = set()
 
 def note(ring: int, consumer: int, every: int) -> None:
     """A site of `consumer` in `ring` is sampled one in `every` now."""
-    if every > 1 and (ring, consumer) not in _sampled:
+    if every > 1:
         _sampled.add((ring, consumer))
 
 
@@ -107,8 +107,8 @@ def phases(
         key = (site.ring, site.consumer_id)
         if site.ring is None or key not in _sampled:
             continue
-        known = taps.get(key, 0) if key not in taps or taps[key] is not None else None
-        taps[key] = None if counts is None or known is None else known + int(counts[i])
+        # (the counts are known for every site of a call, or for none)
+        taps[key] = None if counts is None else (taps.get(key) or 0) + int(counts[i])
     starts = {
         key: reservations.start(key[0], key[1], device, count, idle) for key, count in taps.items()
     }
