@@ -433,12 +433,13 @@ def run_emitter(
     env: dict[str, str] | None = None,
     expect_rc: int = 0,
     app: str = "emitter_app.py",
+    timeout: float = PROCESS_TIMEOUT,
 ) -> dict[str, Any]:
     """Run one scenario of tests/apps/`app` (a real JAX process) against the daemon at
     `endpoint`; return the JSON object it prints last, with its stdout and stderr."""
     full_env = {**os.environ, "TAPD_ENDPOINT": endpoint, **(env or {})}
     result = run_program(
-        [sys.executable, str(APPS / app), scenario, *args], env=full_env, timeout=PROCESS_TIMEOUT
+        [sys.executable, str(APPS / app), scenario, *args], env=full_env, timeout=timeout
     )
     assert result.returncode == expect_rc, (
         f"emitter {scenario} exited {result.returncode}\n{result.stdout}\n{result.stderr}"

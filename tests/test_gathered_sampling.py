@@ -13,38 +13,29 @@ a wrong guess is counted as skipped by the ring, never sent with a wrong seq.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from zygote import run_program
 
-from conftest import APPS, native_unavailable
+from conftest import native_unavailable, run_emitter
 
 pytestmark = pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable()))
 
 
 def run(runtime_dir: Path, scenario: str, gather: str, *args: str) -> dict[str, Any]:
-    result = run_program(
-        [sys.executable, str(APPS / "gathered_sampling_app.py"), scenario, *args],
-        env={
-            **os.environ,
-            "TAPD_ENDPOINT": f"ipc://{runtime_dir}/tapd.sock",
-            "TAPD_EXIT_TIMEOUT": "0",
-            "TAPD_LOCAL_FALLBACK": "0",
-            "TAPD_BACKEND": "portable",
-            "TAPD_GATHER": gather,
-        },
-        timeout=240,
+    """One scenario of tests/apps/gathered_sampling_app.py (it reads its own ring back:
+    no daemon runs at the endpoint)."""
+    env = {
+        "TAPD_EXIT_TIMEOUT": "0",
+        "TAPD_LOCAL_FALLBACK": "0",
+        "TAPD_BACKEND": "portable",
+        "TAPD_GATHER": gather,
+    }
+    endpoint = f"ipc://{runtime_dir}/tapd.sock"
+    return run_emitter(
+        endpoint, scenario, *args, env=env, app="gathered_sampling_app.py", timeout=240
     )
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result\n{result.stdout}\n{result.stderr}"
-    output: dict[str, Any] = json.loads(lines[-1])
-    return output
 
 
 def taps_of(result: dict[str, Any], name: str) -> int:

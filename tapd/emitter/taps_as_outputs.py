@@ -88,10 +88,7 @@ class OutputsEffect(effects.Effect):
     `install` has run). Equal only to itself: JAX keeps one token per effect."""
 
     def __init__(self, sites: int) -> None:
-        self.sites = sites
-        # The call's flags: each site's wake flag, a live chunk's first steps, each
-        # site's phase (tapd.emitter.gathered.sampling).
-        self.flag_count = 2 * sites + 1
+        self.sites = sites  # (the call's flags begin with each site's wake flag)
         # Set when the computation is lowered; a ShardedReceiver over several devices.
         self.receiver: Receiver | ShardedReceiver | None = None
         self._flags: tuple[tuple[int, ...], Any, Any] | None = None
@@ -103,7 +100,8 @@ class OutputsEffect(effects.Effect):
         # flags are read and its result taken in one thread; two threads may dispatch).
         self._dispatching = threading.local()
         # Each site's taps in every call, where known before it runs: a dormant call's
-        # are then counted here, and nothing of its output moves (not even its head).
+        # are then counted here, and nothing of its output moves (not even its head);
+        # a sampled consumer's are reserved (tapd.emitter.gathered.sampling).
         self.call_counts: tuple[int, ...] | None = None
 
     def __str__(self) -> str:

@@ -234,7 +234,8 @@ class WayOut:
             self.effect.receiver = _per_device_function(ctx, self.plan)
         else:
             self.effect.receiver = _host_function(ctx, self.plan)
-        self._placeholder = module_pass.placeholder(self.effect.flag_count)
+        (flag_count,) = self.plan.flags_aval().shape
+        self._placeholder = module_pass.placeholder(flag_count)
         return [self._placeholder.results[0]]
 
     def done(self, result: Any) -> None:
