@@ -2,7 +2,8 @@
 costs against the floor of moving its bytes, woken and dormant, and how soon a long
 loop's taps arrive.
 
-    python bench/tpu_live.py [--quick] [--live-only] [--out bench/RESULTS-tpu-live.md] [--log PATH]
+    python bench/tpu_live.py [--quick] [--live-only|--sampled-only|--big-only]
+                             [--out bench/RESULTS-tpu-live.md] [--log PATH]
 
 The parent starts a tapd daemon and a subscriber for the woken big taps ("big"), then
 one child (TAPD_GATHER=auto: the gathered path on a TPU). Each cell of the grid is a
@@ -38,13 +39,16 @@ STEP_COUNTS = (1, 7, 8, 9, 100, 1000)
 MOST_BYTES_A_CALL = 400 * 2**20
 
 
-def child(quick: bool, live_only: bool = False, sampled_only: bool = False) -> dict[str, Any]:
+def child(
+    quick: bool, live_only: bool = False, sampled_only: bool = False, big_only: bool = False
+) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
 
     import tapd
+    from tapd.emitter import lifecycle
 
     rounds = 2 if quick else int(os.environ.get("TPU_BENCH_ROUNDS", "3"))
     made = {"big": 0}
@@ -86,7 +90,7 @@ def child(quick: bool, live_only: bool = False, sampled_only: bool = False) -> d
             for kind in ("none", "tap", "dormant", "floor"):
                 cells[f"{size_name} x{steps} {kind}"] = (loop(kind, steps), x, calls, steps)
     x = jnp.zeros(SIZES["1MiB"], jnp.float32)
-    for kind in () if live_only else ("none", "every100", "floor10"):
+    for kind in () if live_only or big_only else ("none", "every100", "floor10"):
         steps = 1000 if not quick else 100
         function = loop(kind, steps) if kind != "floor10" else loop("floor", steps // 100)
         cells[f"1MiB x{steps} {kind}"] = (function, x, 2, steps if kind != "floor10" else 10)
@@ -100,7 +104,7 @@ def child(quick: bool, live_only: bool = False, sampled_only: bool = False) -> d
                 made["big"] += (calls + 1) * steps
             elif name.endswith(" every100"):
                 made["big"] += (calls + 1) * (steps // 100)
-    live = {} if sampled_only else live_loops(quick)
+    live = {} if sampled_only or big_only else live_loops(quick)
     return {
         "us_a_call": {name: statistics.median(values) for name, values in times.items()},
         "all_us": times,
@@ -108,6 +112,7 @@ def child(quick: bool, live_only: bool = False, sampled_only: bool = False) -> d
         "made": made,
         "device": str(jax.devices()[0]),
         "jax": jax.__version__,
+        "gather_bytes": lifecycle.settings().gather_bytes,
     }
 
 
@@ -194,7 +199,8 @@ def report(result: dict[str, Any], delivered: int, quick: bool) -> str:
         "# Big taps and long loops on a TPU (bench/tpu_live.py)",
         "",
         f"Machine: {result['device']}, JAX {result['jax']}, host {platform.machine()}, "
-        f"Python {platform.python_version()}{' (quick)' if quick else ''}.",
+        f"Python {platform.python_version()}{' (quick)' if quick else ''}, "
+        f"TAPD_GATHER_BYTES {result.get('gather_bytes')}.",
         "",
         "## Big taps: µs a step added over the untapped loop, ÷ the floor's added",
         "",
@@ -269,12 +275,13 @@ def main() -> None:
     parser.add_argument(
         "--sampled-only", action="store_true", help="only the every=100 cell and its floor"
     )
+    parser.add_argument("--big-only", action="store_true", help="only the big taps' grid")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="write the report here (Markdown)")
     parser.add_argument("--log", default=None, help="write the raw results here (JSON)")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.quick, args.live_only, args.sampled_only)))
+        print(json.dumps(child(args.quick, args.live_only, args.sampled_only, args.big_only)))
         return
     from processes import Processes, run_child
 
@@ -288,6 +295,7 @@ def main() -> None:
                 *(["--quick"] if args.quick else []),
                 *(["--live-only"] if args.live_only else []),
                 *(["--sampled-only"] if args.sampled_only else []),
+                *(["--big-only"] if args.big_only else []),
             ]
             command = [sys.executable, __file__, "--child", *flags]
             result = run_child(command, env, "child")

@@ -58,7 +58,8 @@ class Receiver(Protocol):
         `counts`: each site's taps in the call, where known before it runs."""
 
     def write_packed(self, packed: np.ndarray) -> None:
-        """The computation's packed buffers (uint8), written into the ring."""
+        """The computation's packed buffers (gathered.host.pack's words, or their
+        bytes), written into the ring."""
 
     def write_header(self, header: np.ndarray) -> bool:
         """The dormant taps a head of packed bytes counts, where its log is empty
@@ -306,7 +307,8 @@ def _write(array: Any, receiver: Any, dormant: Any) -> None:
         if isinstance(dormant, tuple):
             receiver.write_skipped(dormant)
             return
-        if dormant and receiver.write_header(np.asarray(array[: receiver.header_size])):
+        head = receiver.header_size // array.dtype.itemsize  # (words: gathered.host.pack)
+        if dormant and receiver.write_header(np.asarray(array[:head])):
             return
         packed = np.asarray(array)
     except Exception as exc:

@@ -103,3 +103,5 @@ def test_tpu_taps_in_program_order_exact_counts_failures_and_transforms(
     assert ["vmap", [0.0, 2.0, 4.0]] in transforms
     assert ["grad", 3.0] in transforms
     assert [name for name, _ in transforms].count("remat") == 1
+    assert output["dtypes"]["got"] == output["dtypes"]["expected"]
+    assert len(output["dtypes"]["got"]) == 3

@@ -100,6 +100,39 @@ def transforms() -> list[Any]:
     return list(seen)
 
 
+def dtypes() -> dict[str, Any]:
+    """Taps of every width the packed buffers hold (gathered.host.pack's words), in a
+    scan under jit, and the same values computed eagerly: each must arrive exactly."""
+    got: list[Any] = []
+
+    def plain(a: Any) -> Any:
+        a = np.asarray(a)
+        if np.iscomplexobj(a):
+            a = np.stack([a.real, a.imag], -1)
+        return [str(a.dtype), a.astype(np.float64).tolist()]
+
+    def values(k: Any) -> dict[str, Any]:
+        return {
+            "bool": jnp.stack([k % 2 == 0, k % 3 == 0]),
+            "int8": (jnp.arange(5, dtype=jnp.int8) * 61 + k.astype(jnp.int8)),
+            "uint16": jnp.uint16(65533) - k.astype(jnp.uint16),
+            "bf16": (jnp.arange(3.0) * 2.25 - k).astype(jnp.bfloat16),
+            "f16": (jnp.arange(3.0) / 3 + k).astype(jnp.float16),
+            "c64": (jnp.arange(2.0) + 1j * k).astype(jnp.complex64),
+            "empty": jnp.zeros((0, 3), jnp.float32),
+            "scalar": k.astype(jnp.int32),
+        }
+
+    def body(c: Any, k: Any) -> Any:
+        keep = lambda arg, transforms: got.append(jax.tree.map(plain, arg))  # noqa: E731
+        return tapd.id_tap(keep, values(k), result=c), None
+
+    jax.jit(lambda: lax.scan(body, 0, jnp.arange(3))[0])()
+    tapd.barrier_wait()
+    expected = [jax.tree.map(plain, values(jnp.int32(k))) for k in range(3)]
+    return {"got": got, "expected": expected}
+
+
 def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
     output = {
@@ -109,6 +142,7 @@ def main() -> None:
         "counts": counts(steps),
         "failure": failure(),
         "transforms": transforms(),
+        "dtypes": dtypes(),
     }
     print(json.dumps(output))
 

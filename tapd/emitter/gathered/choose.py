@@ -368,8 +368,12 @@ def plan_buffers(
     )
     capacity = max(1, min(taps, max_bytes // max(row_bytes, 1)))
     never_full = 0 < records <= capacity
-    if never_full:
-        capacity = records
+    if records > 0:
+        # As many flushes as the most buffers need, each as full as the next: 9 records
+        # of a log of 8 move as 5 and 4 (10 rows), not as 8 and 1 (16 rows: the last
+        # log moves whole), so that cost grows with records, with no step at a log's size.
+        flushes = -(-records // capacity)
+        capacity = -(-records // flushes)
     return FlushPlan(
         sites=tuple(sites),
         operand_avals=tuple(

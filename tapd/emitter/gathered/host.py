@@ -9,11 +9,12 @@ host callback would have (the same record: site, seq, step, device), and counts 
 taps of dormant sites as skipped. Sites without a ring (the sender's path) are written
 here, one record at a time, by the tap's own host function.
 
-The packed layout (`packed_layout`): the log's length (int32), the log (an int32 site
-index a record), each record's place among its site's taps since the last flush (int32,
-kept or not: the writer gives each record the seq its tap would have taken alone), each
-site's count of taps not kept (dormant or sampled out on the device; int32), then each
-site's operand buffers ([capacity, *shape] each); every piece padded to 8 bytes.
+The packed layout (`packed_layout`, in bytes; the device packs them as uint32 words):
+the log's length (int32), the log (an int32 site index a record), each record's place
+among its site's taps since the last flush (int32, kept or not: the writer gives each
+record the seq its tap would have taken alone), each site's count of taps not kept
+(dormant or sampled out on the device; int32), then each site's operand buffers
+([capacity, *shape] each); every piece padded to 8 bytes.
 """
 
 from __future__ import annotations
@@ -56,22 +57,45 @@ def packed_layout(
 
 
 def pack(count: Any, log: Any, order: Any, skipped: Any, buffers: Sequence[Any]) -> Any:
-    """The pieces as one uint8 array (traced, on the device): `packed_layout`'s."""
+    """The pieces as one uint32 array (traced, on the device): `packed_layout`'s bytes,
+    in words. Words, not bytes: on a TPU a uint8 array is laid out in tiles of its own,
+    so that bitcasting 8 MiB of float32 to bytes costs ~2.4 ms a call (a relayout) and
+    fetching them twice what the float32 costs, where the same as uint32 words costs
+    ~0.01 ms (bench/tpu_big_probe.py, bench/RESULTS-tpu.md). The host reads the words'
+    bytes (`as_bytes`)."""
     pieces = (count, log, order, skipped, *buffers)
-    return lax.concatenate([_bytes(piece) for piece in pieces], 0)
+    return lax.concatenate([_words(piece) for piece in pieces], 0)
 
 
-def _bytes(piece: Any) -> Any:
+def as_bytes(packed: Any) -> np.ndarray:
+    """Packed words (or bytes made on the host) as the bytes `packed_layout` places."""
+    array = np.ascontiguousarray(packed)
+    return array if array.dtype == np.uint8 else array.view(np.uint8)
+
+
+def _words(piece: Any) -> Any:
+    """`piece`'s bytes as uint32 words (little-endian, as the host reads them), padded
+    to a whole number of 8 bytes."""
     piece = jnp.asarray(piece)
     if piece.dtype == np.bool_:
         piece = piece.astype(np.uint8)
     elif jnp.iscomplexobj(piece):  # (real, imaginary): a complex number's bytes
         piece = jnp.stack([piece.real, piece.imag], axis=-1)
-    if piece.dtype != np.uint8:
-        piece = lax.bitcast_convert_type(piece, np.uint8)
-    flat = piece.reshape(-1)
-    padding = -flat.size % 8
-    return jnp.concatenate([flat, jnp.zeros(padding, np.uint8)]) if padding else flat
+    itemsize = piece.dtype.itemsize
+    if itemsize >= 4:  # (8 bytes an element: two words each)
+        flat = lax.bitcast_convert_type(piece, np.uint32).reshape(-1)
+    else:  # (1 or 2 bytes: grouped into words)
+        same_width = np.dtype(f"uint{8 * itemsize}")
+        flat = lax.bitcast_convert_type(piece, same_width).reshape(-1)
+        per_word = 4 // itemsize
+        flat = _padded_to(flat, 2 * per_word)
+        flat = lax.bitcast_convert_type(flat.reshape(-1, per_word), np.uint32)
+    return _padded_to(flat, 2)
+
+
+def _padded_to(flat: Any, multiple: int) -> Any:
+    padding = -flat.size % multiple
+    return jnp.concatenate([flat, jnp.zeros(padding, flat.dtype)]) if padding else flat
 
 
 class SiteWriter:
@@ -184,7 +208,7 @@ class Flush:
         and the next chunk's steps at once; the records are written by the outputs'
         thread, in order (the device waits for this answer, not for the ring)."""
         lifecycle.host_callback_ran()
-        copied = np.array(packed, np.uint8)  # (the operand lives only during the call)
+        copied = as_bytes(np.array(packed))  # (the operand lives only during the call)
         if not taps_as_outputs.collector.write_later(copied, self):
             self.write_packed(copied)
         return self._answer(ask)
@@ -210,7 +234,7 @@ class Flush:
     def write_header(self, header: np.ndarray) -> bool:
         """Where the log is empty (dormant sites' taps only), their count from the
         packed bytes' head alone, its buffers never moved; False where it is not."""
-        header = np.ascontiguousarray(header, np.uint8)
+        header = as_bytes(header)
         if header.size < self.header_size or int(self._piece(header, COUNT)) != 0:
             return False
         if self._write_gathered is not None:
@@ -218,7 +242,7 @@ class Flush:
         return True
 
     def write_packed(self, packed: np.ndarray) -> None:
-        packed = np.ascontiguousarray(packed, np.uint8)
+        packed = as_bytes(packed)
         if packed.size != self.size:
             raise ValueError(f"gathered buffers of {packed.size} bytes, not {self.size}")
         if self._write_gathered is not None:
@@ -230,6 +254,7 @@ class Flush:
 
     def records(self, packed: np.ndarray) -> tuple[int, int]:
         """(records in the log, dormant taps counted): what `packed` holds."""
+        packed = as_bytes(packed)
         count = int(self._piece(packed, COUNT))
         return count, int(self._piece(packed, SKIPPED).sum())
 
