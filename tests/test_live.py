@@ -77,11 +77,16 @@ def test_a_long_loop_s_taps_arrive_while_it_runs(kind: str) -> None:
     assert 2 < live["host_callbacks"] < steps
 
 
-@pytest.mark.parametrize("later_bytes", [None, "0"], ids=["handed_off", "written_in_flush"])
-def test_no_tap_is_lost_or_reordered_at_the_log_s_edges(later_bytes: str | None) -> None:
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"LIVE_LATER_BYTES": "0"}, {"TAPD_GATHER_LATENCY": "0"}],
+    ids=["handed_off", "written_in_flush", "unpaced"],
+)
+def test_no_tap_is_lost_or_reordered_at_the_log_s_edges(env: dict[str, str]) -> None:
     """Whether a paced flush hands its bytes to the outputs' thread (the default) or,
-    with no room for them there (`taps_as_outputs.LATER_BYTES`), writes them itself."""
-    env = {"LIVE_LATER_BYTES": later_bytes} if later_bytes is not None else {}
+    with no room for them there (`taps_as_outputs.LATER_BYTES`), writes them itself; and
+    unpaced, where a loop is flushed by its log alone (its flushes as even as the log
+    allows: `choose.plan_buffers`)."""
     result = run("thresholds", TAPD_GATHER_TAPS="8", **env)
     for case, outcome in result["cases"].items():
         assert outcome["got"] == outcome["expected"], case

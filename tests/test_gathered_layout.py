@@ -1,0 +1,107 @@
+"""The gathered path's buffers: how many records a log holds (`choose.plan_buffers`) and
+the packed bytes the host reads (`host.pack`, as uint32 words on the device).
+
+End to end, tests/test_gathered.py and tests/test_live.py check that every tap arrives
+through them; here, the two pieces of arithmetic they rest on, against what they
+promise: flushes as even as the log allows, and packed words whose bytes are exactly
+`packed_layout`'s, for every dtype a tap may have."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import core
+
+from tapd.emitter.gathered import host
+from tapd.emitter.gathered.choose import plan_buffers
+
+
+def plan(records: int, taps: int, row_bytes: int = 4, max_bytes: int = 2**30) -> int:
+    aval = core.ShapedArray((row_bytes // 4,), np.dtype(np.float32))
+    made = plan_buffers([], [[aval]], records, taps=taps, max_bytes=max_bytes)
+    return made.capacity
+
+
+@settings(max_examples=300, deadline=None)
+@given(records=st.integers(1, 5000), taps=st.integers(1, 1100))
+def test_a_known_count_is_flushed_in_as_few_and_as_even_logs_as_fit(
+    records: int, taps: int
+) -> None:
+    capacity = plan(records, taps)
+    flushes = math.ceil(records / capacity)
+    assert capacity <= taps  # (never more than the log may hold)
+    assert flushes == math.ceil(records / taps)  # (no more flushes than the most full logs)
+    assert capacity * flushes - records < flushes  # (each log within one of the others)
+
+
+def test_examples_of_the_plan() -> None:
+    assert plan(9, 8) == 5  # (5 and 4, not 8 and 1)
+    assert plan(16, 8) == 8
+    assert plan(17, 8) == 6
+    assert plan(7, 8) == 7  # (one log of its records)
+    assert plan(0, 8) == 8  # (a count not known: the whole log)
+    assert plan(9, 1024, row_bytes=2**20, max_bytes=8 * 2**20) == 5  # (8 MiB of 1 MiB rows)
+
+
+DTYPES = [
+    np.bool_,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.uint16,
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.int32,
+    np.float32,
+    np.complex64,
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (5, 3), (0, 2), (7, 1, 3)])
+def test_packed_words_hold_each_piece_s_bytes_where_the_layout_places_them(
+    dtype: type, shape: tuple[int, ...]
+) -> None:
+    capacity, sites = 3, 2
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, size=(capacity, *shape, np.dtype(dtype).itemsize), dtype=np.uint8)
+    buffer = raw.view(dtype).reshape(capacity, *shape)
+    if np.dtype(dtype) == np.bool_:
+        buffer = raw[..., 0] % 2 == 1
+    elif np.issubdtype(dtype, np.floating) or np.dtype(dtype) == ml_dtypes.bfloat16:
+        buffer = np.nan_to_num(buffer.astype(np.float32)).astype(dtype)  # (no NaN payloads)
+    log = np.array([1, 0, 1], np.int32)
+    order = np.array([0, 0, 1], np.int32)
+    skipped = np.array([4, 9], np.int32)
+    scalars = np.full((capacity,), 2.5, np.float32)  # (a second site's, of scalars)
+    packed = np.asarray(
+        host.pack(np.int32(2), log, order, skipped, [jnp.asarray(buffer), jnp.asarray(scalars)])
+    )
+    assert packed.dtype == np.uint32
+    data = host.as_bytes(packed)
+    avals = [[core.ShapedArray(shape, np.dtype(dtype))], [core.ShapedArray((), np.float32)]]
+    layout = host.packed_layout(sites, capacity, avals)
+    assert data.size == layout[-1][2] + 16  # (the last piece: 3 float32s, padded to 8s)
+
+    def piece(index: int) -> np.ndarray:
+        piece_dtype, piece_shape, offset = layout[index]
+        size = int(np.prod(piece_shape, dtype=np.int64)) * piece_dtype.itemsize
+        return data[offset : offset + size].view(piece_dtype).reshape(piece_shape)
+
+    assert int(piece(host.COUNT)) == 2
+    assert piece(host.LOG).tolist() == log.tolist()
+    assert piece(host.ORDER).tolist() == order.tolist()
+    assert piece(host.SKIPPED).tolist() == skipped.tolist()
+    expected = np.asarray(buffer)
+    if np.dtype(dtype) == np.bool_:
+        expected = expected.astype(np.uint8)
+        assert piece(host.BUFFERS).view(np.uint8).tolist() == expected.tolist()
+    else:
+        assert piece(host.BUFFERS).tobytes() == expected.tobytes()
+    assert piece(host.BUFFERS + 1).tolist() == [2.5] * capacity
