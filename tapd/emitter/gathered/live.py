@@ -214,7 +214,12 @@ def _chunk_step(
     chunk more than one loop, callbacks or not (bench/tpu_answer_probe.py). Returns
     (the chunk's first step, `state` after)."""
 
+    def answered(st: Any) -> tuple[Any, Any]:
+        return i, rewriter.answered(st, i - start)
+
+    def full(st: Any) -> tuple[Any, Any]:
+        return start, rewriter.flushed(st)
+
     which = lax.select(paced, np.int32(2), lax.select(room(state), np.int32(0), np.int32(1)))
-    branches = [lambda st: st, rewriter.flushed, lambda st: rewriter.answered(st, i - start)]
-    state = rewriter.switch_reading_buffers(which, branches, state)
-    return lax.select(paced, i, start), state
+    result: tuple[Any, Any] = lax.switch(which, [lambda st: (start, st), full, answered], state)
+    return result

@@ -51,24 +51,6 @@ class Gathered(NamedTuple):
     polls: Any  # int32[]: the host's answers so far this call
 
 
-def switch_reading_buffers(
-    which: Any, branches: Sequence[Callable[[Gathered], Gathered]], state: Gathered
-) -> Gathered:
-    """`lax.switch(which, branches, state)` (`which` an index, or a bool: branch 1 where
-    true) for branches that read the log and the buffers but never change them (a
-    flush, a poll, nothing): those go in as operands and do not come out, so that XLA
-    need not copy them through the conditional. On a TPU a carried buffer that comes out
-    of a `cond` costs a copy of the whole of it (~23 µs a step for 8 MiB:
-    bench/tpu_big_probe.py), each step of a live loop or a checked tap."""
-
-    def reading(branch: Callable[[Gathered], Gathered]) -> Callable[[Gathered], Gathered]:
-        return lambda st: branch(st)._replace(log=(), order=(), buffers=())
-
-    index = lax.convert_element_type(which, np.int32)
-    small: Gathered = lax.switch(index, [reading(b) for b in branches], state)
-    return small._replace(log=state.log, order=state.order, buffers=state.buffers)
-
-
 # The primitives whose one jaxpr runs where they stand: the rewrite inlines it.
 _INLINED = {
     "pjit": "jaxpr",
@@ -256,8 +238,10 @@ class Rewriter:
         def polled(st: Gathered) -> Gathered:
             return self._with_answer(st, poll(self.plan, steps, st.polls))
 
-        flushed = lambda st: self.flushed(st, steps, answer=True)  # noqa: E731
-        return switch_reading_buffers(state.count > 0, [polled, flushed], state)
+        result: Gathered = lax.cond(
+            state.count > 0, lambda st: self.flushed(st, steps, answer=True), polled, state
+        )
+        return result
 
     def _with_answer(self, state: Gathered, answer: Any) -> Gathered:
         """The host's answer: the sites' wake flags now, and the next chunk's steps."""
@@ -265,14 +249,9 @@ class Rewriter:
         sites = len(self.plan.sites)
         return state._replace(awake=answer[:sites], interval=answer[sites], polls=state.polls + 1)
 
-    def switch_reading_buffers(
-        self, which: Any, branches: Sequence[Callable[[Gathered], Gathered]], state: Gathered
-    ) -> Gathered:
-        """The module's `switch_reading_buffers` (for tapd.emitter.gathered.live)."""
-        return switch_reading_buffers(which, branches, state)
-
     def flush_if(self, condition: Any, state: Gathered) -> Gathered:
-        return switch_reading_buffers(condition, [lambda s: s, self.flushed], state)
+        result: Gathered = lax.cond(condition, self.flushed, lambda s: s, state)
+        return result
 
     def make_room(self, state: Gathered, records: float) -> Gathered:
         """`state` with room for `records` more (at most the log's capacity)."""
