@@ -23,13 +23,16 @@ On the TPU v5e a dormant 1 MiB tap in a 1000-step live loop adds ~41 µs a step
 - `nested-8`: an inner `fori_loop` of 8 steps that only write, then `switch-cb`'s switch.
 
     python bench/tpu_step_probe.py
+    python bench/tpu_step_probe.py --hlo DIR   # also each form's compiled HLO, DIR/KIND.txt
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -142,6 +145,12 @@ KINDS = (
 def main() -> None:
     x = jnp.zeros(ROW, jnp.float32)
     calls = {kind: variant(kind) for kind in KINDS}
+    if "--hlo" in sys.argv:  # (where the writes' copies are, if they are copies)
+        folder = Path(sys.argv[sys.argv.index("--hlo") + 1])
+        folder.mkdir(parents=True, exist_ok=True)
+        for kind, call in calls.items():
+            text = call.lower(x).compile().as_text()  # type: ignore[attr-defined]
+            (folder / f"{kind}.txt").write_text(text)
     for call in calls.values():
         jax.block_until_ready(call(x))
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
