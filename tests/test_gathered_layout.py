@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax import core
+from jax._src import core
 
 from tapd.emitter.gathered import host
 from tapd.emitter.gathered.choose import plan_buffers
