@@ -98,6 +98,25 @@ KINDS = (
 )
 
 
+def medians_us(
+    calls: dict[str, Callable[[Any], Any]], x: Any, per_round: int, rounds: int = 3
+) -> dict[str, float]:
+    """µs a call of each of `calls` on `x`: each run once first (compiled), then in
+    `rounds` interleaved rounds of `per_round` calls back to back, the last blocked on;
+    the median of the rounds."""
+    for call in calls.values():
+        jax.block_until_ready(call(x))
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            for _ in range(per_round):
+                out = call(x)
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - start) / per_round * 1e6)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def main() -> None:
     step_counts = [int(s) for s in os.environ.get("PROBE_STEPS", "8,1000").split(",")]
     x = jnp.zeros(ROW, jnp.float32)
@@ -105,21 +124,12 @@ def main() -> None:
     for steps in step_counts:
         for kind in KINDS:
             calls[f"{steps} {kind}"] = variant(kind, steps)
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for call in calls.values():
-        jax.block_until_ready(call(x))
-    for _ in range(3):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            for _ in range(5):
-                out = call(x)
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - start) / 5 * 1e6)
+    medians = medians_us(calls, x, per_round=5)
     print(f"device {jax.devices()[0]}, JAX {jax.__version__}")
     for steps in step_counts:
-        base = statistics.median(times[f"{steps} none"])
+        base = medians[f"{steps} none"]
         for kind in KINDS:
-            us = statistics.median(times[f"{steps} {kind}"])
+            us = medians[f"{steps} {kind}"]
             print(f"steps {steps:5d} {kind:12s} {us:10.1f} µs a call  added {us - base:10.1f}")
     sys.stdout.flush()
 

@@ -21,9 +21,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import tapd
-from tapd.emitter import lifecycle
-
 N = int(__import__("os").environ.get("PROBE_N", "4096"))
 
 
@@ -32,6 +29,8 @@ def arrived(*_: object) -> None:
 
 
 def program(kind: str):  # type: ignore[no-untyped-def]
+    import tapd  # (here: bench/tpu_step_probe.py takes `counted_ops` without tapd)
+
     def body(i, c):  # type: ignore[no-untyped-def]
         for _ in range(2):
             c = (c @ c) * (1.0 / N)
@@ -42,7 +41,25 @@ def program(kind: str):  # type: ignore[no-untyped-def]
     return jax.jit(lambda c: lax.fori_loop(0, 2500, body, c))
 
 
+def counted_ops(text: str, shape: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The copies, transposes, while loops and fusions of an optimized module's `text`,
+    each kind counted: all of them, and those whose result has `shape` ("[8,262144]")."""
+    ops: dict[str, int] = {}
+    whole: dict[str, int] = {}
+    for line in text.splitlines():
+        found = re.search(r"= (\S+) (copy|transpose|while|copy-start|fusion)\(", line)
+        if not found:
+            continue
+        op = found.group(2)
+        ops[op] = ops.get(op, 0) + 1
+        if shape in found.group(1):
+            whole[op] = whole.get(op, 0) + 1
+    return ops, whole
+
+
 def main() -> None:
+    from tapd.emitter import lifecycle
+
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     c = jnp.ones((N, N), jnp.float32)
@@ -53,16 +70,7 @@ def main() -> None:
         text = program(kind).lower(c).compile().as_text()
         lifecycle._settings = settings
         (out / f"{kind}.hlo.txt").write_text(text)
-        ops: dict[str, int] = {}
-        whole: dict[str, int] = {}
-        for line in text.splitlines():
-            found = re.search(r"= (\S+) (copy|transpose|while|copy-start|fusion)\(", line)
-            if not found:
-                continue
-            op = found.group(2)
-            ops[op] = ops.get(op, 0) + 1
-            if f"[{N},{N}]" in found.group(1):
-                whole[op] = whole.get(op, 0) + 1
+        ops, whole = counted_ops(text, f"[{N},{N}]")
         print(kind, "ops:", ops, "of a whole carry:", whole, flush=True)
 
 

@@ -23,14 +23,13 @@ On the TPU v5e a dormant 1 MiB tap in a 1000-step live loop adds ~41 µs a step
 - `nested-8`: an inner `fori_loop` of 8 steps that only write, then `switch-cb`'s switch.
 
     python bench/tpu_step_probe.py
-    python bench/tpu_step_probe.py --hlo DIR   # also each form's compiled HLO, DIR/KIND.txt
+    python bench/tpu_step_probe.py --hlo DIR   # also each form's compiled HLO, DIR/KIND.txt,
+                                               # its copies and fusions counted
 """
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import io_callback
+from tpu_big_probe import medians_us
+from tpu_loop_hlo_probe import counted_ops
 
 ROW, ROWS, STEPS = 2**18, 8, 1000
 
@@ -151,20 +152,13 @@ def main() -> None:
         for kind, call in calls.items():
             text = call.lower(x).compile().as_text()  # type: ignore[attr-defined]
             (folder / f"{kind}.txt").write_text(text)
-    for call in calls.values():
-        jax.block_until_ready(call(x))
-    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
-    for _ in range(3):
-        for kind, call in calls.items():
-            start = time.perf_counter()
-            for _ in range(3):
-                out = call(x)
-            jax.block_until_ready(out)
-            times[kind].append((time.perf_counter() - start) / 3 * 1e6)
+            ops, of_buffer = counted_ops(text, f"[{ROWS},{ROW}]")
+            print(kind, "ops:", ops, "of the whole buffer:", of_buffer, flush=True)
+    medians = medians_us(calls, x, per_round=3)
     print(f"device {jax.devices()[0]}, JAX {jax.__version__}")
-    base = statistics.median(times["none"])
+    base = medians["none"]
     for kind in KINDS:
-        us = statistics.median(times[kind])
+        us = medians[kind]
         print(f"{kind:16s} {us:10.1f} µs a call  {(us - base) / STEPS:8.2f} µs a step added")
 
 
