@@ -195,6 +195,23 @@ elif scenario == "slice_dormant":  # gathered: a pmap over 2 devices, dormant, t
     records = [[r.seq, r.step, r.device] for r in native.ring.read(0, 1_000_000)]
     output(records=records, dormant_flushes=dormant_flushes, dormant_heads=dormant_heads)
 
+elif scenario == "dormant_unknown_count":  # a call whose taps are counted once it has run
+    native = lifecycle.get_sender().native
+    maybe = compiled(lambda x, p: lax.cond(p, lambda v: tapd.tap(v + 1.0, "maybe"),
+                                           lambda v: v, x), jnp.zeros(4), True)
+    [site] = native.sites_of("maybe")
+    native.ring.set_site_every(site, EVERY_DORMANT)
+    for tapping in (True, False, True, True, False):
+        jax.block_until_ready(maybe(jnp.zeros(4), np.bool_(tapping)))
+    jax.effects_barrier()
+    dormant_flushes, dormant_heads = list(FLUSHES), list(HEADS)
+    native.ring.set_site_every(site, 1)
+    jax.block_until_ready(maybe(jnp.zeros(4), np.bool_(True)))
+    jax.effects_barrier()
+    seqs = [r.seq for r in native.ring.read(0, 1_000_000)]
+    output(seqs=seqs, skipped=native.ring.counters().skipped,
+           dormant_flushes=dormant_flushes, dormant_heads=dormant_heads)
+
 elif scenario == "no_dormant":  # run with TAPD_DORMANT=0
     native = lifecycle.get_sender().native
     program = loop("plain", 4, every=2).lower().compile()
@@ -297,6 +314,25 @@ def test_gathered_taps_are_kept_or_skipped_on_the_device_by_the_site_table(
     # "woken": dormant for its first call (4 skipped), then 4 written.
     assert [0, 4] in result["heads"] and [4, 0] in result["flushes"]
     check_slots(result)
+
+
+@pytest.mark.parametrize("gather", ["off", "on"])
+def test_a_dormant_call_whose_tap_count_is_known_only_once_it_ran_counts_its_taps(
+    runtime_dir: Path, gather: str
+) -> None:
+    """A one-armed tapping `cond`, dormant for five calls (three of them tap), then
+    woken: the woken tap's seq is 3 (each dormant tap used one up), as one host callback
+    a tap counts them. Gathered, no flush ran and only each output's head moved (its
+    count of dormant taps, read from the device: taps_as_outputs._write)."""
+    if reason := native_unavailable():
+        pytest.skip(reason)
+    env = {"TAPD_BACKEND": "portable", "TAPD_GATHER": gather}
+    result = run_script(runtime_dir, "dormant_unknown_count", env=env)
+    assert result["seqs"] == [3]
+    assert result["skipped"] == 3
+    if gather == "on":
+        assert result["dormant_flushes"] == []
+        assert result["dormant_heads"] == [[0, 1], [0, 0], [0, 1], [0, 1], [0, 0]]
 
 
 def test_a_gathered_loop_that_flushes_while_it_runs_skips_dormant_taps_at_the_flush(

@@ -307,9 +307,10 @@ def _write(array: Any, receiver: Any, dormant: Any) -> None:
         if isinstance(dormant, tuple):
             receiver.write_skipped(dormant)
             return
-        head = receiver.header_size // array.dtype.itemsize  # (words: gathered.host.pack)
-        if dormant and receiver.write_header(np.asarray(array[:head])):
-            return
+        if dormant:  # (the head only, in words: gathered.host.pack)
+            head = receiver.header_size // array.dtype.itemsize
+            if receiver.write_header(np.asarray(array[:head])):
+                return
         packed = np.asarray(array)
     except Exception as exc:
         logger.warning("a gathered computation failed; its taps are lost: %s", exc)
