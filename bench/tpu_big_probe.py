@@ -14,7 +14,11 @@ rounds of 5 calls back to back (the last call blocked on):
 - `pack-u32`: the same packed as uint32 words (no change of element width);
 - `pack-cond0`: `write-cond0`, the packing itself in a `cond` on the flag (zeros else);
 - `fetch-f32`, `fetch-u8`, `fetch-u32`: `write` with its buffer (as f32, as packed
-  uint8, as packed uint32) fetched with `np.asarray` each call.
+  uint8, as packed uint32) fetched with `np.asarray` each call;
+- `KIND@tiles`: KIND with the buffer shaped f32[8, 2048, 128] (a row whole (8, 128) tiles
+  of the TPU's layout, not one row of each of 2048 tiles).
+
+Only some kinds: `PROBE_KINDS=write,write@tiles`.
 
     python bench/tpu_big_probe.py          # steps 8 and 1000
 """
@@ -38,6 +42,8 @@ ROWS = 8
 
 
 def variant(kind: str, steps: int) -> Callable[..., Any]:
+    kind, _, shaped = kind.partition("@")
+    shape = (ROWS, ROW // 128, 128) if shaped == "tiles" else (ROWS, ROW)
     cond = "cond" in kind
     width = np.uint32 if kind.endswith("u32") else np.uint8
 
@@ -48,7 +54,7 @@ def variant(kind: str, steps: int) -> Callable[..., Any]:
             return x, buffer, flag
 
         def write(b: Any) -> Any:
-            return lax.dynamic_update_index_in_dim(b, x, i % ROWS, 0)
+            return lax.dynamic_update_index_in_dim(b, x.reshape(shape[1:]), i % ROWS, 0)
 
         buffer = lax.cond(flag > 0, write, lambda b: b, buffer) if cond else write(buffer)
         return x, buffer, flag
@@ -62,7 +68,7 @@ def variant(kind: str, steps: int) -> Callable[..., Any]:
         return lax.concatenate(parts, 0)
 
     def run(x: Any, flag: Any) -> Any:
-        buffer = jnp.zeros((ROWS, ROW), np.float32)
+        buffer = jnp.zeros(shape, np.float32)
         x, buffer, flag = lax.fori_loop(0, steps, body, (x, buffer, flag))
         if kind in ("none", "write", "write-cond0", "write-cond1", "fetch-f32"):
             return x, buffer
@@ -120,15 +126,17 @@ def medians_us(
 def main() -> None:
     step_counts = [int(s) for s in os.environ.get("PROBE_STEPS", "8,1000").split(",")]
     x = jnp.zeros(ROW, jnp.float32)
+    chosen = os.environ.get("PROBE_KINDS")
+    kinds = chosen.split(",") if chosen else KINDS
     calls: dict[str, Callable[..., Any]] = {}
     for steps in step_counts:
-        for kind in KINDS:
+        for kind in kinds:
             calls[f"{steps} {kind}"] = variant(kind, steps)
     medians = medians_us(calls, x, per_round=5)
     print(f"device {jax.devices()[0]}, JAX {jax.__version__}")
     for steps in step_counts:
-        base = medians[f"{steps} none"]
-        for kind in KINDS:
+        base = medians.get(f"{steps} none", 0.0)
+        for kind in kinds:
             us = medians[f"{steps} {kind}"]
             print(f"steps {steps:5d} {kind:12s} {us:10.1f} µs a call  added {us - base:10.1f}")
     sys.stdout.flush()

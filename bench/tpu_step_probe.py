@@ -20,7 +20,11 @@ On the TPU v5e a dormant 1 MiB tap in a 1000-step live loop adds ~41 µs a step
 - `pass-nested`: the same with the answer a `cond` of its own inside the switch;
 - `unrolled-8`: `switch-cb` once for 8 steps, the loop's step 8 of them;
 - `flag-cond-plain`: `cond-plain` with a predicate of the data (`x[0] > 1e9`);
-- `nested-8`: an inner `fori_loop` of 8 steps that only write, then `switch-cb`'s switch.
+- `nested-8`: an inner `fori_loop` of 8 steps that only write, then `switch-cb`'s switch;
+- `KIND@tiles`: KIND with the buffer shaped f32[8, 2048, 128], so that a row is whole
+  (8, 128) tiles of the TPU's layout rather than one row of each of 2048 tiles.
+
+Only some kinds: `PROBE_KINDS=write,cond-plain,write@tiles,cond-plain@tiles`.
 
     python bench/tpu_step_probe.py
     python bench/tpu_step_probe.py --hlo DIR   # also each form's compiled HLO, DIR/KIND.txt,
@@ -29,6 +33,7 @@ On the TPU v5e a dormant 1 MiB tap in a 1000-step live loop adds ~41 µs a step
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +59,12 @@ def answer(*_: Any) -> np.ndarray:
 
 
 def variant(kind: str) -> Callable[[Any], Any]:
+    kind, _, shaped = kind.partition("@")
+    shape = (ROWS, ROW // 128, 128) if shaped == "tiles" else (ROWS, ROW)
+
+    def put(buffer: Any, x: Any, row: Any) -> Any:
+        return lax.dynamic_update_index_in_dim(buffer, x.reshape(shape[1:]), row, 0)
+
     def send(buffer: Any) -> Any:
         io_callback(sink, None, buffer, ordered=True)
         return buffer
@@ -75,33 +86,33 @@ def variant(kind: str) -> Callable[[Any], Any]:
             else:  # pass-nested: the answer a `cond` of a flush or a poll, as tapd's
                 nested = lambda b: lax.cond(i > 0, answered, lambda c: c, b)  # noqa: E731
                 buffer = lax.switch(which, [lambda b: b, send, nested], buffer)
-            buffer = lax.dynamic_update_index_in_dim(buffer, x, i % ROWS, 0)
+            buffer = put(buffer, x, i % ROWS)
             return i + 1, x, buffer
         if kind == "unrolled-8":  # (8 steps a loop step, one switch for them)
             which = lax.select(i == STEPS - 8, np.int32(2), np.int32(0))
             lax.switch(which, [lambda b: b, send, answered], buffer)
             for k in range(8):
                 x = x * 0.999 + 0.001 if k else x
-                buffer = lax.dynamic_update_index_in_dim(buffer, x, (i + k) % ROWS, 0)
+                buffer = put(buffer, x, (i + k) % ROWS)
             return i + 8, x, buffer
         if kind == "nested-8":  # (an inner loop of 8 plain steps, then the switch)
 
             def inner(k: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
                 x, buffer = carry
                 x = lax.select(k > 0, x * 0.999 + 0.001, x)
-                return x, lax.dynamic_update_index_in_dim(buffer, x, (i + k) % ROWS, 0)
+                return x, put(buffer, x, (i + k) % ROWS)
 
             x, buffer = lax.fori_loop(0, 8, inner, (x, buffer))
             which = lax.select(i == STEPS - 8, np.int32(2), np.int32(0))
             lax.switch(which, [lambda b: b, send, answered], buffer)
             return i + 8, x, buffer
         if kind == "flag-cond-plain":  # (the predicate a value carried, not the step's)
-            buffer = lax.dynamic_update_index_in_dim(buffer, x, i % ROWS, 0)
+            buffer = put(buffer, x, i % ROWS)
             total = lax.cond(x[0] > 1e9, lambda b: jnp.sum(b), lambda b: jnp.float32(0), buffer)
             return i + 1, x + total * 0, buffer
         if kind != "none":
-            buffer = lax.dynamic_update_index_in_dim(buffer, x, i % ROWS, 0)
-        read = buffer if kind != "switch-cb-small" else buffer[0, :2]
+            buffer = put(buffer, x, i % ROWS)
+        read = buffer if kind != "switch-cb-small" else buffer.reshape(ROWS, ROW)[0, :2]
         if kind == "cond-cb":
             lax.cond(last, send, lambda b: b, read)
         elif kind in ("switch-cb", "switch-cb-small"):
@@ -120,9 +131,9 @@ def variant(kind: str) -> Callable[[Any], Any]:
         return i + 1, x, buffer
 
     def run(x: Any) -> Any:
-        buffer = jnp.zeros((ROWS, ROW), np.float32)
+        buffer = jnp.zeros(shape, np.float32)
         _, x, buffer = lax.while_loop(lambda c: c[0] < STEPS, step, (np.int32(0), x, buffer))
-        return x, buffer[0, 0]
+        return x, buffer.reshape(-1)[0]
 
     return jax.jit(run)
 
@@ -145,19 +156,21 @@ KINDS = (
 
 def main() -> None:
     x = jnp.zeros(ROW, jnp.float32)
-    calls = {kind: variant(kind) for kind in KINDS}
+    chosen = os.environ.get("PROBE_KINDS")
+    kinds = chosen.split(",") if chosen else KINDS
+    calls = {kind: variant(kind) for kind in kinds}
     if "--hlo" in sys.argv:  # (where the writes' copies are, if they are copies)
         folder = Path(sys.argv[sys.argv.index("--hlo") + 1])
         folder.mkdir(parents=True, exist_ok=True)
         for kind, call in calls.items():
             text = call.lower(x).compile().as_text()  # type: ignore[attr-defined]
             (folder / f"{kind}.txt").write_text(text)
-            ops, of_buffer = counted_ops(text, f"[{ROWS},{ROW}]")
+            ops, of_buffer = counted_ops(text, f"[{ROWS},")
             print(kind, "ops:", ops, "of the whole buffer:", of_buffer, flush=True)
     medians = medians_us(calls, x, per_round=3)
     print(f"device {jax.devices()[0]}, JAX {jax.__version__}")
-    base = medians["none"]
-    for kind in KINDS:
+    base = medians.get("none", 0.0)
+    for kind in kinds:
         us = medians[kind]
         print(f"{kind:16s} {us:10.1f} µs a call  {(us - base) / STEPS:8.2f} µs a step added")
 

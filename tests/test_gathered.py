@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from conftest import APPS, Daemon, SubscriberProcess, native_unavailable, run_emitter, wait_until
@@ -95,13 +96,21 @@ class Setting:
 SETTINGS = {
     "off": Setting(
         {"TAPD_GATHER": "off"},
-        [*ORDER_CASES, "dtypes_and_shapes", "many_leaves_and_sites", "barriers", "lowered"],
+        [
+            *ORDER_CASES,
+            "dtypes_and_shapes",
+            "tiled_vectors",
+            "many_leaves_and_sites",
+            "barriers",
+            "lowered",
+        ],
     ),
     "on": Setting(
         {"TAPD_GATHER": "on"},
         [
             *ORDER_CASES,
             "dtypes_and_shapes",
+            "tiled_vectors",
             "many_leaves_and_sites",
             "barriers",
             "lowered",
@@ -111,11 +120,15 @@ SETTINGS = {
     ),
     "bytes1": Setting(
         {"TAPD_GATHER": "on", "TAPD_GATHER_BYTES": "1"},
-        [*ORDER_CASES, "dtypes_and_shapes"],
+        [*ORDER_CASES, "dtypes_and_shapes", "tiled_vectors"],
         capacity=1,
     ),
     "taps2": Setting({"TAPD_GATHER": "on", "TAPD_GATHER_TAPS": "2"}, ORDER_CASES, capacity=2),
-    "taps3": Setting({"TAPD_GATHER": "on", "TAPD_GATHER_TAPS": "3"}, ORDER_CASES, capacity=3),
+    "taps3": Setting(
+        {"TAPD_GATHER": "on", "TAPD_GATHER_TAPS": "3"},
+        [*ORDER_CASES, "tiled_vectors"],
+        capacity=3,
+    ),
     # A 64 KiB ring under `block`: flushes of 7 records of 4 KiB wait for room.
     "taps7_block": Setting(
         {
@@ -436,6 +449,45 @@ def test_hostile_dtypes_and_shapes_arrive_exactly(runs: dict[str, Run], setting:
     assert step2["scalar"] == 2
     assert step2["rank3"][:2] == ["float32", [3, 4, 5]]
     assert step2["rank3"][2][2][3] == [57.0, 58.0, 59.0, 60.0, 61.0]
+
+
+def tiled_expected() -> list[Any]:
+    """tiled_vectors' taps as numpy computes them: [tag, [dtype, shape, values]]."""
+    expected: list[Any] = []
+    for k in [0, 1, 2, 0, 1, 5]:  # (the scan's steps, the while loop's, the cond's)
+        values = {
+            "f32_1024": np.arange(1024, dtype=np.float32) * 0.5 + k,
+            "f32_1152": np.arange(1152, dtype=np.float32) - k,
+            "bf16_4096": ((np.arange(4096) % 128) * 2.0**k).astype(np.float32),
+            "int8_8192": (np.arange(8192) % 251 + k).astype(np.int8),
+            "bool_4096": np.arange(4096) % 3 == k % 3,
+            "u16_2048": (np.arange(2048) * 31 + k).astype(np.uint16),
+            "c64_1024": np.stack([np.arange(1024), np.full(1024, k)], -1).astype(np.float32),
+            "f32_8x128": np.full((8, 128), k, np.float32),
+        }
+        for tag, value in values.items():
+            dtype = (
+                "bfloat16"
+                if tag == "bf16_4096"
+                else "complex64"
+                if tag == "c64_1024"
+                else str(value.dtype)
+            )
+            shape = list(value.shape[:1]) if tag == "c64_1024" else list(value.shape)
+            expected.append([tag, [dtype, shape, value.tolist()]])
+    return expected
+
+
+@pytest.mark.parametrize("setting", ["off", *with_case("tiled_vectors")])
+def test_vectors_of_whole_tpu_tiles_arrive_as_numpy_computes_them(
+    runs: dict[str, Run], setting: str
+) -> None:
+    """Vectors the gathered path stores as [n / 128, 128] rows (a TPU's tiles, so that a
+    record is written in place: rewrite.stored_shape), with near misses stored as they
+    are, in a scan, a while loop and a cond: each arrives with its own shape and values,
+    as numpy computes them, gathered in logs of 1, 3 and 1024 records or not."""
+    got = runs[setting].calls("tiled_vectors")
+    assert got == tiled_expected()
 
 
 def test_a_tree_of_many_leaves_and_many_sites_arrive_whole(runs: dict[str, Run]) -> None:

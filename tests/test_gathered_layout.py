@@ -20,6 +20,7 @@ from jax._src import core
 
 from tapd.emitter.gathered import host
 from tapd.emitter.gathered.choose import plan_buffers
+from tapd.emitter.gathered.rewrite import stored_shape
 
 
 def plan(records: int, taps: int, row_bytes: int = 4, max_bytes: int = 2**30) -> int:
@@ -105,3 +106,21 @@ def test_packed_words_hold_each_piece_s_bytes_where_the_layout_places_them(
     else:
         assert piece(host.BUFFERS).tobytes() == expected.tobytes()
     assert piece(host.BUFFERS + 1).tolist() == [2.5] * capacity
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("elements", [0, 1, 128, 1000, 1024, 2048, 4096, 8192, 1024 * 1024 + 128])
+def test_a_stored_vector_is_whole_tiles_or_left_as_it_is(dtype: type, elements: int) -> None:
+    """`stored_shape`: a vector of whole (sublanes, 128) tiles (8 rows of 4-byte
+    elements, 16 of 2-byte, 32 of 1-byte) is stored [n / 128, 128], so that a record of
+    a buffer is whole tiles of a TPU's layout; any other vector, and any array of rank
+    2 or more (whose own last dimensions are the tiled ones), is stored as it is."""
+    sublanes = max(8, 32 // np.dtype(dtype).itemsize)
+    stored = stored_shape(core.ShapedArray((elements,), np.dtype(dtype)))
+    if elements and elements % (128 * sublanes) == 0:
+        assert stored == (elements // 128, 128)
+        assert stored[0] % sublanes == 0
+    else:
+        assert stored == (elements,)
+    for shape in [(4, elements), (elements, 1), (2, 3, elements)]:
+        assert stored_shape(core.ShapedArray(shape, np.dtype(dtype))) == shape

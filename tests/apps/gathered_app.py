@@ -424,6 +424,37 @@ def dtypes_and_shapes() -> Any:
 
 
 @case
+def tiled_vectors() -> Any:
+    """Vectors of whole TPU tiles, which the gathered path stores as [n / 128, 128]
+    (gathered.rewrite.stored_shape), beside near misses and a rank-2 tap it stores as
+    they are: in a scan, a while loop and a cond, each tap its own values a step."""
+
+    def tapped(k: Any) -> None:
+        power = lax.shift_left(jnp.int32(1), k).astype(jnp.float32)  # (2**k, exactly)
+        T("f32_1024", jnp.arange(1024, dtype=jnp.float32) * 0.5 + k)
+        T("f32_1152", jnp.arange(1152, dtype=jnp.float32) - k)
+        T("bf16_4096", ((jnp.arange(4096) % 128) * power).astype(jnp.bfloat16))
+        T("int8_8192", (jnp.arange(8192) % 251 + k).astype(jnp.int8))
+        T("bool_4096", jnp.arange(4096) % 3 == k % 3)
+        T("u16_2048", (jnp.arange(2048) * 31 + k).astype(jnp.uint16))
+        T("c64_1024", (jnp.arange(1024) + 1j * k).astype(jnp.complex64))
+        T("f32_8x128", jnp.ones((8, 128), jnp.float32) * k)
+
+    def scan_body(c: Any, k: Any) -> Any:
+        tapped(k)
+        return c + 1, k
+
+    def while_body(k: Any) -> Any:
+        tapped(k)
+        return k + 1
+
+    jax.jit(lambda: lax.scan(scan_body, 0, jnp.arange(3)))()
+    jax.jit(lambda: lax.while_loop(lambda k: k < 2, while_body, 0))()
+    jax.jit(lambda p: lax.cond(p > 0, tapped, lambda _: None, p))(jnp.int32(5))
+    return {}
+
+
+@case
 def many_leaves_and_sites() -> Any:
     """A tap of a tree of 100 leaves of mixed shapes and dtypes, and 20 sites in one
     loop body: every leaf, every site, in order."""

@@ -40,7 +40,7 @@ class Gathered(NamedTuple):
     log: Any  # int32[capacity]: each record's site index
     order: Any  # int32[capacity]: each record's place among its site's taps since the last flush
     rows: Any  # int32[sites]: each site's records since the last flush
-    buffers: tuple[tuple[Any, ...], ...]  # per site, per operand: [capacity, *shape]
+    buffers: tuple[tuple[Any, ...], ...]  # per site, per operand: [capacity, *stored_shape]
     # int32[sites]: which of a site's taps are kept: 0 none (dormant), 1 all, W > 1 those
     # whose (phase + seen) is a multiple of W (sampled on the device: gathered.sampling)
     awake: Any
@@ -49,6 +49,30 @@ class Gathered(NamedTuple):
     phase: Any  # int32[sites]: each sampled site's first seq this call, modulo its W
     interval: Any  # int32[]: the steps a live loop's chunk runs (tapd.emitter.gathered.live)
     polls: Any  # int32[]: the host's answers so far this call
+
+
+def stored_shape(aval: Any) -> tuple[int, ...]:
+    """The shape a tap's operand is stored in, one record a row of its buffer: its own,
+    or, for a vector of whole (sublanes, 128) tiles, [elements / 128, 128] (the same
+    bytes, row-major). A TPU tiles an array's last two dimensions: a buffer of vectors,
+    [capacity, n], has tiles across records, so that writing one record writes into
+    each of n / 128 tiles, and inside a loop with a `cond` (a flush) the buffer leaves
+    on-chip memory: ~30 µs a 1 MiB write on the TPU v5e. Stored [capacity, n / 128,
+    128], a record is whole tiles of its own: ~0.4 µs, and ~2-5 µs with the `cond`
+    (bench/tpu_step_probe.py `@tiles`, bench/RESULTS-tpu.md, session 19)."""
+    shape = tuple(aval.shape)
+    if len(shape) > 1:  # (the record's own last two dimensions are tiled)
+        return shape
+    elements = math.prod(shape)
+    sublanes = max(8, 32 // np.dtype(aval.dtype).itemsize)
+    if elements and elements % (128 * sublanes) == 0:
+        return (elements // 128, 128)
+    return shape
+
+
+def _as_stored(operand: Any, buffer: Any) -> Any:
+    shape = buffer.shape[1:]
+    return operand if np.shape(operand) == shape else lax.reshape(operand, shape)
 
 
 # The primitives whose one jaxpr runs where they stand: the rewrite inlines it.
@@ -198,7 +222,10 @@ class Rewriter:
             order=lax.full((plan.capacity,), 0, np.int32),
             rows=zeros,
             buffers=tuple(
-                tuple(self._own(lax.full((plan.capacity, *a.shape), 0, a.dtype)) for a in avals)
+                tuple(
+                    self._own(lax.full((plan.capacity, *stored_shape(a)), 0, a.dtype))
+                    for a in avals
+                )
                 for avals in plan.operand_avals
             ),
             awake=lax.full((sites,), 1, np.int32) if flags is None else flags[:sites],
@@ -321,7 +348,7 @@ class Rewriter:
             state = self.make_room(state, 1)
         row = state.rows[site]
         written = tuple(
-            lax.dynamic_update_index_in_dim(buffer, operand, row, 0)
+            lax.dynamic_update_index_in_dim(buffer, _as_stored(operand, buffer), row, 0)
             for buffer, operand in zip(state.buffers[site], operands, strict=True)
         )
         # A tap not kept (its site dormant, or sampled out) is written all the same (no
