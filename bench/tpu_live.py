@@ -15,6 +15,9 @@ matmuls a step (~1.4 ms) and a 60-step loop of ~100 ms steps, each tapping its s
 index to a function in this process; the time of its first tap after the call starts,
 and the largest gap between taps. Cells of more than 400 MiB a call are left out (a
 TPU host moves them in seconds a call; the rate is that of 100 steps).
+
+Other cells of the grid: `TPU_BIG_CELLS=1MiB:9,2MiB:8,4MiB:4` (sizes in KiB or MiB of
+float32; with --big-only, only those).
 """
 
 from __future__ import annotations
@@ -36,6 +39,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SIZES = {"64KiB": 2**14, "1MiB": 2**18, "4MiB": 2**20}  # float32 elements
 STEP_COUNTS = (1, 7, 8, 9, 100, 1000)
+
+
+def grid(quick: bool) -> list[tuple[str, int, int]]:
+    """The big taps' cells: (size's name, float32 elements, steps)."""
+    chosen = os.environ.get("TPU_BIG_CELLS")
+    if not chosen:
+        return [
+            (name, elements, steps)
+            for name, elements in SIZES.items()
+            for steps in STEP_COUNTS
+            if elements * 4 * steps <= MOST_BYTES_A_CALL and not (quick and steps > 9)
+        ]
+    cells = []
+    for cell in chosen.split(","):
+        name, steps = cell.split(":")
+        unit = 2**20 if name.endswith("MiB") else 2**10
+        cells.append((name, int(name[:-3]) * unit // 4, int(steps)))
+    return cells
+
+
 MOST_BYTES_A_CALL = 400 * 2**20
 
 
@@ -81,14 +104,11 @@ def child(
         return time.perf_counter() - start
 
     cells: dict[str, tuple[Callable[[Any], Any], Any, int, int]] = {}
-    for size_name, elements in {} if live_only or sampled_only else SIZES.items():
+    for size_name, elements, steps in [] if live_only or sampled_only else grid(quick):
         x = jnp.zeros(elements, jnp.float32)
-        for steps in STEP_COUNTS:
-            if elements * 4 * steps > MOST_BYTES_A_CALL or (quick and steps > 9):
-                continue
-            calls = 5 if elements * 4 * steps <= 64 * 2**20 else 2
-            for kind in ("none", "tap", "dormant", "floor"):
-                cells[f"{size_name} x{steps} {kind}"] = (loop(kind, steps), x, calls, steps)
+        calls = 5 if elements * 4 * steps <= 64 * 2**20 else 2
+        for kind in ("none", "tap", "dormant", "floor"):
+            cells[f"{size_name} x{steps} {kind}"] = (loop(kind, steps), x, calls, steps)
     x = jnp.zeros(SIZES["1MiB"], jnp.float32)
     for kind in () if live_only or big_only else ("none", "every100", "floor10"):
         steps = 1000 if not quick else 100
@@ -265,7 +285,7 @@ def report(result: dict[str, Any], delivered: int, quick: bool) -> str:
 
 def _cell_order(cell: str) -> tuple[int, int]:
     size, steps = cell.split(" x")
-    return list(SIZES).index(size), int(steps)
+    return int(size[:-3]) * (2**20 if size.endswith("MiB") else 2**10), int(steps)
 
 
 def main() -> None:

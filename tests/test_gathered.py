@@ -596,8 +596,9 @@ def test_hlo_has_no_callback_or_one_a_chunk_where_the_per_tap_path_has_one_a_tap
 ) -> None:
     """`python_cpu_callback` custom calls in the lowered HLO: none for a computation whose
     taps fit in the log (5 taps and a 3-step scan of 2: its buffers come out as an
-    output, tapd.emitter.taps_as_outputs), a few for a 1000-step scan (a flush a chunk
-    of the loop), against one a tap site per tap; as many as the per-tap path where
+    output, tapd.emitter.taps_as_outputs; 9 steps of 1 MiB, one log of twice the bytes
+    bound), a few for a 1000-step scan (a flush a chunk of the loop) and for 17 steps of
+    1 MiB, against one a tap site per tap; as many as the per-tap path where
     gathering must not apply. The way out is an ordered effect's token, which JAX's
     Python dispatch passes: each call of a gathered step takes it (the per-tap path
     keeps JAX's C++ dispatch)."""
@@ -605,6 +606,10 @@ def test_hlo_has_no_callback_or_one_a_chunk_where_the_per_tap_path_has_one_a_tap
     on = runs["on"].case("lowered")
     assert off["callbacks"]["few"] == 7 and off["callbacks"]["long"] == 2
     assert on["callbacks"]["few"] == 0 and 1 <= on["callbacks"]["long"] <= 4
+    # 9 taps of 1 MiB, logs of 8 MiB: counted before the run, packed in 16 MiB, one log
+    # and no callback (choose.ONE_LOG_BYTES); 17 flush while they run.
+    assert off["callbacks"]["big9"] >= 1 and off["callbacks"]["big17"] >= 1
+    assert on["callbacks"]["big9"] == 0 and on["callbacks"]["big17"] >= 1
     for kept in ("two_shapes", "strict", "in_condition"):
         assert on["callbacks"][kept] == off["callbacks"][kept] >= 1, kept
     # A shard_map body of one tap: one callback per tap; gathered, none (each device's

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jax._src import core
 
 from tapd.emitter.gathered import host
-from tapd.emitter.gathered.choose import plan_buffers
+from tapd.emitter.gathered.choose import ONE_LOG_BYTES, packed_bytes, plan_buffers
 from tapd.emitter.gathered.rewrite import stored_shape
 
 
@@ -47,7 +47,37 @@ def test_examples_of_the_plan() -> None:
     assert plan(17, 8) == 6
     assert plan(7, 8) == 7  # (one log of its records)
     assert plan(0, 8) == 8  # (a count not known: the whole log)
-    assert plan(9, 1024, row_bytes=2**20, max_bytes=8 * 2**20) == 5  # (8 MiB of 1 MiB rows)
+    mib = 2**20  # (logs of 8 MiB of 1 MiB rows; a known count packed in 16 MiB in one)
+    assert plan(9, 1024, row_bytes=mib, max_bytes=8 * mib) == 9  # (no flush while it runs)
+    assert plan(15, 1024, row_bytes=mib, max_bytes=8 * mib) == 15
+    assert plan(16, 1024, row_bytes=mib, max_bytes=8 * mib) == 8  # (16 MiB and the head)
+    assert plan(17, 1024, row_bytes=mib, max_bytes=8 * mib) == 6  # (6, 6 and 5)
+    assert plan(0, 1024, row_bytes=mib, max_bytes=8 * mib) == 8  # (a count not known)
+    assert plan(9, 8, row_bytes=4, max_bytes=8 * mib) == 5  # (the count of taps still holds)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    records=st.integers(0, 3000),
+    taps=st.integers(1, 1100),
+    row_bytes=st.sampled_from([4, 64, 4096, 2**16, 2**20, 2**22]),
+    max_bytes=st.sampled_from([1, 2**16, 2**20, 8 * 2**20]),
+)
+def test_a_log_holds_no_more_bytes_than_the_bound_allows(
+    records: int, taps: int, row_bytes: int, max_bytes: int
+) -> None:
+    """A log never holds more than `gather_taps` records, nor more bytes than
+    `gather_bytes` (at least one record), but for a count known before the run that
+    packs into ONE_LOG_BYTES times it, which is one log: no flush while it runs."""
+    capacity = plan(records, taps, row_bytes, max_bytes)
+    assert 1 <= capacity <= taps
+    aval = core.ShapedArray((row_bytes // 4,), np.dtype(np.float32))
+    packed = packed_bytes(0, records, [[aval]])
+    fits_once = 0 < records <= taps and packed <= ONE_LOG_BYTES * max_bytes
+    if fits_once:
+        assert capacity >= records
+    else:
+        assert capacity * row_bytes <= max(max_bytes, row_bytes)
 
 
 DTYPES = [

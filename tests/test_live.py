@@ -77,16 +77,28 @@ def test_a_long_loop_s_taps_arrive_while_it_runs(kind: str) -> None:
     assert 2 < live["host_callbacks"] < steps
 
 
+# Logs of 8 KiB of 1 KiB taps: 8 records, and a count known before the run that packs
+# into 16 KiB (15 records and the head) in one log (`choose.ONE_LOG_BYTES`).
+BYTES_BOUND = {"TAPD_GATHER_TAPS": "1024", "TAPD_GATHER_BYTES": "8192", "LIVE_THRESHOLD_ROW": "256"}
+
+
 @pytest.mark.parametrize(
     "env",
-    [{}, {"LIVE_LATER_BYTES": "0"}, {"TAPD_GATHER_LATENCY": "0"}],
-    ids=["handed_off", "written_in_flush", "unpaced"],
+    [
+        {},
+        {"LIVE_LATER_BYTES": "0"},
+        {"TAPD_GATHER_LATENCY": "0"},
+        BYTES_BOUND,
+        {**BYTES_BOUND, "TAPD_GATHER_LATENCY": "0"},
+    ],
+    ids=["handed_off", "written_in_flush", "unpaced", "bytes_bound", "bytes_bound_unpaced"],
 )
 def test_no_tap_is_lost_or_reordered_at_the_log_s_edges(env: dict[str, str]) -> None:
     """Whether a paced flush hands its bytes to the outputs' thread (the default) or,
     with no room for them there (`taps_as_outputs.LATER_BYTES`), writes them itself; and
     unpaced, where a loop is flushed by its log alone (its flushes as even as the log
-    allows: `choose.plan_buffers`)."""
-    result = run("thresholds", TAPD_GATHER_TAPS="8", **env)
+    allows: `choose.plan_buffers`). Logs bound by their bytes (vector taps): a loop of
+    9 or 15 steps in one log of more than the bound, 16 and more flushed."""
+    result = run("thresholds", **{"TAPD_GATHER_TAPS": "8", **env})
     for case, outcome in result["cases"].items():
         assert outcome["got"] == outcome["expected"], case

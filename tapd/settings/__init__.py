@@ -311,7 +311,9 @@ class EmitterFields:
     gather_bytes: int = emitter(
         8 * 2**20,
         "the most device memory a gathered computation's tap buffers take, in bytes (a "
-        "flush then comes after fewer taps; at least one)",
+        "flush then comes after fewer taps; at least one); a computation whose taps are "
+        "counted before it runs and pack into twice this takes them in one log, with no "
+        "flush while it runs",
         default_text="8 MiB",
     )
     gather_latency: float = emitter(

@@ -643,7 +643,14 @@ def lowered() -> Any:
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("d",))
     spec = jax.sharding.PartitionSpec("d")
     sharded = jax.shard_map(lambda x: T("sm", x + 1), mesh=mesh, in_specs=spec, out_specs=spec)
+
+    def big(steps: int) -> Callable[[Any], Any]:  # (1 MiB a tap: lowered, never run)
+        return lambda x: lax.fori_loop(0, steps, lambda i, v: T("big", v + 1.0), x)
+
+    row = jnp.zeros(2**18, jnp.float32)
     counts = {
+        "big9": _callbacks(jax.jit(big(9)).lower(row)),
+        "big17": _callbacks(jax.jit(big(17)).lower(row)),
         "few": _callbacks(jax.jit(few).lower(1)),
         "long": _callbacks(jax.jit(long).lower(1)),
         "two_shapes": _callbacks(jax.jit(two_shapes).lower(1)),

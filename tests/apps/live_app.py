@@ -77,16 +77,24 @@ def timed(kind: str, steps: int) -> dict[str, Any]:
 
 def thresholds() -> dict[str, Any]:
     """Loops whose taps fill the log (TAPD_GATHER_TAPS) exactly, by one less or more,
-    twice over, and by a tap of two sites a step: every value arrives once, in order."""
+    twice over, and by a tap of two sites a step: every value arrives once, in order.
+    With LIVE_THRESHOLD_ROW, each tap is a vector of that many int32 copies of its
+    value (for logs bound by TAPD_GATHER_BYTES)."""
     got: list[list[int]] = []
+    row = int(os.environ.get("LIVE_THRESHOLD_ROW", "0"))
 
     def note(value: Any, transforms: Any) -> None:
-        got[-1].append(int(np.asarray(value)))
+        array = np.asarray(value).reshape(-1)
+        first = int(array[0])
+        got[-1].append(first if (array == first).all() else -1)  # (-1: a mixed vector)
+
+    def tapped(value: Any) -> Any:
+        return value if not row else jnp.full((row,), value, jnp.int32)
 
     def scan_program(length: int, per_step: int) -> Any:
         def body(c: Any, k: Any) -> Any:
             for j in range(per_step):
-                c = tapd.id_tap(note, k * per_step + j, result=c)
+                c = tapd.id_tap(note, tapped(k * per_step + j), result=c)
             return c, None
 
         return jax.jit(lambda: lax.scan(body, 0, jnp.arange(length))[0])
@@ -95,14 +103,14 @@ def thresholds() -> dict[str, Any]:
         def body(carry: Any) -> Any:
             k, c = carry
             for j in range(per_step):
-                c = tapd.id_tap(note, k * per_step + j, result=c)
+                c = tapd.id_tap(note, tapped(k * per_step + j), result=c)
             return k + 1, c
 
         return jax.jit(lambda: lax.while_loop(lambda c: c[0] < length, body, (0, 0))[1])
 
     results = {}
     for kind, make in (("scan", scan_program), ("while", while_program)):
-        for length in (7, 8, 9, 16, 17, 33):
+        for length in (7, 8, 9, 15, 16, 17, 33):
             for per_step in (1, 3):
                 program = make(length, per_step)
                 got.append([])

@@ -17,7 +17,7 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
 from tapd.emitter import host_writers, jax_compat, lifecycle, taps_as_outputs
-from tapd.emitter.gathered import slices, threaded
+from tapd.emitter.gathered import host, slices, threaded
 from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, WayOut, call
 from tapd.emitter.gathered.live import Pace
 from tapd.emitter.gathered.rewrite import (
@@ -351,6 +351,25 @@ def _closed(jaxpr: Any, consts: list[Any]) -> Any:
     return make(jaxpr, consts)
 
 
+# A run whose records are counted before it runs, and that would just overflow one log
+# (9 taps of 1 MiB, 8 MiB a log), takes them in one log if it packs into at most this
+# many times `gather_bytes`: else a flush while it runs puts a host callback in the
+# computation, which costs a TPU ~2 ms a call, run or not. On the TPU v5e, woken /
+# dormant ÷ the floor of moving the bytes, one log against logs of 8 MiB: 1 MiB x 9
+# 0.93 / 0.12 against 1.21 / 0.46; 4 MiB x 3 2.91 / 0.15 against 5.48 / 0.78. A packed
+# output just over 16 MiB (1 MiB x 16, 2 MiB x 8, 4 MiB x 4) cost 3.7-4.2 woken, against
+# 1.9-2.1 as two logs: fetching one vector of more than 16 MiB is a cliff there, 40 ms
+# for 32 MiB against 3.8 for 16 (bench/RESULTS-tpu.md, session 19).
+ONE_LOG_BYTES = 2
+
+
+def packed_bytes(sites: int, capacity: int, operand_avals: Sequence[Sequence[Any]]) -> int:
+    """The bytes `host.pack` packs for a log of `capacity` records."""
+    *_, (dtype, shape, offset) = host.packed_layout(sites, capacity, operand_avals)
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return offset + size + (-size % 8)
+
+
 def plan_buffers(
     sites: list[TapSiteParams],
     operand_avals: list[list[Any]],
@@ -360,13 +379,17 @@ def plan_buffers(
     max_bytes: int,
 ) -> FlushPlan:
     """Buffers for `taps` records at most (fewer where one run makes fewer, `records`,
-    0 if unbounded), and at most `max_bytes` of them (at least one record)."""
+    0 if unbounded), and at most `max_bytes` of them (at least one record); a run's
+    `records`, if they pack into ONE_LOG_BYTES times `max_bytes`, in one log."""
     row_bytes = sum(
         int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
         for avals in operand_avals
         for a in avals
     )
     capacity = max(1, min(taps, max_bytes // max(row_bytes, 1)))
+    packed = packed_bytes(len(sites), records, operand_avals)
+    if capacity < records <= taps and packed <= ONE_LOG_BYTES * max_bytes:
+        capacity = records
     never_full = 0 < records <= capacity
     if records > 0:
         # As many flushes as the most buffers need, each as full as the next: 9 records
