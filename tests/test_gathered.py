@@ -466,13 +466,8 @@ def tiled_expected() -> list[Any]:
             "f32_8x128": np.full((8, 128), k, np.float32),
         }
         for tag, value in values.items():
-            dtype = (
-                "bfloat16"
-                if tag == "bf16_4096"
-                else "complex64"
-                if tag == "c64_1024"
-                else str(value.dtype)
-            )
+            # (bfloat16 is described as float32 values; complex as (real, imaginary))
+            dtype = {"bf16_4096": "bfloat16", "c64_1024": "complex64"}.get(tag, str(value.dtype))
             shape = list(value.shape[:1]) if tag == "c64_1024" else list(value.shape)
             expected.append([tag, [dtype, shape, value.tolist()]])
     return expected

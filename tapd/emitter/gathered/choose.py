@@ -387,8 +387,8 @@ def plan_buffers(
         for a in avals
     )
     capacity = max(1, min(taps, max_bytes // max(row_bytes, 1)))
-    packed = packed_bytes(len(sites), records, operand_avals)
-    if capacity < records <= taps and packed <= ONE_LOG_BYTES * max_bytes:
+    one_log = ONE_LOG_BYTES * max_bytes  # (the packed size is reckoned only past one log)
+    if capacity < records <= taps and packed_bytes(len(sites), records, operand_avals) <= one_log:
         capacity = records
     never_full = 0 < records <= capacity
     if records > 0:

@@ -352,10 +352,9 @@ class Rewriter:
             for buffer, operand in zip(state.buffers[site], operands, strict=True)
         )
         # A tap not kept (its site dormant, or sampled out) is written all the same (no
-        # branch: on a TPU a 1 MiB write inside a taken `cond` costs ~3 times one outside
-        # it, bench/tpu_big_probe.py), but the next tap writes over
-        # it; it is counted, and its place among the site's taps gives the next kept
-        # one its seq.
+        # branch: on a TPU a 1 MiB write inside a taken `cond` costs ~7 µs, ~0.3 outside
+        # it, bench/tpu_big_probe.py), but the next tap writes over it; it is counted,
+        # and its place among the site's taps gives the next kept one its seq.
         kept = _kept(state.awake[site], state.phase[site], state.seen[site])
         place = state.rows[site] + state.skipped[site]
         return state._replace(
