@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from jax._src import core
 
 from tapd.emitter.gathered import host
-from tapd.emitter.gathered.choose import ONE_LOG_BYTES, packed_bytes, plan_buffers
+from tapd.emitter.gathered.choose import ONE_LOG_BYTES, plan_buffers
 from tapd.emitter.gathered.rewrite import stored_shape
 
 
@@ -72,7 +72,7 @@ def test_a_log_holds_no_more_bytes_than_the_bound_allows(
     capacity = plan(records, taps, row_bytes, max_bytes)
     assert 1 <= capacity <= taps
     aval = core.ShapedArray((row_bytes // 4,), np.dtype(np.float32))
-    packed = packed_bytes(0, records, [[aval]])
+    packed = host.packed_size(host.packed_layout(0, records, [[aval]]))
     fits_once = 0 < records <= taps and packed <= ONE_LOG_BYTES * max_bytes
     if fits_once:
         assert capacity >= records

@@ -97,8 +97,9 @@ def test_no_tap_is_lost_or_reordered_at_the_log_s_edges(env: dict[str, str]) -> 
     """Whether a paced flush hands its bytes to the outputs' thread (the default) or,
     with no room for them there (`taps_as_outputs.LATER_BYTES`), writes them itself; and
     unpaced, where a loop is flushed by its log alone (its flushes as even as the log
-    allows: `choose.plan_buffers`). Logs bound by their bytes (vector taps): a loop of
-    9 or 15 steps in one log of more than the bound, 16 and more flushed."""
+    allows: `choose.plan_buffers`). Logs bound by their bytes (vector taps): a scan of
+    9 or 15 steps of one tap in one log of more than the bound, of 16 and more, and a
+    while loop (its count not known), flushed."""
     result = run("thresholds", **{"TAPD_GATHER_TAPS": "8", **env})
     for case, outcome in result["cases"].items():
         assert outcome["got"] == outcome["expected"], case

@@ -363,13 +363,6 @@ def _closed(jaxpr: Any, consts: list[Any]) -> Any:
 ONE_LOG_BYTES = 2
 
 
-def packed_bytes(sites: int, capacity: int, operand_avals: Sequence[Sequence[Any]]) -> int:
-    """The bytes `host.pack` packs for a log of `capacity` records."""
-    *_, (dtype, shape, offset) = host.packed_layout(sites, capacity, operand_avals)
-    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    return offset + size + (-size % 8)
-
-
 def plan_buffers(
     sites: list[TapSiteParams],
     operand_avals: list[list[Any]],
@@ -387,9 +380,10 @@ def plan_buffers(
         for a in avals
     )
     capacity = max(1, min(taps, max_bytes // max(row_bytes, 1)))
-    one_log = ONE_LOG_BYTES * max_bytes  # (the packed size is reckoned only past one log)
-    if capacity < records <= taps and packed_bytes(len(sites), records, operand_avals) <= one_log:
-        capacity = records
+    if capacity < records <= taps:  # (the packed size reckoned only past one log)
+        one_log = host.packed_size(host.packed_layout(len(sites), records, operand_avals))
+        if one_log <= ONE_LOG_BYTES * max_bytes:
+            capacity = records
     never_full = 0 < records <= capacity
     if records > 0:
         # As many flushes as the most buffers need, each as full as the next: 9 records

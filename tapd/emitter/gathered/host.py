@@ -56,6 +56,11 @@ def packed_layout(
     return layout
 
 
+def packed_size(layout: Sequence[tuple[np.dtype[Any], tuple[int, ...], int]]) -> int:
+    """The bytes `pack` packs, in `layout` (`packed_layout`): its last piece's end."""
+    return layout[-1][2] + _padded(layout[-1])
+
+
 def pack(count: Any, log: Any, order: Any, skipped: Any, buffers: Sequence[Any]) -> Any:
     """The pieces as one uint32 array (traced, on the device): `packed_layout`'s bytes,
     in words. Words, not bytes: on a TPU a uint8 array is laid out in tiles of its own,
@@ -168,7 +173,7 @@ class Flush:
         self.device = device
         self.capacity = capacity
         self.layout = packed_layout(len(sites), capacity, operand_avals)
-        self.size = self.layout[-1][2] + _padded(self.layout[-1])
+        self.size = packed_size(self.layout)
         self.header_size = self.layout[BUFFERS][2] if len(self.layout) > BUFFERS else self.size
         self.unringed = [i for i, site in enumerate(sites) if site.ring is None]
         self._tables = _Tables(sites, self.layout)
