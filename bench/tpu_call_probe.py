@@ -9,7 +9,10 @@ waiting for the last), medians of interleaved rounds:
 - `output floor`: the step returning the tapped value as a second output, which a thread
   copies to the host (what the issue measured as the floor of a tap that is an output);
 - `id_tap`: the step with an id_tap of a closure (gathered: its buffers come out as an
-  output, tapd/emitter/taps_as_outputs.py);
+  output, tapd/emitter/taps_as_outputs.py, on JAX's C++ path from its second call:
+  tapd/emitter/outputs_fast_path.py);
+- `id_tap, JAX's Python path`: the same, kept on JAX's Python path (as before the C++
+  path was given to it);
 - `id_tap, copied in the dispatch`: the copy to the host started in JAX's dispatch, not
   by tapd's thread (`taps_as_outputs.Collector.copy_ahead`, off by default);
 - `id_tap, outputs dropped`: the same, with tapd's collector dropping what comes out
@@ -95,7 +98,7 @@ def main() -> None:
             skip_writes[0] = False
 
     def dropped(x: Any) -> Any:
-        taps_as_outputs.collector.received = lambda array, receiver: None  # type: ignore[method-assign]
+        taps_as_outputs.collector.received = lambda *_: None  # type: ignore[method-assign]
         try:
             return tapped(x)
         finally:
@@ -108,8 +111,18 @@ def main() -> None:
         finally:
             taps_as_outputs.Collector.copy_ahead = False
 
+    # The same step kept on JAX's Python path (its C++ path refused while it is first
+    # called, so JAX keeps serving it from Python): what the way out cost before
+    # tapd/emitter/outputs_fast_path.py.
+    tapped_python = jax.jit(lambda x: tapd.id_tap(closure, x) * 1.0001)
+    allowed = taps_as_outputs.OutputsEffect.fast_path_allowed
+    taps_as_outputs.OutputsEffect.fast_path_allowed = lambda self: False  # type: ignore[method-assign]
+    jax.block_until_ready(tapped_python(jnp.zeros(16, jnp.float32)))
+    taps_as_outputs.OutputsEffect.fast_path_allowed = allowed  # type: ignore[method-assign]
+
     variants = {
         "untapped": untapped,
+        "id_tap, JAX's Python path": tapped_python,
         "output floor": floor,
         "id_tap": tapped,
         "id_tap, copied in the dispatch": copied_in_dispatch,

@@ -104,6 +104,12 @@ class OutputsEffect(effects.Effect):
         # are then counted here, and nothing of its output moves (not even its head);
         # a sampled consumer's are reserved (tapd.emitter.gathered.sampling).
         self.call_counts: tuple[int, ...] | None = None
+        # Its output's aval and sharding, once a call has returned it: what a call on
+        # JAX's C++ path makes of its buffer (tapd.emitter.outputs_fast_path).
+        self.packed_output: tuple[Any, Any] | None = None
+        # A consumer was found sampled on the C++ path, which then gave way to Python.
+        self.sampled_when_fast = False
+        self._keep_all: Any = None
 
     def __str__(self) -> str:
         return "tapd.taps_as_outputs"
@@ -111,6 +117,33 @@ class OutputsEffect(effects.Effect):
     def dormant_call(self) -> bool:
         """Whether the call this thread dispatches now had every site dormant."""
         return bool(getattr(self._dispatching, "dormant", False))
+
+    def last_keeps(self) -> tuple[int, ...]:
+        """Each site's keep flag as the last call on the Python path read them."""
+        return () if self._flags is None else self._flags[0][: self.sites]
+
+    def fast_path_allowed(self) -> bool:
+        """Whether its calls may take JAX's C++ path (outputs_fast_path): one device,
+        no flags while it runs, its taps counted before it runs, no site sampled."""
+        return (
+            self.packed_output is not None
+            and self._flags is not None
+            and not self.refreshed
+            and self.call_counts is not None
+            and self.receiver is not None
+            and not hasattr(self.receiver, "of_device")
+            and not any(keep > 1 for keep in self.last_keeps())
+        )
+
+    def fast_flags(self, device: Any) -> Any:
+        """The flags a call on the C++ path takes, on `device`: every site keeps every
+        tap (its writer then decides, as it writes: outputs_fast_path)."""
+        if self._keep_all is None:
+            assert self._flags is not None
+            count = len(self._flags[0])
+            flags = [1] * self.sites + [1] + [0] * (count - self.sites - 1)
+            self._keep_all = jax.device_put(np.asarray(flags, np.int32), device)
+        return self._keep_all
 
     def flags_on(self, devices: Sequence[Any]) -> Any:
         """The wake flags as an int32 array on `devices` (this process's of the
@@ -456,7 +489,14 @@ def _received(effect: OutputsEffect, result: Any) -> None:
         sharded = cast(ShardedReceiver, receiver)
         writer = ShardedOutputs(sharded, [_device_of(shard) for shard in shards])
         result = shards
+    if on_python_path is not None and writer is receiver:
+        on_python_path(effect, result, effect.last_keeps())
     if dormant and effect.call_counts is not None:
         collector.received(None, writer, effect.call_counts)
         return
     collector.received(result, writer, dormant)
+
+
+# Told of each call of a one-device way out on JAX's Python path (with its buffers, and
+# the keep flags it took): tapd.emitter.outputs_fast_path, once installed.
+on_python_path: Callable[[OutputsEffect, Any, tuple[int, ...]], None] | None = None

@@ -323,6 +323,14 @@ class EmitterFields:
         'its steps take (docs/TAPPING.md, "Live loops"); 0: a loop flushes only when its '
         "log fills, and at the computation's end",
     )
+    gather_fast_dispatch: bool = emitter(
+        True,
+        "a gathered computation whose taps leave as an output (one device, its taps "
+        "counted before it runs, no flush while it runs) is served by JAX's C++ dispatch "
+        "path from its second call on, as an untapped step is, while no consumer of it is "
+        'sampled (docs/TAPPING.md, "On a TPU"); 0: JAX\'s Python path every call (~0.3 '
+        "ms a call more on a TPU host)",
+    )
 
 
 CONNECT_TIMEOUT = Setting(

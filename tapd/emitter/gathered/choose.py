@@ -16,7 +16,7 @@ from jax._src import core
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
-from tapd.emitter import host_writers, jax_compat, lifecycle, taps_as_outputs
+from tapd.emitter import host_writers, jax_compat, lifecycle, outputs_fast_path
 from tapd.emitter.gathered import host, slices, threaded
 from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, WayOut, call
 from tapd.emitter.gathered.live import Pace
@@ -80,7 +80,7 @@ def maybe_gathered(
     _check_fits(found)
     taps, max_bytes = settings.gather_taps, settings.gather_bytes
     try:
-        if output and taps_as_outputs.install():
+        if output and outputs_fast_path.install():
             try:
                 effect = OutputsEffect(len(found))
                 gathered, _ = rewrite(
@@ -142,7 +142,7 @@ def _slices(
     if platform == "cpu" and not jax_compat.cpu_partition_id_in_branches():
         return None  # (this JAX's CPU compiler would abort on a device's flush in a cond)
     devices = getattr(axis_context, "num_devices", None)
-    if output and isinstance(devices, int) and taps_as_outputs.install():
+    if output and isinstance(devices, int) and outputs_fast_path.install():
         try:
             packed = _slices_ending_packed(closed, gather_body, devices)
             if packed is not None:
@@ -186,7 +186,7 @@ def _threaded(
     _check_fits(found)
     settings = lifecycle.settings()
     taps, max_bytes = settings.gather_taps, settings.gather_bytes
-    effect = OutputsEffect(len(found)) if output and taps_as_outputs.install() else None
+    effect = OutputsEffect(len(found)) if output and outputs_fast_path.install() else None
     gathered, _ = rewrite(closed, found, taps=taps, max_bytes=max_bytes, way_out=effect, mesh=mesh)
     return gathered, effect
 

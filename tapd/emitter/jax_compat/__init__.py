@@ -46,6 +46,7 @@ from tapd.emitter.jax_compat.calls import (
 from tapd.emitter.jax_compat.cpu_put import cpu_putter, cpu_putter_like
 from tapd.emitter.jax_compat.dispatch import (
     dispatch_ignores,
+    ignored_by_dispatch,
     jax_effects_barrier,
     served_without_tokens,
     wrap_module_lowering,
@@ -82,6 +83,7 @@ __all__ = [
     "emit_python_callback",
     "emit_python_callback_with_result",
     "export_targets_stable",
+    "ignored_by_dispatch",
     "in_host_callback",
     "installed_jax",
     "jax_effects_barrier",

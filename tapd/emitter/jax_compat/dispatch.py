@@ -61,6 +61,14 @@ def dispatch_ignores(effect_type: type, flush: Callable[[], None]) -> None:
     pxla.ExecuteReplicated.__init__ = init_ignoring_taps  # type: ignore[method-assign]
 
 
+def ignored_by_dispatch(effect: Any) -> bool:
+    """Whether `effect` is of the type `dispatch_ignores` was given (tapd's tap effect)."""
+    from jax._src.interpreters import pxla
+
+    ignored = getattr(pxla.ExecuteReplicated.__init__, "tapd_ignores", None)
+    return ignored is not None and isinstance(effect, ignored)
+
+
 def _on_several_cpus(executable: Any) -> bool:
     """Whether `executable` runs on more than one CPU device (pmap, shard_map, a
     partitioned jit over `--xla_force_host_platform_device_count` devices). Those keep

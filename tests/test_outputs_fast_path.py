@@ -1,0 +1,243 @@
+"""A gathered computation's output on JAX's C++ dispatch path
+(tapd/emitter/outputs_fast_path.py), on the CPU where `TAPD_BACKEND=portable
+TAPD_GATHER=on` gathers as on a TPU.
+
+Each program is a plain `jax.jit` called again and again: its first call takes JAX's
+Python path, the next ones the C++ path. What a user sees is checked against the
+references: every tap's values against numpy's, the programs' results against the
+untapped functions', and the records the ring keeps (seqs, steps) through dormant,
+woken, mixed and sampled sites against one host callback a tap (`TAPD_GATHER=off`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from zygote import run_program
+
+from conftest import native_unavailable
+
+_PROGRAMS = r"""
+import json, os, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax import lax
+
+import tapd
+from tapd.emitter import lifecycle, outputs_fast_path
+from tapd.protocol.ring_format import EVERY_DORMANT
+
+scenario = sys.argv[1]
+CALLS = 6
+
+
+def output(**fields):
+    fields.update(fast=outputs_fast_path.calls_served(), stats=tapd.stats())
+    print(json.dumps(fields), flush=True)
+
+
+if scenario == "values":
+    seen = []
+
+    def keep(name):
+        return lambda value, transforms: seen.append([name, np.asarray(value).tolist()])
+
+    scale = np.arange(5, dtype=np.float32)  # (a constant of the computation: const_args)
+
+    def loop(x):
+        return lax.fori_loop(0, 3, lambda i, c: tapd.id_tap(keep("loop"), c * 2.0 + i), x)
+
+    def pytree(x, y):
+        def step(c, v):
+            c = tapd.id_tap(keep("scan"), c + v)
+            return c, c * scale
+        total, rows = lax.scan(step, x, y)
+        return {"total": total, "rows": rows, "none": None}
+
+    def branch(x, p):
+        return lax.cond(p, lambda v: tapd.id_tap(keep("cond"), v + 1.0), lambda v: v - 1.0, x)
+
+    def untapped_loop(x):
+        for i in range(3):
+            x = x * 2.0 + i
+        return x
+
+    def untapped_pytree(x, y):
+        rows = []
+        for v in y:
+            x = x + v
+            rows.append(x * scale)
+        return {"total": x, "rows": np.stack(rows), "none": None}
+
+    programs = {
+        "loop": (jax.jit(loop), untapped_loop),
+        "pytree": (jax.jit(pytree), untapped_pytree),
+        "branch": (jax.jit(branch), lambda x, p: x + 1.0 if p else x - 1.0),
+        "donated": (jax.jit(loop, donate_argnums=0), untapped_loop),
+    }
+    results = {}
+    fast = {name: 0 for name in programs}
+    expected_taps = []
+    for k in range(CALLS):
+        x = np.full(5, k, np.float32)
+        y = np.arange(15, dtype=np.float32).reshape(3, 5) + k
+        p = bool(k % 2)
+        calls = {"loop": (x,), "pytree": (x, y), "branch": (x, p), "donated": (x,)}
+        for name, (program, reference) in programs.items():
+            args = calls[name]
+            device_args = [jnp.asarray(a) for a in args]
+            before = outputs_fast_path.calls_served()
+            got = jax.tree.map(np.asarray, program(*device_args))
+            fast[name] += outputs_fast_path.calls_served() - before
+            want = reference(*args)
+            same = jax.tree.map(lambda a, b: bool(np.allclose(a, b)), got, want)
+            results.setdefault(name, []).append(all(jax.tree.leaves(same)))
+            if name in ("loop", "donated"):
+                c = x
+                for i in range(3):
+                    c = c * 2.0 + i
+                    expected_taps.append(["loop", c.tolist()])
+            elif name == "pytree":
+                c = x
+                for v in y:
+                    c = c + v
+                    expected_taps.append(["scan", c.tolist()])
+            elif p:
+                expected_taps.append(["cond", (x + 1.0).tolist()])
+    tapd.barrier_wait(timeout=60)
+    output(results=results, seen=seen, expected=expected_taps, fast_by_program=fast)
+
+elif scenario == "slots":
+    MOVED = [0]  # the packed bytes read from the device and written
+    if os.environ.get("TAPD_GATHER") == "on":
+        from tapd.emitter.gathered import host as gathered_host
+
+        _write = gathered_host.Flush.write_packed
+
+        def _counted(self, packed):
+            MOVED[0] += packed.nbytes
+            _write(self, packed)
+
+        gathered_host.Flush.write_packed = _counted
+    native = lifecycle.get_sender().native
+    ring = native.ring
+    one = jax.jit(lambda x: lax.fori_loop(
+        0, 3, lambda i, c: tapd.tap(c + 1.0, "one", step=i), x))
+    two = jax.jit(lambda x: lax.fori_loop(
+        0, 2, lambda i, c: tapd.tap(tapd.tap(c, "first", step=i) * 2.0, "second", step=i), x))
+    x = jnp.zeros(4)
+    jax.block_until_ready((one(x), two(x)))  # (their sites registered)
+    jax.effects_barrier()
+    sites = {name: native.sites_of(name) for name in ("one", "first", "second")}
+    ALL = 1
+    phases = [
+        ("woken", {"one": ALL, "first": ALL, "second": ALL}),
+        ("dormant", {"one": EVERY_DORMANT, "first": EVERY_DORMANT, "second": EVERY_DORMANT}),
+        ("mixed", {"one": ALL, "first": EVERY_DORMANT, "second": ALL}),
+        ("sampled", {"one": 3, "first": 2, "second": ALL}),
+        ("woken again", {"one": ALL, "first": ALL, "second": ALL}),
+        ("dormant again", {"one": EVERY_DORMANT, "first": EVERY_DORMANT, "second": ALL}),
+    ]
+    fast, moved = {}, {}
+    for phase, slots in phases:
+        for name, every in slots.items():
+            for site in sites[name]:
+                ring.set_site_every(site, every)
+        before, bytes_before = outputs_fast_path.calls_served(), MOVED[0]
+        for _ in range(CALLS):
+            jax.block_until_ready(one(x))  # (each waited for: the ring writes as it runs)
+            jax.block_until_ready(two(x))
+        jax.effects_barrier()
+        fast[phase] = outputs_fast_path.calls_served() - before
+        moved[phase] = MOVED[0] - bytes_before
+    names = {site: name for name, ids in sites.items() for site in ids}
+    records = {}
+    for record in ring.read(0, 1_000_000):
+        records.setdefault(names[record.site], []).append([record.seq, record.step])
+    output(records=records, fast_by_phase=fast, moved=moved, skipped=ring.counters().skipped)
+"""
+
+
+def run(runtime_dir: Path, scenario: str, gather: str, **settings: str) -> dict[str, Any]:
+    script = runtime_dir / "fast_path_programs.py"
+    script.write_text(_PROGRAMS)
+    result = run_program(
+        [sys.executable, str(script), scenario],
+        env={
+            **os.environ,
+            "TAPD_ENDPOINT": f"ipc://{runtime_dir}/tapd.sock",
+            "TAPD_EXIT_TIMEOUT": "0",
+            "TAPD_LOCAL_FALLBACK": "0",
+            "TAPD_BACKEND": "portable",
+            "TAPD_GATHER": gather,
+            **settings,
+        },
+        timeout=240,
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result\n{result.stdout}\n{result.stderr}"
+    output: dict[str, Any] = json.loads(lines[-1])
+    return output
+
+
+@pytest.fixture
+def ring_needed() -> None:
+    if reason := native_unavailable():
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("fast_dispatch", ["1", "0"])
+def test_calls_on_the_cpp_path_return_what_jax_computes_and_tap_what_numpy_computes(
+    runtime_dir: Path, fast_dispatch: str
+) -> None:
+    """Loops, a scan returning a dict with None in it and a constant captured, a cond
+    taken every other call, donated arguments: six calls each, all but the first on the
+    C++ path where the call's taps are counted before it runs; the results as the
+    untapped functions give them, every tap in order with numpy's values. With
+    TAPD_GATHER_FAST_DISPATCH=0, the same on JAX's Python path every call."""
+    result = run(runtime_dir, "values", "on", TAPD_GATHER_FAST_DISPATCH=fast_dispatch)
+    assert result["results"] == {
+        name: [True] * 6 for name in ("loop", "pytree", "branch", "donated")
+    }
+    assert result["seen"] == result["expected"]
+    # Each program's first call takes JAX's Python path; the other five, the C++ path,
+    # but the cond's: a tap in one arm only, its count not known before a call runs.
+    fast = 5 if fast_dispatch == "1" else 0
+    assert result["fast_by_program"] == {
+        "loop": fast,
+        "pytree": fast,
+        "branch": 0,
+        "donated": fast,
+    }
+    assert result["stats"]["host_callbacks"] == 0
+
+
+def test_dormant_woken_mixed_and_sampled_sites_keep_what_one_callback_a_tap_keeps(
+    runtime_dir: Path, ring_needed: None
+) -> None:
+    """Two programs (one site; two sites of their own consumers) through six settings of
+    the site table, six calls each: the ring's records (seq, step) of every site are
+    those of one host callback a tap. Dormant calls move nothing and stay on the C++
+    path; a sampled consumer turns its program back to the Python path (sampled on the
+    device), until its sampling stops."""
+    reference = run(runtime_dir, "slots", "off")
+    gathered = run(runtime_dir, "slots", "on")
+    assert gathered["records"] == reference["records"]
+    assert gathered["skipped"] == reference["skipped"]
+    assert reference["fast"] == 0
+    fast = gathered["fast_by_phase"]
+    # 12 calls a setting; every one on the C++ path but where a site is sampled: the
+    # first call that finds one so comes from the C++ path (and drops every program's),
+    # the rest from Python's; woken again, the C++ path comes back within two calls of
+    # each program (the first call of `one` on the Python path drops the caches again).
+    assert fast["woken"] == fast["dormant"] == fast["mixed"] == 12
+    assert fast["sampled"] == 1
+    assert fast["woken again"] >= 9 and fast["dormant again"] == 12
+    moved = gathered["moved"]
+    assert moved["dormant"] == 0
+    assert 0 < moved["dormant again"] < moved["woken"]  # (`two`'s outputs only)
