@@ -39,7 +39,9 @@ from tapd.printing import print_tap
 scenario = sys.argv[1]
 
 FLUSHES = []  # the gathered path's flushes: [records written, dormant taps skipped]
-HEADS = []  # its outputs of which only the head moved (a dormant call): [0, skipped]
+# A dormant call's: its output's head alone moved, or its counts, known before it ran,
+# written by the host (`write_skipped`): [0, skipped]
+HEADS = []
 if os.environ.get("TAPD_GATHER") == "on":
     from tapd.emitter.gathered import host as gathered_host
 
@@ -56,8 +58,15 @@ if os.environ.get("TAPD_GATHER") == "on":
             HEADS.append(list(self.records(header)))
         return written
 
+    _write_skipped = gathered_host.Flush.write_skipped
+
+    def _counted_skipped(self, counts):
+        HEADS.append([0, int(sum(counts))])
+        _write_skipped(self, counts)
+
     gathered_host.Flush.write_packed = _counted
     gathered_host.Flush.write_header = _counted_header
+    gathered_host.Flush.write_skipped = _counted_skipped
 
 
 def loop(name, n, every=1, size=int(os.environ.get("TEST_LEAF_FLOATS", "256"))):

@@ -23,7 +23,9 @@ from conftest import native_unavailable, run_emitter
 pytestmark = pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable()))
 
 
-def run(runtime_dir: Path, scenario: str, gather: str, *args: str) -> dict[str, Any]:
+def run(
+    runtime_dir: Path, scenario: str, gather: str, *args: str, **settings: str
+) -> dict[str, Any]:
     """One scenario of tests/apps/gathered_sampling_app.py (it reads its own ring back:
     no daemon runs at the endpoint)."""
     env = {
@@ -31,6 +33,7 @@ def run(runtime_dir: Path, scenario: str, gather: str, *args: str) -> dict[str, 
         "TAPD_LOCAL_FALLBACK": "0",
         "TAPD_BACKEND": "portable",
         "TAPD_GATHER": gather,
+        **settings,
     }
     endpoint = f"ipc://{runtime_dir}/tapd.sock"
     return run_emitter(
@@ -65,6 +68,35 @@ def test_sampled_out_taps_move_nothing_and_the_kept_ones_are_the_rings(
     assert gathered["records"][name] == expected
     assert taps_of(gathered, name) == taps_of(reference, name) == total
     assert sum(gathered["moved"]) == len(expected)
+
+
+@pytest.mark.parametrize("dormancy", ["1", "0"])
+def test_a_log_holds_what_the_device_keeps_of_a_site_sampled_by_its_own_every(
+    runtime_dir: Path, dormancy: str
+) -> None:
+    """Logs of 9 records (TAPD_GATHER_TAPS=9), a loop of 40 steps tapping with every=5:
+    the device keeps at most 8 of a call's taps (and writes one more where the next kept
+    one would go), so one log holds them and the loop never flushes while it runs (no
+    host callback: on a TPU ~2 ms a call, run or not); then the subscribers' one in 3
+    (W = 15). The records are the per-tap path's. With
+    TAPD_DORMANT=0 the site is `always` (the device keeps every tap, the ring samples,
+    by 5 alone): the loop flushes while it runs, and the per-tap path's records come."""
+    settings = {"TAPD_GATHER_TAPS": "9", "TAPD_DORMANT": dormancy}
+    reference = run(runtime_dir, "bounded", "off", **settings)
+    gathered = run(runtime_dir, "bounded", "on", **settings)
+    # (An `always` site is never thinned by its subscribers: one in 5 throughout.)
+    thinned = 15 if dormancy == "1" else 5
+    expected = [[seq, seq % 40] for seq in range(0, 120, 5)]
+    expected += [[seq, seq % 40] for seq in range(120, 240) if seq % thinned == 0]
+    assert reference["records"]["b5"] == expected
+    assert gathered["records"]["b5"] == expected
+    assert taps_of(gathered, "b5") == 240
+    if dormancy == "1":
+        assert gathered["stats"]["host_callbacks"] == 0
+        assert gathered["moved"] == [8, 8, 8, 3, 3, 2]
+    else:
+        assert gathered["stats"]["host_callbacks"] >= 6 * 4
+        assert sum(gathered["moved"]) == 240  # (every tap kept: 5 logs a call)
 
 
 def test_a_consumer_tapped_by_two_sites_is_sampled_by_the_ring(runtime_dir: Path) -> None:

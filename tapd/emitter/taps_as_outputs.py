@@ -109,6 +109,9 @@ class OutputsEffect(effects.Effect):
         self.packed_output: tuple[Any, Any] | None = None
         # A consumer was found sampled on the C++ path, which then gave way to Python.
         self.sampled_when_fast = False
+        # Its log is sized for the taps the device samples out (FlushPlan.sampled_bound):
+        # every call takes the flags, never the C++ path's, which keep every tap.
+        self.sampled_bound = False
         self._keep_all: Any = None
 
     def __str__(self) -> str:
@@ -129,6 +132,7 @@ class OutputsEffect(effects.Effect):
             self.packed_output is not None
             and self._flags is not None
             and not self.refreshed
+            and not self.sampled_bound
             and self.call_counts is not None
             and self.receiver is not None
             and not hasattr(self.receiver, "of_device")
@@ -206,6 +210,15 @@ class Collector:
         over several devices, a list of each device's); `dormant`: dispatched with
         every site dormant (`OutputsEffect.dormant_call`): True (read the head only),
         or each site's count of taps (read nothing; the array is then None)."""
+        if array is None and not self._pending and self._writing.acquire(blocking=False):
+            # A dormant call's counts, nothing before them to write: written now, in the
+            # dispatching thread (a few µs), rather than by waking the thread for them.
+            try:
+                if not self._pending:
+                    _write(None, receiver, dormant)
+                    return
+            finally:
+                self._writing.release()
         if self.copy_ahead and not dormant:
             for shard in array if isinstance(array, list) else [array]:
                 try:

@@ -133,6 +133,13 @@ def main() -> None:
     elif scenario == "live":  # 3000 steps, every=7: flushes while it runs
         program = loop("live7", 3000, every=7)
         outs = [program(zeros) for _ in range(2)]
+    elif scenario == "bounded":  # 40 steps, every=5, then the subscribers' one in 3
+        program = loop("b5", 40, every=5)
+        jax.block_until_ready([program(zeros) for _ in range(3)])
+        jax.effects_barrier()
+        for site in native.sites_of("b5"):
+            ring.set_site_every(site, 3)
+        outs = [program(zeros) for _ in range(3)]
     elif scenario == "mixed":  # a while (count unknown) between loops of one consumer
         counted = loop("mix", 25, every=4)
         uncounted = while_loop("mix", 10, every=4)
@@ -160,7 +167,7 @@ def main() -> None:
     jax.block_until_ready(outs)
     jax.effects_barrier()
     names = {}
-    for name in ("e100", "k2n3", "live7", "mix", "two", "re", "ra", "rb", "rc"):
+    for name in ("e100", "k2n3", "live7", "b5", "mix", "two", "re", "ra", "rb", "rc"):
         for site in native.sites_of(name):
             names[site] = name
     records: dict[str, list[list[int]]] = {}

@@ -17,7 +17,7 @@ from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 
 from tapd.emitter import host_writers, jax_compat, lifecycle, outputs_fast_path
-from tapd.emitter.gathered import host, slices, threaded
+from tapd.emitter.gathered import host, sampling, slices, threaded
 from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, WayOut, call
 from tapd.emitter.gathered.live import Pace
 from tapd.emitter.gathered.rewrite import (
@@ -28,9 +28,10 @@ from tapd.emitter.gathered.rewrite import (
     most_records,
     site_operands,
     taps_within,
+    taps_within_eqn,
 )
 from tapd.emitter.native_backend import RingSites
-from tapd.emitter.primitive import TapSiteParams
+from tapd.emitter.primitive import TapSiteParams, tap_p
 from tapd.emitter.taps_as_outputs import OutputsEffect
 from tapd.errors import TapDefinitionError
 
@@ -270,8 +271,16 @@ def rewrite(
     out, each device's its shard). Returns the gathered jaxpr and its buffers' plan."""
     sites = list(found)
     records = most_records(closed.jaxpr)
-    hint = 0 if math.isinf(records) else int(records)
+    packs = way_out is not None or ends_packed
+    # Where each call brings the flags, a site the device samples by its own `every=K`
+    # keeps one tap in K at most: its log is sized for those.
+    kept = most_kept(closed.jaxpr, sites) if packs else records
+    if kept < records:  # (a row more: a tap not kept is written where the next would go)
+        kept += 1
+    hint = 0 if math.isinf(kept) else int(kept)
     plan = plan_buffers(sites, [found[s] for s in sites], hint, taps=taps, max_bytes=max_bytes)
+    if kept < records:
+        plan = dataclasses.replace(plan, sampled_bound=True)
     if live is not None:
         plan = dataclasses.replace(plan, answers=True, pace=Pace(live[1]))
     # The wake flags come in with a call that ends with an output, and on one device
@@ -287,7 +296,6 @@ def rewrite(
     else:
         rewriter = Rewriter(plan, varying, platform=platform, latency=latency)
     in_avals = [var.aval for var in closed.jaxpr.invars]
-    packs = way_out is not None or ends_packed
     flags_avals = [plan.flags_aval()] if packs else []
 
     def gathered(*args: Any) -> list[Any]:
@@ -308,6 +316,7 @@ def rewrite(
     inner = _closed(traced[0], traced[2])
     if way_out is not None:  # (its dormant calls' buffers need not move: taps_as_outputs)
         way_out.refreshed = rewriter.answers_traced
+        way_out.sampled_bound = plan.sampled_bound
         counts = exact_taps(closed.jaxpr)
         if counts is not None:
             way_out.call_counts = tuple(counts[site] for site in sites)
@@ -349,6 +358,59 @@ def _closed(jaxpr: Any, consts: list[Any]) -> Any:
     since (whose constructor still takes the pair)."""
     make: Any = getattr(core, "ClosedJaxpr", core.Jaxpr)
     return make(jaxpr, consts)
+
+
+def most_kept(jaxpr: core.Jaxpr, sites: Sequence[TapSiteParams]) -> float:
+    """The most records one run of `jaxpr` keeps where each call brings the sites' flags
+    (inf where a `while` loop taps): each site's most taps, one in K where the device
+    samples it by its own `every=K` whatever its consumers ask (`_sampled_by`)."""
+    taps = _most_taps_by_site(jaxpr)
+    if taps is None:
+        return math.inf
+    return float(sum(-(-count // _sampled_by(site, sites)) for site, count in taps.items()))
+
+
+def _sampled_by(site: TapSiteParams, sites: Sequence[TapSiteParams]) -> int:
+    """K where every call's flags make the device keep at most one of the site's taps in
+    K (`host.SiteWriter.keep`, `sampling.keep_flag`): it writes a ring, is not `always`,
+    and is its consumer's only site here; else 1."""
+    every = site.every
+    if every <= 1 or every >= sampling.MOST or site.always or _ring_of(site) is None:
+        return 1
+    if sum(other.consumer == site.consumer for other in sites) != 1:
+        return 1
+    return every
+
+
+def _most_taps_by_site(jaxpr: core.Jaxpr) -> dict[TapSiteParams, int] | None:
+    """Each site's most taps in one run of `jaxpr` (None where a `while` loop taps)."""
+    total: dict[TapSiteParams, int] = {}
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        parts: list[dict[TapSiteParams, int]] = []
+        if eqn.primitive is tap_p:
+            parts = [{eqn.params["site"]: 1}]
+        elif not taps_within_eqn(eqn):
+            continue
+        elif name == "while":
+            return None
+        elif name == "cond":
+            branches = [_most_taps_by_site(b.jaxpr) for b in eqn.params["branches"]]
+            if any(b is None for b in branches):
+                return None
+            found = [b for b in branches if b is not None]
+            keys = {site for b in found for site in b}
+            parts = [{site: max(b.get(site, 0) for b in found) for site in keys}]
+        else:
+            subs = [_most_taps_by_site(sub) for sub in core.jaxprs_in_params(eqn.params)]
+            if any(sub is None for sub in subs):
+                return None
+            times = eqn.params["length"] if name == "scan" else 1
+            parts = [{k: v * times for k, v in sub.items()} for sub in subs if sub is not None]
+        for part in parts:
+            for site, count in part.items():
+                total[site] = total.get(site, 0) + count
+    return total
 
 
 # A run whose records are counted before it runs, and that would just overflow one log

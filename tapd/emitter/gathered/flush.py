@@ -58,6 +58,9 @@ class FlushPlan:
     operand_avals: tuple[tuple[core.ShapedArray, ...], ...]  # per site: the tap's operands
     capacity: int  # records the log holds
     never_full: bool  # one run makes at most `capacity` records: flushed at its end only
+    # Its records counted one in K for a site the device samples by its own `every=K`
+    # (choose.most_kept): each call must bring the sites' flags, which sample.
+    sampled_bound: bool = False
     # Each flush answers with the sites' wake flags and a live chunk's steps (on one
     # device: tapd.emitter.gathered.live), as does a poll; the host's pace of them.
     answers: bool = False

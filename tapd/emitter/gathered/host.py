@@ -190,6 +190,8 @@ class Flush:
         if lib is not None and len(self.unringed) < len(sites):
             self._write_gathered = lib._FuncPtr(("tapd_ring_write_gathered", lib))
             self._write_gathered.restype = ctypes.c_int64
+        # A dormant call's head, by its counts: the same each call of a computation.
+        self._skipped_heads: dict[tuple[int, ...], np.ndarray] = {}
 
     def wake_flags(self, counts: Sequence[int] | None = None) -> tuple[int, ...]:
         """A call's flags (`taps_as_outputs.Receiver.wake_flags`): each site's keep flag,
@@ -231,10 +233,16 @@ class Flush:
 
     def write_skipped(self, counts: Sequence[int]) -> None:
         """A dormant call's taps, `counts` a site, counted as skipped (no buffers)."""
-        header = np.zeros(self.header_size, np.uint8)
-        offset = self.layout[SKIPPED][2]
-        header[offset : offset + 4 * len(counts)] = np.asarray(counts, np.int32).view(np.uint8)
-        self.write_header(header)
+        key = tuple(counts)
+        header = self._skipped_heads.get(key)
+        if header is None:
+            header = np.zeros(self.header_size, np.uint8)
+            offset = self.layout[SKIPPED][2]
+            header[offset : offset + 4 * len(key)] = np.asarray(key, np.int32).view(np.uint8)
+            if len(self._skipped_heads) < 64:  # (a computation has one; a few more at most)
+                self._skipped_heads[key] = header
+        if self._write_gathered is not None:  # (its log is empty: `write_header`'s case)
+            self._write_gathered(ctypes.c_void_p(header.ctypes.data), *self._arguments)
 
     def write_header(self, header: np.ndarray) -> bool:
         """Where the log is empty (dormant sites' taps only), their count from the

@@ -406,7 +406,7 @@ class Rewriter:
         taps `per_step` records a step and `records` in all, runs live."""
         if self.loops != 1 or self.latency <= 0 or not 0 < per_step <= self.plan.capacity:
             return False
-        overflows = records > self.plan.capacity
+        overflows = records > self.plan.capacity and not self.plan.never_full
         return live.is_live(math.inf if overflows else seconds(), overflows, self.latency)
 
     def _run_cond(

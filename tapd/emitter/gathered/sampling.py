@@ -48,8 +48,13 @@ def keep_flag(own_every: int, wanted: int) -> int:
         return 1
     if wanted == EVERY_DORMANT:
         return 0
-    every = (own_every or 1) * (1 if wanted == EVERY_ALL else wanted)
-    return every if every < MOST else 1
+    own = own_every or 1
+    every = own * (1 if wanted == EVERY_ALL else wanted)
+    if every < MOST:
+        return every
+    # (The device keeps one in K, the ring the rest of its sampling: a log sized for
+    # one in K, choose.most_kept, holds them.)
+    return own if own < MOST else 1
 
 
 class Reservations:
