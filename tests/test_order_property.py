@@ -53,6 +53,8 @@ SETTINGS = {
         "TAPD_GATHER_TAPS": "2",
         "TAPD_GATHER_LATENCY": "0",
     },
+    # Logs of 1024: most programs take one log, and their second call JAX's C++ path.
+    "gathered": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on"},
 }
 BASE_ENV = {"JAX_PLATFORMS": "cpu", "TAPD_AUTOSTART": "0"}
 
@@ -99,6 +101,8 @@ def test_random_programs_keep_program_order(setting: str) -> None:
     outcome = run_app(["25", str(49_000 + list(SETTINGS).index(setting))], SETTINGS[setting])
     assert outcome["ok"], f"{outcome['program']}\n{outcome['failure']}"
     assert outcome["checked"] == 25
+    if setting == "gathered":  # (the C++ path was taken, and checked)
+        assert outcome["fast_calls"] > 0
 
 
 @pytest.mark.soak

@@ -4,39 +4,43 @@ path (issue 51: "one tap a call").
 `tapd.emitter.taps_as_outputs` takes a gathered computation's packed buffers out as the
 result of an ordered effect's token, and passes the sites' wake flags in as its
 argument. JAX serves an executable with an ordered effect from Python, never from its
-C++ dispatch path (`pjit._get_fastpath_data`): on a TPU host that is ~0.2 ms a call more
-than an untapped step (bench/tpu_call_probe.py), the dormant short loops' whole cost,
-and half a one-tap call's.
+C++ dispatch path (`pjit._get_fastpath_data`): on the TPU host a one-tap step cost 584
+µs a call that way, against 118 untapped (bench/tpu_call_probe.py, session 20).
 
 The C++ path runs the executable on the call's arguments, prefixed with constants of
 its own (`const_args`), and gives back its outputs unflattened by a tree
 (`out_pytree_def`). So where a computation's way out needs nothing of the Python path,
-`install` gives it a C++ path of its own (`_fast_path`):
+`install` gives it a C++ path of its own (`_fast_path`), from its second call (the
+first, on the Python path, shows the output's form):
 
-- the flags argument becomes a constant: every site keeps every tap (`_KEEP_ALL`), so
-  that the call needs no flags read before it runs;
+- the flags argument becomes a constant in which every site keeps every tap
+  (`OutputsEffect.fast_flags`), so that no flags need be read before the call runs;
 - the packed buffers become one more output, first, taken by the tree's root, a node of
   tapd's own (`_WithTaps`) whose unflattening, once a call, in the dispatching thread,
-  reads the wake flags then, as the Python path reads them at dispatch, and hands the
+  reads the wake flags, as the Python path reads them at dispatch, and hands the
   output to the collector (`_arrived`): a call with every site dormant moves nothing
   (its taps counted as skipped, their number known before it runs); otherwise the whole
-  output is written and the ring skips a dormant site's records and samples a sampled
-  one's, as it does each tap's.
+  output is written, and the ring skips a dormant site's records (which moved with the
+  others) and samples a sampled one's, as it does each host callback's tap. A site
+  woken before a call thus takes that call's taps, as on the Python path.
 
-Where it applies (`_eligible`): one device; the computation's only ordered effect is the
-way out and its only other effects tapd's taps; no flush or poll while it runs (those
-bring flags with them, `OutputsEffect.refreshed`); each site's taps counted before it
-runs (`call_counts`). A consumer sampled one in N keeps the Python path, whose flags
-sample on the device (a sampled-out tap moves nothing): a call that finds one on the
-C++ path is written as it came (the ring samples it) and drops the C++ path of every
-computation (`_drop_fast_paths`), so that the next call takes the flags; a computation
-whose sampling has stopped gets its C++ path back the same way, from the Python path.
+Where it applies (`_eligible`): `TAPD_GATHER_FAST_DISPATCH` (on by default); one device;
+the computation's only ordered effect is the way out and its only other effects tapd's
+taps; no flush or poll while it runs (those bring flags with them,
+`OutputsEffect.refreshed`); each site's taps counted before it runs (`call_counts`); a
+log not sized for what sampling leaves (`sampled_bound`). A consumer sampled one in N
+keeps the Python path, whose flags sample on the device (a sampled-out tap moves
+nothing): a call that finds one on the C++ path is written as it came (the ring samples
+it) and drops the C++ path of every computation (`_drop_fast_paths`), so that the next
+call takes the flags; a computation whose sampling has stopped gets its C++ path back
+the same way, from the Python path (tests/test_outputs_fast_path.py).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
 import threading
 from typing import Any, cast
@@ -76,6 +80,10 @@ def _wrap_fastpath_data() -> bool:
     fields = getattr(data_type, "_fields", ())
     if original is None or not {"const_args", "out_pytree_def", "kept_var_bitvec"} <= set(fields):
         return False
+    parameters = list(inspect.signature(original).parameters)
+    if parameters[:1] != ["executable"] or "effects" not in parameters:
+        return False
+    effects_at = parameters.index("effects") - 1  # (among the arguments after `executable`)
 
     @functools.wraps(original)
     def get_fastpath_data(executable: Any, *args: Any, **kwargs: Any) -> Any:
@@ -83,7 +91,8 @@ def _wrap_fastpath_data() -> bool:
         if data is not None:
             return data
         try:
-            return _fast_path(original, executable, args, kwargs)
+            effects = args[effects_at] if len(args) > effects_at else kwargs.get("effects")
+            return _fast_path(original, executable, effects, args, kwargs)
         except Exception:  # (a JAX whose executable differs: the Python path, as before)
             logger.debug("a gathered output keeps JAX's Python path", exc_info=True)
             return None
@@ -95,10 +104,13 @@ def _wrap_fastpath_data() -> bool:
 # ---- the C++ path of one computation ----------------------------------------------------
 
 
-def _fast_path(original: Any, executable: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-    """The fast path data of `executable` with its way out as a constant in and an
-    output out (see the module docstring); None where it does not apply."""
-    effect = _eligible(executable, args[3] if len(args) > 3 else kwargs.get("effects"))
+def _fast_path(
+    original: Any, executable: Any, effects: Any, args: tuple[Any, ...], kwargs: Any
+) -> Any:
+    """The fast path data of `executable` (`effects`: its jaxpr's) with its way out as a
+    constant in and an output out (see the module docstring); None where it does not
+    apply. `original` makes the rest, given the executable without its ordered effect."""
+    effect = _eligible(executable, effects)
     if effect is None:
         return None
     call = executable.unsafe_call
