@@ -101,6 +101,18 @@ def test_each_device_gathers_its_taps_and_they_leave_as_an_output(kind: str, dev
     assert len(gathered["per_device"]) == per_device
 
 
+def test_id_tap_s_device_index_in_a_sharded_jit_taps_on_that_device() -> None:
+    """`device_index=1` in a jit over two devices: each tap runs on the second device, as
+    on the per-tap path (which such a computation keeps, gathered or not)."""
+    reference = run("device_index", 2, TAPD_GATHER="off")
+    gathered = run("device_index", 2, TAPD_GATHER="on")
+    [device] = reference["per_device"]
+    assert device.endswith("1"), device  # (cpu:1, TFRT_CPU_1: the second device)
+    assert gathered["per_device"] == reference["per_device"]
+    assert gathered["out"] == reference["out"]
+    assert gathered["taps"] == reference["taps"] == CALLS * STEPS
+
+
 @pytest.mark.parametrize("kind", ["shard_map", "pmap", "shard_map_in_loop", "explicit"])
 def test_a_small_log_flushes_in_the_loop_and_keeps_every_tap_in_order(kind: str) -> None:
     reference = run(kind, 4, TAPD_GATHER="off")

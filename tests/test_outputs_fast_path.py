@@ -111,6 +111,36 @@ if scenario == "values":
     tapd.barrier_wait(timeout=60)
     output(results=results, seen=seen, expected=expected_taps, fast_by_program=fast)
 
+elif scenario == "threads":
+    import threading
+
+    seen = []  # (list.append: atomic)
+
+    def keep(value, transforms):
+        seen.append(np.asarray(value).tolist())
+
+    step = jax.jit(lambda x: lax.fori_loop(0, 2, lambda i, c: tapd.id_tap(keep, c + 1.0), x))
+    jax.block_until_ready(step(jnp.zeros(3)))  # (its first call: JAX's Python path)
+
+    def calls(start):
+        for k in range(40):
+            jax.block_until_ready(step(jnp.full(3, start + 1000.0 * k)))
+            if start == 0 and k == 20:
+                jax.clear_caches()  # (the C++ paths dropped: made again on the next call)
+
+    threads = [threading.Thread(target=calls, args=(start,)) for start in (0, 100, 200)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    tapd.barrier_wait(timeout=60)
+    expected = [[0.0 + 1.0] * 3, [0.0 + 2.0] * 3]
+    for start in (0, 100, 200):
+        for k in range(40):
+            base = start + 1000.0 * k
+            expected += [[base + 1.0] * 3, [base + 2.0] * 3]
+    output(seen=sorted(seen), expected=sorted(expected))
+
 elif scenario == "slots":
     MOVED = [0]  # the packed bytes read from the device and written
     if os.environ.get("TAPD_GATHER") == "on":
@@ -215,6 +245,15 @@ def test_calls_on_the_cpp_path_return_what_jax_computes_and_tap_what_numpy_compu
         "donated": fast,
     }
     assert result["stats"]["host_callbacks"] == 0
+
+
+def test_threads_calling_one_step_at_once_lose_no_tap(runtime_dir: Path) -> None:
+    """Three threads call one jitted step 40 times each, at once, its caches cleared in
+    the middle of it (`jax.clear_caches()`): every tap of every call arrives, once, with
+    its values, and most calls were served by the C++ path."""
+    result = run(runtime_dir, "threads", "on")
+    assert result["seen"] == result["expected"]
+    assert result["fast"] >= 100
 
 
 def test_dormant_woken_mixed_and_sampled_sites_keep_what_one_callback_a_tap_keeps(

@@ -236,6 +236,14 @@ def main() -> dict[str, Any]:
         f = jax.jit(shard_map_in_loop(steps, mesh))
     elif kind == "sharded_jit":
         f, x = jax.jit(body(steps, None)), jax.device_put(x, NamedSharding(mesh, P("d")))
+    elif kind == "device_index":  # id_tap's device_index in a sharded jit: that device
+
+        def on_second(v: Any) -> Any:
+            for j in range(steps):
+                v = tapd.id_tap(note("on1"), v + j, tap_with_device=True, device_index=1)
+            return v
+
+        f, x = jax.jit(on_second), jax.device_put(x, NamedSharding(mesh, P("d")))
     elif kind == "explicit_2d":  # a 2-D Explicit mesh, the value split along one axis
         grid = jax.make_mesh(
             (n // 2, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2

@@ -78,6 +78,8 @@ def maybe_gathered(
         return None
     if not all(_host_callback_here(site, platform) for site in found):
         return None
+    if not one_device and any(_device_index(site) for site in found):
+        return None  # (id_tap's device_index: the per-tap path taps on that device)
     _check_fits(found)
     taps, max_bytes = settings.gather_taps, settings.gather_bytes
     try:
@@ -236,6 +238,11 @@ def _host_callback_here(site: TapSiteParams, platform: str) -> bool:
     local = lifecycle.local_path_of(site.consumer)
     handled = platform in lifecycle.handler_platforms(local=local is not None)
     return _ring_of(site) is None or not handled
+
+
+def _device_index(site: TapSiteParams) -> int:
+    """id_tap's `device_index`: the device of a partitioned jit its taps run on."""
+    return int(site.decoded_fields().get("meta", {}).get("device_index", 0))
 
 
 def _ring_of(site: TapSiteParams) -> RingSites | None:
