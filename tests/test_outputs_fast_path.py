@@ -11,214 +11,26 @@ woken, mixed and sampled sites against one host callback a tap (`TAPD_GATHER=off
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from zygote import run_program
 
-from conftest import native_unavailable
-
-_PROGRAMS = r"""
-import json, os, sys
-import jax, jax.numpy as jnp, numpy as np
-from jax import lax
-
-import tapd
-from tapd.emitter import lifecycle, outputs_fast_path
-from tapd.protocol.ring_format import EVERY_DORMANT
-
-scenario = sys.argv[1]
-CALLS = 6
-
-
-def output(**fields):
-    fields.update(fast=outputs_fast_path.calls_served(), stats=tapd.stats())
-    print(json.dumps(fields), flush=True)
-
-
-if scenario == "values":
-    seen = []
-
-    def keep(name):
-        return lambda value, transforms: seen.append([name, np.asarray(value).tolist()])
-
-    scale = np.arange(5, dtype=np.float32)  # (a constant of the computation: const_args)
-
-    def loop(x):
-        return lax.fori_loop(0, 3, lambda i, c: tapd.id_tap(keep("loop"), c * 2.0 + i), x)
-
-    def pytree(x, y):
-        def step(c, v):
-            c = tapd.id_tap(keep("scan"), c + v)
-            return c, c * scale
-        total, rows = lax.scan(step, x, y)
-        return {"total": total, "rows": rows, "none": None}
-
-    def branch(x, p):
-        return lax.cond(p, lambda v: tapd.id_tap(keep("cond"), v + 1.0), lambda v: v - 1.0, x)
-
-    def untapped_loop(x):
-        for i in range(3):
-            x = x * 2.0 + i
-        return x
-
-    def untapped_pytree(x, y):
-        rows = []
-        for v in y:
-            x = x + v
-            rows.append(x * scale)
-        return {"total": x, "rows": np.stack(rows), "none": None}
-
-    programs = {
-        "loop": (jax.jit(loop), untapped_loop),
-        "pytree": (jax.jit(pytree), untapped_pytree),
-        "branch": (jax.jit(branch), lambda x, p: x + 1.0 if p else x - 1.0),
-        "donated": (jax.jit(loop, donate_argnums=0), untapped_loop),
-    }
-    results = {}
-    fast = {name: 0 for name in programs}
-    expected_taps = []
-    for k in range(CALLS):
-        x = np.full(5, k, np.float32)
-        y = np.arange(15, dtype=np.float32).reshape(3, 5) + k
-        p = bool(k % 2)
-        calls = {"loop": (x,), "pytree": (x, y), "branch": (x, p), "donated": (x,)}
-        for name, (program, reference) in programs.items():
-            args = calls[name]
-            device_args = [jnp.asarray(a) for a in args]
-            before = outputs_fast_path.calls_served()
-            got = jax.tree.map(np.asarray, program(*device_args))
-            fast[name] += outputs_fast_path.calls_served() - before
-            want = reference(*args)
-            same = jax.tree.map(lambda a, b: bool(np.allclose(a, b)), got, want)
-            results.setdefault(name, []).append(all(jax.tree.leaves(same)))
-            if name in ("loop", "donated"):
-                c = x
-                for i in range(3):
-                    c = c * 2.0 + i
-                    expected_taps.append(["loop", c.tolist()])
-            elif name == "pytree":
-                c = x
-                for v in y:
-                    c = c + v
-                    expected_taps.append(["scan", c.tolist()])
-            elif p:
-                expected_taps.append(["cond", (x + 1.0).tolist()])
-    tapd.barrier_wait(timeout=60)
-    output(results=results, seen=seen, expected=expected_taps, fast_by_program=fast)
-
-elif scenario == "threads":
-    import threading
-
-    seen = []  # (list.append: atomic)
-
-    def keep(value, transforms):
-        seen.append(np.asarray(value).tolist())
-
-    step = jax.jit(lambda x: lax.fori_loop(0, 2, lambda i, c: tapd.id_tap(keep, c + 1.0), x))
-    jax.block_until_ready(step(jnp.zeros(3)))  # (its first call: JAX's Python path)
-
-    def calls(start):
-        for k in range(40):
-            jax.block_until_ready(step(jnp.full(3, start + 1000.0 * k)))
-            if start == 0 and k == 20:
-                jax.clear_caches()  # (the C++ paths dropped: made again on the next call)
-
-    threads = [threading.Thread(target=calls, args=(start,)) for start in (0, 100, 200)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    tapd.barrier_wait(timeout=60)
-    expected = [[0.0 + 1.0] * 3, [0.0 + 2.0] * 3]
-    for start in (0, 100, 200):
-        for k in range(40):
-            base = start + 1000.0 * k
-            expected += [[base + 1.0] * 3, [base + 2.0] * 3]
-    output(seen=sorted(seen), expected=sorted(expected))
-
-elif scenario == "slots":
-    MOVED = [0]  # the packed bytes read from the device and written
-    if os.environ.get("TAPD_GATHER") == "on":
-        from tapd.emitter.gathered import host as gathered_host
-
-        _write = gathered_host.Flush.write_packed
-
-        def _counted(self, packed):
-            MOVED[0] += packed.nbytes
-            _write(self, packed)
-
-        gathered_host.Flush.write_packed = _counted
-    native = lifecycle.get_sender().native
-    ring = native.ring
-    one = jax.jit(lambda x: lax.fori_loop(
-        0, 3, lambda i, c: tapd.tap(c + 1.0, "one", step=i), x))
-    two = jax.jit(lambda x: lax.fori_loop(
-        0, 2, lambda i, c: tapd.tap(tapd.tap(c, "first", step=i) * 2.0, "second", step=i), x))
-    x = jnp.zeros(4)
-    jax.block_until_ready((one(x), two(x)))  # (their sites registered)
-    jax.effects_barrier()
-    sites = {name: native.sites_of(name) for name in ("one", "first", "second")}
-    ALL = 1
-    phases = [
-        ("woken", {"one": ALL, "first": ALL, "second": ALL}),
-        ("dormant", {"one": EVERY_DORMANT, "first": EVERY_DORMANT, "second": EVERY_DORMANT}),
-        ("mixed", {"one": ALL, "first": EVERY_DORMANT, "second": ALL}),
-        ("sampled", {"one": 3, "first": 2, "second": ALL}),
-        ("woken again", {"one": ALL, "first": ALL, "second": ALL}),
-        ("dormant again", {"one": EVERY_DORMANT, "first": EVERY_DORMANT, "second": ALL}),
-    ]
-    fast, moved = {}, {}
-    for phase, slots in phases:
-        for name, every in slots.items():
-            for site in sites[name]:
-                ring.set_site_every(site, every)
-        before, bytes_before = outputs_fast_path.calls_served(), MOVED[0]
-        for _ in range(CALLS):
-            jax.block_until_ready(one(x))  # (each waited for: the ring writes as it runs)
-            jax.block_until_ready(two(x))
-        jax.effects_barrier()
-        fast[phase] = outputs_fast_path.calls_served() - before
-        moved[phase] = MOVED[0] - bytes_before
-    names = {site: name for name, ids in sites.items() for site in ids}
-    records = {}
-    for record in ring.read(0, 1_000_000):
-        records.setdefault(names[record.site], []).append([record.seq, record.step])
-    output(records=records, fast_by_phase=fast, moved=moved, skipped=ring.counters().skipped)
-"""
+from conftest import native_unavailable, run_emitter
 
 
 def run(runtime_dir: Path, scenario: str, gather: str, **settings: str) -> dict[str, Any]:
-    script = runtime_dir / "fast_path_programs.py"
-    script.write_text(_PROGRAMS)
-    result = run_program(
-        [sys.executable, str(script), scenario],
-        env={
-            **os.environ,
-            "TAPD_ENDPOINT": f"ipc://{runtime_dir}/tapd.sock",
-            "TAPD_EXIT_TIMEOUT": "0",
-            "TAPD_LOCAL_FALLBACK": "0",
-            "TAPD_BACKEND": "portable",
-            "TAPD_GATHER": gather,
-            **settings,
-        },
-        timeout=240,
-    )
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"no result\n{result.stdout}\n{result.stderr}"
-    output: dict[str, Any] = json.loads(lines[-1])
-    return output
-
-
-@pytest.fixture
-def ring_needed() -> None:
-    if reason := native_unavailable():
-        pytest.skip(reason)
+    """One scenario of tests/apps/fast_path_app.py (it reads its own ring back: no daemon
+    runs at the endpoint)."""
+    env = {
+        "TAPD_EXIT_TIMEOUT": "0",
+        "TAPD_LOCAL_FALLBACK": "0",
+        "TAPD_BACKEND": "portable",
+        "TAPD_GATHER": gather,
+        **settings,
+    }
+    endpoint = f"ipc://{runtime_dir}/tapd.sock"
+    return run_emitter(endpoint, scenario, env=env, app="fast_path_app.py", timeout=240)
 
 
 @pytest.mark.parametrize("fast_dispatch", ["1", "0"])
@@ -256,8 +68,9 @@ def test_threads_calling_one_step_at_once_lose_no_tap(runtime_dir: Path) -> None
     assert result["fast"] >= 100
 
 
+@pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable()))
 def test_dormant_woken_mixed_and_sampled_sites_keep_what_one_callback_a_tap_keeps(
-    runtime_dir: Path, ring_needed: None
+    runtime_dir: Path,
 ) -> None:
     """Two programs (one site; two sites of their own consumers) through six settings of
     the site table, six calls each: the ring's records (seq, step) of every site are
