@@ -8,11 +8,11 @@ loop's taps arrive.
 The parent starts a tapd daemon and a subscriber for the woken big taps ("big"), then
 one child (TAPD_GATHER=auto: the gathered path on a TPU). Each cell of the grid is a
 `fori_loop` that taps `x` every step, timed in steady state as the issue does: a few
-calls back to back, then every tap run in the subscriber (one `barrier_wait`), µs a
-step, medians of interleaved rounds. The floor: the same values returned as `scan`
-outputs and fetched with `np.asarray`. Live loops: a 2500-step loop of two 4096²
-matmuls a step (~1.4 ms) and a 60-step loop of ~100 ms steps, each tapping its step
-index to a function in this process; the time of its first tap after the call starts,
+calls back to back (`_calls`), then every tap run in the subscriber (one
+`barrier_wait`), µs a step, medians of interleaved rounds. The floor: the same values
+returned as `scan` outputs and fetched with `np.asarray`. Live loops: a 2500-step loop
+of two 4096² matmuls a step (~1.4 ms) and a 60-step loop of ~100 ms steps, each tapping
+its step index to a function in this process; the time of its first tap after the call starts,
 and the largest gap between taps. Cells of more than 400 MiB a call are left out (a
 TPU host moves them in seconds a call; the rate is that of 100 steps).
 
@@ -62,6 +62,16 @@ def grid(quick: bool) -> list[tuple[str, int, int]]:
 MOST_BYTES_A_CALL = 400 * 2**20
 
 
+def _calls(bytes_a_call: int) -> int:
+    """Calls back to back before the barrier, by the bytes a call taps: 5 as the issue
+    timed them, 25 where a call moves at most 8 MiB (a call of ~1 ms: the barrier's own
+    spread, ±60 µs a round over 5 calls, bench/tpu_dormant_probe.py, would be 5% of
+    the floor), 2 past 64 MiB."""
+    if bytes_a_call <= 8 * 2**20:
+        return 25
+    return 5 if bytes_a_call <= 64 * 2**20 else 2
+
+
 def child(
     quick: bool, live_only: bool = False, sampled_only: bool = False, big_only: bool = False
 ) -> dict[str, Any]:
@@ -106,7 +116,7 @@ def child(
     cells: dict[str, tuple[Callable[[Any], Any], Any, int, int]] = {}
     for size_name, elements, steps in [] if live_only or sampled_only else grid(quick):
         x = jnp.zeros(elements, jnp.float32)
-        calls = 5 if elements * 4 * steps <= 64 * 2**20 else 2
+        calls = _calls(elements * 4 * steps)
         for kind in ("none", "tap", "dormant", "floor"):
             cells[f"{size_name} x{steps} {kind}"] = (loop(kind, steps), x, calls, steps)
     x = jnp.zeros(SIZES["1MiB"], jnp.float32)

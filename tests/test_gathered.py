@@ -119,7 +119,7 @@ SETTINGS = {
         capacity=1024,
     ),
     "bytes1": Setting(
-        {"TAPD_GATHER": "on", "TAPD_GATHER_BYTES": "1"},
+        {"TAPD_GATHER": "on", "TAPD_GATHER_BYTES": "1", "TAPD_GATHER_LOG_BYTES": "1"},
         [*ORDER_CASES, "dtypes_and_shapes", "tiled_vectors"],
         capacity=1,
     ),
@@ -602,10 +602,11 @@ def test_hlo_has_no_callback_or_one_a_chunk_where_the_per_tap_path_has_one_a_tap
     on = runs["on"].case("lowered")
     assert off["callbacks"]["few"] == 7 and off["callbacks"]["long"] == 2
     assert on["callbacks"]["few"] == 0 and 1 <= on["callbacks"]["long"] <= 4
-    # 9 taps of 1 MiB, logs of 8 MiB: counted before the run, packed in 16 MiB, one log
-    # and no callback (choose.ONE_LOG_BYTES); 17 flush while they run.
-    assert off["callbacks"]["big9"] >= 1 and off["callbacks"]["big17"] >= 1
-    assert on["callbacks"]["big9"] == 0 and on["callbacks"]["big17"] >= 1
+    # 9 and 17 taps of 1 MiB, logs of 8 MiB: counted before the run, packed in at most
+    # TAPD_GATHER_LOG_BYTES (128 MiB), one log and no callback; 129 flush while they run.
+    assert off["callbacks"]["big9"] >= 1 and off["callbacks"]["big129"] >= 1
+    assert on["callbacks"]["big9"] == 0 and on["callbacks"]["big17"] == 0
+    assert on["callbacks"]["big129"] >= 1
     for kept in ("two_shapes", "strict", "in_condition"):
         assert on["callbacks"][kept] == off["callbacks"][kept] >= 1, kept
     # A shard_map body of one tap: one callback per tap; gathered, none (each device's

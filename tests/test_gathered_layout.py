@@ -19,13 +19,17 @@ from hypothesis import strategies as st
 from jax._src import core
 
 from tapd.emitter.gathered import host
-from tapd.emitter.gathered.choose import ONE_LOG_BYTES, plan_buffers
+from tapd.emitter.gathered.choose import plan_buffers
 from tapd.emitter.gathered.rewrite import stored_shape
 
 
-def plan(records: int, taps: int, row_bytes: int = 4, max_bytes: int = 2**30) -> int:
+def plan(
+    records: int, taps: int, row_bytes: int = 4, max_bytes: int = 2**30, log_bytes: int = 0
+) -> int:
+    """A log's capacity; `log_bytes` (gather_log_bytes) twice `max_bytes` unless given."""
     aval = core.ShapedArray((row_bytes // 4,), np.dtype(np.float32))
-    made = plan_buffers([], [[aval]], records, taps=taps, max_bytes=max_bytes)
+    log_bytes = log_bytes or 2 * max_bytes
+    made = plan_buffers([], [[aval]], records, taps=taps, max_bytes=max_bytes, log_bytes=log_bytes)
     return made.capacity
 
 
@@ -62,18 +66,19 @@ def test_examples_of_the_plan() -> None:
     taps=st.integers(1, 1100),
     row_bytes=st.sampled_from([4, 64, 4096, 2**16, 2**20, 2**22]),
     max_bytes=st.sampled_from([1, 2**16, 2**20, 8 * 2**20]),
+    log_bytes=st.sampled_from([1, 2**17, 16 * 2**20, 128 * 2**20]),
 )
 def test_a_log_holds_no_more_bytes_than_the_bound_allows(
-    records: int, taps: int, row_bytes: int, max_bytes: int
+    records: int, taps: int, row_bytes: int, max_bytes: int, log_bytes: int
 ) -> None:
     """A log never holds more than `gather_taps` records, nor more bytes than
     `gather_bytes` (at least one record), but for a count known before the run that
-    packs into ONE_LOG_BYTES times it, which is one log: no flush while it runs."""
-    capacity = plan(records, taps, row_bytes, max_bytes)
+    packs into `gather_log_bytes`, which is one log: no flush while it runs."""
+    capacity = plan(records, taps, row_bytes, max_bytes, log_bytes)
     assert 1 <= capacity <= taps
     aval = core.ShapedArray((row_bytes // 4,), np.dtype(np.float32))
     packed = host.packed_size(host.packed_layout(0, records, [[aval]]))
-    fits_once = 0 < records <= taps and packed <= ONE_LOG_BYTES * max_bytes
+    fits_once = 0 < records <= taps and packed <= log_bytes
     if fits_once:
         assert capacity >= records
     else:
@@ -154,3 +159,23 @@ def test_a_stored_vector_is_whole_tiles_or_left_as_it_is(dtype: type, elements: 
         assert stored == (elements,)
     for shape in [(4, elements), (elements, 1), (2, 3, elements)]:
         assert stored_shape(core.ShapedArray(shape, np.dtype(dtype))) == shape
+
+
+@pytest.mark.parametrize("words", [1, 127, 2**18 - 1, 2**18, 2**18 + 1, 2**18 + 129])
+def test_an_output_of_a_mebibyte_or_more_leaves_in_rows_holding_the_same_bytes(
+    words: int,
+) -> None:
+    """`as_rows`: packed words of ROWS_FROM bytes or more leave as (rows, 128) words,
+    zero-padded to a whole row (`output_size`); fewer stay a vector. The host reads the
+    same bytes from either (`as_bytes`), the padding after them."""
+    packed = np.arange(words, dtype=np.uint32) * np.uint32(2654435761)
+    out = np.asarray(host.as_rows(jnp.asarray(packed)))
+    size = 4 * words
+    if size >= host.ROWS_FROM:
+        assert out.shape == (-(-words // host.ROW_WORDS), host.ROW_WORDS)
+    else:
+        assert out.shape == (words,)
+    data = host.as_bytes(out)
+    assert data.ndim == 1 and data.size == host.output_size(size)
+    assert data[:size].tobytes() == packed.tobytes()
+    assert not data[size:].any()

@@ -38,7 +38,12 @@ SETTINGS = {
     "native": {"TAPD_BACKEND": "native"},
     "portable": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "off"},
     "gathered_taps2": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on", "TAPD_GATHER_TAPS": "2"},
-    "gathered_bytes1": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on", "TAPD_GATHER_BYTES": "1"},
+    "gathered_bytes1": {
+        "TAPD_BACKEND": "portable",
+        "TAPD_GATHER": "on",
+        "TAPD_GATHER_BYTES": "1",
+        "TAPD_GATHER_LOG_BYTES": "1",
+    },
     # Every loop at the top paced, one step a chunk (tapd.emitter.gathered.live).
     "gathered_paced": {
         "TAPD_BACKEND": "portable",

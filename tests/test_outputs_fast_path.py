@@ -38,13 +38,14 @@ def test_calls_on_the_cpp_path_return_what_jax_computes_and_tap_what_numpy_compu
     runtime_dir: Path, fast_dispatch: str
 ) -> None:
     """Loops, a scan returning a dict with None in it and a constant captured, a cond
-    taken every other call, donated arguments: six calls each, all but the first on the
+    taken every other call, donated arguments, a loop of 64 KiB taps (its log of more
+    than 1 MiB leaves in rows, gathered.host.as_rows): six calls each, all but the first on the
     C++ path where the call's taps are counted before it runs; the results as the
     untapped functions give them, every tap in order with numpy's values. With
     TAPD_GATHER_FAST_DISPATCH=0, the same on JAX's Python path every call."""
     result = run(runtime_dir, "values", "on", TAPD_GATHER_FAST_DISPATCH=fast_dispatch)
     assert result["results"] == {
-        name: [True] * 6 for name in ("loop", "pytree", "branch", "donated")
+        name: [True] * 6 for name in ("loop", "pytree", "branch", "donated", "big")
     }
     assert result["seen"] == result["expected"]
     # Each program's first call takes JAX's Python path; the other five, the C++ path,
@@ -55,6 +56,7 @@ def test_calls_on_the_cpp_path_return_what_jax_computes_and_tap_what_numpy_compu
         "pytree": fast,
         "branch": 0,
         "donated": fast,
+        "big": fast,
     }
     assert result["stats"]["host_callbacks"] == 0
 

@@ -205,6 +205,9 @@ def _arrived(effect: OutputsEffect, packed: Any) -> None:
         # (one device: `fast_path_allowed`)
         receiver = cast(taps_as_outputs.Receiver, effect.receiver)
         assert receiver is not None and effect.call_counts is not None
+        if not any(receiver.keeps()):  # (every site dormant: the common case, made short)
+            taps_as_outputs.collector.received(None, receiver, effect.call_counts)
+            return
         flags = receiver.wake_flags(effect.call_counts)
         keeps = flags[: effect.sites]
         if any(keep > 1 for keep in keeps):  # (sampled: the Python path samples on the device)

@@ -26,10 +26,10 @@ class EmitterSettings(EmitterFields):
             raise ConfigError(f"buffer_bytes must be positive, got {self.buffer_bytes}")
         if self.exit_timeout < 0:
             raise ConfigError(f"exit_timeout must be >= 0, got {self.exit_timeout}")
-        if self.gather_taps <= 0 or self.gather_bytes <= 0:
+        if self.gather_taps <= 0 or self.gather_bytes <= 0 or self.gather_log_bytes <= 0:
             raise ConfigError(
-                f"gather_taps and gather_bytes must be positive, got {self.gather_taps} "
-                f"and {self.gather_bytes}"
+                "gather_taps, gather_bytes and gather_log_bytes must be positive, got "
+                f"{self.gather_taps}, {self.gather_bytes} and {self.gather_log_bytes}"
             )
         if self.gather_latency < 0:
             raise ConfigError(f"gather_latency must be >= 0, got {self.gather_latency}")

@@ -51,6 +51,9 @@ class Receiver(Protocol):
 
     header_size: int  # the packed bytes' head: the log's length, the log, dormant counts
 
+    def keeps(self) -> tuple[int, ...]:
+        """Each site's keep flag now (the head of `wake_flags`, without its phases)."""
+
     def wake_flags(self, counts: Sequence[int] | None = None) -> tuple[int, ...]:
         """A call's flags: per site, which of its taps the device keeps (0 none: dormant,
         1 all, W > 1 one in W: tapd.emitter.gathered.sampling); a live loop's first chunk
@@ -355,6 +358,8 @@ def _write(array: Any, receiver: Any, dormant: Any) -> None:
             return
         if dormant:  # (the head only, in words: gathered.host.pack)
             head = receiver.header_size // array.dtype.itemsize
+            if array.ndim == 2:  # (in rows: gathered.host.as_rows)
+                head = -(-head // array.shape[1])
             if receiver.write_header(np.asarray(array[:head])):
                 return
         packed = np.asarray(array)

@@ -311,10 +311,17 @@ class EmitterFields:
     gather_bytes: int = emitter(
         8 * 2**20,
         "the most device memory a gathered computation's tap buffers take, in bytes (a "
-        "flush then comes after fewer taps; at least one); a computation whose taps are "
-        "counted before it runs and pack into twice this takes them in one log, with no "
-        "flush while it runs",
+        "flush then comes after fewer taps; at least one), but for one whose taps fit "
+        "gather_log_bytes",
         default_text="8 MiB",
+    )
+    gather_log_bytes: int = emitter(
+        128 * 2**20,
+        "a gathered computation whose taps are counted before it runs takes them all in "
+        "one log where they pack into at most this many bytes of device memory: no flush, "
+        "so no host callback, while it runs (on a TPU ~2 ms a call, run or not: "
+        'docs/TAPPING.md, "On a TPU"); one larger flushes logs of gather_bytes',
+        default_text="128 MiB",
     )
     gather_latency: float = emitter(
         0.25,

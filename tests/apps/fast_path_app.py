@@ -49,6 +49,20 @@ if scenario == "values":
     def branch(x, p):
         return lax.cond(p, lambda v: tapd.id_tap(keep("cond"), v + 1.0), lambda v: v - 1.0, x)
 
+    def digest(value):  # (a big tap's values, in few numbers: sum, first and last)
+        value = np.asarray(value, np.float64)
+        return [list(value.shape), float(value.sum()), value[:2].tolist(), value[-2:].tolist()]
+
+    def big(x):  # (20 taps of 64 KiB: its log leaves in rows, gathered.host.as_rows)
+        return lax.fori_loop(
+            0, 20, lambda i, c: tapd.id_tap(lambda v, t: seen.append(["big", digest(v)]), c + i), x
+        )
+
+    def untapped_big(x):
+        for i in range(20):
+            x = x + i
+        return x
+
     def untapped_loop(x):
         for i in range(3):
             x = x * 2.0 + i
@@ -66,6 +80,7 @@ if scenario == "values":
         "pytree": (jax.jit(pytree), untapped_pytree),
         "branch": (jax.jit(branch), lambda x, p: x + 1.0 if p else x - 1.0),
         "donated": (jax.jit(loop, donate_argnums=0), untapped_loop),
+        "big": (jax.jit(big), untapped_big),
     }
     results = {}
     fast = {name: 0 for name in programs}
@@ -74,7 +89,8 @@ if scenario == "values":
         x = np.full(5, k, np.float32)
         y = np.arange(15, dtype=np.float32).reshape(3, 5) + k
         p = bool(k % 2)
-        calls = {"loop": (x,), "pytree": (x, y), "branch": (x, p), "donated": (x,)}
+        row = np.arange(2**14, dtype=np.float32) + 1000 * k
+        calls = {"loop": (x,), "pytree": (x, y), "branch": (x, p), "donated": (x,), "big": (row,)}
         for name, (program, reference) in programs.items():
             args = calls[name]
             device_args = [jnp.asarray(a) for a in args]
@@ -89,6 +105,11 @@ if scenario == "values":
                 for i in range(3):
                     c = c * 2.0 + i
                     expected_taps.append(["loop", c.tolist()])
+            elif name == "big":
+                c = row
+                for i in range(20):
+                    c = c + np.float32(i)
+                    expected_taps.append(["big", digest(c)])
             elif name == "pytree":
                 c = x
                 for v in y:

@@ -651,6 +651,7 @@ def lowered() -> Any:
     counts = {
         "big9": _callbacks(jax.jit(big(9)).lower(row)),
         "big17": _callbacks(jax.jit(big(17)).lower(row)),
+        "big129": _callbacks(jax.jit(big(129)).lower(row)),
         "few": _callbacks(jax.jit(few).lower(1)),
         "long": _callbacks(jax.jit(long).lower(1)),
         "two_shapes": _callbacks(jax.jit(two_shapes).lower(1)),

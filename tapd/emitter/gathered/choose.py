@@ -285,7 +285,10 @@ def rewrite(
     if kept < records:  # (a row more: a tap not kept is written where the next would go)
         kept += 1
     hint = 0 if math.isinf(kept) else int(kept)
-    plan = plan_buffers(sites, [found[s] for s in sites], hint, taps=taps, max_bytes=max_bytes)
+    log_bytes = lifecycle.settings().gather_log_bytes
+    plan = plan_buffers(
+        sites, [found[s] for s in sites], hint, taps=taps, max_bytes=max_bytes, log_bytes=log_bytes
+    )
     if kept < records:
         plan = dataclasses.replace(plan, sampled_bound=True)
     if live is not None:
@@ -312,7 +315,10 @@ def rewrite(
             closed.jaxpr, closed.consts, list(args), state, checked=not plan.never_full
         )
         if packs:
-            return [*outs, rewriter.packed(state)]
+            packed = rewriter.packed(state)
+            if way_out is not None and mesh is None:  # (one device's output)
+                packed = host.as_rows(packed)
+            return [*outs, packed]
         rewriter.final(state, certain=certainly_taps(closed.jaxpr))
         return outs
 
@@ -420,16 +426,15 @@ def _most_taps_by_site(jaxpr: core.Jaxpr) -> dict[TapSiteParams, int] | None:
     return total
 
 
-# A run whose records are counted before it runs, and that would just overflow one log
-# (9 taps of 1 MiB, 8 MiB a log), takes them in one log if it packs into at most this
-# many times `gather_bytes`: else a flush while it runs puts a host callback in the
-# computation, which costs a TPU ~2 ms a call, run or not. On the TPU v5e, woken /
-# dormant ÷ the floor of moving the bytes, one log against logs of 8 MiB: 1 MiB x 9
-# 0.93 / 0.12 against 1.21 / 0.46; 4 MiB x 3 2.91 / 0.15 against 5.48 / 0.78. A packed
-# output just over 16 MiB (1 MiB x 16, 2 MiB x 8, 4 MiB x 4) cost 3.7-4.2 woken, against
-# 1.9-2.1 as two logs: fetching one vector of more than 16 MiB is a cliff there, 40 ms
-# for 32 MiB against 3.8 for 16 (bench/RESULTS-tpu.md, session 19).
-ONE_LOG_BYTES = 2
+# Why one log for a run whose records are counted before it runs (`plan_buffers`,
+# `gather_log_bytes`): a flush while it runs puts a host callback in the computation,
+# which costs a TPU ~2 ms a call, run or not, and the Python path. On the TPU v5e,
+# woken / dormant ÷ the floor of moving the bytes, one log against logs of 8 MiB: 1 MiB
+# x 9 0.93 / 0.12 against 1.21 / 0.46; 4 MiB x 3 2.91 / 0.15 against 5.48 / 0.78
+# (bench/RESULTS-tpu.md, session 19). A log is fetched as words in rows of 128
+# (`host.as_rows`): the host's cost of fetching 32 MiB or more is its page faults on the
+# memory it maps afresh for each array, whatever its shape, and the floor's `scan`
+# outputs pay them alike (bench/tpu_fetch_probe.py, session 21).
 
 
 def plan_buffers(
@@ -439,10 +444,11 @@ def plan_buffers(
     *,
     taps: int,
     max_bytes: int,
+    log_bytes: int,
 ) -> FlushPlan:
     """Buffers for `taps` records at most (fewer where one run makes fewer, `records`,
     0 if unbounded), and at most `max_bytes` of them (at least one record); a run's
-    `records`, if they pack into ONE_LOG_BYTES times `max_bytes`, in one log."""
+    `records`, if they pack into `log_bytes` (`gather_log_bytes`), in one log."""
     row_bytes = sum(
         int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
         for avals in operand_avals
@@ -451,7 +457,7 @@ def plan_buffers(
     capacity = max(1, min(taps, max_bytes // max(row_bytes, 1)))
     if capacity < records <= taps:  # (the packed size reckoned only past one log)
         one_log = host.packed_size(host.packed_layout(len(sites), records, operand_avals))
-        if one_log <= ONE_LOG_BYTES * max_bytes:
+        if one_log <= log_bytes:
             capacity = records
     never_full = 0 < records <= capacity
     if records > 0:

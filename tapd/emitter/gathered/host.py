@@ -73,9 +73,33 @@ def pack(count: Any, log: Any, order: Any, skipped: Any, buffers: Sequence[Any])
 
 
 def as_bytes(packed: Any) -> np.ndarray:
-    """Packed words (or bytes made on the host) as the bytes `packed_layout` places."""
+    """Packed words (or bytes made on the host; or words in rows, `as_rows`) as the
+    bytes `packed_layout` places."""
     array = np.ascontiguousarray(packed)
-    return array if array.dtype == np.uint8 else array.view(np.uint8)
+    return (array if array.dtype == np.uint8 else array.view(np.uint8)).reshape(-1)
+
+
+# A computation's output of packed words at least this large leaves in rows of
+# ROW_WORDS (`as_rows`): a TPU lays a vector out in tiles of its own, which the host
+# reorders as it fetches; rows of 128 words are its (8, 128) tiles as they lie. The
+# TPU v5e fetched 16 MiB in 2.90 ms as rows, 3.74 as a vector; 28 MiB 4.27 against 5.82
+# (bench/tpu_fetch_probe.py, session 21). Smaller outputs stay vectors (a small tap's).
+ROWS_FROM = 2**20
+ROW_WORDS = 128
+
+
+def as_rows(packed: Any) -> Any:
+    """`pack`'s words (traced) as the output a computation ends with: where they are
+    ROWS_FROM bytes or more, zero-padded to a whole row and shaped (rows, ROW_WORDS)."""
+    if packed.shape[0] * 4 < ROWS_FROM:
+        return packed
+    return _padded_to(packed, ROW_WORDS).reshape(-1, ROW_WORDS)
+
+
+def output_size(size: int) -> int:
+    """The bytes of the output `as_rows` makes of `size` packed bytes."""
+    row = 4 * ROW_WORDS
+    return size if size < ROWS_FROM else -(-size // row) * row
 
 
 def _words(piece: Any) -> Any:
@@ -190,8 +214,13 @@ class Flush:
         if lib is not None and len(self.unringed) < len(sites):
             self._write_gathered = lib._FuncPtr(("tapd_ring_write_gathered", lib))
             self._write_gathered.restype = ctypes.c_int64
-        # A dormant call's head, by its counts: the same each call of a computation.
-        self._skipped_heads: dict[tuple[int, ...], np.ndarray] = {}
+        # A dormant call's head, by its counts: the same each call of a computation
+        # (and its address, made once: ctypes' conversions cost a dormant call µs).
+        self._skipped_heads: dict[tuple[int, ...], tuple[np.ndarray, ctypes.c_void_p]] = {}
+
+    def keeps(self) -> tuple[int, ...]:
+        """Each site's keep flag (`SiteWriter.keep`): the head of `wake_flags`."""
+        return tuple([site.keep() for site in self.sites])
 
     def wake_flags(self, counts: Sequence[int] | None = None) -> tuple[int, ...]:
         """A call's flags (`taps_as_outputs.Receiver.wake_flags`): each site's keep flag,
@@ -234,15 +263,16 @@ class Flush:
     def write_skipped(self, counts: Sequence[int]) -> None:
         """A dormant call's taps, `counts` a site, counted as skipped (no buffers)."""
         key = tuple(counts)
-        header = self._skipped_heads.get(key)
-        if header is None:
+        made = self._skipped_heads.get(key)
+        if made is None:
             header = np.zeros(self.header_size, np.uint8)
             offset = self.layout[SKIPPED][2]
             header[offset : offset + 4 * len(key)] = np.asarray(key, np.int32).view(np.uint8)
+            made = (header, ctypes.c_void_p(header.ctypes.data))
             if len(self._skipped_heads) < 64:  # (a computation has one; a few more at most)
-                self._skipped_heads[key] = header
+                self._skipped_heads[key] = made
         if self._write_gathered is not None:  # (its log is empty: `write_header`'s case)
-            self._write_gathered(ctypes.c_void_p(header.ctypes.data), *self._arguments)
+            self._write_gathered(made[1], *self._arguments)
 
     def write_header(self, header: np.ndarray) -> bool:
         """Where the log is empty (dormant sites' taps only), their count from the
@@ -256,7 +286,7 @@ class Flush:
 
     def write_packed(self, packed: np.ndarray) -> None:
         packed = as_bytes(packed)
-        if packed.size != self.size:
+        if packed.size not in (self.size, output_size(self.size)):
             raise ValueError(f"gathered buffers of {packed.size} bytes, not {self.size}")
         if self._write_gathered is not None:
             written = self._write_gathered(ctypes.c_void_p(packed.ctypes.data), *self._arguments)
