@@ -15,6 +15,9 @@ medians of interleaved rounds:
   path, tapd/emitter/outputs_fast_path.py);
 - `dormant, no hook`: the same with the output's Python hook doing nothing (the
   dispatch and the execution alone);
+- `two outputs`, `two outputs + 64 B output, dropped`, `dormant, two outputs`: the
+  same, the step returning two arrays (as most training steps return several): what one
+  more output costs a call that already returns more than one;
 - `dormant, 5 calls a barrier`: as bench/tpu_live.py times it (5 calls, then
   `barrier_wait`), with `untapped` likewise, to see that measure's spread.
 """
@@ -57,6 +60,14 @@ def main() -> None:
     dormant_bare = jax.jit(
         lambda x: lax.fori_loop(0, steps, lambda i, x: tapd.tap(body(i, x), "nobody2"), x)
     )
+    pair = jax.jit(lambda x: (lax.fori_loop(0, steps, body, x), x * 2.0))
+    pair_small = jax.jit(lambda x: (lax.fori_loop(0, steps, body, x), x * 2.0, x[:16]))
+    pair_dormant = jax.jit(
+        lambda x: (
+            lax.fori_loop(0, steps, lambda i, x: tapd.tap(body(i, x), "nobody3"), x),
+            x * 2.0,
+        )
+    )
     hook = outputs_fast_path._arrived
 
     def no_hook(x: Any) -> Any:
@@ -72,6 +83,9 @@ def main() -> None:
         "+ 64 B output, dropped": small,
         "dormant": dormant,
         "dormant, no hook": no_hook,
+        "two outputs": pair,
+        "two outputs + 64 B output, dropped": pair_small,
+        "dormant, two outputs": pair_dormant,
     }
     x = jnp.zeros(args.elements, jnp.float32)
     for function in variants.values():
