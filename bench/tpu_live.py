@@ -209,13 +209,14 @@ def live_loops(quick: bool) -> dict[str, Any]:
 
 
 def unpaced(function: Callable[[Any], Any], c: Any) -> Callable[[Any], Any]:
-    """`function` compiled with `gather_latency` 0 (its loop flushes when its log fills)."""
+    """`function` compiled as issue 51 found it: `gather_latency` 0 and no one log of a
+    counted run (`gather_log_bytes` 1): its loop flushes when its log fills."""
     import dataclasses
 
     from tapd.emitter import lifecycle
 
     settings = lifecycle.settings()
-    lifecycle._settings = dataclasses.replace(settings, gather_latency=0.0)
+    lifecycle._settings = dataclasses.replace(settings, gather_latency=0.0, gather_log_bytes=1)
     try:
         compiled = function.lower(c).compile()  # type: ignore[attr-defined]
     finally:

@@ -349,10 +349,17 @@ def test_a_gathered_loop_that_flushes_while_it_runs_skips_dormant_taps_at_the_fl
 ) -> None:
     """A loop longer than the log runs live (tapd.emitter.gathered.live): each chunk's
     end asks the host for fresh wake flags, so a dormant site's taps are not kept on
-    the device (they move nothing: counted as skipped), and once woken its taps come."""
+    the device (they move nothing: counted as skipped), and once woken its taps come.
+    (Logs of 1024: its 3000 taps, counted before it runs, would otherwise take one log,
+    TAPD_GATHER_LOG_BYTES.)"""
     if reason := native_unavailable():
         pytest.skip(reason)
-    env = {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on", "TEST_LEAF_FLOATS": "4"}
+    env = {
+        "TAPD_BACKEND": "portable",
+        "TAPD_GATHER": "on",
+        "TAPD_GATHER_LOG_BYTES": "1",
+        "TEST_LEAF_FLOATS": "4",
+    }
     result = run_script(runtime_dir, "long_dormant", env=env)
     assert result["stats"]["skipped_by_consumer"] == {"long": 3000}
     assert result["first"] == [3000] and result["count"] == 3000

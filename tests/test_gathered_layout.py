@@ -24,12 +24,27 @@ from tapd.emitter.gathered.rewrite import stored_shape
 
 
 def plan(
-    records: int, taps: int, row_bytes: int = 4, max_bytes: int = 2**30, log_bytes: int = 0
+    records: int,
+    taps: int,
+    row_bytes: int = 4,
+    max_bytes: int = 2**30,
+    log_bytes: int = 0,
+    long: bool = True,
 ) -> int:
-    """A log's capacity; `log_bytes` (gather_log_bytes) twice `max_bytes` unless given."""
+    """A log's capacity; `log_bytes` (gather_log_bytes) twice `max_bytes` unless given;
+    `long`: a run that may be paced live (one log only within `taps` records and twice
+    `max_bytes`), else one whose count fits `log_bytes` takes one log however many."""
     aval = core.ShapedArray((row_bytes // 4,), np.dtype(np.float32))
     log_bytes = log_bytes or 2 * max_bytes
-    made = plan_buffers([], [[aval]], records, taps=taps, max_bytes=max_bytes, log_bytes=log_bytes)
+    made = plan_buffers(
+        [],
+        [[aval]],
+        records,
+        taps=taps,
+        max_bytes=max_bytes,
+        log_bytes=log_bytes,
+        may_run_long=long,
+    )
     return made.capacity
 
 
@@ -60,6 +75,18 @@ def test_examples_of_the_plan() -> None:
     assert plan(9, 8, row_bytes=4, max_bytes=8 * mib) == 5  # (the count of taps still holds)
 
 
+def test_examples_of_a_run_that_does_not_run_long() -> None:
+    """A counted run not paced live takes one log wherever its records pack into
+    gather_log_bytes, past gather_taps too: no host callback while it runs."""
+    mib = 2**20
+    bounds = {"row_bytes": mib, "max_bytes": 8 * mib, "log_bytes": 128 * mib}
+    assert plan(5000, 1024, long=False) == 5000  # (4-byte taps: far within the bytes)
+    assert plan(100, 1024, **bounds, long=False) == 100
+    assert plan(100, 1024, **bounds) == 8  # (paced live: logs of 8 MiB)
+    assert plan(200, 1024, **bounds, long=False) == 8  # (past the bound: even logs of 8)
+    assert plan(0, 1024, **bounds, long=False) == 8  # (not counted)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     records=st.integers(0, 3000),
@@ -67,21 +94,25 @@ def test_examples_of_the_plan() -> None:
     row_bytes=st.sampled_from([4, 64, 4096, 2**16, 2**20, 2**22]),
     max_bytes=st.sampled_from([1, 2**16, 2**20, 8 * 2**20]),
     log_bytes=st.sampled_from([1, 2**17, 16 * 2**20, 128 * 2**20]),
+    long=st.booleans(),
 )
 def test_a_log_holds_no_more_bytes_than_the_bound_allows(
-    records: int, taps: int, row_bytes: int, max_bytes: int, log_bytes: int
+    records: int, taps: int, row_bytes: int, max_bytes: int, log_bytes: int, long: bool
 ) -> None:
     """A log never holds more than `gather_taps` records, nor more bytes than
     `gather_bytes` (at least one record), but for a count known before the run that
-    packs into `gather_log_bytes`, which is one log: no flush while it runs."""
-    capacity = plan(records, taps, row_bytes, max_bytes, log_bytes)
-    assert 1 <= capacity <= taps
+    packs into `gather_log_bytes`, which is one log: no flush while it runs. A run that
+    may be paced live takes one log only within `gather_taps` records and twice
+    `gather_bytes` (each chunk's flush sends the whole log)."""
+    capacity = plan(records, taps, row_bytes, max_bytes, log_bytes, long)
     aval = core.ShapedArray((row_bytes // 4,), np.dtype(np.float32))
     packed = host.packed_size(host.packed_layout(0, records, [[aval]]))
-    fits_once = 0 < records <= taps and packed <= log_bytes
+    bound = min(log_bytes, 2 * max_bytes) if long else log_bytes
+    fits_once = records > 0 and (records <= taps or not long) and packed <= bound
     if fits_once:
-        assert capacity >= records
+        assert capacity == records
     else:
+        assert 1 <= capacity <= taps
         assert capacity * row_bytes <= max(max_bytes, row_bytes)
 
 

@@ -81,7 +81,7 @@ def test_a_log_holds_what_the_device_keeps_of_a_site_sampled_by_its_own_every(
     (W = 15). The records are the per-tap path's. With
     TAPD_DORMANT=0 the site is `always` (the device keeps every tap, the ring samples,
     by 5 alone): the loop flushes while it runs, and the per-tap path's records come."""
-    settings = {"TAPD_GATHER_TAPS": "9", "TAPD_DORMANT": dormancy}
+    settings = {"TAPD_GATHER_TAPS": "9", "TAPD_GATHER_LOG_BYTES": "1", "TAPD_DORMANT": dormancy}
     reference = run(runtime_dir, "bounded", "off", **settings)
     gathered = run(runtime_dir, "bounded", "on", **settings)
     # (An `always` site is never thinned by its subscribers: one in 5 throughout.)

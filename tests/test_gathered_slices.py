@@ -116,7 +116,7 @@ def test_id_tap_s_device_index_in_a_sharded_jit_taps_on_that_device() -> None:
 @pytest.mark.parametrize("kind", ["shard_map", "pmap", "shard_map_in_loop", "explicit"])
 def test_a_small_log_flushes_in_the_loop_and_keeps_every_tap_in_order(kind: str) -> None:
     reference = run(kind, 4, TAPD_GATHER="off")
-    gathered = run(kind, 4, TAPD_GATHER="on", TAPD_GATHER_TAPS="3")
+    gathered = run(kind, 4, TAPD_GATHER="on", TAPD_GATHER_TAPS="3", TAPD_GATHER_LOG_BYTES="1")
     assert gathered["per_device"] == reference["per_device"]
     # Records of a device a call, in logs of 3 (a loop flushes by chunks, so a few
     # more), the last of them leaving as an output.

@@ -106,6 +106,6 @@ def test_no_tap_is_lost_or_reordered_at_the_log_s_edges(env: dict[str, str]) -> 
     allows: `choose.plan_buffers`). Logs bound by their bytes (vector taps): a scan of
     9 or 15 steps of one tap in one log of more than the bound, of 16 and more, and a
     while loop (its count not known), flushed."""
-    result = run("thresholds", **{"TAPD_GATHER_TAPS": "8", **env})
+    result = run("thresholds", **{"TAPD_GATHER_TAPS": "8", "TAPD_GATHER_LOG_BYTES": "1", **env})
     for case, outcome in result["cases"].items():
         assert outcome["got"] == outcome["expected"], case

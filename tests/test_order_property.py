@@ -37,7 +37,12 @@ pytestmark = [
 SETTINGS = {
     "native": {"TAPD_BACKEND": "native"},
     "portable": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "off"},
-    "gathered_taps2": {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on", "TAPD_GATHER_TAPS": "2"},
+    "gathered_taps2": {
+        "TAPD_BACKEND": "portable",
+        "TAPD_GATHER": "on",
+        "TAPD_GATHER_TAPS": "2",
+        "TAPD_GATHER_LOG_BYTES": "1",
+    },
     "gathered_bytes1": {
         "TAPD_BACKEND": "portable",
         "TAPD_GATHER": "on",
@@ -56,6 +61,7 @@ SETTINGS = {
         "TAPD_BACKEND": "portable",
         "TAPD_GATHER": "on",
         "TAPD_GATHER_TAPS": "2",
+        "TAPD_GATHER_LOG_BYTES": "1",
         "TAPD_GATHER_LATENCY": "0",
     },
     # Logs of 1024: most programs take one log, and their second call JAX's C++ path.

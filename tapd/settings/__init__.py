@@ -306,7 +306,9 @@ class EmitterFields:
         1024,
         "a gathered computation flushes its taps to the host after at most this many "
         "(and, in a long loop on one device, within gather_latency), and at its end; "
-        "one whose taps fit needs no host callback at all (on a TPU, ~1.7 ms a call less)",
+        "one whose taps fit needs no host callback at all (on a TPU, ~1.7 ms a call less), "
+        "nor does one whose taps are counted before it runs and fit gather_log_bytes, "
+        "however many, where it does not run long",
     )
     gather_bytes: int = emitter(
         8 * 2**20,

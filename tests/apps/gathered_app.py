@@ -630,6 +630,11 @@ def lowered() -> Any:
     def long(x: Any) -> Any:
         return lax.scan(lambda c, k: (T("l1", c + k), T("l2", k)), x, jnp.arange(1000))[0]
 
+    def long_work(x: Any) -> Any:  # (a matmul of 1024² a step: estimated long, so paced)
+        w = jnp.ones((1024, 1024), jnp.float32)
+        body = lambda c, k: (jnp.tanh(c @ w), T("lw", k))  # noqa: E731
+        return lax.scan(body, w, jnp.arange(1000))[0]
+
     def two_shapes(x: Any) -> Any:
         same = note("shapes2")
         return tapd.id_tap(same, jnp.stack([tapd.id_tap(same, x), x]))[0]
@@ -654,6 +659,7 @@ def lowered() -> Any:
         "big129": _callbacks(jax.jit(big(129)).lower(row)),
         "few": _callbacks(jax.jit(few).lower(1)),
         "long": _callbacks(jax.jit(long).lower(1)),
+        "long_work": _callbacks(jax.jit(long_work).lower(1)),
         "two_shapes": _callbacks(jax.jit(two_shapes).lower(1)),
         "strict": _callbacks(jax.jit(strict).lower(1)),
         "in_condition": _callbacks(jax.jit(in_condition).lower(1)),

@@ -18,6 +18,7 @@ from jax._src.interpreters import partial_eval as pe
 
 from tapd.emitter import host_writers, jax_compat, lifecycle, outputs_fast_path
 from tapd.emitter.gathered import host, sampling, slices, threaded
+from tapd.emitter.gathered import live as live_loops
 from tapd.emitter.gathered.flush import ClosedJaxpr, FlushPlan, WayOut, call
 from tapd.emitter.gathered.live import Pace
 from tapd.emitter.gathered.rewrite import (
@@ -286,8 +287,17 @@ def rewrite(
         kept += 1
     hint = 0 if math.isinf(kept) else int(kept)
     log_bytes = lifecycle.settings().gather_log_bytes
+    # (A loop paced live sends its whole log with each chunk's flush: where one may run,
+    # the log stays small.)
+    long = _may_run_long(closed.jaxpr, live)
     plan = plan_buffers(
-        sites, [found[s] for s in sites], hint, taps=taps, max_bytes=max_bytes, log_bytes=log_bytes
+        sites,
+        [found[s] for s in sites],
+        hint,
+        taps=taps,
+        max_bytes=max_bytes,
+        log_bytes=log_bytes,
+        may_run_long=long,
     )
     if kept < records:
         plan = dataclasses.replace(plan, sampled_bound=True)
@@ -340,6 +350,18 @@ def rewrite(
         debug_info = _debug_info(debug_info, 1)
     outer_avals = [*(flags_avals if ends_packed else []), *in_avals]
     return _as_call(inner, outer_avals, debug_info, out), plan
+
+
+def _may_run_long(jaxpr: core.Jaxpr, live: tuple[str, float] | None) -> bool:
+    """Whether a loop of `jaxpr` may run live (`live`: on one device, the platform and
+    `gather_latency`): its work estimated at a quarter of the latency or more."""
+    if live is None:
+        return False
+    try:
+        seconds = live_loops.estimated_seconds(jaxpr, live[0])
+    except Exception:  # (an equation the estimate does not know: taken as long)
+        seconds = math.inf
+    return live_loops.is_live(seconds, False, live[1])
 
 
 def _as_call(inner: ClosedJaxpr, in_avals: list[Any], debug_info: Any, way_out: Any) -> Any:
@@ -434,7 +456,10 @@ def _most_taps_by_site(jaxpr: core.Jaxpr) -> dict[TapSiteParams, int] | None:
 # (bench/RESULTS-tpu.md, session 19). A log is fetched as words in rows of 128
 # (`host.as_rows`): the host's cost of fetching 32 MiB or more is its page faults on the
 # memory it maps afresh for each array, whatever its shape, and the floor's `scan`
-# outputs pay them alike (bench/tpu_fetch_probe.py, session 21).
+# outputs pay them alike (bench/tpu_fetch_probe.py, session 21). A run that may be paced
+# live takes one log only where it packs into this many times `gather_bytes` (its
+# count within `gather_taps`), as before session 21.
+LONG_RUN_LOG = 2
 
 
 def plan_buffers(
@@ -445,19 +470,25 @@ def plan_buffers(
     taps: int,
     max_bytes: int,
     log_bytes: int,
+    may_run_long: bool = False,
 ) -> FlushPlan:
     """Buffers for `taps` records at most (fewer where one run makes fewer, `records`,
     0 if unbounded), and at most `max_bytes` of them (at least one record); a run's
-    `records`, if they pack into `log_bytes` (`gather_log_bytes`), in one log."""
+    `records`, where they pack into `log_bytes` (`gather_log_bytes`), in one log, however
+    many. Where the run `may_run_long` (a loop in it paced live flushes its whole log
+    each chunk: tapd.emitter.gathered.live), only if they are at most `taps` and pack
+    into LONG_RUN_LOG times `max_bytes`."""
     row_bytes = sum(
         int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
         for avals in operand_avals
         for a in avals
     )
     capacity = max(1, min(taps, max_bytes // max(row_bytes, 1)))
-    if capacity < records <= taps:  # (the packed size reckoned only past one log)
+    bound = min(log_bytes, LONG_RUN_LOG * max_bytes) if may_run_long else log_bytes
+    if capacity < records and (records <= taps or not may_run_long):
+        # (the packed size reckoned only past one log)
         one_log = host.packed_size(host.packed_layout(len(sites), records, operand_avals))
-        if one_log <= log_bytes:
+        if one_log <= bound:
             capacity = records
     never_full = 0 < records <= capacity
     if records > 0:

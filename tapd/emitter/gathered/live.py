@@ -23,8 +23,11 @@ On a TPU an executable that holds any host callback costs ~2 ms a call more, eve
 never run (bench/tpu_live_probe.py), and a callback that runs ~0.7 ms, with or without a
 result. So only a loop that runs long is live (`is_live`): a `while`, a loop whose taps
 overflow the log (it flushes anyway), or one whose work, estimated from its equations
-at the device's peak rates (`estimated_seconds`), takes at least a quarter of the
-latency. A short loop keeps no callback: its taps leave with the computation's output.
+at the device's peak rates and its host callbacks at their least cost
+(`estimated_seconds`), takes at least a quarter of the latency. A short loop keeps no
+callback: its taps leave with the computation's output. (A loop whose taps are counted
+before it runs takes them in one log where they fit `gather_log_bytes`, unless it may
+run long: tapd.emitter.gathered.choose.plan_buffers.)
 """
 
 from __future__ import annotations
@@ -43,6 +46,12 @@ from jax._src import core
 # fast side of each device kind (a TPU v5e: 197 TFLOP/s in bf16, 819 GB/s), so that a
 # loop estimated long is long; one underestimated keeps today's path, flushed at its end.
 PEAK_RATES = {"tpu": (2e14, 8e11), "gpu": (2e14, 2e12), "cpu": (2e11, 5e10)}
+# The least a host callback costs each time it runs (a TPU's is a transfer, 0.4-1 ms:
+# docs/TAPPING.md; a CPU's no-op `jax.debug.callback` ~100 µs): a loop of many steps
+# that each call the host (`io_callback`, `pure_callback`, `jax.debug`) is long, however
+# little its arithmetic.
+CALLBACK_SECONDS = {"tpu": 4e-4, "gpu": 3e-5, "cpu": 5e-5}
+CALLBACKS = frozenset({"io_callback", "pure_callback", "debug_callback"})
 LONG_FRACTION = 0.25  # a loop estimated at this share of the latency is live
 SLACK = 0.5  # a chunk is paced at this share of the latency (a flush takes time too)
 MOST_STEPS = 2**30  # the interval where nothing bounds it (latency 0: off)
@@ -50,7 +59,8 @@ MOST_STEPS = 2**30  # the interval where nothing bounds it (latency 0: off)
 
 def estimated_seconds(jaxpr: core.Jaxpr, platform: str) -> float:
     """The least time one run of `jaxpr` could take on `platform` (inf where a `while`
-    loop runs: its trip count is not known)."""
+    loop runs: its trip count is not known): its arithmetic and bytes at the device's
+    peak rates, its host callbacks at their least cost."""
     flops_rate, bytes_rate = PEAK_RATES.get(platform, PEAK_RATES["cpu"])
     total = 0.0
     for eqn in jaxpr.eqns:
@@ -65,6 +75,8 @@ def estimated_seconds(jaxpr: core.Jaxpr, platform: str) -> float:
             total += sum(estimated_seconds(sub, platform) for sub in subs)
         elif name == "dot_general":
             total += _dot_flops(eqn) / flops_rate
+        elif name in CALLBACKS:
+            total += CALLBACK_SECONDS.get(platform, CALLBACK_SECONDS["cpu"])
         else:
             total += sum(_bytes(var.aval) for var in eqn.outvars) / bytes_rate
     return total
