@@ -322,7 +322,9 @@ class EmitterFields:
         "a gathered computation whose taps are counted before it runs takes them all in "
         "one log where they pack into at most this many bytes of device memory: no flush, "
         "so no host callback, while it runs (on a TPU ~2 ms a call, run or not: "
-        'docs/TAPPING.md, "On a TPU"); one larger flushes logs of gather_bytes',
+        'docs/TAPPING.md, "On a TPU"); one larger, or one that may run long (a loop '
+        "paced within gather_latency sends its log each chunk), flushes logs of "
+        "gather_bytes",
         default_text="128 MiB",
     )
     gather_latency: float = emitter(
