@@ -451,6 +451,22 @@ def run_emitter(
     return output
 
 
+def run_own_ring_app(
+    runtime_dir: Path, app: str, scenario: str, gather: str, *args: str, **settings: str
+) -> dict[str, Any]:
+    """One scenario of tests/apps/`app`, a gathered program on the portable backend that
+    reads its own ring back (no daemon runs at the endpoint), TAPD_GATHER=`gather`."""
+    env = {
+        "TAPD_EXIT_TIMEOUT": "0",
+        "TAPD_LOCAL_FALLBACK": "0",
+        "TAPD_BACKEND": "portable",
+        "TAPD_GATHER": gather,
+        **settings,
+    }
+    endpoint = f"ipc://{runtime_dir}/tapd.sock"
+    return run_emitter(endpoint, scenario, *args, env=env, app=app, timeout=240)
+
+
 def keygen(directory: Path, name: str) -> tuple[Path, Path]:
     """`tapd keygen NAME --dir DIRECTORY`: the public and secret key files."""
     result = tapd_cmd("keygen", name, "--dir", str(directory))

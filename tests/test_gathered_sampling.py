@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from conftest import native_unavailable, run_emitter
+from conftest import native_unavailable, run_own_ring_app
 
 pytestmark = pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable()))
 
@@ -26,19 +26,9 @@ pytestmark = pytest.mark.skipif(native_unavailable() is not None, reason=str(nat
 def run(
     runtime_dir: Path, scenario: str, gather: str, *args: str, **settings: str
 ) -> dict[str, Any]:
-    """One scenario of tests/apps/gathered_sampling_app.py (it reads its own ring back:
-    no daemon runs at the endpoint)."""
-    env = {
-        "TAPD_EXIT_TIMEOUT": "0",
-        "TAPD_LOCAL_FALLBACK": "0",
-        "TAPD_BACKEND": "portable",
-        "TAPD_GATHER": gather,
-        **settings,
-    }
-    endpoint = f"ipc://{runtime_dir}/tapd.sock"
-    return run_emitter(
-        endpoint, scenario, *args, env=env, app="gathered_sampling_app.py", timeout=240
-    )
+    """One scenario of tests/apps/gathered_sampling_app.py (it reads its own ring back)."""
+    app = "gathered_sampling_app.py"
+    return run_own_ring_app(runtime_dir, app, scenario, gather, *args, **settings)
 
 
 def taps_of(result: dict[str, Any], name: str) -> int:

@@ -16,21 +16,12 @@ from typing import Any
 
 import pytest
 
-from conftest import native_unavailable, run_emitter
+from conftest import native_unavailable, run_own_ring_app
 
 
 def run(runtime_dir: Path, scenario: str, gather: str, **settings: str) -> dict[str, Any]:
-    """One scenario of tests/apps/fast_path_app.py (it reads its own ring back: no daemon
-    runs at the endpoint)."""
-    env = {
-        "TAPD_EXIT_TIMEOUT": "0",
-        "TAPD_LOCAL_FALLBACK": "0",
-        "TAPD_BACKEND": "portable",
-        "TAPD_GATHER": gather,
-        **settings,
-    }
-    endpoint = f"ipc://{runtime_dir}/tapd.sock"
-    return run_emitter(endpoint, scenario, env=env, app="fast_path_app.py", timeout=240)
+    """One scenario of tests/apps/fast_path_app.py (it reads its own ring back)."""
+    return run_own_ring_app(runtime_dir, "fast_path_app.py", scenario, gather, **settings)
 
 
 @pytest.mark.parametrize("fast_dispatch", ["1", "0"])
