@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from conftest import (
     wait_until,
 )
 from tapd.protocol.ring_format import EVERY_ALL, EVERY_DORMANT
+from tapd_client import Subscriber
 
 pytestmark = pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable()))
 SAMPLE_EVERY = 3  # dormant_app.py's "sampled" site: tap(..., every=3)
@@ -402,3 +404,57 @@ def test_a_subscriber_handles_only_the_taps_it_sampled_even_when_sent_more() -> 
     kept = [s for s in range(13) if sampling.keeps("acts", {"seq": s, "every": 2})]
     assert kept == [0, 6, 12]
     assert all(sampling.keeps("loss", {"seq": s}) for s in range(5))  # asked no every
+
+
+# A dormant computation's twin (tapd/emitter/dormant_twin.py) against the daemon: the job
+# gathers its taps (TAPD_GATHER=on, the portable backend: the path a TPU takes), its step
+# tapping "acts" alone.
+GATHERED = {"TAPD_GATHER": "on", "DORMANT_APP_ACTS_ONLY": "1"}
+
+
+def test_a_twin_serves_a_dormant_step_and_a_subscriber_woken_after_it_gets_every_tap(
+    start_daemon: Callable[..., Daemon], start_job: Callable[..., Job]
+) -> None:
+    """The job's site no one takes: its step runs its twin, compiled without the tap. A
+    subscriber that connects wakes the site, and its `connect()` returns only once the
+    job has acknowledged the wake (tapd/daemon/wants.py), so that every step run after
+    it reaches it (without that wait, the first was lost about one run in three); when
+    it leaves, the twin serves again."""
+    daemon = start_daemon()
+    job = start_job(daemon, env=GATHERED, backend="portable")
+    job.run(2)  # (the daemon learns the site from its first taps)
+    wait_every(daemon, "acts", EVERY_DORMANT)
+    skipped = skipped_of(daemon, "acts")
+    dormant, steps = run_until_twin(job, 0)
+    assert dormant["twin_calls"] > 0, dormant
+    assert skipped_of(daemon, "acts") == skipped + steps
+
+    seqs: list[int] = []
+    subscriber = Subscriber(daemon.endpoint)
+    subscriber.add_handler("acts", lambda value, meta: seqs.append(meta.seq))
+    subscriber.connect()  # (returns once the job acknowledged the wake)
+    try:
+        job.start(10)  # (its barrier_wait waits for this subscriber: run below)
+        deadline = time.monotonic() + 30
+        subscriber.run(until=lambda: len(seqs) >= 10 or time.monotonic() > deadline)
+        woken = job.read()
+        first = 2 + steps
+        assert seqs == list(range(first, first + 10))  # every step after the welcome
+        assert woken["twin_calls"] == dormant["twin_calls"]  # (none since the wake)
+    finally:
+        subscriber.close()
+    wait_every(daemon, "acts", EVERY_DORMANT)
+    again, more = run_until_twin(job, woken["twin_calls"])
+    assert again["twin_calls"] > woken["twin_calls"]
+    assert skipped_of(daemon, "acts") == skipped + steps + more
+
+
+def run_until_twin(job: Job, twin_calls: int) -> tuple[dict[str, Any], int]:
+    """Steps, 100 at a time, until the twin has served more than `twin_calls` (it is
+    compiled in the background: within seconds); the job's last line, and the steps."""
+    steps, deadline = 0, time.monotonic() + 120
+    while True:
+        said = job.run(100)
+        steps += 100
+        if said["twin_calls"] > twin_calls or time.monotonic() > deadline:
+            return said, steps

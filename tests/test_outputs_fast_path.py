@@ -86,3 +86,42 @@ def test_dormant_woken_mixed_and_sampled_sites_keep_what_one_callback_a_tap_keep
     moved = gathered["moved"]
     assert moved["dormant"] == 0
     assert 0 < moved["dormant again"] < moved["woken"]  # (`two`'s outputs only)
+
+
+@pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable()))
+def test_a_dormant_steps_twin_runs_without_its_taps_and_a_wake_is_acknowledged_first(
+    runtime_dir: Path,
+) -> None:
+    """Two steps (one donating its argument), their sites made dormant, then woken,
+    dormant and woken again, as the daemon does it: dormant, each step gets its twin
+    (tapd/emitter/dormant_twin.py), compiled without its taps, which serves its calls
+    with the results of the untapped function; a wake of a site a twin holds is
+    acknowledged before it holds (the app waits for it, as the daemon's welcome does),
+    and every call after it taps, with the seqs one host callback a tap gives: every
+    execution counted, the dormant ones skipped."""
+    result = run(runtime_dir, "twin", "on")
+    assert all(result["same"]) and len(result["same"]) > 20
+    phases = result["phases"]
+    for phase in ("dormant", "dormant again"):
+        assert min(phases[phase]["twin_calls"].values()) >= 5, phases
+    for phase in ("woken", "woken again"):
+        assert phases[phase]["twin_calls"] == {"plain": 0, "donated": 0}, phases
+        # (each step's twin held its sites: the wake waited for the acknowledgment)
+        assert phases[phase]["waited"] == {"plain": True, "donated": True}, phases
+    # The records of each site, against one host callback a tap: the first call, then
+    # every woken call's three steps; seqs count the dormant calls between.
+    dormant_calls = {"plain": 0, "donated": 0}
+    for name in ("plain", "donated"):
+        expected, seq = [[0, 0], [1, 1], [2, 2]], 3
+        for phase in ("dormant", "woken", "dormant again", "woken again"):
+            count = phases[phase]["calls"][name]
+            if phase.startswith("dormant"):
+                seq += 3 * count
+                dormant_calls[name] += count
+            else:
+                for _ in range(count):
+                    expected += [[seq, 0], [seq + 1, 1], [seq + 2, 2]]
+                    seq += 3
+        assert result["records"][name] == expected
+    assert result["skipped"] == 3 * sum(dormant_calls.values())
+    assert not any(result["relied_on"])  # (woken last: every site acknowledged)

@@ -267,6 +267,7 @@ class Daemon:
                 self.router.unpark()
                 moved = self.rings.poll(self.router) if now >= rings_from else 0
                 self.wants.update()
+                self.router.subscribers.send_welcomes(unless=self.wants.awaiting)
                 quiet_rounds = 0 if moved or events else quiet_rounds + 1
                 coalesce_next = 0 < moved < _FEW_TAPS and self.config.coalesce > 0
                 self.router.subscribers.pump()
@@ -301,6 +302,8 @@ class Daemon:
         after activity the loop looks at them again at once, then every millisecond for
         a while; once quiet, it asks their writers to wake it (`wake.sock`) and sleeps
         (bounded, for the periodic checks)."""
+        if self.router.subscribers.welcomes_due():  # (held for a wake's acknowledgment)
+            return 1
         if not self.rings.sources:
             return 100
         if quiet_rounds == 0:

@@ -51,6 +51,10 @@ class Subscribers:
         self._left_spools: dict[str, Spool] = {}  # found at start, by subscriber name
         # The emitter of taps an earlier daemon spooled: named by each tap's `emitter`.
         self._spooled_before = Emitter(("spool",), "spooled before a restart", forwarder=True)
+        # Subscribers to welcome once the wants table has woken what they take, and every
+        # emitter that relies on a site's dormancy has acknowledged the wake
+        # (tapd/daemon/wants.py): taps run after the welcome reach them (`send_welcomes`).
+        self._welcomes_due: list[PeerKey] = []
 
     def targets(self) -> list[Target]:
         """The routing targets: subscribers on their own, in the order they came, then
@@ -118,7 +122,22 @@ class Subscribers:
         self._welcome_subscriber(key)
 
     def _welcome_subscriber(self, key: PeerKey) -> None:
-        self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
+        if key not in self._welcomes_due:
+            self._welcomes_due.append(key)
+
+    def welcomes_due(self) -> bool:
+        return bool(self._welcomes_due)
+
+    def send_welcomes(self, unless: Callable[[], bool]) -> None:
+        """Welcome each subscriber whose hello is answered, unless `unless()` (a wake
+        not yet acknowledged: tapd/daemon/wants.py); the daemon's loop calls it after
+        writing the wants table."""
+        if not self._welcomes_due or unless():
+            return
+        due, self._welcomes_due = self._welcomes_due, []
+        for key in due:
+            if key in self.peers:
+                self._send(key, encode("welcome", {"window_bytes": 0, "daemon": self.daemon_id}))
 
     def _join(self, member: SocketSubscriber, group: str) -> None:
         """A member of the worker pool (`group`, its patterns), formed by its first."""

@@ -15,11 +15,21 @@ pairs, or "everything"), so that it makes its own emitters' sites dormant or wak
 
 Recomputed only when something it depends on changed (the router's targets, the grace,
 sites read): per consumer once, memoized.
+
+An emitter may rely on a site's dormancy without reading its slot before each call (a
+dormant computation's twin, compiled without its taps: tapd/emitter/dormant_twin.py);
+it marks the slot `relied_on` first. A wake written into such a slot holds once the
+emitter acknowledges it (clears the mark, within milliseconds): until then the site is
+said dormant in the stats, and subscribers' welcomes wait (`awaiting`), so that a tap
+run after a subscriber's welcome reaches it. An emitter that does not acknowledge within
+`ACK_WAIT` seconds is named in the log, and waited for no more.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -34,6 +44,11 @@ from tapd.native.sites import Site
 from tapd.protocol import encode
 from tapd.protocol.ring_format import EVERY_ALL, EVERY_DORMANT, SITE_SLOTS
 from tapd.protocol.rules import DEFAULT_LIMITS
+
+logger = logging.getLogger("tapd.daemon")
+
+# Seconds a wake waits for an emitter that relies on the site's dormancy to acknowledge it.
+ACK_WAIT = 2.0
 
 # What a forwarder is told: None for "everything", else sorted (pattern, n) pairs.
 Told = tuple[tuple[str, int], ...] | None
@@ -53,6 +68,8 @@ class WantsTable:
         self._hellos = 0  # emitter hellos the router had seen when forwarders were told
         self._pairs: Told = None
         self.writes = 0  # slots written (a test reads it: recomputing must stay cheap)
+        # Wakes not yet acknowledged: (ring key, site) -> (its source, the deadline).
+        self._unacknowledged: dict[tuple[Hashable, int], tuple[RingSource, float]] = {}
 
     def update(self) -> None:
         """Write what changed since the last call (cheap when nothing did)."""
@@ -86,9 +103,34 @@ class WantsTable:
                 continue  # no slot: always sent
             every = self._every(site, source.key, name)
             if written.get(site_id) != every:
-                source.ring.set_site_every(site_id, every)
+                relied_on = source.ring.set_site_every(site_id, every)
                 written[site_id] = every
                 self.writes += 1
+                if relied_on and every != EVERY_DORMANT:
+                    deadline = time.monotonic() + ACK_WAIT
+                    self._unacknowledged[(source.key, site_id)] = (source, deadline)
+                else:
+                    self._unacknowledged.pop((source.key, site_id), None)
+
+    def awaiting(self) -> bool:
+        """Whether a wake waits for its emitter's acknowledgment (see the module
+        docstring); one from a ring that is gone, or past its deadline, waits no more."""
+        if not self._unacknowledged:
+            return False
+        now, sources = time.monotonic(), self.rings.sources
+        for (key, site_id), (source, deadline) in list(self._unacknowledged.items()):
+            if sources.get(key) is not source or not source.ring.site_relied_on(site_id):
+                del self._unacknowledged[(key, site_id)]
+            elif now > deadline:
+                del self._unacknowledged[(key, site_id)]
+                logger.warning(
+                    "ring %s: its emitter did not acknowledge the wake of %s within %g s; "
+                    "its calls may skip that site's taps until it does",
+                    source.path,
+                    source.sites.consumer_of(site_id),
+                    ACK_WAIT,
+                )
+        return bool(self._unacknowledged)
 
     def _every(self, site: Site, key: Hashable, emitter: str | None) -> int:
         if site.always or not self.dormant or self.router.in_grace():
@@ -157,10 +199,14 @@ class WantsTable:
         or sampled out)."""
         self.update()  # (a hello read with the stats request counts)
         out = {}
+        self.awaiting()
         for source, _, written in self._rings.values():
             sites = source.sites.known()
             out[str(source.path)] = [
+                # (a wake not yet acknowledged does not hold yet: still dormant)
                 [site_id, sites[site_id].consumer, every]
+                if (source.key, site_id) not in self._unacknowledged
+                else [site_id, sites[site_id].consumer, EVERY_DORMANT]
                 for site_id, every in sorted(written.items())
                 if site_id in sites
             ]

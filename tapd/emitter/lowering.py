@@ -29,6 +29,7 @@ from jax._src.lib.mlir import ir  # type: ignore[attr-defined]
 from jax._src.lib.mlir.dialects import hlo  # type: ignore[attr-defined]
 
 from tapd.emitter import (
+    dormant_twin,
     entries,
     gathered,
     host_writers,
@@ -40,6 +41,7 @@ from tapd.emitter import (
 )
 from tapd.emitter.native_backend import FFI_TARGET, RingSites
 from tapd.emitter.primitive import ORDERED, PROGRAM_ORDER, TapSiteParams
+from tapd.emitter.taps_as_outputs import OutputsEffect
 from tapd.errors import TapDefinitionError
 from tapd.protocol.ring_format import RINGS, writer_every
 
@@ -315,20 +317,25 @@ def _lower_module_in_order(lower: Callable[..., Any], *args: Any, **kwargs: Any)
     device (tapd.emitter.gathered) where they are, else with its ordered taps chained
     by one token (tapd.emitter.program_order)."""
     gathered.start_module()
-    args, kwargs = _rewritten(args, kwargs)
+    args, kwargs, effect = _rewritten(args, kwargs)
     result = lower(*args, **kwargs)
     way_out = gathered.module_way_out()
     if way_out is not None:
         with result.module.context:
-            gathered.attach_way_out(result.module, way_out)
+            position = gathered.attach_way_out(result.module, way_out)
+            if effect is not None:
+                dormant_twin.keep_module(effect, result.module, position)
     return result
 
 
-def _rewritten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The module's jaxpr gathered, or chained; else the arguments as they came."""
+def _rewritten(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, dict[str, Any], OutputsEffect | None]:
+    """The module's jaxpr gathered, or chained; else the arguments as they came. With
+    them, the gathered computation's way out, where its taps leave as an output."""
     closed = args[1] if len(args) > 1 else kwargs.get("jaxpr")
     if closed is None:
-        return args, kwargs
+        return args, kwargs, None
     parameters = kwargs.get("lowering_parameters")
     ordered_effects = kwargs.get("ordered_effects")
     ordered_effects = ordered_effects if isinstance(ordered_effects, list) else None
@@ -341,6 +348,7 @@ def _rewritten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict
         # passes the effect's token in and out of each call (taps_as_outputs).
         output=ordered_effects is not None,
     )
+    way_out = None
     if chosen is not None:
         rewritten, way_out = chosen
         if way_out is not None and ordered_effects is not None:
@@ -348,10 +356,10 @@ def _rewritten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict
     else:
         rewritten = program_order.chained(closed, ordered_effects)
         if rewritten is None:
-            return args, kwargs
+            return args, kwargs, None
     if len(args) > 1:
-        return (args[0], rewritten, *args[2:]), kwargs
-    return args, {**kwargs, "jaxpr": rewritten}
+        return (args[0], rewritten, *args[2:]), kwargs, way_out
+    return args, {**kwargs, "jaxpr": rewritten}, way_out
 
 
 primitive.register_lowering(lower_tap)

@@ -45,7 +45,8 @@ import logging
 import threading
 from typing import Any, cast
 
-from tapd.emitter import jax_compat, lifecycle, taps_as_outputs
+from tapd.emitter import dormant_twin, jax_compat, lifecycle, taps_as_outputs
+from tapd.emitter.jax_compat.executables import drop_cpp_dispatch_caches
 from tapd.emitter.taps_as_outputs import OutputsEffect
 
 logger = logging.getLogger("tapd.emitter")
@@ -126,7 +127,7 @@ def _fast_path(
     packed_aval, packed_sharding = effect.packed_output
     (device,) = packed_sharding.device_set
     flags = effect.fast_flags(device)
-    return data._replace(
+    tapped = data._replace(
         out_pytree_def=_tree_with_taps(effect, data.out_pytree_def),
         in_shardings=[flags.sharding, *data.in_shardings],
         out_shardings=[packed_sharding, *data.out_shardings],
@@ -136,6 +137,8 @@ def _fast_path(
         in_device_local_layouts=[None, *data.in_device_local_layouts],
         const_args=[flags, *data.const_args],
     )
+    # (every site dormant, called often: the computation without its taps, dormant_twin)
+    return dormant_twin.twin_data(effect, tapped) or tapped
 
 
 def _eligible(executable: Any, effects: Any) -> OutputsEffect | None:
@@ -207,7 +210,9 @@ def _arrived(effect: OutputsEffect, packed: Any) -> None:
         assert receiver is not None and effect.call_counts is not None
         if not any(receiver.keeps()):  # (every site dormant: the common case, made short)
             taps_as_outputs.collector.received(None, receiver, effect.call_counts)
+            dormant_twin.dormant_call(effect)
             return
+        dormant_twin.woken_call(effect)
         flags = receiver.wake_flags(effect.call_counts)
         keeps = flags[: effect.sites]
         if any(keep > 1 for keep in keeps):  # (sampled: the Python path samples on the device)
@@ -222,8 +227,9 @@ def _arrived(effect: OutputsEffect, packed: Any) -> None:
 
 
 def calls_served() -> int:
-    """How many calls of gathered computations JAX's C++ path has served so far."""
-    return _calls
+    """How many calls of gathered computations JAX's C++ path has served so far (their
+    twins' among them: `dormant_twin.calls_served`)."""
+    return _calls + dormant_twin.calls_served()
 
 
 def _on_python_path(effect: OutputsEffect, packed: Any, keeps: Any) -> None:
@@ -238,12 +244,6 @@ def _on_python_path(effect: OutputsEffect, packed: Any, keeps: Any) -> None:
 
 
 def _drop_fast_paths() -> None:
-    """Every jitted function's next call goes through Python again (JAX's C++ caches
-    cleared, as `jax.clear_caches` clears them; nothing is compiled again), where each
+    """Every jitted function's next call goes through Python again, where each
     computation's path is chosen anew."""
-    from jax._src import pjit
-
-    for name in ("_cpp_pjit_cache_fun_only", "_cpp_pjit_cache_explicit_attributes"):
-        cache = getattr(pjit, name, None)
-        if cache is not None:
-            cache.clear()
+    drop_cpp_dispatch_caches()

@@ -116,6 +116,9 @@ class OutputsEffect(effects.Effect):
         # every call takes the flags, never the C++ path's, which keep every tap.
         self.sampled_bound = False
         self._keep_all: Any = None
+        # Its twin, compiled without its taps, for dormant calls on the C++ path: kept at
+        # lowering where it may have one (tapd.emitter.dormant_twin).
+        self.twin: Any = None
 
     def __str__(self) -> str:
         return "tapd.taps_as_outputs"

@@ -418,7 +418,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tapd_ring_device_store_for_test": ([c.c_void_p, c.c_uint64], None),
         "tapd_ring_set_held": ([c.c_void_p, c.c_uint32], None),
         "tapd_ring_settled": ([c.c_void_p, c.c_uint32], c.c_uint64),
-        "tapd_ring_set_site_every": ([c.c_void_p, c.c_uint64, c.c_uint32], None),
+        "tapd_ring_set_site_every": ([c.c_void_p, c.c_uint64, c.c_uint32], c.c_uint32),
+        "tapd_ring_rely_on_site": ([c.c_void_p, c.c_uint64], c.c_uint32),
+        "tapd_ring_release_site": ([c.c_void_p, c.c_uint64], None),
+        "tapd_ring_site_relied_on": ([c.c_void_p, c.c_uint64], c.c_uint32),
         "tapd_ring_site_every": ([c.c_void_p, c.c_uint64], c.c_uint32),
         "tapd_ring_skipped_by_site": ([c.c_void_p, u64p], c.c_uint32),
         # (ring or None, site, consumer, device, every): 1 if skipped (counted).

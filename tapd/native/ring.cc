@@ -995,9 +995,33 @@ void tapd_ring_counters(void* handle, uint64_t* out /* [10] */) {
 
 // The daemon: every how many of a site's taps its takers want (kEveryAll, kEveryDormant,
 // or N). A site without a slot is ignored: it is always sent.
-void tapd_ring_set_site_every(void* handle, uint64_t site, uint32_t every) {
+// Returns the slot's `relied_on` as it is after the store: 1 where the emitter must
+// acknowledge a wake before it holds (ring.h, SiteSlot).
+uint32_t tapd_ring_set_site_every(void* handle, uint64_t site, uint32_t every) {
+  if (site >= tapd::kSiteSlots) return 0;
+  auto& slot = static_cast<Ring*>(handle)->sites[site];
+  slot.every.store(every, std::memory_order_seq_cst);
+  return slot.relied_on.load(std::memory_order_seq_cst);
+}
+
+// The emitter: it is about to rely on the site's dormancy (ring.h, SiteSlot). Returns
+// `every` as it is after the mark: the emitter relies on it only if it is dormant.
+uint32_t tapd_ring_rely_on_site(void* handle, uint64_t site) {
+  if (site >= tapd::kSiteSlots) return tapd::kEveryAll;
+  auto& slot = static_cast<Ring*>(handle)->sites[site];
+  slot.relied_on.store(1, std::memory_order_seq_cst);
+  return slot.every.load(std::memory_order_seq_cst);
+}
+
+// The emitter: it relies on the site no more (a wake acknowledged).
+void tapd_ring_release_site(void* handle, uint64_t site) {
   if (site >= tapd::kSiteSlots) return;
-  static_cast<Ring*>(handle)->sites[site].every.store(every, std::memory_order_release);
+  static_cast<Ring*>(handle)->sites[site].relied_on.store(0, std::memory_order_seq_cst);
+}
+
+uint32_t tapd_ring_site_relied_on(void* handle, uint64_t site) {
+  if (site >= tapd::kSiteSlots) return 0;
+  return static_cast<Ring*>(handle)->sites[site].relied_on.load(std::memory_order_seq_cst);
 }
 
 uint32_t tapd_ring_site_every(void* handle, uint64_t site) {

@@ -75,9 +75,16 @@ constexpr uint32_t kEveryDormant = 0xFFFFFFFFu;  // no taker: copy nothing
 // Set in a writer's `every` (RecordFields::every, the handlers' `every` attribute) for a
 // site marked `always` (id_tap's; TAPD_DORMANT=0): the slot is not read, only K applies.
 constexpr uint64_t kEveryAlwaysBit = 0x8000000000000000ULL;
+// `relied_on`: 1 while the emitter runs calls that skip the site's taps without reading
+// `every` (a dormant call's twin executable: tapd/emitter/dormant_twin.py). The daemon
+// that wakes such a site waits for the emitter to acknowledge the wake (set it back to 0)
+// before it says the site is taken (a subscriber's welcome, its stats). Both sides store
+// their own word, then load the other's, sequentially consistent: one of them sees the
+// other (an emitter that sets it after the daemon's wake reads the wake, and relies on
+// nothing). 0 in a ring no emitter of this kind wrote: nothing to wait for.
 struct SiteSlot {
   std::atomic<uint32_t> every;
-  uint32_t reserved;
+  std::atomic<uint32_t> relied_on;
   std::atomic<uint64_t> skipped;
 };
 static_assert(sizeof(SiteSlot) == 16, "a site slot is part of the format");

@@ -248,14 +248,24 @@ class Ring:
 
     # -- the site table (ring.h, SiteSlot): dormant and sampled taps --
 
-    def set_site_every(self, site: int, every: int) -> None:
+    def set_site_every(self, site: int, every: int) -> bool:
         """The daemon: every how many taps of `site` its takers want: EVERY_ALL (0,
         nobody has said: all), EVERY_DORMANT (no taker: copy nothing) or N >= 1. A site
-        without a slot (site >= SITE_SLOTS) is always sent: nothing to set."""
+        without a slot (site >= SITE_SLOTS) is always sent: nothing to set. True where
+        the emitter relies on the site's dormancy (`site_relied_on`): a wake holds once
+        it acknowledges it."""
         if not 0 <= every <= 0xFFFFFFFF:
             raise ValueError(f"site {site}: every={every} is not a u32")
         if 0 <= site < SITE_SLOTS:
-            self._lib.tapd_ring_set_site_every(self.handle, site, every)
+            return bool(self._lib.tapd_ring_set_site_every(self.handle, site, every))
+        return False
+
+    def site_relied_on(self, site: int) -> bool:
+        """Whether the emitter runs calls that skip the site's taps without reading its
+        slot (ring.h, SiteSlot::relied_on): a wake is not yet acknowledged."""
+        if not 0 <= site < SITE_SLOTS:
+            return False
+        return bool(self._lib.tapd_ring_site_relied_on(self.handle, site))
 
     def site_every(self, site: int) -> int:
         """What the site table says of `site` (EVERY_ALL for a site without a slot)."""

@@ -30,8 +30,9 @@ CONTROL_BYTES = 4096
 HEADER_BYTES = 65536  # kHeaderBytes
 SITE_TABLE_OFFSET = 4096  # kSiteTableOffset
 SITE_SLOTS = 3840  # kSiteSlots: sites with an id at or above it have no slot (always sent)
-# SiteSlot: `every` written only by the daemon, `skipped` only by the emitter's writers.
-SITE_SLOT = np.dtype([("every", "<u4"), ("reserved", "<u4"), ("skipped", "<u8")])
+# SiteSlot: `every` written only by the daemon, `skipped` only by the emitter's writers,
+# `relied_on` by the emitter (1: it must acknowledge a wake, setting it back to 0).
+SITE_SLOT = np.dtype([("every", "<u4"), ("relied_on", "<u4"), ("skipped", "<u8")])
 EVERY_ALL = 0  # kEveryAll: nobody has said: send every tap
 EVERY_DORMANT = 0xFFFFFFFF  # kEveryDormant: no taker: copy nothing
 # kEveryAlwaysBit: set in a writer's `every` (the handlers' attribute, the portable

@@ -342,6 +342,14 @@ class EmitterFields:
         'sampled (docs/TAPPING.md, "On a TPU"); 0: JAX\'s Python path every call (~0.3 '
         "ms a call more on a TPU host)",
     )
+    gather_dormant_twin: bool = emitter(
+        True,
+        "a computation on JAX's C++ path whose sites are all dormant, called often (8 "
+        "calls in a row at most 5 ms apart), gets a twin compiled without its taps in a "
+        "background thread, run while its sites stay dormant: a dormant call then costs "
+        'what an untapped one does (docs/TAPPING.md, "On a TPU"); a wake is '
+        "acknowledged before the daemon welcomes the subscriber that woke it; 0: never",
+    )
 
 
 CONNECT_TIMEOUT = Setting(

@@ -22,6 +22,23 @@ scenario = sys.argv[1]
 CALLS = 6
 
 
+def set_every(ring, sites, every):
+    """As the daemon writes a site table's slots (tapd/daemon/wants.py): a wake of a
+    site the emitter relies on (a dormant step's twin, tapd/emitter/dormant_twin.py)
+    holds once the emitter acknowledges it. Whether any such wake waited."""
+    import time
+
+    waited = False
+    for site in sites:
+        if ring.set_site_every(site, every) and every != EVERY_DORMANT:
+            waited = True
+            deadline = time.monotonic() + 10
+            while ring.site_relied_on(site):
+                assert time.monotonic() < deadline, "a wake not acknowledged"
+                time.sleep(0.001)
+    return waited
+
+
 def output(**fields):
     fields.update(fast=outputs_fast_path.calls_served(), stats=tapd.stats())
     print(json.dumps(fields), flush=True)
@@ -186,8 +203,7 @@ elif scenario == "slots":
     fast, moved = {}, {}
     for phase, slots in phases:
         for name, every in slots.items():
-            for site in sites[name]:
-                ring.set_site_every(site, every)
+            set_every(ring, sites[name], every)
         before, bytes_before = outputs_fast_path.calls_served(), MOVED[0]
         for _ in range(CALLS):
             jax.block_until_ready(one(x))  # (each waited for: the ring writes as it runs)
@@ -200,3 +216,80 @@ elif scenario == "slots":
     for record in ring.read(0, 1_000_000):
         records.setdefault(names[record.site], []).append([record.seq, record.step])
     output(records=records, fast_by_phase=fast, moved=moved, skipped=ring.counters().skipped)
+
+elif scenario == "twin":
+    # A dormant step gets its twin (tapd/emitter/dormant_twin.py); this app plays the
+    # daemon on its own ring's table, as tapd/daemon/wants.py does: a wake written into
+    # a slot the emitter relies on holds once the emitter acknowledges it.
+    import time
+
+    from tapd.emitter import dormant_twin
+
+    native = lifecycle.get_sender().native
+    ring = native.ring
+
+    def body(name):
+        return lambda i, c: tapd.tap(c * 2.0 + i, name, step=i)
+
+    programs = {
+        "plain": jax.jit(lambda x: lax.fori_loop(0, 3, body("plain"), x)),
+        "donated": jax.jit(lambda x: lax.fori_loop(0, 3, body("donated"), x), donate_argnums=0),
+    }
+
+    def untapped(x):
+        for i in range(3):
+            x = x * 2.0 + i
+        return x
+
+    calls = {name: 0 for name in programs}
+    same = []
+
+    twin_calls = {name: 0 for name in programs}
+
+    def call(name, k):
+        x = np.full(4, k, np.float32)
+        before = dormant_twin.calls_served()
+        got = np.asarray(programs[name](jnp.asarray(x)))
+        twin_calls[name] += dormant_twin.calls_served() - before
+        same.append(bool(np.array_equal(got, untapped(x))))
+        calls[name] += 1
+
+    for name in programs:
+        call(name, 0)  # (its sites registered; taken: nobody has said)
+    jax.effects_barrier()
+    sites = {name: native.sites_of(name) for name in programs}
+
+    phases = {}
+    for phase in ("dormant", "woken", "dormant again", "woken again"):
+        every = EVERY_DORMANT if phase.startswith("dormant") else 1
+        waited = {name: set_every(ring, sites[name], every) for name in programs}
+        before = dict(twin_calls)
+        counted = dict(calls)
+        if every == EVERY_DORMANT:  # (called until each step's twin serves it, 5 times)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and any(
+                twin_calls[name] - before[name] < 5 for name in programs
+            ):
+                for name in programs:
+                    call(name, calls[name])
+        else:
+            for _ in range(CALLS):
+                for name in programs:
+                    call(name, calls[name])
+        jax.effects_barrier()
+        phases[phase] = {
+            "calls": {name: calls[name] - counted[name] for name in programs},
+            "twin_calls": {name: twin_calls[name] - before[name] for name in programs},
+            "waited": waited,
+        }
+    names = {site: name for name, ids in sites.items() for site in ids}
+    records = {}
+    for record in ring.read(0, 1_000_000):
+        records.setdefault(names[record.site], []).append([record.seq, record.step])
+    output(
+        records=records,
+        phases=phases,
+        same=same,
+        skipped=ring.counters().skipped,
+        relied_on=[ring.site_relied_on(s) for ids in sites.values() for s in ids],
+    )

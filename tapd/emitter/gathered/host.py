@@ -34,7 +34,7 @@ from tapd.emitter import host_writers, lifecycle, taps_as_outputs
 from tapd.emitter.gathered import live, sampling
 from tapd.emitter.primitive import TapSiteParams
 from tapd.native import library
-from tapd.protocol.ring_format import EVERY_ALWAYS_BIT
+from tapd.protocol.ring_format import EVERY_ALWAYS_BIT, EVERY_DORMANT
 
 # The packed pieces, in order (`packed_layout`); each site's buffers from BUFFERS on.
 COUNT, LOG, ORDER, SKIPPED, BUFFERS = range(5)
@@ -157,6 +157,8 @@ class SiteWriter:
             )
             self.ring = native.ring.handle
             self.site_every = lib.tapd_ring_site_every
+            self._rely_on_site = lib.tapd_ring_rely_on_site
+            self._release_site = lib.tapd_ring_release_site
             return
         write = host_writers.sender_writer(native, site, fields, tapped_avals, devices_at)
         order = [*self.tapped, *([self.step] if self.step is not None else [])]
@@ -174,6 +176,26 @@ class SiteWriter:
         if keep > 1:
             sampling.note(self.ring, self.consumer_id, keep)
         return keep if self.sampled else min(keep, 1)
+
+    def rely_on_dormancy(self) -> bool:
+        """Mark the site's slot relied on (tapd/emitter/dormant_twin.py: the daemon then
+        waits for a wake to be acknowledged, `release_dormancy`) and say whether it is
+        dormant now, as read after the mark. A site without a slot, or always sent, is
+        never dormant."""
+        if self.ring is None or self.every & EVERY_ALWAYS_BIT:
+            return False
+        return int(self._rely_on_site(self.ring, self.site_id)) == EVERY_DORMANT
+
+    def release_dormancy(self) -> None:
+        """The site is relied on no more: a wake is acknowledged."""
+        if self.ring is not None:
+            self._release_site(self.ring, self.site_id)
+
+    def dormant_now(self) -> bool:
+        """Whether the site's slot says dormant now."""
+        if self.ring is None:
+            return False
+        return int(self.site_every(self.ring, self.site_id)) == EVERY_DORMANT
 
 
 class Flush:

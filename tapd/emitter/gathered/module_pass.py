@@ -55,8 +55,9 @@ def placeholder(flag_count: int) -> Any:
     return mlir.custom_call(PLACEHOLDER_TARGET, result_types=[flags], operands=[])
 
 
-def attach(module: Any, way_out: Joints) -> None:
-    """Join `way_out` to the module's main function (see the module docstring)."""
+def attach(module: Any, way_out: Joints) -> int:
+    """Join `way_out` to the module's main function (see the module docstring); returns
+    the position of its result (the packed buffers) among the function's results."""
     main = _main(module)
     block = main.regions[0].blocks[0]
     arguments = _token_positions(main, "arg_attrs")
@@ -78,6 +79,7 @@ def attach(module: Any, way_out: Joints) -> None:
     main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(inputs, outputs))
     _untoken(main, "arg_attrs", argument)
     _untoken(main, "res_attrs", result)
+    return result
 
 
 def _main(module: Any) -> Any:
