@@ -157,6 +157,11 @@ def child(quick: bool) -> dict[str, Any]:
         callbacks[name] = tapd.stats().get("host_callbacks", 0) - before
         if name.endswith(" tap"):
             made["loss" if x.size % BIG else "big"] += 2 * per_call_of(name)
+    from tpu_live import settle_twins  # (a dormant step's steady state: its twin, if any)
+
+    for name, (function, x, _, _) in variants.items():
+        if name.endswith(" dormant"):
+            settle_twins([function], x)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, (function, x, calls, per_call) in variants.items():

@@ -12,9 +12,10 @@ medians of interleaved rounds:
   (what an output of the log's size costs the call, unfetched);
 - `+ 64 B output, dropped`: a second output of 16 float32, never read;
 - `dormant`: the loop tapping each row to a site nobody takes (gathered: on JAX's C++
-  path, tapd/emitter/outputs_fast_path.py);
+  path, tapd/emitter/outputs_fast_path.py), called until its twin serves it
+  (tapd/emitter/dormant_twin.py: compiled without the taps);
 - `dormant, no hook`: the same with the output's Python hook doing nothing (the
-  dispatch and the execution alone);
+  dispatch and the execution of the tapped executable alone: no twin ever comes);
 - `two outputs`, `two outputs + 64 B output, dropped`, `dormant, two outputs`: the
   same, the step returning two arrays (as most training steps return several): what one
   more output costs a call that already returns more than one;
@@ -42,9 +43,10 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
     from jax import lax
+    from tpu_live import settle_twins
 
     import tapd
-    from tapd.emitter import outputs_fast_path
+    from tapd.emitter import dormant_twin, outputs_fast_path
 
     steps = args.steps
 
@@ -91,7 +93,8 @@ def main() -> None:
     for function in variants.values():
         for _ in range(3):
             jax.block_until_ready(function(x))
-    served = outputs_fast_path.calls_served()
+    settle_twins([dormant, pair_dormant], x)
+    served, twin_served = outputs_fast_path.calls_served(), dormant_twin.calls_served()
     times: dict[str, list[float]] = {name: [] for name in variants}
     barrier: dict[str, list[float]] = {"untapped": [], "dormant": []}
     for _ in range(args.rounds):
@@ -121,6 +124,7 @@ def main() -> None:
                     name: [round(t, 1) for t in v] for name, v in barrier.items()
                 },
                 "fast_calls": outputs_fast_path.calls_served() - served,
+                "twin_calls": dormant_twin.calls_served() - twin_served,
             }
         )
     )

@@ -21,9 +21,10 @@ acknowledge the wake before it welcomes the subscriber that woke it or says the 
 taken (tapd/daemon/wants.py). A thread (`_watch`) looks at the held sites every
 `WATCH_SECONDS`; when one wakes, it stops every twin that holds it, drops JAX's C++
 caches (the next call of each jitted function takes the Python path, which reads the
-flags and serves the tapped computation), then acknowledges. A call that meets a woken
-site anyway (one dispatched while the wake was acknowledged) counts its taps skipped,
-as a call dispatched before a wake does, and stops its twin too.
+flags and serves the tapped computation), then acknowledges. A twin call dispatched
+before the acknowledgment counts its taps skipped, as a call dispatched before a wake
+does; no call dispatched after it runs a twin (a cache entry being filled meanwhile is
+one JAX no longer holds: jax_compat.executables.drop_cpp_dispatch_caches).
 
 When (`dormant_call`): from `TWIN_AFTER` dormant calls on the C++ path in a row, at most
 `TWIN_GAP` seconds apart on average (for a step that long, the second output's ~60 µs
@@ -56,6 +57,7 @@ _lock = threading.RLock()  # the held sites, the watcher, each twin's `serving`
 _held: dict[tuple[int, int], tuple[Any, set[Twin]]] = {}  # (ring, site id) -> writer, twins
 _watcher: threading.Thread | None = None
 _calls = 0  # twin calls so far (`calls_served`)
+_compiles = [0, 0]  # twins whose compilation started, and ended (`compiles`)
 
 
 class Twin:
@@ -117,6 +119,7 @@ def dormant_call(effect: OutputsEffect) -> None:
             assert effect.packed_output is not None  # (the C++ path is made from it)
             (device,) = effect.packed_output[1].device_set
             module, twin.module = twin.module, None
+            _compiles[0] += 1
             threading.Thread(
                 target=_compile, args=(twin, module, device), name="tapd-twin", daemon=True
             ).start()
@@ -135,6 +138,8 @@ def _compile(twin: Twin, module: bytes, device: Any) -> None:
     except Exception:
         twin.failed = True
         logger.debug("a dormant computation's twin did not compile", exc_info=True)
+    finally:
+        _compiles[1] += 1
 
 
 def twin_data(effect: OutputsEffect, data: Any) -> Any:
@@ -182,6 +187,11 @@ def calls_served() -> int:
     return _calls
 
 
+def compiles() -> tuple[int, int]:
+    """How many twins' compilations have started, and ended (compiled or failed)."""
+    return _compiles[0], _compiles[1]
+
+
 # ---- the root of a twin call's outputs ---------------------------------------------------
 
 
@@ -227,15 +237,15 @@ def _register() -> None:
 
 
 def _called(effect: OutputsEffect) -> None:
-    """A twin call, as its dispatch returns: its dormant taps counted. Never raises."""
+    """A twin call, as its dispatch returns: its dormant taps counted (the watcher, not
+    each call, looks for a wake: a call's cost on the host is this alone). Never
+    raises."""
     global _calls
     _calls += 1  # (a statistic)
     try:
         receiver = cast(taps_as_outputs.Receiver, effect.receiver)  # (one device)
-        assert receiver is not None and effect.call_counts is not None
+        assert effect.call_counts is not None
         taps_as_outputs.collector.received(None, receiver, effect.call_counts)
-        if any(receiver.keeps()):  # (woken, not yet acknowledged: the watcher's next look)
-            _stop({effect.twin} if effect.twin is not None else set())
     except Exception:
         logger.exception("tapd could not count a dormant computation's taps")
 
