@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from conftest import (
     tapd_cmd,
     wait_until,
 )
+from tapd.daemon.wants import ACK_WAIT
 from tapd.protocol.ring_format import EVERY_ALL, EVERY_DORMANT
 from tapd_client import Subscriber
 
@@ -458,3 +460,43 @@ def run_until_twin(job: Job, twin_calls: int) -> tuple[dict[str, Any], int]:
         steps += 100
         if said["twin_calls"] > twin_calls or time.monotonic() > deadline:
             return said, steps
+
+
+def test_a_wake_a_stopped_job_cannot_acknowledge_is_waited_for_then_named_in_the_log(
+    start_daemon: Callable[..., Daemon], start_job: Callable[..., Job]
+) -> None:
+    """The job's twin holds its site, and the job is stopped (SIGSTOP) before a
+    subscriber connects: the daemon says the site is dormant and holds the welcome for
+    ACK_WAIT seconds, then welcomes it and names the ring in its log (no silent wait).
+    Continued, the job acknowledges, and its steps reach the subscriber."""
+    daemon = start_daemon()
+    job = start_job(daemon, env=GATHERED, backend="portable")
+    job.run(2)
+    wait_every(daemon, "acts", EVERY_DORMANT)
+    run_until_twin(job, 0)
+    seqs: list[int] = []
+    subscriber = Subscriber(daemon.endpoint)
+    subscriber.add_handler("acts", lambda value, meta: seqs.append(meta.seq))
+    job.process.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        connecting = threading.Thread(target=subscriber.connect, daemon=True)
+        connecting.start()
+        wait_until(lambda: daemon.subscriber_count() == 1, "the subscriber's hello")
+        assert site_every(daemon, "acts") == EVERY_DORMANT  # (not acknowledged: not taken)
+        assert connecting.is_alive()
+        connecting.join(timeout=30)
+        assert not connecting.is_alive()
+        assert time.monotonic() - started >= ACK_WAIT * 0.9
+        assert "did not acknowledge the wake of acts" in daemon.log()
+        assert site_every(daemon, "acts") == 1
+    finally:
+        job.process.send_signal(signal.SIGCONT)
+    try:
+        job.start(10)
+        deadline = time.monotonic() + 30
+        subscriber.run(until=lambda: len(seqs) >= 10 or time.monotonic() > deadline)
+        job.read()
+        assert len(seqs) == 10 and seqs == sorted(seqs)
+    finally:
+        subscriber.close()

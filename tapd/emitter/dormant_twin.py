@@ -34,6 +34,7 @@ never. A twin that fails to compile is logged (debug) and not tried again.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -118,11 +119,14 @@ def dormant_call(effect: OutputsEffect) -> None:
         if (now - first) / (calls - 1) <= TWIN_GAP:
             assert effect.packed_output is not None  # (the C++ path is made from it)
             (device,) = effect.packed_output[1].device_set
-            module, twin.module = twin.module, None
-            _compiles[0] += 1
-            threading.Thread(
-                target=_compile, args=(twin, module, device), name="tapd-twin", daemon=True
-            ).start()
+            with _lock:  # (two threads dispatching: one compiles)
+                module, twin.module = twin.module, None
+                if module is None:
+                    return
+                _compiles[0] += 1
+            # (not a daemon thread: an exit waits for the compilation, which must not
+            # meet JAX's backends torn down by their exit hook)
+            threading.Thread(target=_compile, args=(twin, module, device), name="tapd-twin").start()
 
 
 def woken_call(effect: OutputsEffect) -> None:
@@ -224,16 +228,11 @@ def _tree(effect: OutputsEffect, outputs: Any) -> Any:
     )
 
 
-_registered = False
-
-
+@functools.cache
 def _register() -> None:
-    global _registered
-    if not _registered:
-        import jax
+    import jax
 
-        jax.tree_util.register_pytree_node(_TwinOutputs, _flatten, _unflatten)
-        _registered = True
+    jax.tree_util.register_pytree_node(_TwinOutputs, _flatten, _unflatten)
 
 
 def _called(effect: OutputsEffect) -> None:

@@ -34,6 +34,10 @@ nothing): a call that finds one on the C++ path is written as it came (the ring 
 it) and drops the C++ path of every computation (`_drop_fast_paths`), so that the next
 call takes the flags; a computation whose sampling has stopped gets its C++ path back
 the same way, from the Python path (tests/test_outputs_fast_path.py).
+
+A computation whose calls here find every site dormant, called often, gets a twin
+compiled without its taps, which this path then serves instead while its sites stay
+dormant (`tapd.emitter.dormant_twin`: `dormant_call`, `twin_data`).
 """
 
 from __future__ import annotations
