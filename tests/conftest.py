@@ -556,6 +556,8 @@ class InProcessRouter:
         """A subscriber's hello (window 64, named `key`, unless `fields` say otherwise)."""
         hello = {"consumers": consumers, "window": 64, "name": key, **fields}
         self.router.subscribers.hello(key, hello, now=0.0)
+        # (as the daemon's loop does once its wants table is written; none here holds it)
+        self.router.subscribers.send_welcomes(unless=lambda: False)
 
     def to(self, peer: Any, kind: str | None = None) -> list[Message]:
         """Decoded messages sent to `peer` (of `kind`, if given), in order."""

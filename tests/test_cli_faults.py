@@ -199,7 +199,9 @@ def test_sigusr1_writes_the_daemons_stacks_to_its_log_and_it_goes_on(
     daemon = start_daemon()
     daemon.process.send_signal(signal.SIGUSR1)
     wait_until(lambda: "in serve" in daemon.log(), "the daemon's stacks in its log")
-    assert "Current thread" in daemon.log()
+    # (the thread the kernel hands the signal to is marked "Current thread": the main
+    # one, or a thread of zmq's, which has no Python stack; the main one's is there)
+    assert "Current thread" in daemon.log() or "Thread 0x" in daemon.log()
     assert "counters" in daemon.stats()  # it answers
     assert daemon.process.poll() is None
     assert daemon.stop() == 0

@@ -2,7 +2,7 @@
 again and again (their second calls on JAX's C++ path), reads back what arrived, and
 prints one JSON line.
 
-    python fast_path_app.py values|threads|slots   # TAPD_GATHER=on or off
+    python fast_path_app.py values|threads|slots|twin   # TAPD_GATHER=on or off
 """
 
 import json
