@@ -42,6 +42,7 @@ from typing import Any, cast
 
 from tapd.emitter import lifecycle, taps_as_outputs
 from tapd.emitter.jax_compat.executables import (
+    can_drop_cpp_dispatch_caches,
     compile_for_device,
     drop_cpp_dispatch_caches,
     without_result,
@@ -78,7 +79,8 @@ class Twin:
 def keep_module(effect: OutputsEffect, module: Any, result: int) -> None:
     """At lowering: keep the module of a computation whose calls may take the C++ path
     with every site dormant (one device, no flags while it runs, its taps counted
-    before it runs), for its twin."""
+    before it runs), for its twin. Never fails the lowering: a module not kept has no
+    twin."""
     settings = lifecycle.settings()
     if not (settings.gather_fast_dispatch and settings.gather_dormant_twin):
         return
@@ -91,9 +93,14 @@ def keep_module(effect: OutputsEffect, module: Any, result: int) -> None:
         or hasattr(receiver, "of_device")
     ):
         return
-    from jax._src.interpreters import mlir
+    try:
+        if not can_drop_cpp_dispatch_caches():  # (a JAX that could not stop a twin)
+            return
+        from jax._src.interpreters import mlir
 
-    effect.twin = Twin(mlir.module_to_bytecode(module), result)
+        effect.twin = Twin(mlir.module_to_bytecode(module), result)
+    except Exception:
+        logger.debug("a gathered computation's module is not kept for a twin", exc_info=True)
 
 
 def dormant_call(effect: OutputsEffect) -> None:

@@ -79,6 +79,9 @@ def _aliasing_shifted(ir: Any, marks: Any, dropped: int) -> Any:
     return ir.DictAttr.get(kept)
 
 
+_CPP_CACHES = ("_cpp_pjit_cache_fun_only", "_cpp_pjit_cache_explicit_attributes")
+
+
 def drop_cpp_dispatch_caches() -> None:
     """Every jitted function's next call goes through Python again (JAX's C++ caches
     cleared, as `jax.clear_caches` clears them; nothing is compiled again). Safe from
@@ -86,7 +89,15 @@ def drop_cpp_dispatch_caches() -> None:
     in the cache (jaxlib's pjit.cc holds entries by shared pointer)."""
     from jax._src import pjit
 
-    for name in ("_cpp_pjit_cache_fun_only", "_cpp_pjit_cache_explicit_attributes"):
+    for name in _CPP_CACHES:
         cache = getattr(pjit, name, None)
         if cache is not None:
             cache.clear()
+
+
+def can_drop_cpp_dispatch_caches() -> bool:
+    """Whether this JAX has the C++ caches `drop_cpp_dispatch_caches` clears (what
+    stops a dormant computation's twin: without them it has none)."""
+    from jax._src import pjit
+
+    return any(hasattr(getattr(pjit, name, None), "clear") for name in _CPP_CACHES)
