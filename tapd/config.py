@@ -30,7 +30,7 @@ class Config(DaemonFields):
         for name in ("queue_bytes", "emitter_window_bytes", "max_message_bytes", "spool_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("subscriber_timeout", "drain_timeout", "startup_grace"):
+        for name in ("subscriber_timeout", "drain_timeout", "startup_grace", "wake_ack_timeout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.coalesce <= 1:

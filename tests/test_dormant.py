@@ -32,7 +32,6 @@ from conftest import (
     tapd_cmd,
     wait_until,
 )
-from tapd.daemon.wants import ACK_WAIT
 from tapd.protocol.ring_format import EVERY_ALL, EVERY_DORMANT
 from tapd_client import Subscriber
 
@@ -462,41 +461,74 @@ def run_until_twin(job: Job, twin_calls: int) -> tuple[dict[str, Any], int]:
             return said, steps
 
 
-def test_a_wake_a_stopped_job_cannot_acknowledge_is_waited_for_then_named_in_the_log(
-    start_daemon: Callable[..., Daemon], start_job: Callable[..., Job]
-) -> None:
-    """The job's twin holds its site, and the job is stopped (SIGSTOP) before a
-    subscriber connects: the daemon says the site is dormant and holds the welcome for
-    ACK_WAIT seconds, then welcomes it and names the ring in its log (no silent wait).
-    Continued, the job acknowledges, and its steps reach the subscriber."""
-    daemon = start_daemon()
+def twin_held_by_a_stopped_job(
+    start_daemon: Callable[..., Daemon], start_job: Callable[..., Job], ack_timeout: float
+) -> tuple[Daemon, Job]:
+    """A daemon (`--wake-ack-timeout ack_timeout`) and a job whose twin holds "acts",
+    stopped (SIGSTOP): it cannot acknowledge a wake."""
+    daemon = start_daemon("--wake-ack-timeout", str(ack_timeout))
     job = start_job(daemon, env=GATHERED, backend="portable")
     job.run(2)
     wait_every(daemon, "acts", EVERY_DORMANT)
     run_until_twin(job, 0)
-    seqs: list[int] = []
+    job.process.send_signal(signal.SIGSTOP)
+    return daemon, job
+
+
+def connecting(daemon: Daemon, seqs: list[int]) -> tuple[Subscriber, threading.Thread]:
+    """A subscriber of "acts" whose `connect()` runs in a thread (started)."""
     subscriber = Subscriber(daemon.endpoint)
     subscriber.add_handler("acts", lambda value, meta: seqs.append(meta.seq))
-    job.process.send_signal(signal.SIGSTOP)
+    thread = threading.Thread(target=subscriber.connect, daemon=True)
+    thread.start()
+    return subscriber, thread
+
+
+def test_a_subscribers_welcome_waits_for_the_job_to_acknowledge_the_wake(
+    start_daemon: Callable[..., Daemon], start_job: Callable[..., Job]
+) -> None:
+    """While the job cannot acknowledge the wake, the daemon says the site is dormant and
+    holds the subscriber's welcome; continued, the job acknowledges, the welcome goes,
+    and the steps it runs after it reach the subscriber, every one."""
+    daemon, job = twin_held_by_a_stopped_job(start_daemon, start_job, 120.0)
+    seqs: list[int] = []
     try:
-        started = time.monotonic()
-        connecting = threading.Thread(target=subscriber.connect, daemon=True)
-        connecting.start()
+        subscriber, thread = connecting(daemon, seqs)
         wait_until(lambda: daemon.subscriber_count() == 1, "the subscriber's hello")
         assert site_every(daemon, "acts") == EVERY_DORMANT  # (not acknowledged: not taken)
-        assert connecting.is_alive()
-        connecting.join(timeout=30)
-        assert not connecting.is_alive()
-        assert time.monotonic() - started >= ACK_WAIT * 0.9
-        assert "did not acknowledge the wake of acts" in daemon.log()
-        assert site_every(daemon, "acts") == 1
+        assert thread.is_alive()  # (no welcome yet)
     finally:
         job.process.send_signal(signal.SIGCONT)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert site_every(daemon, "acts") == 1
+    assert "did not acknowledge" not in daemon.log()
     try:
         job.start(10)
         deadline = time.monotonic() + 30
         subscriber.run(until=lambda: len(seqs) >= 10 or time.monotonic() > deadline)
-        job.read()
-        assert len(seqs) == 10 and seqs == sorted(seqs)
+        said = job.read()
+        assert seqs == list(range(seqs[0], seqs[0] + 10)) and len(seqs) == 10
+        assert seqs[-1] == said["steps"] - 1  # (the job's last ten steps)
     finally:
         subscriber.close()
+
+
+def test_a_wake_a_stopped_job_cannot_acknowledge_is_waited_for_then_named_in_the_log(
+    start_daemon: Callable[..., Daemon], start_job: Callable[..., Job]
+) -> None:
+    """No silent wait: past `--wake-ack-timeout` the daemon names the ring in its log and
+    welcomes the subscriber."""
+    daemon, job = twin_held_by_a_stopped_job(start_daemon, start_job, 0.5)
+    seqs: list[int] = []
+    try:
+        started = time.monotonic()
+        subscriber, thread = connecting(daemon, seqs)
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        assert time.monotonic() - started >= 0.45
+        assert "did not acknowledge the wake of acts within 0.5 s" in daemon.log()
+        assert site_every(daemon, "acts") == 1
+        subscriber.close()
+    finally:
+        job.process.send_signal(signal.SIGCONT)

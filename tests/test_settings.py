@@ -266,6 +266,7 @@ DAEMON_CASES = {
     "subscriber_timeout": Case("2.5", "2.5", ("--subscriber-timeout", "2.5"), 2.5),
     "startup_grace": Case("0.25", "0.25", ("--startup-grace", "0.25"), 0.25),
     "drain_timeout": Case("3", "3", ("--drain-timeout", "3"), 3.0),  # a TOML integer
+    "wake_ack_timeout": Case("0.75", "0.75", ("--wake-ack-timeout", "0.75"), 0.75),
     "coalesce": Case("0.004", "0.004", ("--coalesce", "0.004"), 0.004),
     "max_message_bytes": Case("4096", "4096", ("--max-message-bytes", "4096"), 4096),
     "pidfile": Case(
@@ -389,6 +390,15 @@ def test_every_variable_is_declared_once_and_read_through_the_table() -> None:
             continue
         for read in READS.finditer(text):
             assert not read, f"{source.relative_to(ROOT)} reads a variable itself: {read[0]}"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "name", ["subscriber_timeout", "drain_timeout", "startup_grace", "wake_ack_timeout"]
+)
+def test_a_negative_wait_is_refused_naming_it(name: str) -> None:
+    with pytest.raises(ConfigError, match=f"{name} must be >= 0, got -1.0"):
+        config_module.load({}, None, {f"TAPD_{name.upper()}": "-1"})
 
 
 @pytest.mark.fast

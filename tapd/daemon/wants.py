@@ -22,7 +22,8 @@ it marks the slot `relied_on` first. A wake written into such a slot holds once 
 emitter acknowledges it (clears the mark, within milliseconds): until then the site is
 said dormant in the stats, and subscribers' welcomes wait (`awaiting`), so that a tap
 run after a subscriber's welcome reaches it. An emitter that does not acknowledge within
-`ACK_WAIT` seconds is named in the log, and waited for no more.
+`ack_wait` seconds (`--wake-ack-timeout`, 2 by default) is named in the log, and waited
+for no more.
 """
 
 from __future__ import annotations
@@ -47,15 +48,14 @@ from tapd.protocol.rules import DEFAULT_LIMITS
 
 logger = logging.getLogger("tapd.daemon")
 
-# Seconds a wake waits for an emitter that relies on the site's dormancy to acknowledge it.
-ACK_WAIT = 2.0
-
 # What a forwarder is told: None for "everything", else sorted (pattern, n) pairs.
 Told = tuple[tuple[str, int], ...] | None
 
 
 class WantsTable:
-    def __init__(self, router: Router, rings: RingSet, *, dormant: bool) -> None:
+    def __init__(
+        self, router: Router, rings: RingSet, *, dormant: bool, ack_wait: float = 2.0
+    ) -> None:
         self.router = router
         self.rings = rings
         self.dormant = dormant  # False: every site always wanted (TAPD_DORMANT=0)
@@ -68,6 +68,7 @@ class WantsTable:
         self._hellos = 0  # emitter hellos the router had seen when forwarders were told
         self._pairs: Told = None
         self.writes = 0  # slots written (a test reads it: recomputing must stay cheap)
+        self.ack_wait = ack_wait  # seconds a wake waits for its acknowledgment
         # Wakes not yet acknowledged: (ring key, site) -> (its source, the deadline).
         self._unacknowledged: dict[tuple[Hashable, int], tuple[RingSource, float]] = {}
 
@@ -107,7 +108,7 @@ class WantsTable:
                 written[site_id] = every
                 self.writes += 1
                 if relied_on and every != EVERY_DORMANT:
-                    deadline = time.monotonic() + ACK_WAIT
+                    deadline = time.monotonic() + self.ack_wait
                     self._unacknowledged[(source.key, site_id)] = (source, deadline)
                 else:
                     self._unacknowledged.pop((source.key, site_id), None)
@@ -128,7 +129,7 @@ class WantsTable:
                     "its calls may skip that site's taps until it does",
                     source.path,
                     source.sites.consumer_of(site_id),
-                    ACK_WAIT,
+                    self.ack_wait,
                 )
         return bool(self._unacknowledged)
 

@@ -182,6 +182,13 @@ class DaemonFields:
         "emitters' rings are not drained, so that subscribers can reconnect first",
     )
     drain_timeout: float = daemon(10.0, "on SIGTERM, keep delivering this many seconds")
+    wake_ack_timeout: float = daemon(
+        2.0,
+        "seconds a subscriber's welcome waits for an emitter to acknowledge the wake of a "
+        'site it runs a dormant twin of (docs/PROTOCOL.md, "Dormant taps and '
+        'sampling"; within milliseconds where the emitter runs); past it the daemon '
+        "names the ring in its log and welcomes the subscriber",
+    )
     coalesce: float = daemon(
         0.002,
         "after a round that read only a few taps from the emitters' rings, wait this many "
