@@ -6,8 +6,8 @@ the taps (effects barrier, then barrier_wait), and prints one JSON line: the ste
 counter, tapd.stats(), and how many times the id_tap function ran. `quit` ends it.
 
 With DORMANT_APP_ACTS_ONLY=1 a step taps "acts" alone (a computation whose every site
-may be dormant: tests/test_dormant_twin.py), and each line says how many calls its
-twin served (tapd/emitter/dormant_twin.py).
+may be dormant: the twin tests of tests/test_dormant.py), and each line says how many
+calls its twin served (tapd/emitter/dormant_twin.py).
 """
 
 from __future__ import annotations
