@@ -77,9 +77,7 @@ class Daemon:
         self.handshakes: list[security.HandshakeMonitor] = []
         self._lock_fds: list[int] = []
         self.rings = RingSet(ring_dir_for(config.endpoint))
-        self.wants = WantsTable(  # dormant taps
-            self.router, self.rings, dormant=config.dormant, ack_wait=config.wake_ack_timeout
-        )
+        self.wants = WantsTable(self.router, self.rings, config.dormant, config.wake_ack_timeout)
         self.router.subscribers.rings = RingReaders.for_daemon(self.rings, config.policy)
         self.forwarder: Forwarder | None = None
         self.metrics: MetricsServer | None = None  # --metrics

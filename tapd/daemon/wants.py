@@ -53,9 +53,7 @@ Told = tuple[tuple[str, int], ...] | None
 
 
 class WantsTable:
-    def __init__(
-        self, router: Router, rings: RingSet, *, dormant: bool, ack_wait: float = 2.0
-    ) -> None:
+    def __init__(self, router: Router, rings: RingSet, dormant: bool, ack_wait: float) -> None:
         self.router = router
         self.rings = rings
         self.dormant = dormant  # False: every site always wanted (TAPD_DORMANT=0)
