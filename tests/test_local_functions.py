@@ -338,3 +338,22 @@ def test_a_subscriber_adds_consumers_without_losing_what_it_holds(
     peers.subscribe("stranger", ["m:f"], update=True)  # unknown here (a restarted daemon)
     assert [decode(f).kind for key, f in peers.sent if key == "stranger"] == ["rehello"]
     assert "stranger" not in peers.router.subscribers.peers
+
+
+@pytest.mark.fast
+def test_a_subscribers_welcome_comes_before_any_tap_while_it_is_held(
+    in_process_router: MakeRouter,
+) -> None:
+    """The daemon's loop holds a welcome while a wake waits for an emitter's
+    acknowledgment (tapd/daemon/wants.py): meanwhile the subscriber, already a taker, is
+    sent no tap; once the welcome goes, the taps follow it."""
+    peers = Peers(in_process_router)
+    subscribers = peers.router.subscribers
+    subscribers.hello("held", {"consumers": ["m:f"], "window": 64, "name": "held"}, now=0.0)
+    peers.tap("em", "m:f")  # (routed to it, and pumped: nothing goes yet)
+    subscribers.send_welcomes(unless=lambda: True)  # (a wake not yet acknowledged)
+    subscribers.pump()
+    assert [decode(f).kind for key, f in peers.sent if key == "held"] == []
+    subscribers.send_welcomes(unless=lambda: False)
+    subscribers.pump()
+    assert [decode(f).kind for key, f in peers.sent if key == "held"] == ["welcome", "tap"]

@@ -62,8 +62,11 @@ class Subscribers:
         return [*self._targets.values(), *self._pool_targets.values()]
 
     def pump(self) -> None:
-        """Let each target send what its window allows."""
+        """Let each target send what its window allows (a subscriber whose welcome is
+        held, nothing yet: its welcome comes first)."""
         for key, peer in list(self.peers.items()):
+            if key in self._welcomes_due:
+                continue
             target = self._targets.get(key, peer)  # (a pool member: fed by its pool)
             if not target.pump():
                 self.drop(key, "is unreachable")
