@@ -470,7 +470,8 @@ def twin_held_by_a_stopped_job(
     job = start_job(daemon, env=GATHERED, backend="portable")
     job.run(2)
     wait_every(daemon, "acts", EVERY_DORMANT)
-    run_until_twin(job, 0)
+    said, _ = run_until_twin(job, 0)
+    assert said["twin_calls"] > 0, said
     job.process.send_signal(signal.SIGSTOP)
     return daemon, job
 

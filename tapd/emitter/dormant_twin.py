@@ -65,7 +65,7 @@ _compiles = [0, 0]  # twins whose compilation started, and ended (`compiles`)
 class Twin:
     """One computation's twin: its module, then its executable, and whether it serves."""
 
-    __slots__ = ("__weakref__", "executable", "failed", "module", "result", "run", "serving")
+    __slots__ = ("executable", "failed", "module", "result", "run", "serving")
 
     def __init__(self, module: bytes, result: int) -> None:
         self.module: bytes | None = module  # (dropped once compiled)
@@ -84,14 +84,7 @@ def keep_module(effect: OutputsEffect, module: Any, result: int) -> None:
     settings = lifecycle.settings()
     if not (settings.gather_fast_dispatch and settings.gather_dormant_twin):
         return
-    receiver = effect.receiver
-    if (
-        effect.refreshed
-        or effect.sampled_bound
-        or effect.call_counts is None
-        or receiver is None
-        or hasattr(receiver, "of_device")
-    ):
+    if not effect.lowered_for_fast_path():
         return
     try:
         if not can_drop_cpp_dispatch_caches():  # (a JAX that could not stop a twin)
@@ -166,7 +159,7 @@ def twin_data(effect: OutputsEffect, data: Any) -> Any:
         for site in sites:
             held.append(site)
             if not site.rely_on_dormancy():  # (marked, then read: ring.h, SiteSlot)
-                _release([s for s in held if _holders(s) == set()])
+                _release([s for s in held if not _holders(s)])
                 return None
         for site in sites:
             _held.setdefault((site.ring, site.site_id), (site, set()))[1].add(twin)

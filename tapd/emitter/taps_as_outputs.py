@@ -131,17 +131,24 @@ class OutputsEffect(effects.Effect):
         """Each site's keep flag as the last call on the Python path read them."""
         return () if self._flags is None else self._flags[0][: self.sites]
 
-    def fast_path_allowed(self) -> bool:
-        """Whether its calls may take JAX's C++ path (outputs_fast_path): one device,
-        no flags while it runs, its taps counted before it runs, no site sampled."""
+    def lowered_for_fast_path(self) -> bool:
+        """What lowering decides of `fast_path_allowed`: one device, no flags while it
+        runs, its taps counted before it runs, a log not sized for sampling."""
         return (
-            self.packed_output is not None
-            and self._flags is not None
-            and not self.refreshed
+            not self.refreshed
             and not self.sampled_bound
             and self.call_counts is not None
             and self.receiver is not None
             and not hasattr(self.receiver, "of_device")
+        )
+
+    def fast_path_allowed(self) -> bool:
+        """Whether its calls may take JAX's C++ path (outputs_fast_path): as lowered
+        for it, its output's form known (a first call made), no site sampled."""
+        return (
+            self.packed_output is not None
+            and self._flags is not None
+            and self.lowered_for_fast_path()
             and not any(keep > 1 for keep in self.last_keeps())
         )
 
