@@ -16,8 +16,10 @@ its step index to a function in this process; the time of its first tap after th
 and the largest gap between taps. Cells of more than 400 MiB a call are left out (a
 TPU host moves them in seconds a call; the rate is that of 100 steps).
 
-Other cells of the grid: `TPU_BIG_CELLS=1MiB:9,2MiB:8,4MiB:4` (sizes in KiB or MiB of
-float32; with --big-only, only those).
+Other cells of the grid: `TPU_BIG_CELLS=1MiB:9,2MiB:8,4MiB:4` (sizes in B, KiB or MiB of
+float32; with --big-only, only those). `--small-only`: the small taps' cells of issue 63
+(64 B x 5000, 1 KiB x 5000, 4 KiB x 2000, 64 KiB x 1000), where a tap's cost is per
+record rather than per byte.
 """
 
 from __future__ import annotations
@@ -54,12 +56,20 @@ def grid(quick: bool) -> list[tuple[str, int, int]]:
     cells = []
     for cell in chosen.split(","):
         name, steps = cell.split(":")
-        unit = 2**20 if name.endswith("MiB") else 2**10
-        cells.append((name, int(name[:-3]) * unit // 4, int(steps)))
+        cells.append((name, _bytes_of(name) // 4, int(steps)))
     return cells
 
 
 MOST_BYTES_A_CALL = 400 * 2**20
+SMALL_CELLS = "64B:5000,1KiB:5000,4KiB:2000,64KiB:1000"  # issue 63's small taps
+
+
+def _bytes_of(name: str) -> int:
+    """A size's name ("64B", "1KiB", "4MiB") in bytes."""
+    for suffix, unit in (("KiB", 2**10), ("MiB", 2**20), ("B", 1)):
+        if name.endswith(suffix):
+            return int(name[: -len(suffix)]) * unit
+    raise ValueError(f"a size is 64B, 1KiB or 4MiB, not {name!r}")
 
 
 def _calls(bytes_a_call: int) -> int:
@@ -278,8 +288,8 @@ def report(result: dict[str, Any], delivered: int, quick: bool) -> str:
         floor = a_step["floor"] - a_step["none"]
         tap, dormant = a_step["tap"] - a_step["none"], a_step["dormant"] - a_step["none"]
         lines.append(
-            f"| {cell} | {a_step['none']:.1f} | {a_step['tap']:.1f} | {a_step['dormant']:.1f} "
-            f"| {a_step['floor']:.1f} | {tap / floor:.2f} | {dormant / floor:.3f} |"
+            f"| {cell} | {a_step['none']:.2f} | {a_step['tap']:.2f} | {a_step['dormant']:.2f} "
+            f"| {a_step['floor']:.2f} | {tap / floor:.2f} | {dormant / floor:.3f} |"
         )
     sampled = [name for name in us if name.endswith(" every100")]
     for name in sampled:
@@ -330,7 +340,7 @@ def report(result: dict[str, Any], delivered: int, quick: bool) -> str:
 
 def _cell_order(cell: str) -> tuple[int, int]:
     size, steps = cell.split(" x")
-    return int(size[:-3]) * (2**20 if size.endswith("MiB") else 2**10), int(steps)
+    return _bytes_of(size), int(steps)
 
 
 def main() -> None:
@@ -341,10 +351,18 @@ def main() -> None:
         "--sampled-only", action="store_true", help="only the every=100 cell and its floor"
     )
     parser.add_argument("--big-only", action="store_true", help="only the big taps' grid")
+    parser.add_argument(
+        "--small-only",
+        action="store_true",
+        help=f"only the small taps' grid ({SMALL_CELLS}; TPU_BIG_CELLS overrides it)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="write the report here (Markdown)")
     parser.add_argument("--log", default=None, help="write the raw results here (JSON)")
     args = parser.parse_args()
+    if args.small_only:
+        os.environ.setdefault("TPU_BIG_CELLS", SMALL_CELLS)
+        args.big_only = True
     if args.child:
         print(json.dumps(child(args.quick, args.live_only, args.sampled_only, args.big_only)))
         return
