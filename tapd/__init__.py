@@ -17,7 +17,8 @@ below do, on first call. Subscribers use the `tapd_client` package.
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 from tapd import export_hook, hcb_hook
 from tapd.emitter import jax_compat
@@ -33,6 +34,8 @@ from tapd.errors import (
 
 __version__ = "0.1.0"
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 __all__ = [
     "BarrierTimeout",
     "CallbackException",
@@ -43,6 +46,7 @@ __all__ = [
     "TapFunctionException",
     "TapdError",
     "__version__",
+    "after_callbacks",
     "backend",
     "barrier_wait",
     "configure",
@@ -148,6 +152,18 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = 60.
     from tapd.emitter import lifecycle
 
     lifecycle.barrier_wait(logging_name, timeout=timeout)
+
+
+def after_callbacks(function: _F) -> _F:
+    """`function`, which first waits (while tapd's in-process callbacks are in use) until
+    the computations dispatched so far have run and this process has run their
+    callbacks: `MyBar.close = tapd.after_callbacks(MyBar.close)` for a progress bar that
+    callbacks update and the program closes right after the call, as tqdm's, rich's and
+    fastprogress's bars already do (docs/MIGRATING.md, "Progress bars"). The wait lasts
+    while the callbacks make progress (`TAPD_CELL_TIMEOUT`); never in a tap function."""
+    from tapd.emitter.print_order import bars
+
+    return bars.after_callbacks(function)
 
 
 def install_host_callback() -> None:

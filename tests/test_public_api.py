@@ -29,8 +29,9 @@ def test_exported_members() -> None:
     assert sorted(tapd.__all__) == sorted([
         "BarrierTimeout", "CallbackException", "CallbackFlavor", "ConfigError",
         "ProtocolError", "TapDefinitionError", "TapFunctionException", "TapdError",
-        "__version__", "backend", "barrier_wait", "configure", "debug", "deserialize",
-        "id_print", "id_tap", "install_debug", "install_host_callback", "stats", "tap",
+        "__version__", "after_callbacks", "backend", "barrier_wait", "configure", "debug",
+        "deserialize", "id_print", "id_tap", "install_debug", "install_host_callback", "stats",
+        "tap",
     ])  # fmt: skip
     assert sorted(tapd.debug.__all__) == [
         "callback", "install", "jax_callback", "jax_io_callback", "jax_print", "log", "print",

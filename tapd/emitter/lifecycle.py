@@ -8,8 +8,9 @@ other taps never starts, nor talks to, a daemon.
 
 This module makes each of them, once a process, and wires them in one place; none of
 them imports it. It hands the print order (tapd/emitter/print_order/) its waits
-(`catch_up`, `drain`), the site resolver (tapd.emitter.entries) the daemon's ring, and
-JAX's `jax.effects_barrier()` what tapd adds to it (`after_jax_barrier`).
+(`catch_up`, `drain`, and `settle` for a progress bar's close), the site resolver
+(tapd.emitter.entries) the daemon's ring, and JAX's `jax.effects_barrier()` what tapd
+adds to it (`after_jax_barrier`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tapd.emitter.local import threads
 from tapd.emitter.local.fallback import FallbackReceiver, connect_timeout
 from tapd.emitter.local.path import LocalPath
 from tapd.emitter.native_backend import NativeEmitter, RingSites, registered_platforms
-from tapd.emitter.print_order import ipython, stdout
+from tapd.emitter.print_order import bars, ipython, stdout
 from tapd.emitter.sender import Sender, SenderStats
 from tapd.emitter.settings import EmitterSettings, from_environment
 from tapd.errors import ConfigError, DaemonUnreachable, TapDefinitionError, TapFunctionException
@@ -111,6 +112,7 @@ def local_path() -> LocalPath | None:
                 _local = LocalPath(_settings, process_index=jax.process_index())
                 _register_exit_hook(_drain_local_at_exit)
                 stdout.order_writes(sys.stdout, _settings.cell_timeout, catch_up)
+                bars.attach(_settings.cell_timeout, settle)
                 ipython.attach(_settings.cell_timeout, drain=drain, catch_up=catch_up)
     return _local
 
@@ -400,6 +402,23 @@ def catch_up(timeout: float) -> None:
     except Exception:  # (a device that fails says so where its results are read)
         pass
     local.catch_up(timeout)
+
+
+def settle(stalled_after: float) -> bool | None:
+    """Wait until the computations dispatched so far have run and the local receiver
+    has run their taps, while it makes progress (`LocalPath.settle`): before a progress
+    bar closes (tapd.emitter.print_order.bars). Whether it got there; None where there
+    was nothing to wait for. Never from a tap function, nor while JAX traces."""
+    local = _local
+    if local is None or threads.on_receiver_thread() or not local.has_sites():
+        return None
+    if jax_compat.tracing():
+        return None
+    try:
+        flush_devices()  # (the CPU's live arrays too: the bar's loop may still run)
+    except Exception:  # (a device that fails says so where its results are read)
+        pass
+    return local.settle(stalled_after)
 
 
 def _register_exit_drain() -> None:

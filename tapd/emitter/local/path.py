@@ -251,6 +251,24 @@ class LocalPath:
                 self._progress.wait(left)
         return True
 
+    def settle(self, stalled_after: float) -> bool:
+        """Wait until every record committed so far has been run, for as long as the
+        receiver runs one at least every `stalled_after` s (a long queue of slow
+        callbacks is waited for; one stuck callback is not). Whether it was; never
+        raises: for a progress bar's close (tapd.emitter.print_order.bars)."""
+        target = self.ring.settled()
+        with self._lock:
+            progress = (self._runner.calls, time.monotonic())
+            while self.handled < target and not self._closing:
+                if self._runner.calls != progress[0]:
+                    progress = (self._runner.calls, time.monotonic())
+                left = stalled_after - (time.monotonic() - progress[1])
+                if left <= 0:
+                    return False
+                self._hurry.set()
+                self._progress.wait(min(left, 0.1))  # (a call that ends wakes no one)
+        return self.handled >= target
+
     def _waiting_for(self, target: int, timeout: float) -> str:
         """A timed-out barrier's message: which sites' taps wait, and what the receiver
         thread does (its stack), so that a wait never goes unexplained."""
