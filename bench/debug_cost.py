@@ -24,10 +24,18 @@ tapd/emitter/local_path.py): no daemon runs during these measurements.
 (c') The same callback on one value of the step's input, read before the product
     overwrites the loop's carry: XLA copies the carry every step for that, callback or
     not, which the control row (the value carried out of the loop, no callback) shows.
+(e) A tqdm bar closed right after the call (issue 62): a jitted 100-step `fori_loop`
+    whose steps update the bar through `jax.debug.callback`, each update taking 5 ms;
+    the bar is closed as soon as the call returns (no `block_until_ready`). Stock
+    `jax.debug` against `tapd.install_debug()` (each backend, and the TPU's gathered
+    path forced on the CPU), each in a process of its own: the updates the bar had when
+    it closed, the call's time, and the call's time to the close. Target: 100/100 at
+    the close, and tapd's call <= 0.1 of stock's (the call does not wait; the close may).
 
 Each variant interleaved with the others within a repeat; medians over repeats.
 
     python bench/debug_cost.py [--quick] [--output bench/DEBUG.md]
+    python bench/debug_cost.py --bars [--quick]     # (e) alone, printed
 """
 
 from __future__ import annotations
@@ -240,11 +248,112 @@ def first_print(backend: str) -> dict[str, Any]:
     return {"seconds": max(seconds[0], 0.0), "left": left}
 
 
+BAR_CLOSE = """
+import io, json, sys, time
+import jax, jax.numpy as jnp
+from jax import lax
+from tqdm import tqdm
+import tapd
+
+if sys.argv[1] != "jax":
+    tapd.install_debug()
+
+
+class RecordingTqdm(tqdm):
+    at_close = None
+
+    def close(self):
+        if self.at_close is None:
+            self.at_close = self.n
+        super().close()
+
+
+bars = []
+
+
+def update(_):
+    time.sleep(0.005)
+    bars[-1].update(1)
+
+
+def body(i, total):
+    jax.debug.callback(update, i)
+    return total + i
+
+
+loop = jax.jit(lambda x: lax.fori_loop(0, 100, body, x))
+runs = []
+for repeat in range(int(sys.argv[2]) + 1):  # (the first compiles: not counted)
+    bars.append(RecordingTqdm(total=100, file=io.StringIO()))
+    started = time.perf_counter()
+    out = loop(jnp.int32(0))
+    called = time.perf_counter()
+    bars[-1].close()
+    closed = time.perf_counter()
+    if repeat:
+        runs.append([called - started, closed - started, bars[-1].at_close])
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+print(json.dumps(runs))
+"""
+
+# (e)'s variants: (label, the script's mode, the environment it runs in)
+BAR_VARIANTS = [
+    ("jax.debug", "jax", {}),
+    ("tapd, native", "tapd", {"TAPD_BACKEND": "native"}),
+    ("tapd, portable", "tapd", {"TAPD_BACKEND": "portable"}),
+    ("tapd, gathered", "tapd", {"TAPD_BACKEND": "portable", "TAPD_GATHER": "on"}),
+]
+
+
+def bar_close(quick: bool) -> dict[str, list[list[float]]]:
+    """(e), each variant in a new process: [call s, call-to-close s, updates at close] a
+    repeat."""
+    runs = {}
+    for label, mode, settings in BAR_VARIANTS:
+        env = {**os.environ, **settings}
+        result = subprocess.run(
+            [sys.executable, "-c", BAR_CLOSE, mode, "3" if quick else "7"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise RuntimeError(f"bar close ({label}) failed:\n{result.stderr[-3000:]}")
+        runs[label] = json.loads(result.stdout.splitlines()[-1])
+    return runs
+
+
+def bar_report(runs: dict[str, list[list[float]]]) -> list[str]:
+    from report import median, table
+
+    stock = median([run[0] for run in runs["jax.debug"]])
+    rows, verdicts = [], []
+    for label, got in runs.items():
+        call, closed = median([run[0] for run in got]), median([run[1] for run in got])
+        at_close = sorted({int(run[2]) for run in got})
+        rows.append([label, "/".join(map(str, at_close)) + "/100", f"{call * 1000:.1f}",
+                     f"{closed * 1000:.1f}", f"{call / stock:.3f}"])  # fmt: skip
+        if label != "jax.debug":
+            met = at_close == [100] and call / stock <= 0.1
+            verdicts.append(
+                f"- {label}, (e): a bar closed right after the call had {at_close} of 100 "
+                f"updates; the call took {call / stock:.3f} of stock's (target 100/100 and "
+                f"<= 0.1: {'met' if met else 'NOT met'})"
+            )
+    header = ["(e) 100 steps, 5 ms updates, bar closed after the call", "updates at close",
+              "call, ms", "call to close, ms", "call ÷ stock's"]  # fmt: skip
+    return [table(header, rows), "", *verdicts, ""]
+
+
 HEADER = ["measure", "no callback", "jax.debug.callback", "tapd.debug.callback",
           "id_tap(closure)", "tapd"]  # fmt: skip
 
 
-def report(runs: dict[str, dict[str, list[float]]], first: dict[str, Any], quick: bool) -> str:
+def report(
+    runs: dict[str, dict[str, list[float]]],
+    first: dict[str, Any],
+    bars: dict[str, list[list[float]]],
+    quick: bool,
+) -> str:
     from report import median, number, table
 
     sections = ["# tapd.debug.callback against jax.debug.callback", ""]
@@ -317,6 +426,7 @@ def report(runs: dict[str, dict[str, list[float]]], first: dict[str, Any], quick
             *sections,
             *verdicts,
             "",
+            *bar_report(bars),
             f"(b) and (b2): medians of {10 if quick else BLOCKS} blocks of "
             f"{62 if quick else 250} and {25 if quick else 100} calls, each variant's in turn, "
             f"each after {WARM_UP} untimed calls of its own; the others: medians "
@@ -334,11 +444,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "DEBUG.md")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bars", action="store_true", help="(e) alone, printed")
     args = parser.parse_args()
     sys.path.insert(0, str(BENCH_DIR))
     os.environ.setdefault("TAPD_AUTOSTART", "0")
     if args.child:  # one backend's measurements (TAPD_BACKEND), as JSON
         print(json.dumps(measure(args.quick)))
+        return
+    if args.bars:
+        print("\n".join(bar_report(bar_close(args.quick))))
         return
     from processes import run_backend_child
 
@@ -346,7 +460,8 @@ def main() -> None:
     backends = ("native", "portable")
     runs = {backend: run_backend_child(__file__, backend, quick) for backend in backends}
     first = {backend: first_print(backend) for backend in backends}
-    text = report(runs, first, args.quick)
+    bars = bar_close(args.quick)
+    text = report(runs, first, bars, args.quick)
     args.output.write_text(text)
     print(text)
 
