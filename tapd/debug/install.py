@@ -14,10 +14,10 @@ made from then on:
   that waits for its callbacks there waits for tapd's too, and gets what they raised
   (`tapd.CallbackException`);
 - with `io_callback=True`, `jax.experimental.io_callback` calls whose
-  `result_shape_dtypes` is None (the progress bars of BlackJAX, NumPyro, Diffrax: the
-  computation gets nothing back, so it need not wait) go to tapd as a callback would;
-  every other `io_callback` goes to JAX's own. JAX's refusals stay: `ordered=True`
-  under `vmap`, and differentiation through one.
+  `result_shape_dtypes` is None (the computation gets nothing back, so it need not wait:
+  the close of NumPyro's and Diffrax's progress bars, whose updates return a value) go to
+  tapd as a callback would; every other `io_callback` goes to JAX's own. JAX's refusals
+  stay: `ordered=True` under `vmap`, and differentiation through one.
 
 One call can still run synchronously, as JAX runs it: `blocking=True` (then the
 callback has run when the step goes on), or JAX's own functions, kept as

@@ -280,7 +280,8 @@ class EmitterFields:
         10.0,
         "how long a print to stdout (and, under IPython, the end of a cell) waits for the "
         "in-process callbacks of the computations before it to run, in seconds (a cell "
-        "that reaches it says so; they run later)",
+        "that reaches it says so; they run later); a progress bar's close waits for them "
+        "until none has run for this long",
     )
     print_worker: Literal["auto", "never", "always"] = emitter(
         "auto",
