@@ -9,7 +9,7 @@ its first tap; the time from just before `connect()` to that tap's handler is th
 attach latency. It leaves (bye), the daemon makes the site dormant again, and the next
 repeat starts. Median (min-max) over REPEATS per row.
 
-    .venv/bin/python bench/attach.py [--repeats 10] [--output bench/ATTACH.md]
+    .venv/bin/python bench/attach.py [--repeats 10] [--output PATH]
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def skipped(processes: Processes) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--output", type=Path, default=BENCH_DIR / "ATTACH.md")
+    parser.add_argument("--output", type=Path, help="also write the report here")
     args = parser.parse_args()
     machine = machine_description()
     machine.append(("tapd revision", code_revision(BENCH_DIR.parent)))

@@ -9,7 +9,7 @@ same process) and the daemon's CPU per tap. The daemon runs with `--coalesce 0` 
 round passed on at once) or the default (2 ms), each in a JAX process of its own, the
 two alternating over the repeats; medians.
 
-    python bench/coalesce.py [--quick] [--output bench/COALESCE.md]
+    python bench/coalesce.py [--quick] [--output PATH]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def report(runs: dict[str, list[dict[str, float]]], calls: int, quick: bool) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls and runs")
-    parser.add_argument("--output", type=Path, default=BENCH_DIR / "COALESCE.md")
+    parser.add_argument("--output", type=Path, help="also write the report here")
     parser.add_argument("--child", nargs=2, metavar=("COALESCE", "CALLS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(BENCH_DIR))
@@ -126,8 +126,9 @@ def main() -> None:
         for key in VARIANTS:
             runs[key].append(run_backend_child(__file__, "native", [key, str(calls)]))
     text = report(runs, calls, args.quick)
-    args.output.write_text(text)
     print(text)
+    if args.output is not None:
+        args.output.write_text(text)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ backend (native: the FFI handler; portable: the host callback writing the ring),
 its own process, the variants interleaved and repeated in one run; the tables give the
 minimum and the median over repeats, and what each adds to (a) at the same step count.
 
-    python bench/dormant.py [--quick] [--output bench/DORMANT.md]
+    python bench/dormant.py [--quick] [--output PATH]
 
 The dormant sites are set so by hand (Ring.set_site_every, what the daemon does for a
 site without a taker), so the figures do not depend on the daemon's side of it.

@@ -15,7 +15,7 @@ in another fresh process on the same directory (warm: trace, load), which also t
 one other tapped function first so that its sites are in another order. Time to the
 first result, side by side, and the taps each delivered.
 
-    python bench/exported.py [--quick] [--output bench/EXPORTED.md]
+    python bench/exported.py [--quick] [--output PATH]
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def report(per_call: dict[str, Any], caches: list[dict[str, Any]], quick: bool) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls and repeats")
-    parser.add_argument("--output", type=Path, default=BENCH_DIR / "EXPORTED.md")
+    parser.add_argument("--output", type=Path, help="also write the report here")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(BENCH_DIR))
@@ -225,8 +225,9 @@ def main() -> None:
     per_call = run_child(["per_call", *(["quick"] if args.quick else [])], env)
     caches = cache_runs(args.quick)
     text = report(per_call, caches, args.quick)
-    args.output.write_text(text)
     print(text)
+    if args.output is not None:
+        args.output.write_text(text)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Fan-in: how much one upstream daemon takes (issue 20, part 3), and churn.
 
     python bench/fanin.py [--forwarders 4,32] [--sizes 64,1048576] [--seconds 5]
-        [--churn-seconds 120] [--output bench/FANIN.md] [--quick]
+        [--churn-seconds 120] [--output PATH] [--quick]
 
 One upstream daemon (ipc, its own runtime directory) with one counting subscriber, and
 N "hosts": each a forwarding daemon (`tapd start --forward UPSTREAM`, its own runtime

@@ -575,7 +575,8 @@ def report(results: Path, md: Path, out_json: Path, log_name: str | None) -> Non
     found = figures(results)
     out_json.write_text(json.dumps(found, indent=1) + "\n")
     lines = ["# tapd on a GPU", "",
-             "Written by `bench/gpu-check` (`bench/gpu_bench.py report`) from one run; raw log: "
+             "Written by `.venv/bin/python -m bench gpu` (`bench/gpu-check`, then "
+             "`bench/gpu_bench.py report`) from one run; raw log: "
              f"`{log_name or 'bench/gpu-logs/'}`. Ratios compare figures of this run only; "
              "`bench/RESULTS-gpu.json` has the same ratios.", ""]  # fmt: skip
     target_rows = []

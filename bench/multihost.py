@@ -4,25 +4,55 @@ and (b) a 2-process `jax.distributed` job, 4 CPU devices each, every process tap
 into its own daemon (its own ipc socket and ring directory, as on two hosts), the one
 subscriber following both daemons.
 
-Both jobs (multihost_job.py processes) are started once, up front, and wait on stdin;
+Both jobs (processes of this very script) are started once, up front, and wait on stdin;
 each repeat asks each of them, in turn, for one timed run per payload size, so (a) and
 (b) alternate and share the machine's noise while the other job sits idle.
+
+Run as a script, this module is one process of such a job:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python bench/multihost.py \
+        --endpoint ipc://... --sizes 64,1048576 [--processes 2 --process-id I \
+        --coordinator HOST:PORT] [--backend native]
+
+With `--processes 1` it is a plain single-process job; otherwise it joins a
+`jax.distributed` job (CPU collectives over gloo) and `pmap` spans every process's
+devices. For each payload size it compiles a pmapped `fori_loop` whose every step taps
+the device's float32 shard of that many bytes (consumer `bench.multihost.pP.SIZE`),
+runs it once (2 steps, then `barrier_wait()`) to warm up, and prints `ready {json}`.
+
+Then, for each line `run SIZE STEPS` on stdin: sync with the other processes
+(`multihost_utils.sync_global_devices`, skipped when alone), read the clock
+(`time.monotonic()`, one clock for every process on the machine), dispatch STEPS steps,
+block until the output is ready, `tapd.barrier_wait()` (every tap of this process
+handled by the subscriber), read the clock again, and print `{"start", "end", "taps"}`
+as one JSON line. `quit` prints `{"stats": tapd.stats()}`, leaves the job
+(`jax.distributed.shutdown()`) and exits. Only these lines go to stdout: what native
+code prints there (gloo does) is sent to stderr.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import multihost_utils
 from processes import BENCH_DIR, Processes, read_line
 from report import median, number, size_name, table, with_spread
+
+import tapd
 
 DEVICES_PER_PROCESS = 4
 CONSUMERS = "bench.multihost.*"
@@ -132,7 +162,7 @@ def start_job(hosts: list[Processes], count: int, sizes: list[int], backend: str
     for index in range(count):
         host = hosts[index]
         argv = [
-            sys.executable, str(BENCH_DIR / "multihost_job.py"), "--endpoint", host.endpoint,
+            sys.executable, str(BENCH_DIR / "multihost.py"), "--endpoint", host.endpoint,
             "--sizes", ",".join(map(str, sizes)), "--processes", str(count),
             "--process-id", str(index), "--coordinator", coordinator,
             *(["--backend", backend] if backend else []),
@@ -295,3 +325,100 @@ def method(counts: dict[int, int], repeats: int) -> str:
         "job waits idle; the (b) ÷ (a) column is the median of the per-repeat ratios. "
         "Compilation, process start-up and 2 warm-up steps per size are outside the timing."
     )
+
+
+# ---- one process of the job (run as a script) -------------------------------------------
+
+JOB_BARRIER_TIMEOUT = 300.0
+
+
+def job_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="one process of the multi-host benchmark's job")
+    parser.add_argument("--endpoint", required=True, help="this host's daemon")
+    parser.add_argument("--sizes", required=True, help="bytes per device-tap, comma-separated")
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--coordinator", help="HOST:PORT of jax.distributed's coordinator")
+    parser.add_argument("--backend", help="tapd emitter backend (default: tapd's own)")
+    return parser.parse_args()
+
+
+def consumer_name(processes: int, size: int) -> str:
+    return f"bench.multihost.p{processes}.{size}"
+
+
+def tapping_loop(name: str) -> Callable[[jax.Array, int], jax.Array]:
+    """pmap over every device of the job: a fori_loop of n steps, each tapping the shard."""
+
+    def body(i: jax.Array, x: jax.Array) -> jax.Array:
+        tapd.tap(x, name, step=i)
+        return x
+
+    return jax.pmap(lambda x, n: lax.fori_loop(0, n, body, x), in_axes=(0, None))
+
+
+def protocol_channel() -> TextIO:
+    """The real stdout, for our lines only; fd 1 becomes stderr from here on, so what
+    native code prints (gloo does) cannot get into the protocol."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    return channel
+
+
+def job_main() -> None:
+    """One process of the job (the module docstring's second half), run as a script."""
+    args = job_args()
+    channel = protocol_channel()
+
+    def say(line: str) -> None:
+        channel.write(line + "\n")
+        channel.flush()
+
+    if args.processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            args.coordinator, num_processes=args.processes, process_id=args.process_id
+        )
+        # jax.distributed's preemption notice takes SIGTERM over; the bench stops us
+        # with it only when something went wrong, so go at once.
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    settings = {"endpoint": args.endpoint, "exit_timeout": 5.0}
+    if args.backend:
+        settings["backend"] = args.backend
+    tapd.configure(**settings)
+    local = jax.local_device_count()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    loops = {size: tapping_loop(consumer_name(args.processes, size)) for size in sizes}
+    shards = {size: jnp.ones((local, size // 4), jnp.float32) for size in sizes}
+    for size in sizes:  # compile and warm up outside the timing
+        loops[size](shards[size], 2).block_until_ready()
+        tapd.barrier_wait(timeout=JOB_BARRIER_TIMEOUT)
+
+    def sync(name: str) -> None:
+        if args.processes > 1:
+            multihost_utils.sync_global_devices(name)
+
+    sync("ready")
+    facts = {"backend": tapd.backend(), "devices": jax.device_count(), "local_devices": local}
+    say("ready " + json.dumps(facts))
+    for runs, line in enumerate(sys.stdin, start=1):
+        command = line.split()
+        if command == ["quit"]:
+            break
+        if len(command) != 3 or command[0] != "run":
+            raise SystemExit(f"multihost job: unknown command {line!r}")
+        size, steps = int(command[1]), int(command[2])
+        sync(f"run {runs}")
+        started = time.monotonic()
+        loops[size](shards[size], steps).block_until_ready()
+        tapd.barrier_wait(timeout=JOB_BARRIER_TIMEOUT)
+        ended = time.monotonic()
+        say(json.dumps({"start": started, "end": ended, "taps": local * steps}))
+    say(json.dumps({"stats": tapd.stats()}))
+    if args.processes > 1:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    job_main()

@@ -20,7 +20,7 @@ the ring's size, out of cache (1 MiB: ~3x a copy into one warm buffer, which the
 figures used). Portable:
 a tap's added time <= 0.25 of what a no-op `jax.debug.callback` adds.
 
-    python bench/per_call.py [--quick] [--output bench/PER_CALL.md]
+    python bench/per_call.py [--quick] [--output PATH]
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def report(results: dict[str, dict[str, Any]], quick: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls and repeats")
-    parser.add_argument("--output", type=Path, default=BENCH_DIR / "PER_CALL.md")
+    parser.add_argument("--output", type=Path, help="also write the report here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     sys.path.insert(0, str(BENCH_DIR))
@@ -255,8 +255,9 @@ def main() -> None:
         backend: run_backend_child(__file__, backend, quick) for backend in ("native", "portable")
     }
     text = report(results, args.quick)
-    args.output.write_text(text)
     print(text)
+    if args.output is not None:
+        args.output.write_text(text)
 
 
 if __name__ == "__main__":

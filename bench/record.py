@@ -1,6 +1,6 @@
 """`tapd record`'s throughput beside the plain subscriber's, 1 MiB taps, in one run.
 
-    .venv/bin/python bench/record.py [--quick] [--output bench/RECORD.md]
+    .venv/bin/python bench/record.py [--quick] [--output PATH]
 
 One daemon; this process is the JAX emitter (as in bench/run.py §2: a jitted fori_loop
 tapping a 1 MiB float32 array `count` times, timed from dispatch to `barrier_wait()`).
@@ -59,10 +59,10 @@ def empty(directory: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 repeats of 100 taps")
-    parser.add_argument("--output", type=Path, help="default bench/RECORD.md (none for --quick)")
+    parser.add_argument("--output", type=Path, help="also write the report here")
     args = parser.parse_args()
     repeats, count = (2, 100) if args.quick else (7, 500)
-    output = args.output or (None if args.quick else BENCH_DIR / "RECORD.md")
+    output = args.output
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workdir = Path(tempfile.mkdtemp(prefix="tapdr-", dir="/tmp"))
     os.chmod(workdir, 0o700)

@@ -1,7 +1,11 @@
 """tapd benchmark: step-time overhead, end-to-end throughput, delivery latency.
 
-    .venv/bin/python bench/run.py            # full run (a few minutes), writes bench/RESULTS.md
-    .venv/bin/python bench/run.py --quick    # ~1 minute smoke run, prints only
+The first section of `python -m bench cpu` (bench/__main__.py), which writes its report
+into bench/RESULTS.md; by hand:
+
+    .venv/bin/python bench/run.py            # full run (a few minutes), prints its report
+    .venv/bin/python bench/run.py --output PATH   # and writes it to PATH
+    .venv/bin/python bench/run.py --quick    # ~1 minute smoke run
     .venv/bin/python bench/run.py --backend portable   # pick tapd's emitter backend
     .venv/bin/python bench/run.py --throughput-only OUT.json   # section 2 alone (throughput.py)
 
@@ -28,9 +32,8 @@ within this one run rather than absolute numbers across runs.
 5. Multi-host throughput (multihost.py): taps/s and MB/s reaching one subscriber from
    one JAX process with 4 CPU devices, and from a 2-process `jax.distributed` job with
    4 devices and its own daemon per process, the subscriber following both daemons.
-6-8. The benchmarks that run in processes of their own (companions.py): same-host
-   subscribers through shared memory (shm.py), fan-in into one upstream (fanin.py) and
-   dormant or sampled taps (dormant.py), each report taken whole.
+The benchmarks that run in processes of their own (shm.py, dormant.py, per_call.py, ...)
+are the suite's other sections, each run by bench/__main__.py.
 """
 
 from __future__ import annotations
@@ -53,7 +56,6 @@ import jax
 import jax.numpy as jnp
 import multihost
 import numpy as np
-from companions import run_companions
 from jax import lax
 from processes import BENCH_DIR, Processes
 from report import (
@@ -619,14 +621,13 @@ def run(
             several,
         ),
     ]
-    sections += run_companions(quick=plan is QUICK)
     sections.append(("Health of the run", "\n".join(health)))
     return sections, [("tapd emitter backend", emitter_backend())]
 
 
 def run_throughput_only(plan: Plan, workdir: Path, backend: str | None) -> dict[str, Any]:
-    """Section 2 alone (bench/THROUGHPUT.md compares tapd revisions with it): its
-    tables, and every repeat's seconds and daemon CPU seconds."""
+    """Section 2 alone (bench/throughput.py compares tapd revisions with it, bench/RESULTS.md
+    §17): its tables, and every repeat's seconds and daemon CPU seconds."""
     procs = Processes(workdir)
     try:
         procs.start_daemon()
@@ -739,7 +740,8 @@ def main() -> None:
     parser.add_argument(
         "--output",
         type=Path,
-        help="Markdown file to write (default: bench/RESULTS.md for a full run; none for --quick)",
+        help="Markdown file to write (default: none; `python -m bench cpu` puts the report "
+        "into bench/RESULTS.md)",
     )
     parser.add_argument(
         "--backend",
@@ -768,7 +770,7 @@ def main() -> None:
         args.throughput_only.write_text(json.dumps(result, indent=1))
         print(result["text"])
         return
-    output = args.output or (None if args.quick else BENCH_DIR / "RESULTS.md")
+    output = args.output
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup in `finally`
     machine = machine_description()
     machine.append(("tapd revision", code_revision(BENCH_DIR.parent)))

@@ -1,6 +1,6 @@
 """Same-host subscribers through shared memory vs the socket path vs raw pyzmq, side by side.
 
-    python bench/shm.py [--size BYTES] [--count N] [--rounds R] [--output bench/SHM.md]
+    python bench/shm.py [--size BYTES] [--count N] [--rounds R] [--output PATH]
 
 One daemon (policy block) with two subscriber processes of one consumer each would split
 nothing (each gets every tap), so each path has a daemon of its own: one whose

@@ -1,7 +1,7 @@
 """The `spool` policy beside `block` and `drop_newest`, with a subscriber slower than the
 emitter, in one run; and the spool's own write and read rates.
 
-    .venv/bin/python bench/spool.py [--quick] [--output bench/SPOOL.md]
+    .venv/bin/python bench/spool.py [--quick] [--output PATH]
 
 The emitter's buffer (its ring) is 8 MiB, so that what a policy does shows in the step.
 Per policy, one daemon (`--policy P --queue-bytes 4 MB`, spool on local disk), one sink
@@ -118,10 +118,10 @@ def spool_rates(directory: Path, size: int, records: int) -> tuple[float, float]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 repeat of 500 taps")
-    parser.add_argument("--output", type=Path, help="default bench/SPOOL.md (none for --quick)")
+    parser.add_argument("--output", type=Path, help="also write the report here")
     args = parser.parse_args()
     repeats, count = (1, 500) if args.quick else (3, 3000)
-    output = args.output or (None if args.quick else BENCH_DIR / "SPOOL.md")
+    output = args.output
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     machine = machine_description()
     machine.append(("tapd revision", code_revision(BENCH_DIR.parent)))

@@ -4,7 +4,7 @@ C++ dispatch path while every one of its sites stays dormant (issue 51).
 A gathered computation on the C++ path (tapd/emitter/outputs_fast_path.py) returns its
 packed buffers as one more output, and a call with every site dormant moves none of
 them; but JAX's cost of a second output remains (~60 µs a call on a TPU host, against
-~120 for a whole untapped step: bench/tpu_dormant_probe.py). So a computation that is
+~120 for a whole untapped step: tpu_dormant_probe, retired). So a computation that is
 called often while dormant gets a twin: its module as lowered (kept by `keep_module`),
 the way out's result dropped (`jax_compat.executables.without_result`), compiled in a background
 thread for its one device. XLA drops every tap's work as dead code; the parameters stay

@@ -5,7 +5,7 @@ path (issue 51: "one tap a call").
 result of an ordered effect's token, and passes the sites' wake flags in as its
 argument. JAX serves an executable with an ordered effect from Python, never from its
 C++ dispatch path (`pjit._get_fastpath_data`): on the TPU host a one-tap step cost 584
-µs a call that way, against 118 untapped (bench/tpu_call_probe.py, session 20).
+µs a call that way, against 118 untapped (tpu_call_probe, retired, session 20).
 
 The C++ path runs the executable on the call's arguments, prefixed with constants of
 its own (`const_args`), and gives back its outputs unflattened by a tree

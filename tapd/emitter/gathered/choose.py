@@ -456,7 +456,7 @@ def _most_taps_by_site(jaxpr: core.Jaxpr) -> dict[TapSiteParams, int] | None:
 # (bench/RESULTS-tpu.md, session 19). A log is fetched as words in rows of 128
 # (`host.as_rows`): the host's cost of fetching 32 MiB or more is its page faults on the
 # memory it maps afresh for each array, whatever its shape, and the floor's `scan`
-# outputs pay them alike (bench/tpu_fetch_probe.py, session 21). A run that may be paced
+# outputs pay them alike (tpu_fetch_probe, retired, session 21). A run that may be paced
 # live takes one log only where it packs into this many times `gather_bytes` (its
 # count within `gather_taps`), as before session 21.
 LONG_RUN_LOG = 2

@@ -66,7 +66,7 @@ def pack(count: Any, log: Any, order: Any, skipped: Any, buffers: Sequence[Any])
     in words. Words, not bytes: on a TPU a uint8 array is laid out in tiles of its own,
     so that bitcasting 8 MiB of float32 to bytes costs ~2.4 ms a call (a relayout) and
     fetching them twice what the float32 costs, where the same as uint32 words costs
-    ~0.01 ms (bench/tpu_big_probe.py, bench/RESULTS-tpu.md). The host reads the words'
+    ~0.01 ms (tpu_big_probe, retired, bench/RESULTS-tpu.md). The host reads the words'
     bytes (`as_bytes`)."""
     pieces = (count, log, order, skipped, *buffers)
     return lax.concatenate([_words(piece) for piece in pieces], 0)
@@ -83,7 +83,7 @@ def as_bytes(packed: Any) -> np.ndarray:
 # ROW_WORDS (`as_rows`): a TPU lays a vector out in tiles of its own, which the host
 # reorders as it fetches; rows of 128 words are its (8, 128) tiles as they lie. The
 # TPU v5e fetched 16 MiB in 2.90 ms as rows, 3.74 as a vector; 28 MiB 4.27 against 5.82
-# (bench/tpu_fetch_probe.py, session 21). Smaller outputs stay vectors (a small tap's).
+# (tpu_fetch_probe, retired, session 21). Smaller outputs stay vectors (a small tap's).
 ROWS_FROM = 2**20
 ROW_WORDS = 128
 

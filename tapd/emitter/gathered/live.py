@@ -20,7 +20,7 @@ also comes in with the wake flags, `tapd.emitter.taps_as_outputs`), so a call of
 loop it has seen starts at its pace.
 
 On a TPU an executable that holds any host callback costs ~2 ms a call more, even one
-never run (bench/tpu_live_probe.py), and a callback that runs ~0.7 ms, with or without a
+never run (tpu_live_probe, retired), and a callback that runs ~0.7 ms, with or without a
 result. So only a loop that runs long is live (`is_live`): a `while`, a loop whose taps
 overflow the log (it flushes anyway), or one whose work, estimated from its equations
 at the device's peak rates and its host callbacks at their least cost
@@ -223,7 +223,7 @@ def _chunk_step(
     chunk begins at `i`; else, if the log has no `room` for the step, a flush that only
     sends (the device does not wait for the host) and the chunk goes on; else nothing.
     One `switch` a step: on a TPU a loop of chunks, each an inner loop, cost ~6 ms a
-    chunk more than one loop, callbacks or not (bench/tpu_answer_probe.py). Returns
+    chunk more than one loop, callbacks or not (tpu_answer_probe, retired). Returns
     (the chunk's first step, `state` after)."""
 
     def answered(st: Any) -> tuple[Any, Any]:

@@ -59,7 +59,7 @@ def stored_shape(aval: Any) -> tuple[int, ...]:
     each of n / 128 tiles, and inside a loop with a `cond` (a flush) the buffer leaves
     on-chip memory: ~30 µs a 1 MiB write on the TPU v5e. Stored [capacity, n / 128,
     128], a record is whole tiles of its own: ~0.4 µs, and ~2-5 µs with the `cond`
-    (bench/tpu_step_probe.py `@tiles`, bench/RESULTS-tpu.md, session 19)."""
+    (tpu_step_probe's `@tiles`, retired; bench/RESULTS-tpu.md, session 19)."""
     shape = tuple(aval.shape)
     if len(shape) > 1:  # (the record's own last two dimensions are tiled)
         return shape
@@ -353,7 +353,7 @@ class Rewriter:
         )
         # A tap not kept (its site dormant, or sampled out) is written all the same (no
         # branch: on a TPU a 1 MiB write inside a taken `cond` costs ~7 µs, ~0.3 outside
-        # it, bench/tpu_big_probe.py), but the next tap writes over it; it is counted,
+        # it, tpu_big_probe, retired), but the next tap writes over it; it is counted,
         # and its place among the site's taps gives the next kept one its seq.
         kept = _kept(state.awake[site], state.phase[site], state.seen[site])
         place = state.rows[site] + state.skipped[site]
