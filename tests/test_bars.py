@@ -1,7 +1,8 @@
 """A progress bar that a jitted loop's callbacks update, closed as soon as the call
 returns, has every update when it closes, and the call still did not wait for one
 (tapd/emitter/print_order/bars.py): tqdm, a subclass of it, rich's Progress and a
-program's own bar with `tapd.after_callbacks`, through `install_debug()` and through
+program's own bar with `tapd.after_callbacks`, a bar state whose `closed` flag stops
+its updates (as BlackJAX's does), through `install_debug()` and through
 `id_tap` of a bound method, on both backends and on the TPU's gathered path forced on
 the CPU; a close whose callbacks stall gives up and says so. Real JAX processes
 (tests/apps/bars_app.py), with no daemon."""
@@ -20,7 +21,7 @@ from zygote import run_program
 import tapd
 from conftest import APPS, PROCESS_TIMEOUT
 
-BARS = ["tqdm", "subclass", "own"]
+BARS = ["tqdm", "subclass", "own", "flag"]
 
 
 def run_app(scenario: str, runtime: Path, **env: str) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def assert_full_at_close(got: dict[str, Any]) -> None:
         run = got[how]
         # When the call returned, no update had run (each waits for an event set only
         # then): the call did not wait for them.
-        assert run["pending"] == [0, 0, 0], how
+        assert run["pending"] == [0, 0, 0, 0], how
         assert {bar: run[bar] for bar in bars} == dict.fromkeys(bars, 100), how
         assert run["threads"] == ["tapd-receiver"] and run["out"] == 4950, how
 

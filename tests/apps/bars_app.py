@@ -7,7 +7,9 @@ close waited for. `python bars_app.py SCENARIO` prints one JSON line of results 
 
 - `closes`: tqdm (imported before tapd's first callback: patched where imported), a
   subclass of it that records at its close, rich's Progress (imported after it: patched
-  as it is imported), a class of the program's whose close is `tapd.after_callbacks`;
+  as it is imported), a class of the program's whose close is `tapd.after_callbacks`,
+  and one whose `closed` flag stops its updates, as BlackJAX's does (patched as
+  BlackJAX's is, once the bar is open);
   updated through `tapd.install_debug()`'s `jax.debug.callback`, and through `id_tap`
   of a bound method.
 - `stalled`: an update that waits for an event set only after the close: the close
@@ -55,6 +57,24 @@ class OwnBar:
 
     @tapd.after_callbacks
     def close(self) -> None:
+        self.at_close = self.n
+
+
+class FlagState:
+    """A bar's state that stops taking updates once `closed` is set, as BlackJAX's
+    `ProgressState` does (tapd makes that flag wait: `_wait_before_closed`)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.n = 0
+        self.at_close: int | None = None
+
+    def update(self, n: int = 1) -> None:
+        if not self.closed:
+            self.n += n
+
+    def close(self) -> None:
+        self.closed = True
         self.at_close = self.n
 
 
@@ -107,7 +127,8 @@ def one_run(how: str, with_rich: bool) -> dict[str, Any]:
     """Open the bars, run the loop, close them at once; what each had then."""
     go = threading.Event()
     plain, recording, own = tqdm(total=STEPS), RecordingTqdm(total=STEPS), OwnBar()
-    bars: list[Any] = [plain, recording, own]
+    flag = FlagState()  # (made before its class is patched, below)
+    bars: list[Any] = [plain, recording, own, flag]
     if with_rich:
         progress, task = rich_progress()
         bars.append(_RichTask(progress, task))
@@ -117,13 +138,17 @@ def one_run(how: str, with_rich: bool) -> dict[str, Any]:
     else:
         loop = loop_with(lambda i: tapd.id_tap(updates.advance, i))
     out = loop(jnp.int32(0))  # (no block_until_ready: the close waits, not the call)
-    pending = [plain.n, recording.n, own.n]  # the call returned before any update ran
+    pending = [plain.n, recording.n, own.n, flag.n]  # the call returned before any update
+    from tapd.emitter.print_order import bars as tapd_bars
+
+    tapd_bars._wait_before_closed(FlagState, "closed")  # (BlackJAX's: its module is absent)
     go.set()
     plain.close()
     recording.close()
     own.close()
+    flag.close()
     got = {"pending": pending, "tqdm": plain.n, "subclass": recording.at_close,
-           "own": own.at_close}  # fmt: skip
+           "own": own.at_close, "flag": flag.at_close}  # fmt: skip
     if with_rich:
         progress.stop()
         got["rich"] = progress.at_stop

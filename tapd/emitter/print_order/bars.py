@@ -21,8 +21,9 @@ finder on `sys.meta_path`; tapd imports none of them):
   calls: jax-tqdm's bars and NumPyro's and Diffrax's are tqdm's;
 - rich: `rich.progress.Progress.stop` (its `__exit__`, `rich.progress.track`);
 - fastprogress: `ProgressBar.on_iter_end`, the end of its bars, and subclasses' own;
-- BlackJAX: the exit of `blackjax.progress_bar(...)`, whose thread draws the bar from
-  what the callbacks recorded until then.
+- BlackJAX: the exit of `with blackjax.progress_bar():`, where its `ProgressState`
+  becomes `closed` (its thread draws the bar from what the callbacks recorded until
+  then, and takes no update after it).
 
 A close never waits on tapd's receiver thread (a callback that closes its bar, as
 jax-tqdm's last update does: it would wait for itself), inside one of JAX's own host
@@ -39,14 +40,13 @@ function: `MyBar.close = tapd.after_callbacks(MyBar.close)`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.abc
 import importlib.machinery
 import logging
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, NamedTuple, TypeVar
 
@@ -166,29 +166,30 @@ def _with_subclasses(cls: type) -> list[type]:
     return found
 
 
-def _exit_after_callbacks(module: ModuleType, name: str) -> None:
-    """`module.name`, a context manager's factory, waits first at the exit of its
-    `with` block (where the block ends with no KeyboardInterrupt)."""
-    original = getattr(module, name)
-    if getattr(original, "tapd_after_callbacks", False):
+def _wait_before_closed(cls: type, name: str) -> None:
+    """Setting `name` of a `cls` (a flag that says the bar takes no more updates) to a
+    true value first waits (`settle_here`). A property on the class, over the instances'
+    own attribute: instances made before it was patched wait too."""
+    if getattr(cls.__dict__.get(name), "tapd_after_callbacks", False):
         return
-    what = f"the exit of {module.__name__}.{name}"
+    what = f"{cls.__module__}.{cls.__qualname__}.{name} = True"
 
-    @functools.wraps(original)
-    @contextlib.contextmanager
-    def waits_at_exit(*args: Any, **kwargs: Any) -> Iterator[Any]:
-        with original(*args, **kwargs) as entered:
-            try:
-                yield entered
-            except KeyboardInterrupt:
-                raise
-            except BaseException:
-                settle_here(what)
-                raise
+    def get(instance: Any) -> Any:
+        try:
+            return instance.__dict__[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def set_(instance: Any, value: Any) -> None:
+        if value and not instance.__dict__.get(name):
             settle_here(what)
+        instance.__dict__[name] = value
 
-    waits_at_exit.tapd_after_callbacks = True  # type: ignore[attr-defined]
-    setattr(module, name, waits_at_exit)
+    setattr(cls, name, _WaitingFlag(get, set_, doc=f"{name}: set after the callbacks ran"))
+
+
+class _WaitingFlag(property):
+    tapd_after_callbacks = True
 
 
 # What waits, by the module that defines it. (The libraries that build their bars on
@@ -197,7 +198,7 @@ _TARGETS: dict[str, Callable[[ModuleType], None]] = {
     "tqdm.std": lambda module: _wait_in_class(module.tqdm, "close"),
     "rich.progress": lambda module: _wait_in_class(module.Progress, "stop"),
     "fastprogress.fastprogress": lambda module: _wait_in_class(module.ProgressBar, "on_iter_end"),
-    "blackjax.progress_bar": lambda module: _exit_after_callbacks(module, "progress_bar"),
+    "blackjax.progress_bar": lambda module: _wait_before_closed(module.ProgressState, "closed"),
 }
 
 
