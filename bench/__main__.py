@@ -161,7 +161,7 @@ def splice(page: str, name: str, body: str) -> str:
 
 def section_body(section: Section, report: str, quick: bool) -> str:
     """The section as its page shows it: its heading, the command that made it, the
-    report without its own title and "Reproduce" block (the command says it), its
+    report without its own title and "Reproduce" lines (the command says it), its
     headings moved below the section's where the section has one."""
     lines = report.strip().splitlines()
     if lines and lines[0].startswith("# "):
@@ -171,7 +171,7 @@ def section_body(section: Section, report: str, quick: bool) -> str:
     for line in lines:
         if line.startswith("## "):
             skipping = line.strip() == "## Reproduce"
-        if not skipping:
+        if not skipping and not line.startswith("Reproduce: `"):
             kept.append(line)
     if section.title:
         kept = ["##" + line if line.startswith("#") else line for line in kept]

@@ -17,7 +17,7 @@ socket's send or recv (tests/test_channels.py checks): each holds its socket in 
 The daemon's channels copy frames under `COPY_BELOW` (one memcpy into the message)
 rather than hand them to ZeroMQ uncopied: each uncopied frame costs a wake-up of
 pyzmq's garbage-collector thread, which takes the GIL from the daemon's loop to free it
-(bench/THROUGHPUT.md). Larger frames go uncopied, and so must stay valid until sent.
+(bench/RESULTS.md §17). Larger frames go uncopied, and so must stay valid until sent.
 """
 
 from __future__ import annotations
