@@ -97,6 +97,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     share a module-scoped fixture (one per value of its params) run on one worker, which
     makes it once; every other test goes to whichever worker is free."""
 
+    # The gallery (tests/test_gallery.py: public programs, minutes, .venv-gallery) runs
+    # only when asked for by name: `pytest -m gallery`.
+    if "gallery" not in (config.getoption("markexpr", "") or ""):
+        gallery = [item for item in items if item.get_closest_marker("gallery")]
+        if gallery:
+            config.hook.pytest_deselected(items=gallery)
+            items[:] = [item for item in items if not item.get_closest_marker("gallery")]
+
     def rank(item: pytest.Item) -> int:
         name = item.module.__name__ if item.module else ""
         return LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
