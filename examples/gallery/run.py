@@ -49,6 +49,7 @@ PROGRAMS: dict[str, tuple[tuple[str, ...], str]] = {
     "purejaxrl_cartpole": (("tapd",), "PureJaxRL-style CartPole rollout, DEBUG callback"),
     "shard_map_data_parallel": (("tapd", "tap"), "shard_map data-parallel step (fori)"),
     "host_callback_logging": (("hcb",), "host_callback id_tap + tqdm (while/fori)"),
+    "tqdm_closed_after_call": (("tapd",), "tqdm bar closed by host code after the call"),
 }
 LAUNCH = {
     "reference": [],
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-ms", type=float, default=50.0)
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds a program")
     parser.add_argument("--modes", default="reference,tapd,hcb,tap")
+    parser.add_argument("--deadline", type=float, default=3600.0, help="seconds for it all")
+    parser.add_argument("--fast-repeats", type=int, default=5)
+    parser.add_argument("--slow-repeats", type=int, default=3)
     parser.add_argument(
         "--clock-floor",
         type=float,
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     names = args.programs or list(PROGRAMS)
     out = args.out or Path(tempfile.mkdtemp(prefix="gallery-"))
     out.mkdir(parents=True, exist_ok=True)
+    args.ends_at = time.monotonic() + args.deadline
     for mode in args.modes.split(","):
         chosen = [n for n in names if mode == "reference" or mode in PROGRAMS[n][0]]
         if chosen:
@@ -101,9 +106,16 @@ def run_mode(mode: str, names: list[str], out: Path, args: argparse.Namespace) -
     )
     argv = [sys.executable, *LAUNCH[mode], str(HERE / "worker.py"), "--mode", mode,
             "--out", str(out), "--delay-ms", str(args.delay_ms),
-            "--timeout", str(args.timeout),
+            "--timeout", str(args.timeout), "--fast-repeats", str(args.fast_repeats),
             # (the reference's slow call takes seconds: its clock noise is nothing)
-            *(["--slow-repeats", "1"] if mode == "reference" else []), *names]  # fmt: skip
+            "--slow-repeats", "1" if mode == "reference" else str(args.slow_repeats),
+            *names]  # fmt: skip
+    # What is left of --deadline (a device command has a limit): a mode cut short says
+    # so in its rows ("no result"), the others' rows stand.
+    budget = min(args.timeout * len(names) + 60, args.ends_at - time.monotonic() - 10)
+    if budget < 30:
+        print(f"{mode}: not run, {budget:.0f} s of --deadline left", file=sys.stderr)
+        return
     started: list[subprocess.Popen[str]] = []
     log = open(out / f"worker-{mode}.log", "w")  # noqa: SIM115 (closed below)
     try:
@@ -114,7 +126,7 @@ def run_mode(mode: str, names: list[str], out: Path, args: argparse.Namespace) -
                 "--delay-file", env["GALLERY_DELAY_FILE"]]  # fmt: skip
         begin = time.monotonic()
         worker = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                timeout=args.timeout * len(names) + 60, check=False)  # fmt: skip
+                                timeout=budget, check=False)  # fmt: skip
         print(f"{mode}: exit {worker.returncode} in {time.monotonic() - begin:.1f} s",
               file=sys.stderr)  # fmt: skip
     except subprocess.TimeoutExpired:
