@@ -8,11 +8,19 @@ Every tap of a batch comes from one site of one emitter: same consumer, tree, le
 shapes and dtypes, and static metadata (`batch.meta` holds those). Each leaf of
 `batch.value` is stacked along a new first axis. Where the taps lie evenly spaced in
 the received message (ring records of one site, the common case), a leaf is a
-read-only view of the message, not a copy: copy it to keep it past the handler.
+read-only view of the message, not a copy. The message's buffer is the batch's own
+(never reused for a later message), so a handler may keep a leaf, or a row of it,
+past its call; only `Subscriber(views=True)` gives views of a ring, valid during the
+call alone (tapd_client/shm.py).
+
+The meta columns (`seq`, `step`, ...) are made on first access: a handler that reads
+none of them costs nothing per tap. `Columns` holds a batch's per-tap fields as the
+wire gave them, for the per-tap path too (tapd_client/handlers.py).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -20,8 +28,21 @@ import numpy as np
 
 from tapd.protocol import Message, unflatten
 from tapd.protocol.batch import SiteRun
+from tapd.protocol.message import tap_values
 from tapd.protocol.tree import LEAF
-from tapd_client.meta import MetaTemplate, TapMeta
+from tapd_client.meta import Columns, MetaTemplate, TapMeta
+
+_TID = operator.itemgetter(1)
+
+
+def rows_of(runs: Sequence[SiteRun]) -> Sequence[Sequence[Any]]:
+    """The rows of the taps of `runs`, in order."""
+    return runs[0].rows if len(runs) == 1 else [row for run in runs for row in run.rows]
+
+
+def last_tid(runs: Sequence[SiteRun]) -> int:
+    """The highest delivery id of the taps of `runs`."""
+    return max(max(map(_TID, run.rows)) for run in runs)  # type: ignore[no-any-return]
 
 
 class TapBatch:
@@ -34,75 +55,99 @@ class TapBatch:
     """
 
     __slots__ = (
+        "_cache",
+        "_columns",
         "_header_of",
-        "_template",
         "_tree",
-        "device",
         "leaves",
-        "process",
-        "seq",
-        "shard_index",
-        "step",
-        "tids",
-        "time",
         "value",
     )
 
     def __init__(
         self,
-        template: MetaTemplate,
-        first: dict[str, Any],
-        rows: Sequence[Sequence[Any]],
+        columns: Columns,
+        tree: Any,
         leaves: list[np.ndarray],
         header_of: Callable[[int], dict[str, Any]],
     ) -> None:
-        """`first`: the first tap's header; `rows`: every tap's per-tap fields, as a
-        `taps` message's rows (tid, seq, step, device, time at 1..5); `header_of(i)`:
-        tap i's full header, made only when metas are asked for."""
-        self._template = template
+        """`columns`: every tap's per-tap fields, and the site's template; `tree`:
+        its pytree; `header_of(i)`: tap i's full header, made only when asked for."""
         self._header_of = header_of
-        self._tree = first["tree"]
+        self._columns = columns
+        self._cache: dict[str, Any] = {}
+        self._tree = tree
         self.leaves = leaves
         self.value: Any = leaves[0] if self._tree == LEAF else unflatten(self._tree, leaves)
-        _, tids, seqs, steps, devices, times = list(zip(*rows, strict=False))[:6]
-        self.tids = list(tids)
-        self.seq = np.array(seqs, np.int64)
-        self.step = _int_column(steps)
-        self.device = _int_column(devices)
-        self.process = np.full(len(rows), first["process"], np.int64)
-        self.time = np.array(times, np.int64) / 1e9
-        self.shard_index: np.ndarray | None = None
-        if first.get("shard") is not None:
-            self.shard_index = np.array([m.shard_index for m in self.metas()], np.int64)
+
+    def _column(self, name: str, make: Callable[[], Any]) -> Any:
+        column = self._cache.get(name)
+        if column is None and name not in self._cache:
+            column = self._cache[name] = make()
+        return column
+
+    @property
+    def tids(self) -> list[int]:
+        return self._column("tids", lambda: list(self._columns.tids))  # type: ignore[no-any-return]
+
+    @property
+    def seq(self) -> np.ndarray:
+        return self._column("seq", lambda: np.array(self._columns.seqs, np.int64))  # type: ignore[no-any-return]
+
+    @property
+    def step(self) -> np.ndarray:
+        return self._column("step", lambda: _int_column(self._columns.steps))  # type: ignore[no-any-return]
+
+    @property
+    def device(self) -> np.ndarray:
+        return self._column("device", lambda: _int_column(self._columns.devices))  # type: ignore[no-any-return]
+
+    @property
+    def process(self) -> np.ndarray:
+        return self._column(  # type: ignore[no-any-return]
+            "process", lambda: np.full(len(self), self.meta.process, np.int64)
+        )
+
+    @property
+    def time(self) -> np.ndarray:
+        return self._column("time", lambda: np.array(self._columns.times, np.int64) / 1e9)  # type: ignore[no-any-return]
+
+    @property
+    def shard_index(self) -> np.ndarray | None:
+        if not self._columns.sharded:
+            return None
+        return self._column(  # type: ignore[no-any-return]
+            "shard_index", lambda: np.array([m.shard_index for m in self.metas()], np.int64)
+        )
 
     @property
     def consumer(self) -> str:
-        return self._template.consumer
+        return self._columns.template.consumer
 
     @property
     def meta(self) -> TapMeta:
         """The first tap's meta: its static fields (consumer, emitter, process, host,
         transforms, `meta`) are every tap's."""
-        return self._template.meta(self._header_of(0))
+        return self._column("meta", lambda: self._columns.meta(0))  # type: ignore[no-any-return]
 
     def __len__(self) -> int:
-        return len(self.tids)
+        return len(self._columns)
 
     def metas(self) -> list[TapMeta]:
-        return [self._template.meta(self._header_of(i)) for i in range(len(self.tids))]
+        """Each tap's meta, as a per-tap handler gets it."""
+        return list(map(self._columns.meta, range(len(self))))
 
     def headers(self) -> list[dict[str, Any]]:
         """Each tap's header as the wire protocol has it (docs/PROTOCOL.md, `tap`): for
         tools that keep taps as they travelled (`tapd record`)."""
-        return [self._header_of(i) for i in range(len(self.tids))]
+        return [self._header_of(i) for i in range(len(self))]
 
     def __iter__(self) -> Iterator[tuple[Any, TapMeta]]:
-        for i, meta in enumerate(self.metas()):
-            leaves = [leaf[i] for leaf in self.leaves]
-            yield (leaves[0] if self._tree == LEAF else unflatten(self._tree, leaves)), meta
+        values = tap_values(self._tree, self.leaves, len(self))
+        return zip(values, self.metas(), strict=True)
 
     def __repr__(self) -> str:
-        return f"<TapBatch {self.consumer!r} x{len(self)} seq {self.seq[0]}..{self.seq[-1]}>"
+        seqs = self._columns.seqs
+        return f"<TapBatch {self.consumer!r} x{len(self)} seq {seqs[0]}..{seqs[-1]}>"
 
 
 def _int_column(values: Sequence[int | None]) -> np.ndarray:
@@ -115,20 +160,23 @@ def _int_column(values: Sequence[int | None]) -> np.ndarray:
 def batch_of_runs(runs: Sequence[SiteRun], template: MetaTemplate) -> TapBatch:
     """The taps of runs of one static entry, stacked, in the runs' order."""
     static = runs[0].static
-    rows = runs[0].rows if len(runs) == 1 else [row for run in runs for row in run.rows]
     per_run = [run.leaves() for run in runs]
     if len(per_run) == 1:
         leaves = per_run[0]
     else:
         leaves = [np.concatenate(parts) for parts in zip(*per_run, strict=True)]
-    return TapBatch(
-        template, static.tap_header(rows[0]), rows, leaves, lambda i: static.tap_header(rows[i])
-    )
+    rows = rows_of(runs)
+
+    def header_of(i: int) -> dict[str, Any]:
+        return static.tap_header(list(rows[i]))
+
+    return TapBatch(Columns(template, rows), static.fields["tree"], leaves, header_of)
 
 
 def batch_of_tap(message: Message, template: MetaTemplate) -> TapBatch:
     """One `tap` message as a batch of one."""
     h = message.header
-    row = [0, h.get("tid"), h["seq"], h["step"], h["device"], h["time"]]
+    coords = None if h.get("shard") is None else h["shard"]["coords"]
+    row = [0, h.get("tid"), h["seq"], h["step"], h["device"], h["time"], coords, 0, 0]
     leaves = [leaf[np.newaxis] for leaf in message.arrays()]
-    return TapBatch(template, h, [row], leaves, lambda _: h)
+    return TapBatch(Columns(template, [row]), h["tree"], leaves, lambda _: h)

@@ -24,9 +24,9 @@ from tapd.consumers import first_match
 from tapd.errors import TapdError, failure_text
 from tapd.protocol import Message
 from tapd.protocol.batch import SiteRun
-from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap
+from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap, last_tid
 from tapd_client.daemon_link import ERROR_CHARS, DaemonLink
-from tapd_client.meta import MetaTemplate, TapMeta
+from tapd_client.meta import ColumnMeta, Columns, MetaTemplate, TapMeta
 from tapd_client.sampling import Sampling
 
 logger = logging.getLogger("tapd.subscriber")
@@ -140,7 +140,9 @@ class Handlers:
         self, link: DaemonLink, run: SiteRun, pattern: str | None, template: MetaTemplate | None
     ) -> None:
         """A per-tap handler on each tap of a run, in order: what `run_handler` does per
-        tap, with what the run's taps share looked up once (the small-tap hot path)."""
+        tap, with what the run's taps share made once (the small-tap hot path): the
+        values are rows of the run's stacked leaves (views of its body), the metas
+        `ColumnMeta`s reading the run's columns, each a small object made per tap."""
         values = None
         if pattern is not None and template is not None:
             try:
@@ -152,18 +154,27 @@ class Handlers:
                 self.run_handler(link, run.message(tap), template)
             return
         handler = cast(Handler, self.by_pattern[pattern])
-        rows = run.rows  # [static, tid, seq, step, device, time, coords, frame, offset]
-        link.last_tid = max(link.last_tid, max(row[1] for row in rows))
+        columns = Columns(template, run.rows)
+        link.last_tid = max(link.last_tid, last_tid([run]))
         every = self.every.modulus(pattern, run.fields)
-        for row, value in zip(rows, values, strict=True):
-            seq = row[2]
-            if seq % every:
-                continue  # sampled out (see `run_handler`)
-            try:
-                handler(value, template.meta_of(seq, row[3], row[4], row[5], row[6]))
-                self.processed += 1
-            except Exception as exc:
-                self._failed(link, handler, row[1], template.consumer, seq, exc)
+        taps: Sequence[int] = range(len(values))
+        if every > 1:  # sampled out (see `run_handler`)
+            taps = [i for i, seq in enumerate(columns.seqs) if not seq % every]
+        new: Callable[[type[ColumnMeta]], Any] = object.__new__
+        column_meta = ColumnMeta
+        processed = 0
+        try:
+            for i in taps:
+                meta = new(column_meta)
+                meta._columns = columns
+                meta._index = i
+                try:
+                    handler(values[i], meta)
+                    processed += 1
+                except Exception as exc:
+                    self._failed(link, handler, columns.tids[i], template.consumer, meta.seq, exc)
+        finally:
+            self.processed += processed
 
     def _failed(
         self, link: DaemonLink, handler: Any, tid: int, consumer: str, seq: Any, exc: Exception
@@ -189,12 +200,11 @@ class Handlers:
     ) -> None:
         """Run a batch handler on runs of one static entry (or on one `tap` message)."""
         if isinstance(taps, Message):
-            tids = [taps.header["tid"]]
-            header = taps.header
+            count, header = 1, taps.header
+            link.last_tid = max(link.last_tid, header["tid"])
         else:
-            tids = [row[1] for run in taps for row in run.rows]
-            header = taps[0].header(0)
-        link.last_tid = max(link.last_tid, *tids)
+            count, header = sum(map(len, taps)), taps[0].header(0)
+            link.last_tid = max(link.last_tid, last_tid(taps))
         handler = cast(BatchHandler, self.by_pattern[pattern])
         try:
             if template is None:
@@ -205,15 +215,20 @@ class Handlers:
                 else batch_of_runs(taps, template)
             )
             handler(batch)
-            self.processed += len(tids)
+            self.processed += count
         except Exception as exc:
-            self.failed += len(tids)
+            self.failed += count
+            tids = (
+                [header["tid"]]
+                if isinstance(taps, Message)
+                else [row[1] for run in taps for row in run.rows]
+            )
             name = getattr(handler, "__qualname__", repr(handler))
             logger.error(
                 "batch handler %s for %r (%d taps from seq %s) raised:\n%s",
                 name,
                 header["consumer"],
-                len(tids),
+                count,
                 header["seq"],
                 traceback.format_exc(),
             )

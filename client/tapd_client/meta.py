@@ -1,9 +1,19 @@
-"""What a handler learns about each tap besides its value."""
+"""What a handler learns about each tap besides its value.
+
+`TapMeta` is a frozen dataclass. The taps of a batch (a run of one site's records)
+get a `ColumnMeta` each instead: the same fields and behaviour (equality, repr,
+`dataclasses.fields`/`asdict`/`replace`, `isinstance(meta, TapMeta)`), read on access
+from the batch's columns (`Columns`), so that a per-tap handler's meta costs one
+small object rather than a dict of twelve fields, a ShardInfo and a copy of the
+site's metadata made for every tap whether the handler looks at them or not.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 from tapd.protocol.message import made
@@ -64,8 +74,17 @@ class ShardInfo:
         )
 
 
+class _TapMetaType(type):
+    """TapMeta's metaclass: a `ColumnMeta` is a TapMeta for isinstance (it is one in
+    every other respect, without being a subclass: a subclass would carry the frozen
+    dataclass's Python-level __setattr__ and an instance dict, per tap)."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return type.__instancecheck__(cls, instance) or type(instance) is ColumnMeta
+
+
 @dataclasses.dataclass(frozen=True)
-class TapMeta:
+class TapMeta(metaclass=_TapMetaType):
     consumer: str  # the tap's name: "loss", or "module:qualname"
     seq: int  # per (emitter, device, consumer), from 0, in program order
     step: int | None  # the step= given at the tap site
@@ -165,3 +184,170 @@ class MetaTemplate:
         }
         meta: TapMeta = made(TapMeta, fields)
         return meta
+
+
+_FIELDS = tuple(field.name for field in dataclasses.fields(TapMeta))
+
+
+_COLUMN_OF_ROW = {"tids": 1, "seqs": 2, "steps": 3, "devices": 4, "times": 5, "coords": 6}
+
+
+class Columns:
+    """The per-tap fields of a batch of one site's taps, a sequence each (tap i's at
+    index i), and the site's `MetaTemplate`: what a batch's `ColumnMeta`s and its
+    `TapBatch` read. Made from a `taps` message's rows ([static, tid, seq, step,
+    device, time, coords, frame, offset], checked by decode), each column is made on
+    its first use, in C (a handler that reads no step makes no step column), and
+    kept: later reads are a slot's."""
+
+    __slots__ = (
+        "coords",
+        "devices",
+        "rows",
+        "seqs",
+        "sharded",
+        "steps",
+        "template",
+        "tids",
+        "times",
+    )
+
+    template: MetaTemplate
+    sharded: bool  # coords name the shard of each tap
+    rows: Sequence[Sequence[Any]]
+    tids: Sequence[int]
+    seqs: Sequence[int]
+    steps: Sequence[int | None]
+    devices: Sequence[int | None]
+    times: Sequence[int]
+    coords: Sequence[Any]
+
+    def __init__(self, template: MetaTemplate, rows: Sequence[Sequence[Any]]) -> None:
+        self.template = template
+        self.sharded = template._shard is not None
+        self.rows = rows
+
+    def __getattr__(self, name: str) -> Any:
+        """A column not made yet (an unset slot): made from the rows, and kept."""
+        index = _COLUMN_OF_ROW.get(name)
+        if index is None:
+            raise AttributeError(name)
+        column = list(map(operator.itemgetter(index), self.rows))
+        setattr(self, name, column)
+        return column
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def meta(self, index: int) -> TapMeta:
+        """Tap `index`'s meta (a `ColumnMeta`: a TapMeta in all but its type)."""
+        meta: Any = _new(ColumnMeta)
+        meta._columns = self
+        meta._index = index
+        return meta  # type: ignore[no-any-return]
+
+
+_new = object.__new__
+
+
+def _fields_of(meta: Any) -> tuple[Any, ...]:
+    return tuple(getattr(meta, name) for name in _FIELDS)
+
+
+class ColumnMeta:
+    """A TapMeta (the same fields, equal to the eager one of the same tap) that reads
+    tap `_index` of a batch's `Columns` when a field is asked for. Its `meta` dict
+    and `shard` are made on first access and kept: a handler may change the dict, and
+    find its change there again, as with a TapMeta. Read-only as TapMeta is; copies,
+    pickles and `dataclasses.replace` give a plain TapMeta."""
+
+    __slots__ = ("_columns", "_index", "_meta", "_shard")
+    __dataclass_fields__ = TapMeta.__dataclass_fields__
+    __match_args__ = TapMeta.__match_args__
+
+    _columns: Columns
+    _index: int
+    _meta: dict[str, Any]
+    _shard: ShardInfo | None
+
+    def __new__(cls, *args: Any, **fields: Any) -> Any:
+        """Called with fields (`dataclasses.replace`, say): a plain TapMeta of them."""
+        return TapMeta(*args, **fields)
+
+    @property
+    def consumer(self) -> str:
+        return self._columns.template.consumer
+
+    @property
+    def seq(self) -> int:
+        return self._columns.seqs[self._index]
+
+    @property
+    def step(self) -> int | None:
+        return self._columns.steps[self._index]
+
+    @property
+    def device(self) -> int | None:
+        return self._columns.devices[self._index]
+
+    @property
+    def process(self) -> int:
+        return self._columns.template._shared[0]
+
+    @property
+    def host(self) -> str:
+        return self._columns.template._shared[1]
+
+    @property
+    def pid(self) -> int:
+        return self._columns.template._shared[2]
+
+    @property
+    def emitter(self) -> str:
+        return self._columns.template._shared[3]
+
+    @property
+    def transforms(self) -> tuple[tuple[str, dict[str, Any]], ...]:
+        return self._columns.template._shared[4]
+
+    @property
+    def time(self) -> float:
+        return self._columns.times[self._index] / 1e9
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        try:
+            return self._meta
+        except AttributeError:
+            meta = self._meta = dict(self._columns.template._meta)
+            return meta
+
+    @property
+    def shard(self) -> ShardInfo | None:
+        try:
+            return self._shard
+        except AttributeError:
+            shard = self._columns.template._shard
+            if shard is not None:
+                coords = tuple(self._columns.coords[self._index])
+                shard = dataclasses.replace(shard, coords=coords)
+            self._shard = shard
+            return shard
+
+    shard_index = TapMeta.shard_index
+    global_shape = TapMeta.global_shape
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TapMeta):
+            return NotImplemented
+        return _fields_of(self) == _fields_of(other)
+
+    def __hash__(self) -> int:  # (as TapMeta's: unhashable, for its `meta` dict)
+        return hash(_fields_of(self))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in _FIELDS)
+        return f"TapMeta({fields})"
+
+    def __reduce__(self) -> tuple[type[TapMeta], tuple[Any, ...]]:
+        return TapMeta, _fields_of(self)
