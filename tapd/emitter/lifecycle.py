@@ -408,11 +408,12 @@ def settle(stalled_after: float) -> bool | None:
     """Wait until the computations dispatched so far have run and the local receiver
     has run their taps, while it makes progress (`LocalPath.settle`): before a progress
     bar closes (tapd.emitter.print_order.bars). Whether it got there; None where there
-    was nothing to wait for. Never from a tap function, nor while JAX traces."""
+    was nothing to wait for. Never from a tap function, while JAX traces, or once the
+    exit drain has run."""
     local = _local
     if local is None or threads.on_receiver_thread() or not local.has_sites():
         return None
-    if jax_compat.tracing():
+    if local.closing() or jax_compat.tracing():  # (closing: exit drained it; JAX goes)
         return None
     try:
         flush_devices()  # (the CPU's live arrays too: the bar's loop may still run)

@@ -251,6 +251,10 @@ class LocalPath:
                 self._progress.wait(left)
         return True
 
+    def closing(self) -> bool:
+        """Whether the exit drain has closed it (or the receiver stopped)."""
+        return self._closing
+
     def settle(self, stalled_after: float) -> bool:
         """Wait until every record committed so far has been run, for as long as the
         receiver runs one at least every `stalled_after` s (a long queue of slow
