@@ -6,7 +6,8 @@
 
 Each round runs `bench/run.py --throughput-only` twice, once importing tapd (daemon,
 subscriber and emitter alike) from the `--before` checkout through PYTHONPATH and once
-from this one, the order flipped every round, so that both see the same noise. Every
+from this one (or from the `--after` checkout: a commit's code alone, without changes
+in progress beside it), the order flipped every round, so that both see the same noise. Every
 figure is the median over the rounds of each run's own median; `÷ pyzmq` divides by
 the raw pyzmq baseline measured inside the same run.
 """
@@ -122,6 +123,7 @@ def render(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, required=True, help="checkout of the older tapd")
+    parser.add_argument("--after", type=Path, help="checkout of the newer tapd (default: this)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="repeats inside each run")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "THROUGHPUT.md")
@@ -132,13 +134,13 @@ def main() -> None:
         for number_ in range(args.rounds):
             order = ["before", "after"] if number_ % 2 == 0 else ["after", "before"]
             for name in order:
-                checkout = args.before if name == "before" else None
+                checkout = args.before if name == "before" else args.after
                 out = Path(scratch) / f"{name}-{number_}.json"
                 runs[name].append(run_once(checkout, args.repeats, out))
                 print(f"round {number_ + 1}/{args.rounds}: {name} done", flush=True)
     machine.append(("load average at end", load_average()))
     machine.append(("tapd before", code_revision(args.before)))
-    machine.append(("tapd after", code_revision(BENCH_DIR.parent)))
+    machine.append(("tapd after", code_revision(args.after or BENCH_DIR.parent)))
     command = " ".join([".venv/bin/python bench/throughput.py", *sys.argv[1:]])
     # The findings (written by hand, below the figures) stay from one run to the next.
     old = args.output.read_text() if args.output.exists() else ""

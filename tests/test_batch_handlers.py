@@ -78,9 +78,15 @@ def assert_same_taps(got: list[tuple[Any, TapMeta]], want: list[tuple[Any, TapMe
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("columns", [False, True], ids=["rows", "columnar"])
 @pytest.mark.parametrize("gaps", [[48], [48, 16, 8]], ids=["even", "uneven"])
-def test_a_run_of_ring_records_is_one_batch_equal_to_its_taps(gaps: list[int]) -> None:
-    frames = encode_batch([ring_run(5, gaps)])
+def test_a_run_of_ring_records_is_one_batch_equal_to_its_taps(
+    gaps: list[int], columns: bool
+) -> None:
+    """Sent as rows or as a columnar run (docs/PROTOCOL.md, "taps"), a run is the same
+    batch, and the same taps to a per-tap handler."""
+    frames = encode_batch([ring_run(5, gaps)], columns=columns)
+    assert bool(decode(frames).header.get("runs")) == columns
     [batch], subscriber, link = handled(frames, batch=True)
     reference, _, _ = handled(frames, batch=False)
     assert isinstance(batch, TapBatch) and len(batch) == 5 and batch.consumer == "tree"

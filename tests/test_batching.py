@@ -47,14 +47,26 @@ def receive_while(sock: zmq.Socket[bytes], emitter: threading.Thread) -> list[An
     return messages
 
 
-@pytest.mark.parametrize("batch", [True, False], ids=["batching", "old-subscriber"])
+@pytest.mark.parametrize(
+    ("batch", "columns"),
+    [(True, False), (True, True), (False, False)],
+    ids=["batching", "columnar-runs", "old-subscriber"],
+)
 def test_small_taps_are_batched_only_for_subscribers_that_said_so(
-    start_daemon: Callable[..., Daemon], raw_peer: Callable[[str], zmq.Socket[bytes]], batch: bool
+    start_daemon: Callable[..., Daemon],
+    raw_peer: Callable[[str], zmq.Socket[bytes]],
+    batch: bool,
+    columns: bool,
 ) -> None:
+    """Rows to a subscriber that batches, columnar runs (the ring's runs) to one that
+    also says `columns`, `tap` messages to one that says neither: the same taps, in
+    order, whatever the form."""
     daemon = start_daemon()
     sock = raw_peer(daemon.endpoint)
     hello = {"role": "subscriber", "consumers": ["loss"], "window": 64, "name": "raw"}
-    sock.send_multipart(encode("hello", {**hello, "batch": True} if batch else hello))
+    if batch:
+        hello.update(batch=True, columns=columns)
+    sock.send_multipart(encode("hello", hello))
     assert decode(sock.recv_multipart()).kind == "welcome"
 
     emitter = BackgroundEmitter(daemon.endpoint, "steps", str(TAPS))
@@ -68,8 +80,11 @@ def test_small_taps_are_batched_only_for_subscribers_that_said_so(
     if batch:
         assert kinds == {"taps"} and len(messages) < TAPS
         assert max(len(m.batch) for m in messages) <= 32  # half the window
-        if native_unavailable() is None:  # the native ring's records come as runs
-            assert any(len(m.frames) > 1 for m in messages)
+        if native_unavailable() is None:  # the native ring's records come as runs:
+            # as columns to a subscriber that decodes them, never to one that does not
+            assert any(m.header.get("runs") for m in messages) == columns
+            # (rows: a run's body beside frame 0, the single taps' shared frame)
+            assert columns or any(len(m.frames) > 1 for m in messages)
     else:
         assert kinds == {"tap"} and len(messages) == TAPS
 

@@ -1365,30 +1365,26 @@ def test_a_record_held_reserved_by_a_live_writer_is_logged_not_skipped(
 
 
 @pytest.mark.fast
-def test_runs_of_a_read_end_in_the_same_places_counted_by_numpy_or_one_by_one(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The daemon cuts a read into runs of one site and one record length; a short read
-    is cut by a Python loop, a long one with numpy, and both cut alike."""
+def test_runs_of_a_read_end_where_the_site_or_the_record_length_changes() -> None:
+    """The daemon cuts a read into runs of one site and one record length, from the
+    read's columns at once (numpy): the cuts are where a Python loop would put them."""
     from tapd.daemon import ring_source
+    from tapd.native.record_columns import RecordColumns
     from tapd.native.ring import Records
 
     rng = random.Random(7)
-    for count in (2, 3, 5, 23, 24, 40):
+    for count in (1, 2, 3, 5, 23, 24, 40):
         records = Records(memoryview(b""), 0, 0)
         position = 0
         for _ in range(count):
             length = rng.choice((64, 64, 64, 128))
             records.append(position, position + length, rng.choice((1, 1, 1, 2)), 0, None, 0, 0)
             position += length
-        cuts = {}
-        for name, columns_from in (("numpy", 2), ("loop", 10**9)):
-            monkeypatch.setattr(ring_source, "COLUMNS_FROM", columns_from)
-            cuts[name] = ring_source._run_ends(records)
+        cuts = ring_source._run_ends(RecordColumns.of_records(records))
         expected = [
             i
             for i in range(1, count)
             if (records.sites[i], records.ends[i] - records.starts[i])
             != (records.sites[i - 1], records.ends[i - 1] - records.starts[i - 1])
         ] + [count]
-        assert cuts["numpy"] == cuts["loop"] == expected, (count, cuts)
+        assert cuts == expected, (count, cuts)

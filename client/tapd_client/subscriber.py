@@ -309,6 +309,7 @@ class Subscriber:
             "window": self.window,
             "name": self.name,
             "batch": True,
+            "columns": True,  # decodes columnar runs (tapd/protocol/batch.py)
         }
         fallback = self._handlers.fallback
         if fallback:  # which of `consumers` are fallbacks, and for whom

@@ -26,7 +26,8 @@ from tapd.daemon.ring_watch import lock_ring_file
 from tapd.daemon.router import Router
 from tapd.daemon.runs import TapRun
 from tapd.errors import ProtocolError
-from tapd.native.ring import COLUMNS_FROM, Record, Records, Ring, RingError
+from tapd.native.record_columns import RecordColumns, read_columns
+from tapd.native.ring import Record, Ring, RingError
 from tapd.native.sites import Site
 from tapd.protocol import Message
 from tapd.protocol.ring_checks import check_record
@@ -91,32 +92,37 @@ class RingSource:
             self.ring.set_site_every(site_id, EVERY_ALL)
 
     def drain(self, router: Router) -> int:
-        """Hand committed records to the router, in order, while it can take them."""
+        """Hand committed records to the router, in order, while it can take them: each
+        run of consecutive records of one site as one unit, found and cut from the
+        records' columns (no Python step per record)."""
         if not router.takes_from(self.key):
             return 0  # under "block", a full subscriber queue stops us here
         try:
-            span, records = self.ring.read_span(self.read_position, _RECORDS_PER_POLL)
+            span, records = read_columns(self.ring, self.read_position, _RECORDS_PER_POLL)
         except RingError as exc:
             router.reject("bad_ring", str(exc))
             return 0
         base = self.read_position
         taken = 0
         first = 0
+        count = len(records)
         ends = _run_ends(records)
-        while first < len(records):
-            record = records[first]
-            site = self.sites.site(record.site)
+        starts, record_ends = records.starts, records.ends
+        while first < count:
+            site_id = int(records.sites[first])
+            site = self.sites.site(site_id)
             self._waiting_for_site = site is None and not self.writer_gone
             if self._waiting_for_site:
                 break  # its site entry is still being written: read it next time
             if isinstance(site, Site):
                 try:
-                    check_record(len(record.payload), site.leaf_bytes)
+                    payload_bytes = int(record_ends[first] - starts[first]) - records.header_bytes
+                    check_record(payload_bytes, site.leaf_bytes)
                 except ProtocolError as exc:
                     site = exc
             if not isinstance(site, Site):
-                why = site or ProtocolError("bad_ring", f"record for unknown site {record.site}")
-                self._refuse(router, record, why)
+                why = site or ProtocolError("bad_ring", f"record for unknown site {site_id}")
+                self._refuse(router, records.record(first), why)
                 first += 1
                 continue
             # Consecutive small records of this site (and length: the first one's is
@@ -125,16 +131,16 @@ class RingSource:
             if site.nbytes <= _RUN_BYTES // 2:
                 most = min(
                     router.run_limit(site.consumer, site.nbytes),
-                    _RUN_BYTES // site.nbytes if site.nbytes else len(records),
+                    _RUN_BYTES // site.nbytes if site.nbytes else count,
                 )
             end = min(ends[bisect.bisect_right(ends, first)], first + max(1, most))
-            last_end = records.ends[end - 1]
+            last_end = int(record_ends[end - 1])
             unit: Message | TapRun
             if end - first == 1:
-                unit = site.message(record)
+                unit = site.message(records.record(first))
             else:
-                piece = span[record.start - base : last_end - base]
-                unit = TapRun(site, records[first:end], piece, self.ring.header_bytes)
+                piece = span[int(starts[first]) - base : last_end - base]
+                unit = TapRun(site, records.part(first, end), piece)
             index = router.tap(self.key, unit, credit=False, nbytes=site.nbytes * (end - first))
             self._in_router.append((index, last_end))
             self.read_position = last_end
@@ -236,23 +242,13 @@ class RingSource:
             self._lock_fd = -1
 
 
-def _run_ends(records: Records) -> list[int]:
+def _run_ends(records: RecordColumns) -> list[int]:
     """Where each run of records of one site and one length ends (exclusive), ascending:
     the places a run must stop, found for the whole read at once."""
     count = len(records)
     if count < 2:
         return [count]
-    if count < COLUMNS_FROM:  # (numpy's fixed cost is more than a few steps of Python)
-        ids, starts, ends = records.sites, records.starts, records.ends
-        return [
-            *(
-                i
-                for i in range(1, count)
-                if ids[i] != ids[i - 1] or ends[i] - starts[i] != ends[i - 1] - starts[i - 1]
-            ),
-            count,
-        ]
-    sites = np.array(records.sites, np.uint64)
-    lengths = np.array(records.ends, np.int64) - np.array(records.starts, np.int64)
+    sites = records.sites
+    lengths = records.ends - records.starts
     changes = (sites[1:] != sites[:-1]) | (lengths[1:] != lengths[:-1])
-    return [*(np.flatnonzero(changes) + 1).tolist(), len(records)]
+    return [*(np.flatnonzero(changes) + 1).tolist(), count]

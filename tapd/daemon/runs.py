@@ -12,7 +12,10 @@ get its taps one by one (`TapRun.taps`).
 
 from __future__ import annotations
 
+import numpy as np
+
 from tapd.channel import COPY_BELOW
+from tapd.native.record_columns import RecordColumns
 from tapd.native.ring import Records
 from tapd.native.sites import Site
 from tapd.protocol import Message
@@ -21,28 +24,40 @@ from tapd.protocol.batch import BatchRun
 
 class TapRun:
     """Consecutive records of one site, all in `span` (the ring bytes from the first
-    record's start to the last one's end): routed as one unit of `count` taps."""
+    record's start to the last one's end): routed as one unit of `count` taps. Its
+    records stay columns (`RecordColumns`): a subscriber that takes columnar runs is
+    sent them as they are (`batch_piece`), and a `Record` is made only for the taps
+    sent one by one (`taps`, `tap`)."""
 
-    def __init__(self, site: Site, records: Records, span: memoryview, header_bytes: int) -> None:
+    def __init__(
+        self,
+        site: Site,
+        records: RecordColumns | Records,
+        span: memoryview,
+        header_bytes: int | None = None,
+    ) -> None:
+        if isinstance(records, Records):  # (read one by one: tests, the local path)
+            records = RecordColumns.of_records(records)
         self.site = site
         self.records = records
         self.span = span
         self.count = len(records)
         self.consumer = site.consumer
         self.header = site.static  # what the router reads of a unit's header: its consumer
-        start = records.starts[0] - header_bytes
-        self.offsets = [position - start for position in records.starts]
+        leaves_at = records.header_bytes if header_bytes is None else header_bytes
+        # Where each tap's leaves start in `span`.
+        self.offsets: np.ndarray = records.starts - (int(records.starts[0]) - leaves_at)
 
     @property
     def last_time_ns(self) -> int:
         """When its last tap ran (the emitter's clock)."""
-        return self.records.times[-1]
+        return int(self.records.times[-1])
 
     def taps(self) -> list[Message]:
-        return [self.site.message(record) for record in self.records]
+        return [self.site.message(record) for record in self.records.records()]
 
     def tap(self, i: int) -> Message:
-        return self.site.message(self.records[i])
+        return self.site.message(self.records.record(i))
 
     def batch_piece(self, first_tid: int, emitter: str) -> BatchRun:
         records = self.records

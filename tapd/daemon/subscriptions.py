@@ -23,6 +23,7 @@ class Hello:
     batch: bool
     update: bool
     name: str
+    columns: bool = False  # it decodes columnar runs (docs/PROTOCOL.md, "taps")
 
     @classmethod
     def of(cls, header: dict[str, Any]) -> Hello:
@@ -48,6 +49,7 @@ class Hello:
             batch=header.get("batch") is True,
             update=header.get("update") is True,
             name=str(header.get("name", "")),
+            columns=header.get("columns") is True,
         )
 
     @property

@@ -394,15 +394,14 @@ class Ring:
         end."""
         return list(self.read_span(position, max_records)[1])
 
-    def read_span(self, position: int, max_records: int = 1024) -> tuple[memoryview, Records]:
-        """Like `read`, with a view of the ring bytes from `position` on, which holds the
-        records (the ring is mapped twice: any span of it is contiguous), and the records
-        as columns (`Records`)."""
+    def readable(self, position: int) -> memoryview | None:
+        """A view of the committed ring bytes from `position` on (the ring is mapped
+        twice: any span of it is contiguous); None if there are none."""
         pointer = ctypes.c_void_p()
         available = int(self._lib.tapd_ring_readable(self.handle, position, ctypes.byref(pointer)))
         if available == 0:
             self._check_stall(position)
-            return memoryview(b""), Records.empty()
+            return None
         self._stalled = None
         if self._mapped is None:  # both mappings, viewed once (a ctypes type per read is slow)
             capacity = self.counters().capacity
@@ -411,7 +410,16 @@ class Ring:
             self._mapped = (capacity, memoryview(array).cast("B"))
         capacity, mapped = self._mapped
         start = position % capacity
-        view = mapped[start : start + available]
+        return mapped[start : start + available]
+
+    def read_span(self, position: int, max_records: int = 1024) -> tuple[memoryview, Records]:
+        """Like `read`, with a view of the ring bytes from `position` on, which holds the
+        records (the ring is mapped twice: any span of it is contiguous), and the records
+        as columns (`Records`)."""
+        view = self.readable(position)
+        if view is None:
+            return memoryview(b""), Records.empty()
+        available = len(view)
         records = self._read_uniform(view, position, max_records)
         offset = records.ends[-1] - position if records.ends else 0
         nonce = self._nonce
@@ -452,24 +460,11 @@ class Ring:
         thousand a second reads a handful at a time."""
         header_bytes = self.header_bytes
         records = Records(view, position, header_bytes)
-        if len(view) < 2 * header_bytes:
+        uniform = self.uniform_headers(view, position, max_records, COLUMNS_FROM)
+        if uniform is None:
             return records
-        length = RECORD_HEADER_STRUCT.unpack_from(view, 0)[0]
-        if length < header_bytes or length % 8:
-            return records
-        count = min(len(view) // length, max_records)
-        if count < COLUMNS_FROM:
-            return records
-        headers = np.ndarray((count,), RECORD_HEADER, buffer=view, strides=(length,))
-        offsets = np.arange(count, dtype=np.uint64) * np.uint64(length)
-        tag_bits = np.uint64(~TAG_STATE_MASK % 2**64)
-        tags = ((np.uint64(position) + offsets) ^ np.uint64(self._nonce)) & tag_bits
-        committed = tags | np.uint64(TAG_COMMITTED)
-        good = (headers["length"] == length) & (headers["commit"] == committed)
-        if not good.all():
-            count = int(good.argmin())  # (the first that is not: read one by one)
-            headers, offsets = headers[:count], offsets[:count]
-        starts = offsets.astype(np.int64) + position
+        headers, starts, length = uniform
+        count = len(headers)
         records.starts = starts.tolist()
         records.ends = (starts + length).tolist()
         records.sites = headers["site"].tolist()
@@ -489,6 +484,34 @@ class Ring:
         records.times = headers["time_ns"].tolist()
         records.devices = headers["device"].tolist()
         return records
+
+    def uniform_headers(
+        self, view: memoryview, position: int, max_records: int, least: int
+    ) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """The headers (a strided RECORD_HEADER array viewing the ring) and ring
+        positions of the leading records of `view` that are committed and as long as the
+        first, and that length; None where fewer than `least` are."""
+        header_bytes = self.header_bytes
+        if len(view) < header_bytes:
+            return None
+        length = RECORD_HEADER_STRUCT.unpack_from(view, 0)[0]
+        if length < header_bytes or length % 8:
+            return None
+        count = min(len(view) // length, max_records)
+        if count < max(1, least):
+            return None
+        headers = np.ndarray((count,), RECORD_HEADER, buffer=view, strides=(length,))
+        offsets = np.arange(count, dtype=np.uint64) * np.uint64(length)
+        tag_bits = np.uint64(~TAG_STATE_MASK % 2**64)
+        tags = ((np.uint64(position) + offsets) ^ np.uint64(self._nonce)) & tag_bits
+        committed = tags | np.uint64(TAG_COMMITTED)
+        good = (headers["length"] == length) & (headers["commit"] == committed)
+        if not good.all():
+            count = int(good.argmin())  # (the first that is not: read one by one)
+            if count < max(1, least):
+                return None
+            headers, offsets = headers[:count], offsets[:count]
+        return headers, offsets.astype(np.int64) + position, length
 
     def _check_stall(self, position: int) -> None:
         """Nothing readable: say so once if a record has stayed reserved, holding back

@@ -26,19 +26,22 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import msgpack
+import numpy as np
 
 from tapd.errors import ProtocolError
 from tapd.protocol.message import (
     MAGIC,
     Frame,
     RingSpan,
+    RunColumns,
     SiteRun,
     StaticEntry,
     encode_header,
 )
+from tapd.protocol.ring_format import NO_STEP
 from tapd.protocol.rules import U64_MAX, Limits
 from tapd.protocol.schema import PER_TAP, RING_NAME, check_batch_row, check_batch_static
 
@@ -69,6 +72,11 @@ SPAN_GAP_BYTES = 4096
 SPAN_BYTES = 1024 * 1024
 
 
+# A run's per-tap field: a list, or an array (a ring's columns: tapd/daemon/runs.py,
+# steps NO_STEP where a tap has none).
+Column = Sequence[Any] | np.ndarray
+
+
 class BatchTap(NamedTuple):
     """One tap to batch: its header as the daemon holds it, its frames, the delivery id
     and emitter name the subscriber is told, and a token equal for taps whose static
@@ -88,14 +96,14 @@ class BatchRun(NamedTuple):
 
     header: Mapping[str, Any]
     body: Frame
-    offsets: Sequence[int]
+    offsets: Column
     first_tid: int
     emitter: str
     site: Hashable
-    seqs: Sequence[int]
-    steps: Sequence[int | None]
-    devices: Sequence[int | None]
-    times: Sequence[int]
+    seqs: Column
+    steps: Column
+    devices: Column
+    times: Column
     coords: Sequence[list[int]] | None = None
 
 
@@ -130,10 +138,19 @@ class _Statics:
         return index
 
 
-def encode_batch(pieces: Sequence[BatchTap | BatchRun]) -> list[Frame | bytearray]:
+def encode_batch(
+    pieces: Sequence[BatchTap | BatchRun], *, columns: bool = False
+) -> list[Frame | bytearray]:
     """The frames of one `taps` message carrying `pieces`' taps, in order: small single
     taps' arrays copied into the first body frame, each run's body and each large
-    one-leaf tap's array as a frame of its own, uncopied."""
+    one-leaf tap's array as a frame of its own, uncopied. `columns` (the subscriber
+    decodes them): where every piece is a run that can be, the runs go as columnar
+    runs, a few bytes strings each rather than a row per tap."""
+    if columns and pieces:
+        entries = [_columnar(piece) for piece in pieces]
+        if all(entry is not None for entry in entries):
+            runs = cast("list[BatchRun]", pieces)
+            return _encode_columnar(runs, cast("list[list[bytes]]", entries))
     statics = _Statics()
     static_index = statics.index
     rows: list[Sequence[Any]] = []  # (msgpack packs tuples and lists alike, as arrays)
@@ -184,10 +201,10 @@ class RingPiece(NamedTuple):
     first_tid: int
     emitter: str
     site: Hashable
-    seqs: Sequence[int]
-    steps: Sequence[int | None]
-    devices: Sequence[int | None]
-    times: Sequence[int]
+    seqs: Column
+    steps: Column
+    devices: Column
+    times: Column
     coords: Sequence[list[int]] | None = None
 
 
@@ -210,26 +227,98 @@ def encode_ring_batch(pieces: Sequence[RingPiece]) -> list[Frame]:
 
 
 def _run_rows(
-    static: int, piece: BatchRun | RingPiece, where: int, offsets: Sequence[int]
+    static: int, piece: BatchRun | RingPiece, where: int, offsets: Column
 ) -> Iterable[tuple[Any, ...]]:
     """The wire rows of a run of one site's taps: the statics' index, tid, seq, step,
     device, time, coords, then where each tap's bytes are (a body frame of `taps`, a
     ring of `ring_taps`) and from which offset. Column by column, zipped in C: a run is
-    thousands of small taps."""
+    thousands of small taps. (Columns may be arrays, a ring's: made Python ints here,
+    a step of NO_STEP None.)"""
     count = len(offsets)
     coords: Iterable[list[int] | None] = piece.coords or itertools.repeat(None, count)
     return zip(
         itertools.repeat(static, count),
         range(piece.first_tid, piece.first_tid + count),
-        piece.seqs,
-        piece.steps,
-        piece.devices,
-        piece.times,
+        _listed(piece.seqs),
+        _steps_listed(piece.steps),
+        _listed(piece.devices),
+        _listed(piece.times),
         coords,
         itertools.repeat(where, count),
-        offsets,
+        _listed(offsets),
         strict=True,
     )
+
+
+def _listed(column: Column) -> Sequence[Any]:
+    return column.tolist() if isinstance(column, np.ndarray) else column
+
+
+def _steps_listed(steps: Column) -> Sequence[int | None]:
+    if not isinstance(steps, np.ndarray):
+        return steps
+    values: list[int | None] = steps.tolist()
+    if (steps == NO_STEP).any():
+        values = [None if step == NO_STEP else step for step in values]
+    return values
+
+
+# ---- columnar runs (docs/PROTOCOL.md, "taps") ------------------------------------------
+# A run entry: [static, body frame, first tid, count, offsets, seqs, steps, devices,
+# times], each column the little-endian bytes of `count` int64 (seqs: uint64; steps: nil
+# where no tap has a step, else NO_STEP for one that has none).
+RUN_ENTRY_LENGTH = 9
+_I8 = np.dtype("<i8")
+_U8 = np.dtype("<u8")
+
+
+def _column_bytes(values: Column, dtype: np.dtype[Any]) -> bytes | None:
+    """`values` as the bytes of a wire column, or None where they cannot be (None
+    among them, out of range)."""
+    if isinstance(values, np.ndarray):  # (a ring's columns: int64 and uint64)
+        return values.astype(dtype, copy=False).tobytes()
+    try:
+        return np.array(values, dtype=dtype).tobytes()
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _columnar(piece: BatchTap | BatchRun) -> list[Any] | None:
+    """A run's columns as a run entry's (its static index and frame left to fill in);
+    None for a single tap, a sharded run (its coordinates go in rows), or columns
+    that do not fit."""
+    if not isinstance(piece, BatchRun) or piece.coords is not None:
+        return None
+    steps = piece.steps
+    if not isinstance(steps, np.ndarray):
+        steps = [NO_STEP if step is None else step for step in steps]
+    steps_bytes = _column_bytes(steps, _I8)
+    if steps_bytes is not None and (np.frombuffer(steps_bytes, _I8) == NO_STEP).all():
+        steps_bytes = b""  # (nil on the wire)
+    entry = [
+        _column_bytes(piece.offsets, _I8),
+        _column_bytes(piece.seqs, _U8),
+        steps_bytes,
+        _column_bytes(piece.devices, _I8),
+        _column_bytes(piece.times, _I8),
+    ]
+    return None if any(column is None for column in entry) else entry
+
+
+def _encode_columnar(pieces: list[BatchRun], entries: list[list[bytes]]) -> list[Frame | bytearray]:
+    statics = _Statics()
+    runs = []
+    bodies: list[Frame | bytearray] = []
+    for piece, (offsets, seqs, steps, devices, times) in zip(pieces, entries, strict=True):
+        index = statics.index(piece.site, piece.header, piece.emitter)
+        count = len(piece.offsets)
+        runs.append(
+            [index, len(bodies), piece.first_tid, count, offsets, seqs, steps or None,
+             devices, times]
+        )  # fmt: skip
+        bodies.append(piece.body)
+    header = {"kind": "taps", "statics": statics.entries, "taps": [], "runs": runs}
+    return [MAGIC, encode_header(header), *bodies]
 
 
 def read_runs(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> list[SiteRun]:
@@ -237,6 +326,8 @@ def read_runs(header: dict[str, Any], payload: list[memoryview], limits: Limits)
     body frame each, in order; raises ProtocolError on any inconsistency."""
     if not payload:
         raise ProtocolError("bad_frames", "'taps' needs at least one body frame")
+    if header.get("runs"):
+        return _read_columnar(header, payload, limits)
     rows, statics_given = header["taps"], header["statics"]
     if max(len(rows), len(statics_given), len(payload)) > limits.max_batch:
         raise ProtocolError(
@@ -279,6 +370,68 @@ def read_runs(header: dict[str, Any], payload: list[memoryview], limits: Limits)
             run_key = (row[0], frame)
             runs.append(SiteRun(static, payload[frame], [row]))
     return runs
+
+
+def _read_columnar(
+    header: dict[str, Any], payload: list[memoryview], limits: Limits
+) -> list[SiteRun]:
+    """The columnar runs of a decoded `taps` message, checked as rows are (each check
+    made on a whole column at once)."""
+    runs_given, statics_given = header["runs"], header["statics"]
+    if header["taps"]:
+        raise ProtocolError("bad_field", "a 'taps' message has both rows and runs")
+    if max(len(runs_given), len(statics_given), len(payload)) > limits.max_batch:
+        raise ProtocolError("too_large", f"{len(runs_given)} runs: more than {limits.max_batch}")
+    statics = [
+        StaticEntry(static, check_batch_static(i, static, limits))
+        for i, static in enumerate(statics_given)
+    ]
+    used = [0] * len(payload)  # per body frame: where the last tap's leaves ended
+    runs: list[SiteRun] = []
+    total = 0
+    for number, entry in enumerate(runs_given):
+        where = f"batch run {number}"
+        if not (
+            type(entry) is list
+            and len(entry) == RUN_ENTRY_LENGTH
+            and all(type(field) is int for field in entry[:4])
+            and 0 <= entry[0] < len(statics)
+            and 0 <= entry[1] < len(payload)
+            and 0 <= entry[2] <= U64_MAX
+            and 0 < entry[3] <= limits.max_batch
+        ):
+            raise ProtocolError("bad_field", f"{where}: {entry!r:.60} is not a run")
+        static_index, frame, first_tid, count = entry[:4]
+        static = statics[static_index]
+        if static.shard_sizes is not None:
+            raise ProtocolError("bad_shard", f"{where}: a sharded site's taps come in rows")
+        total += count
+        if total > limits.max_batch:
+            raise ProtocolError("too_large", f"more than {limits.max_batch} taps in runs")
+        offsets, seqs, devices, times = (
+            _wire_column(entry[i], count, dtype, where)
+            for i, dtype in ((4, _I8), (5, _U8), (7, _I8), (8, _I8))
+        )
+        steps = None if entry[6] is None else _wire_column(entry[6], count, _I8, where)
+        body = payload[frame]
+        gaps = np.diff(offsets)
+        if offsets[0] < used[frame] or (count > 1 and int(gaps.min()) < static.extent):
+            raise ProtocolError("bad_frames", f"{where}: a tap's leaves overlap another's")
+        end = int(offsets[-1]) + static.extent
+        if end > len(body):
+            raise ProtocolError(
+                "bad_frames", f"{where}: leaves overrun the {len(body)}-byte body {frame}"
+            )
+        used[frame] = end
+        columns = RunColumns(first_tid, offsets, seqs, steps, devices, times)
+        runs.append(SiteRun(static, body, columns=columns, place=(static_index, frame)))
+    return runs
+
+
+def _wire_column(raw: Any, count: int, dtype: np.dtype[Any], where: str) -> np.ndarray:
+    if not isinstance(raw, bytes) or len(raw) != count * dtype.itemsize:
+        raise ProtocolError("bad_field", f"{where}: a column is not {count} {dtype} values")
+    return np.frombuffer(raw, dtype)
 
 
 def read_spans(header: dict[str, Any], payload: list[memoryview], limits: Limits) -> list[RingSpan]:

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
 
 from tapd.protocol.dtypes import dtype_from_name
+from tapd.protocol.ring_format import NO_STEP
 from tapd.protocol.tree import LEAF, rebuilder, unflatten
 
 VERSION = 1
@@ -126,29 +128,123 @@ class _RunTap(Message):
         return [leaf[i, ...] for leaf in leaves]
 
 
+class RunColumns(NamedTuple):
+    """A columnar run's per-tap fields as the wire gave them (docs/PROTOCOL.md, "taps"):
+    delivery ids `first_tid` on, one each; where each tap's leaves start in the body;
+    seqs; steps (NO_STEP where a tap has none; None: no tap has one); devices; times."""
+
+    first_tid: int
+    offsets: np.ndarray  # int64
+    seqs: np.ndarray  # uint64
+    steps: np.ndarray | None  # int64
+    devices: np.ndarray  # int64
+    times: np.ndarray  # int64, ns
+
+
 class SiteRun:
     """Consecutive taps of a `taps` message that share one static entry and one body
     frame, checked: what a batch handler gets as columns (tapd_client.TapBatch) and a
-    per-tap handler as one `tap` Message each."""
+    per-tap handler as one `tap` Message each.
 
-    __slots__ = ("_leaves", "body", "rows", "static")
+    Its taps came as rows (`rows`, one list per tap) or as a columnar run (`columns`,
+    an array per field): either is there for every run, the other made from it when
+    first asked for. `column_lists()` gives the per-tap fields as lists either way,
+    without a row per tap."""
 
-    def __init__(self, static: StaticEntry, body: memoryview, rows: list[list[Any]]) -> None:
+    __slots__ = ("_columns", "_leaves", "_place", "_rows", "body", "static")
+
+    def __init__(
+        self,
+        static: StaticEntry,
+        body: memoryview,
+        rows: list[list[Any]] | None = None,
+        columns: RunColumns | None = None,
+        place: tuple[int, int] = (0, 0),
+    ) -> None:
         self.static = static
         self.body = body
-        self.rows = rows  # [static, tid, seq, step, device, time, coords, frame, offset]
+        # [static, tid, seq, step, device, time, coords, frame, offset]
+        self._rows = rows
+        self._columns = columns
+        self._place = place  # a columnar run's (static index, body frame), for its rows
         self._leaves: list[np.ndarray] | None = None
+
+    @property
+    def rows(self) -> list[list[Any]]:
+        """One row per tap, as a `taps` message's rows are (made from the columns of a
+        columnar run, once)."""
+        if self._rows is None:
+            assert self._columns is not None
+            static, frame = self._place
+            count = len(self._columns.offsets)
+            tids, seqs, steps, devices, times, coords = self.column_lists()
+            self._rows = list(
+                map(
+                    list,
+                    zip(
+                        itertools.repeat(static, count),
+                        tids,
+                        seqs,
+                        steps,
+                        devices,
+                        times,
+                        coords,
+                        itertools.repeat(frame, count),
+                        self._columns.offsets.tolist(),
+                        strict=True,
+                    ),
+                )
+            )
+        return self._rows
+
+    @property
+    def columns(self) -> RunColumns | None:
+        """A columnar run's fields as arrays; None for a run that came as rows."""
+        return self._columns
+
+    def column_lists(self) -> tuple[Sequence[Any], ...]:
+        """tids, seqs, steps, devices, times and shard coordinates of its taps, in
+        order, each a sequence (steps and devices None where a tap has none)."""
+        columns = self._columns
+        if columns is None:
+            return tuple(list(column) for column in list(zip(*self.rows, strict=True))[1:7])
+        count = len(columns.offsets)
+        steps: list[Any] = [None] * count
+        if columns.steps is not None:
+            steps = columns.steps.tolist()
+            if NO_STEP in steps:
+                steps = [None if step == NO_STEP else step for step in steps]
+        return (
+            range(columns.first_tid, columns.first_tid + count),
+            columns.seqs.tolist(),
+            steps,
+            columns.devices.tolist(),
+            columns.times.tolist(),
+            [None] * count,
+        )
+
+    @property
+    def last_tid(self) -> int:
+        """The highest delivery id of its taps."""
+        if self._columns is not None:
+            return self._columns.first_tid + len(self._columns.offsets) - 1
+        return int(max(row[1] for row in self.rows))
+
+    def offsets(self) -> np.ndarray:
+        """Where each tap's leaves start in `body`."""
+        if self._columns is not None:
+            return self._columns.offsets
+        return np.array([row[8] for row in self.rows], np.int64)
 
     def leaves(self) -> list[np.ndarray]:
         """Each leaf of the run's taps stacked along a new axis 0, read-only: a strided
         view of the body where the taps are evenly spaced, else a gathered copy."""
         if self._leaves is None:
-            offsets = np.array([row[8] for row in self.rows], np.int64)
-            self._leaves = stacked_leaves(self.static, self.body, offsets)
+            self._leaves = stacked_leaves(self.static, self.body, self.offsets())
         return self._leaves
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self._columns.offsets) if self._columns is not None else len(self.rows)
 
     @property
     def fields(self) -> dict[str, Any]:
@@ -161,15 +257,33 @@ class SiteRun:
         return self.static.layout
 
     def header(self, i: int) -> dict[str, Any]:
-        return self.static.tap_header(self.rows[i])
+        return self.static.tap_header(self.row(i))
+
+    def row(self, i: int) -> list[Any]:
+        """Tap i's row (of a columnar run: that row alone, made now)."""
+        columns = self._columns
+        if columns is None or self._rows is not None:
+            return self.rows[i]
+        step = None if columns.steps is None else int(columns.steps[i])
+        return [
+            self._place[0],
+            columns.first_tid + i,
+            int(columns.seqs[i]),
+            None if step == NO_STEP else step,
+            int(columns.devices[i]),
+            int(columns.times[i]),
+            None,
+            self._place[1],
+            int(columns.offsets[i]),
+        ]
 
     def values(self) -> Sequence[Any]:
         """Each tap's value, as `message(i).value()` gives it: rows of the stacked
         leaves (read-only views), rebuilt with the pytree structure where there is one."""
-        return tap_values(self.fields["tree"], self.leaves(), len(self.rows))
+        return tap_values(self.fields["tree"], self.leaves(), len(self))
 
     def message(self, i: int) -> Message:
-        offset, body = self.rows[i][8], self.body
+        offset, body = int(self.offsets()[i]), self.body
         frames = [body[offset + start : offset + start + n] for start, n in self.static.layout]
         fields = {"header": self.header(i), "frames": frames, "runs": (), "spans": (),
                   "site": self.static}  # fmt: skip

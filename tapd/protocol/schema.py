@@ -184,6 +184,7 @@ SUBSCRIBER_HELLO: Schema = {
     "window": req(Int(1, DEFAULT_LIMITS.max_window)),
     "name": opt(_NAME),
     "batch": opt(Of(bool)),
+    "columns": opt(Of(bool)),  # it decodes `taps` messages of columnar runs
     "group": opt(Str("max_name", empty=False)),  # a worker pool (docs/PROTOCOL.md)
     "every": opt(_EVERY_PAIRS),  # [pattern, n] for some of `consumers`: sampling
 }
@@ -208,7 +209,8 @@ KINDS_SCHEMA: dict[str, Schema] = {
         "ring": req(Str("max_name")),
         "positions": req(ListOf(Int(0), "max_leaves")),
     },
-    "taps": {"statics": req(Of(list)), "taps": req(Of(list))},  # tapd/protocol/batch.py
+    # tapd/protocol/batch.py; `runs`: columnar runs, in a message whose `taps` is empty
+    "taps": {"statics": req(Of(list)), "taps": req(Of(list)), "runs": opt(Of(list))},
     # Taps whose bytes a same-host subscriber reads from emitters' rings, as `taps` rows
     # with a ring and a ring position for a body frame and an offset (batch.py).
     "ring_taps": {"statics": req(Of(list)), "rings": req(Of(list)), "taps": req(Of(list))},

@@ -109,7 +109,7 @@ class RingReaders:
         if source is None or not source.ring.maps(unit.span.obj):
             return None  # not a view of this emitter's ring now (a replaced ring's, say)
         leaves = unit.offsets[0]  # (the span starts at the first record's header)
-        return source.path.name, [start + leaves for start in unit.records.starts]
+        return source.path.name, (unit.records.starts + int(leaves)).tolist()
 
     def locate(self, key: Hashable, tap: Message) -> tuple[str, list[int]] | None:
         """The ring file name and each leaf's ring position of `tap`, a tap of emitter

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from tapd.daemon.deliveries import Delivery, PeerKey, Send
+from tapd.daemon.runs import TapRun
 from tapd.daemon.subscriptions import Hello
 from tapd.daemon.targets.base import Terms
 from tapd.daemon.targets.peer import Peer
@@ -30,6 +31,7 @@ class SocketSubscriber(Peer):
         self.last_seen = now
         self.window = hello.window
         self.batch = hello.batch  # takes `taps` messages (several small taps in one)
+        self.columns = hello.batch and hello.columns  # ... and decodes columnar runs
         self.group = hello.group  # the worker pool it is a member of, by name
 
     def same_subscription(self, hello: Hello) -> bool:
@@ -62,16 +64,20 @@ class SocketSubscriber(Peer):
         limit = min(room, max(1, self.window // 2), DEFAULT_LIMITS.max_batch)
         deliveries = [self.start_delivery()]
         taps, size = deliveries[0].count, deliveries[0].nbytes
+        # (a subscriber that decodes columnar runs gets runs and single taps in separate
+        # messages: a message holds one or the other, encode_batch)
+        run = self.columns and isinstance(deliveries[0].tap, TapRun)
         while (
             queue
             and taps + queue[0].count <= limit
             and size + queue[0].nbytes <= MESSAGE_BYTES
             and _batched(queue[0])
+            and (not self.columns or isinstance(queue[0].tap, TapRun) == run)
         ):
             deliveries.append(self.start_delivery())
             taps += deliveries[-1].count
             size += deliveries[-1].nbytes
-        frames = encode_batch([d.batch_piece() for d in deliveries])
+        frames = encode_batch([d.batch_piece() for d in deliveries], columns=self.columns)
         if len(frames[1]) <= BATCH_HEADER_BYTES or taps == 1:
             return self.send(self.key, frames)
         # Many distinct, large headers (rare): a batch could exceed what a subscriber
