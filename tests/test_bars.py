@@ -62,6 +62,18 @@ def test_the_same_on_the_tpus_gathered_path(runtime_dir: Path) -> None:
     assert_full_at_close(got)
 
 
+def test_a_bar_the_computations_callbacks_close_does_not_wait_for_itself(
+    runtime_dir: Path,
+) -> None:
+    got = run_app("closed_by_callbacks", runtime_dir, TAPD_CELL_TIMEOUT="2")
+    assert got["pending"] == 0  # the updates waited for the call's return
+    assert got["by_tapd"] == 100  # closed by a callback after the updates, in program order
+    # Closed by JAX's io_callback, inside the computation (no update is its), before
+    # the updates could run: had it waited for them, it would have stalled and said so.
+    assert got["by_jax"] == 0 and got["out"] == 4950
+    assert "waited for the in-process callbacks" not in got["stderr"]
+
+
 def test_a_close_whose_callbacks_stall_gives_up_and_says_so(runtime_dir: Path) -> None:
     got = run_app("stalled", runtime_dir, TAPD_CELL_TIMEOUT="0.5")
     assert got["at_close"] == 0  # closed without the stalled updates

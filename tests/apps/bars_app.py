@@ -12,6 +12,10 @@ close waited for. `python bars_app.py SCENARIO` prints one JSON line of results 
   BlackJAX's is, once the bar is open);
   updated through `tapd.install_debug()`'s `jax.debug.callback`, and through `id_tap`
   of a bound method.
+- `closed_by_callbacks`: bars that the computation's own callbacks close, as jax-tqdm's
+  and NumPyro's last update and Diffrax's close do: from tapd's receiver thread, and
+  from inside one of JAX's own host callbacks. Neither waits (each would wait for
+  itself: the call would never return).
 - `stalled`: an update that waits for an event set only after the close: the close
   gives up after TAPD_CELL_TIMEOUT without a callback run, and says so.
 """
@@ -175,6 +179,34 @@ def closes() -> dict[str, Any]:
     }
 
 
+def closed_by_callbacks() -> dict[str, Any]:
+    """The updates wait for `go`, set once the call has returned: a close that waited
+    for them from inside the computation would stall (and say so), and so would one on
+    the receiver thread, which runs them."""
+    from jax.experimental import io_callback
+
+    tapd.install_debug()  # (io_callback stays JAX's: it runs inside the computation)
+    by_tapd, by_jax = RecordingTqdm(total=STEPS), RecordingTqdm(total=STEPS)
+    updates = Updates([by_tapd], threading.Event())
+
+    def run(x: jax.Array) -> jax.Array:
+        def body(i: jax.Array, total: jax.Array) -> jax.Array:
+            jax.debug.callback(updates.advance, i)
+            return total + i
+
+        total = lax.fori_loop(0, STEPS, body, x)
+        jax.debug.callback(lambda t: by_tapd.close(), total)
+        io_callback(lambda t: by_jax.close(), None, total, ordered=True)
+        return total
+
+    out = jax.jit(run)(jnp.int32(0))
+    pending = by_tapd.n
+    updates.go.set()
+    jax.effects_barrier()
+    return {"pending": pending, "by_tapd": by_tapd.at_close, "by_jax": by_jax.at_close,
+            "out": int(out)}  # fmt: skip
+
+
 def stalled() -> dict[str, Any]:
     tapd.install_debug()
     go = threading.Event()
@@ -189,5 +221,6 @@ def stalled() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    scenario = {"closes": closes, "stalled": stalled}[sys.argv[1]]
+    scenarios = {"closes": closes, "closed_by_callbacks": closed_by_callbacks, "stalled": stalled}
+    scenario = scenarios[sys.argv[1]]
     print(json.dumps(scenario()))
