@@ -245,6 +245,33 @@ def test_drop_newest_counts_exactly(
     assert 200 - len(seqs) == stats["dropped"] + stats["daemon_dropped"]
 
 
+@pytest.mark.parametrize("batch", [True, False], ids=["batch-handler", "per-tap-handler"])
+def test_drop_newest_counts_runs_of_ring_taps_exactly(
+    start_daemon: StartDaemon, start_subscriber: StartSubscriber, batch: bool
+) -> None:
+    """A loop's taps reach the daemon as runs (a unit of up to half the window), sent as
+    columnar runs; a slow subscriber's full queue drops whole runs: every tap is still
+    counted once (delivered, dropped by the ring or by the daemon), what arrives is in
+    order, and the drops show as gaps in the seqs."""
+    daemon = start_daemon("--policy", "drop_newest", "--queue-bytes", "1024")
+    subscriber = start_subscriber(daemon, "loss", sleep_ms=20, window=64, batch=batch)
+    count = 3000
+    result = run_emitter(daemon.endpoint, "loop", str(count), env={"TAPD_POLICY": "drop_newest"})
+    stats = result["stats"]
+    records = subscriber.records()
+    seqs = [r["seq"] for r in records]
+    assert stats["daemon_dropped"] > 0, stats  # (the queue holds 8 runs of 32)
+    assert stats["sent"] + stats["dropped"] == count
+    assert stats["delivered"] == len(seqs)
+    assert stats["delivered"] + stats["daemon_dropped"] + stats["unrouted"] == stats["sent"]
+    assert daemon.counters().get("deliveries_dropped", 0) == stats["daemon_dropped"]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    assert count - len(seqs) == stats["dropped"] + stats["daemon_dropped"]
+    assert all(r["value"] == r["step"] for r in records)  # each tap's own value
+    if batch:  # (runs: a batch holds more than one tap)
+        assert max(r["batch_size"] for r in records) > 1
+
+
 def test_taps_with_no_subscriber_are_counted_unrouted(start_daemon: StartDaemon) -> None:
     daemon = start_daemon()
     # (TAPD_DORMANT=0: else, once the daemon has read the site's entry, the site is

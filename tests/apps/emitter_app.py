@@ -151,6 +151,20 @@ def loop_pytree(count: str) -> dict[str, Any]:
     return {"stats": tapd.stats()}
 
 
+def loop(count: str) -> dict[str, Any]:
+    """A fori_loop of `count` steps tapping a scalar of "loss" each step, then a
+    barrier: one site's records back to back in the ring, which the daemon routes in
+    runs (tapd/daemon/runs.py) and sends as columnar runs."""
+
+    def body(i: jax.Array, x: jax.Array) -> jax.Array:
+        tapd.tap(x + i, "loss", step=i)
+        return x
+
+    jax.jit(lambda: lax.fori_loop(0, int(count), body, jnp.float32(0)))().block_until_ready()
+    tapd.barrier_wait(timeout=60)
+    return {"stats": tapd.stats()}
+
+
 def raising() -> dict[str, Any]:
     jax.jit(lambda x: tapd.tap(x, "bad"))(1.0)
     jax.jit(lambda x: tapd.tap(x, "good"))(2.0)
