@@ -21,11 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
 
 from conftest import PROCESS_TIMEOUT, Daemon, stop_process, wait_until
+from tapd.errors import ProtocolError
 from tapd.protocol import decode
 from tapd.protocol.batch import BatchRun, encode_batch
 from tapd_client import ShardInfo, Subscriber, TapBatch, TapMeta
@@ -42,9 +44,17 @@ STATIC: dict[str, Any] = {
 STRIDE = 48  # a record header (16 bytes) and a leaf padded to 32
 
 
-def run_of(count: int, *, sharded: bool = False, first: int = 0, first_tid: int = 100) -> BatchRun:
+def run_of(
+    count: int,
+    *,
+    sharded: bool = False,
+    first: int = 0,
+    first_tid: int = 100,
+    devices: bool = False,
+) -> BatchRun:
     """`count` taps of one site laid out as ring records, tap i holding `i + first` in
-    each element; steps and devices None for every third."""
+    each element; steps None for every third, and devices too unless `devices` (a
+    run with a device None goes as rows, never as a columnar run)."""
     body = bytearray(count * STRIDE)
     for i in range(count):
         np.frombuffer(body, np.float32, 6, i * STRIDE + 16)[:] = i + first
@@ -53,7 +63,7 @@ def run_of(count: int, *, sharded: bool = False, first: int = 0, first_tid: int 
         {**STATIC, "shard": SHARD} if sharded else STATIC, bytes(body),
         [i * STRIDE + 16 for i in range(count)], first_tid, "h:7", "site", seqs,
         steps=[None if s % 3 == 0 else 10 * s for s in seqs],
-        devices=[None if s % 3 == 1 else s % 4 for s in seqs],
+        devices=[None if s % 3 == 1 and not devices else s % 4 for s in seqs],
         times=[1_700_000_000_000_000_000 + 1000 * s for s in seqs],
         coords=[[s % 2, (s // 2) % 2] for s in seqs] if sharded else None,
     )  # fmt: skip
@@ -65,14 +75,30 @@ def subscriber_of(handler: Callable[..., Any], **options: Any) -> tuple[Subscrib
     return subscriber, DaemonLink(NOWHERE, None)  # type: ignore[arg-type]
 
 
+# How a run travels: as rows (devices None among them, or a sharded site's), or as a
+# columnar run (docs/PROTOCOL.md, "taps"), whose columns the subscriber reads as arrays.
+WIRES = {
+    "rows": {},
+    "sharded-rows": {"sharded": True},
+    "columnar": {"devices": True},
+}
+
+
+def encoded(run: BatchRun) -> list[Any]:
+    """A message of `run`: columnar wherever it can be."""
+    return encode_batch([run], columns=True)
+
+
 @pytest.mark.fast
-@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
-def test_a_column_meta_is_the_eager_meta_in_every_field_and_behaviour(sharded: bool) -> None:
+@pytest.mark.parametrize("wire", list(WIRES))
+def test_a_column_meta_is_the_eager_meta_in_every_field_and_behaviour(wire: str) -> None:
+    sharded = wire == "sharded-rows"
     got: list[tuple[Any, TapMeta]] = []
     subscriber, link = subscriber_of(lambda value, meta: got.append((value, meta)))
-    message = decode(encode_batch([run_of(6, sharded=sharded)]))
-    subscriber._handle(link, message)
+    message = decode(encoded(run_of(6, **WIRES[wire])))
     [run] = message.runs
+    assert (run.columns is not None) == (wire == "columnar")
+    subscriber._handle(link, message)
     assert len(got) == 6 and subscriber.processed == 6 and link.last_tid == 105
     for i, (value, meta) in enumerate(got):
         eager = TapMeta.from_header(run.header(i))
@@ -112,10 +138,11 @@ def test_a_column_meta_is_the_eager_meta_in_every_field_and_behaviour(sharded: b
 
 
 @pytest.mark.fast
-def test_a_batch_s_metas_and_columns_are_the_per_tap_path_s() -> None:
+@pytest.mark.parametrize("wire", list(WIRES))
+def test_a_batch_s_metas_and_columns_are_the_per_tap_path_s(wire: str) -> None:
     batches: list[TapBatch] = []
     per_tap: list[tuple[Any, TapMeta]] = []
-    frames = encode_batch([run_of(5, sharded=True)])
+    frames = encoded(run_of(5, **WIRES[wire]))
     for handler, options in ((batches.append, {"batch": True}),
                              (lambda v, m: per_tap.append((v, m)), {})):  # fmt: skip
         subscriber, link = subscriber_of(handler, **options)
@@ -125,9 +152,15 @@ def test_a_batch_s_metas_and_columns_are_the_per_tap_path_s() -> None:
     assert batch.metas() == [meta for _, meta in per_tap] and batch.meta == per_tap[0][1]
     assert batch.seq.tolist() == [0, 1, 2, 3, 4]
     assert batch.step.tolist() == [-1, 10, 20, -1, 40]
-    assert batch.device.tolist() == [0, -1, 2, 3, -1] and batch.process.tolist() == [3] * 5
+    devices = [0, 1, 2, 3, 0] if wire == "columnar" else [0, -1, 2, 3, -1]
+    assert batch.device.tolist() == devices and batch.process.tolist() == [3] * 5
+    for column in (batch.seq, batch.step, batch.device, batch.process):
+        assert column.dtype == np.int64
     assert batch.time.tolist() == [m.time for _, m in per_tap]
-    assert batch.shard_index is not None and batch.shard_index.tolist() == [0, 2, 1, 3, 0]
+    if wire == "sharded-rows":
+        assert batch.shard_index is not None and batch.shard_index.tolist() == [0, 2, 1, 3, 0]
+    else:
+        assert batch.shard_index is None
     assert batch.tids == [100, 101, 102, 103, 104] and len(batch) == 5
     assert [h["seq"] for h in batch.headers()] == [0, 1, 2, 3, 4]
     for (value, meta), (want, want_meta) in zip(batch, per_tap, strict=True):
@@ -135,7 +168,8 @@ def test_a_batch_s_metas_and_columns_are_the_per_tap_path_s() -> None:
 
 
 @pytest.mark.fast
-def test_sampling_and_a_failing_handler_within_a_run_count_exactly() -> None:
+@pytest.mark.parametrize("wire", list(WIRES))
+def test_sampling_and_a_failing_handler_within_a_run_count_exactly(wire: str) -> None:
     """every=3 over seqs 0..9 keeps 0, 3, 6, 9; the handler fails on 6: three taps
     handled, one failed and acknowledged with its error, its delivery id the run's."""
     seen: list[int] = []
@@ -147,15 +181,18 @@ def test_sampling_and_a_failing_handler_within_a_run_count_exactly() -> None:
         assert value[0, 0] == meta.seq
 
     subscriber, link = subscriber_of(handler, every=3)
-    subscriber._handle(link, decode(encode_batch([run_of(10)])))
+    subscriber._handle(link, decode(encoded(run_of(10, **WIRES[wire]))))
     assert seen == [0, 3, 9] and (subscriber.processed, subscriber.failed) == (3, 1)
     assert [e["tid"] for e in link.errors] == [106] and "ValueError: six" in link.errors[0]["error"]
     assert link.last_tid == 109  # the sampled-out taps are acknowledged too
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize("wire", ["rows", "columnar"])
 @pytest.mark.parametrize("batch", [False, True], ids=["per-tap", "batch"])
-def test_kept_values_and_metas_outlive_the_messages_that_brought_them(batch: bool) -> None:
+def test_kept_values_and_metas_outlive_the_messages_that_brought_them(
+    batch: bool, wire: str
+) -> None:
     """Through a real ZeroMQ socket, received as the subscriber receives (uncopied
     frames): what handlers keep of 50 messages is, after all of them, what was sent."""
     kept: list[Any] = []
@@ -169,7 +206,8 @@ def test_kept_values_and_metas_outlive_the_messages_that_brought_them(batch: boo
         link.sock = receiver
         for message in range(50):
             first = 40 * message
-            sender.send_multipart(encode_batch([run_of(40, first=first, first_tid=first)]))
+            run = run_of(40, first=first, first_tid=first, devices=wire == "columnar")
+            sender.send_multipart(encoded(run))
             assert receiver.poll(5000)
             subscriber._handle(link, link.receive())  # type: ignore[arg-type]
     finally:
@@ -180,6 +218,23 @@ def test_kept_values_and_metas_outlive_the_messages_that_brought_them(batch: boo
     for value, meta in pairs:
         assert value.tolist() == np.full((2, 3), meta.seq, np.float32).tolist()
     assert subscriber.processed == 2000 and link.last_tid == 1999
+
+
+@pytest.mark.fast
+def test_a_columnar_message_that_does_not_decode_fails_each_tap_it_names() -> None:
+    """As for rows (tests/test_subscriber_faults.py): its delivery ids, read from the
+    runs' first tid and count, are acknowledged with the reason, so that the emitter's
+    barrier raises rather than waits."""
+    frames = encoded(run_of(4, devices=True, first_tid=20))
+    header = msgpack.unpackb(frames[1])
+    header["runs"][0][5] = header["runs"][0][5][:-8]  # the seqs column a value short
+    frames[1] = msgpack.packb(header)
+    link = DaemonLink(NOWHERE, None)  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError) as refused:
+        decode(frames)
+    link._refuse(frames, refused.value)
+    assert [e["tid"] for e in link.errors] == [20, 21, 22, 23] and link.last_tid == 23
+    assert "could not decode" in link.errors[0]["error"]
 
 
 # ---- end to end: a JAX loop's small taps, kept by the handler -------------------------------

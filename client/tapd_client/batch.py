@@ -20,7 +20,6 @@ wire gave them, for the per-tap path too (tapd_client/handlers.py).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -29,20 +28,14 @@ import numpy as np
 from tapd.protocol import Message, unflatten
 from tapd.protocol.batch import SiteRun
 from tapd.protocol.message import tap_values
+from tapd.protocol.ring_format import NO_STEP
 from tapd.protocol.tree import LEAF
 from tapd_client.meta import Columns, MetaTemplate, TapMeta
-
-_TID = operator.itemgetter(1)
-
-
-def rows_of(runs: Sequence[SiteRun]) -> Sequence[Sequence[Any]]:
-    """The rows of the taps of `runs`, in order."""
-    return runs[0].rows if len(runs) == 1 else [row for run in runs for row in run.rows]
 
 
 def last_tid(runs: Sequence[SiteRun]) -> int:
     """The highest delivery id of the taps of `runs`."""
-    return max(max(map(_TID, run.rows)) for run in runs)  # type: ignore[no-any-return]
+    return max(run.last_tid for run in runs)
 
 
 class TapBatch:
@@ -91,15 +84,15 @@ class TapBatch:
 
     @property
     def seq(self) -> np.ndarray:
-        return self._column("seq", lambda: np.array(self._columns.seqs, np.int64))  # type: ignore[no-any-return]
+        return self._column("seq", lambda: self._array("seqs"))  # type: ignore[no-any-return]
 
     @property
     def step(self) -> np.ndarray:
-        return self._column("step", lambda: _int_column(self._columns.steps))  # type: ignore[no-any-return]
+        return self._column("step", lambda: self._array("steps"))  # type: ignore[no-any-return]
 
     @property
     def device(self) -> np.ndarray:
-        return self._column("device", lambda: _int_column(self._columns.devices))  # type: ignore[no-any-return]
+        return self._column("device", lambda: self._array("devices"))  # type: ignore[no-any-return]
 
     @property
     def process(self) -> np.ndarray:
@@ -109,7 +102,16 @@ class TapBatch:
 
     @property
     def time(self) -> np.ndarray:
-        return self._column("time", lambda: np.array(self._columns.times, np.int64) / 1e9)  # type: ignore[no-any-return]
+        return self._column("time", lambda: self._array("times") / 1e9)  # type: ignore[no-any-return]
+
+    def _array(self, name: str) -> np.ndarray:
+        """A per-tap field as int64, -1 for None (a tap without a step, or a device):
+        columnar runs' arrays as they came, else the column made from rows."""
+        runs = self._columns.runs
+        if runs and all(run.columns is not None for run in runs):
+            parts = [_run_array(run, name) for run in runs]
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return _int_column(getattr(self._columns, name))
 
     @property
     def shard_index(self) -> np.ndarray | None:
@@ -150,6 +152,17 @@ class TapBatch:
         return f"<TapBatch {self.consumer!r} x{len(self)} seq {seqs[0]}..{seqs[-1]}>"
 
 
+def _run_array(run: SiteRun, name: str) -> np.ndarray:
+    columns = run.columns
+    assert columns is not None
+    if name == "steps":
+        if columns.steps is None:
+            return np.full(len(run), -1, np.int64)
+        return np.where(columns.steps == NO_STEP, -1, columns.steps)
+    array: np.ndarray = getattr(columns, name)
+    return array.astype(np.int64)  # (seqs come as uint64; a copy: the batch's own)
+
+
 def _int_column(values: Sequence[int | None]) -> np.ndarray:
     """int64, -1 for None (a tap without a step, or a device)."""
     if None in values:
@@ -165,12 +178,14 @@ def batch_of_runs(runs: Sequence[SiteRun], template: MetaTemplate) -> TapBatch:
         leaves = per_run[0]
     else:
         leaves = [np.concatenate(parts) for parts in zip(*per_run, strict=True)]
-    rows = rows_of(runs)
+    rows: list[list[Any]] = []
 
     def header_of(i: int) -> dict[str, Any]:
-        return static.tap_header(list(rows[i]))
+        if not rows:
+            rows.extend(row for run in runs for row in run.rows)
+        return static.tap_header(rows[i])
 
-    return TapBatch(Columns(template, rows), static.fields["tree"], leaves, header_of)
+    return TapBatch(Columns(template, runs), static.fields["tree"], leaves, header_of)
 
 
 def batch_of_tap(message: Message, template: MetaTemplate) -> TapBatch:
@@ -179,4 +194,4 @@ def batch_of_tap(message: Message, template: MetaTemplate) -> TapBatch:
     coords = None if h.get("shard") is None else h["shard"]["coords"]
     row = [0, h.get("tid"), h["seq"], h["step"], h["device"], h["time"], coords, 0, 0]
     leaves = [leaf[np.newaxis] for leaf in message.arrays()]
-    return TapBatch(Columns(template, [row]), h["tree"], leaves, lambda _: h)
+    return TapBatch(Columns(template, rows=[row]), h["tree"], leaves, lambda _: h)

@@ -16,6 +16,7 @@ import zmq
 
 from tapd.errors import ProtocolError
 from tapd.protocol import Message, decode, encode
+from tapd.protocol.rules import DEFAULT_LIMITS
 from tapd_client.shm import RingReader, ring_offer
 
 logger = logging.getLogger("tapd.subscriber")
@@ -25,6 +26,7 @@ logger = logging.getLogger("tapd.subscriber")
 # restarted), and each answered with a hello made a storm of them.
 _REHELLO_QUIET = 1.0
 ERROR_CHARS = 4000  # of an error's text sent back (the protocol allows 8192)
+MAX_BATCH = DEFAULT_LIMITS.max_batch  # taps a message may hold: a bad run names no more
 
 
 class DaemonLink:
@@ -134,7 +136,7 @@ class DaemonLink:
 
 def _delivery_ids(frames: list[Any]) -> list[int]:
     """The delivery ids a message that failed to decode names, read as leniently as
-    msgpack allows: a `tap`'s `tid`, a `taps` batch's rows' tids."""
+    msgpack allows: a `tap`'s `tid`, a `taps` batch's rows' tids or its columnar runs'."""
     if len(frames) < 2:
         return []
     raw = getattr(frames[1], "buffer", frames[1])
@@ -147,9 +149,12 @@ def _delivery_ids(frames: list[Any]) -> list[int]:
     if header.get("kind") in ("tap", "ring_tap"):
         tid = header.get("tid")
         return [tid] if type(tid) is int else []
+    tids: set[int] = set()
     if header.get("kind") in ("taps", "ring_taps") and isinstance(header.get("taps"), list):
         rows = header["taps"]
-        return sorted(
-            {r[1] for r in rows if isinstance(r, list) and len(r) > 1 and type(r[1]) is int}
-        )
-    return []
+        tids.update(r[1] for r in rows if isinstance(r, list) and len(r) > 1 and type(r[1]) is int)
+    if header.get("kind") == "taps" and isinstance(header.get("runs"), list):
+        for run in header["runs"]:  # columnar runs: [static, body, first tid, count, ...]
+            if isinstance(run, list) and len(run) > 3 and type(run[2]) is type(run[3]) is int:
+                tids.update(range(run[2], run[2] + min(max(run[3], 0), MAX_BATCH)))
+    return sorted(tids)

@@ -154,8 +154,8 @@ class Handlers:
                 self.run_handler(link, run.message(tap), template)
             return
         handler = cast(Handler, self.by_pattern[pattern])
-        columns = Columns(template, run.rows)
-        link.last_tid = max(link.last_tid, last_tid([run]))
+        columns = Columns(template, [run])
+        link.last_tid = max(link.last_tid, run.last_tid)
         every = self.every.modulus(pattern, run.fields)
         taps: Sequence[int] = range(len(values))
         if every > 1:  # sampled out (see `run_handler`)
@@ -221,7 +221,7 @@ class Handlers:
             tids = (
                 [header["tid"]]
                 if isinstance(taps, Message)
-                else [row[1] for run in taps for row in run.rows]
+                else [tid for run in taps for tid in run.column_lists()[0]]
             )
             name = getattr(handler, "__qualname__", repr(handler))
             logger.error(

@@ -16,7 +16,9 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+from tapd.protocol.batch import SiteRun
 from tapd.protocol.message import made
+from tapd.protocol.ring_format import NO_STEP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,21 +191,24 @@ class MetaTemplate:
 _FIELDS = tuple(field.name for field in dataclasses.fields(TapMeta))
 
 
-_COLUMN_OF_ROW = {"tids": 1, "seqs": 2, "steps": 3, "devices": 4, "times": 5, "coords": 6}
+_ROW_INDEX = {"tids": 1, "seqs": 2, "steps": 3, "devices": 4, "times": 5, "coords": 6}
 
 
 class Columns:
     """The per-tap fields of a batch of one site's taps, a sequence each (tap i's at
     index i), and the site's `MetaTemplate`: what a batch's `ColumnMeta`s and its
-    `TapBatch` read. Made from a `taps` message's rows ([static, tid, seq, step,
-    device, time, coords, frame, offset], checked by decode), each column is made on
-    its first use, in C (a handler that reads no step makes no step column), and
-    kept: later reads are a slot's."""
+    `TapBatch` read. Made from the batch's runs of a `taps` message (columnar runs'
+    arrays, or rows: [static, tid, seq, step, device, time, coords, frame, offset],
+    checked by decode), or from rows alone; each column is made on its first use, in C
+    (a handler that reads no step makes no step column), and kept: later reads are a
+    slot's."""
 
     __slots__ = (
         "coords",
+        "count",
         "devices",
         "rows",
+        "runs",
         "seqs",
         "sharded",
         "steps",
@@ -214,7 +219,9 @@ class Columns:
 
     template: MetaTemplate
     sharded: bool  # coords name the shard of each tap
-    rows: Sequence[Sequence[Any]]
+    runs: Sequence[SiteRun]
+    rows: Sequence[Sequence[Any]] | None
+    count: int
     tids: Sequence[int]
     seqs: Sequence[int]
     steps: Sequence[int | None]
@@ -222,22 +229,35 @@ class Columns:
     times: Sequence[int]
     coords: Sequence[Any]
 
-    def __init__(self, template: MetaTemplate, rows: Sequence[Sequence[Any]]) -> None:
+    def __init__(
+        self,
+        template: MetaTemplate,
+        runs: Sequence[SiteRun] = (),
+        rows: Sequence[Sequence[Any]] | None = None,
+    ) -> None:
         self.template = template
         self.sharded = template._shard is not None
+        self.runs = runs
         self.rows = rows
+        self.count = len(rows) if rows is not None else sum(map(len, runs))
 
     def __getattr__(self, name: str) -> Any:
-        """A column not made yet (an unset slot): made from the rows, and kept."""
-        index = _COLUMN_OF_ROW.get(name)
+        """A column not made yet (an unset slot): made, and kept."""
+        index = _ROW_INDEX.get(name)
         if index is None:
             raise AttributeError(name)
-        column = list(map(operator.itemgetter(index), self.rows))
+        column: Sequence[Any]
+        if self.rows is not None:
+            column = list(map(operator.itemgetter(index), self.rows))
+        elif len(self.runs) == 1:
+            column = _run_column(self.runs[0], index)
+        else:
+            column = [value for run in self.runs for value in _run_column(run, index)]
         setattr(self, name, column)
         return column
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.count
 
     def meta(self, index: int) -> TapMeta:
         """Tap `index`'s meta (a `ColumnMeta`: a TapMeta in all but its type)."""
@@ -248,6 +268,26 @@ class Columns:
 
 
 _new = object.__new__
+
+
+def _run_column(run: SiteRun, index: int) -> Sequence[Any]:
+    """Field `index` of a row (tid, seq, step, device, time, coords: 1..6) of each tap
+    of `run`: from its arrays where it came as a columnar run (docs/PROTOCOL.md, "taps")."""
+    columns = run.columns
+    if columns is None:
+        return list(map(operator.itemgetter(index), run.rows))
+    count = len(columns.offsets)
+    if index == 1:
+        return range(columns.first_tid, columns.first_tid + count)
+    if index == 3:
+        if columns.steps is None:
+            return [None] * count
+        steps: list[int | None] = columns.steps.tolist()
+        return [None if step == NO_STEP else step for step in steps] if NO_STEP in steps else steps
+    if index == 6:
+        return [None] * count
+    array = (columns.seqs, columns.devices, columns.times)[(2, 4, 5).index(index)]
+    return array.tolist()  # type: ignore[no-any-return]
 
 
 def _fields_of(meta: Any) -> tuple[Any, ...]:
