@@ -43,10 +43,14 @@ from tapd_client.ring_taps import RingTaps
 
 logger = logging.getLogger("tapd.subscriber")
 
-# Default windows. A batch handler's cost is per message more than per tap: with 4096
-# in flight the daemon sends up to 2048 small taps a message (bench/RESULTS.md, 2).
-_WINDOW = 256
-_BATCH_WINDOW = 4096
+# Default windows. The daemon's cost is per message more than per tap, whatever the
+# handler: with 4096 in flight it sends up to 2048 small taps a message (columnar runs,
+# docs/PROTOCOL.md "taps"), where 256 made it 128 and cost the daemon ~6 times the CPU a
+# tap (bench/RESULTS.md, 17). A worker pool's member with per-tap handlers keeps 256:
+# the pool gives the next tap to a member with free credit, and a large window would
+# let one member hoard taps that another, idle, could handle.
+_WINDOW = 4096
+_POOL_WINDOW = 256
 
 
 class Subscriber:
@@ -54,8 +58,9 @@ class Subscriber:
 
     `endpoint`: the daemon's address, or a list of them (default: this host's daemon,
     `TAPD_ENDPOINT` or the per-user ipc socket). `window`: taps in flight per daemon
-    before it waits for acks (default 256, or 4096 with a batch handler: bigger batches
-    of small taps, fewer messages; the daemon bounds the bytes in flight too). `curve`:
+    before it waits for acks (default 4096: bigger batches of small taps, fewer
+    messages; 256 for a worker pool's member with per-tap handlers; the daemon bounds
+    the bytes in flight too). `curve`:
     keys for tcp:// daemons (default: from TAPD_CURVE_SERVER_KEY and TAPD_CURVE_SECRET).
     `group`: a worker pool's name; the subscribers of one group with the same consumers
     share their taps, each tap going to one of them (docs/PROTOCOL.md, "Worker pools").
@@ -165,7 +170,7 @@ class Subscriber:
         """Taps in flight per daemon: as given, else by the kind of handlers."""
         if self._window is not None:
             return self._window
-        return _BATCH_WINDOW if self._handlers.batch else _WINDOW
+        return _POOL_WINDOW if self.group is not None and not self._handlers.batch else _WINDOW
 
     @property
     def consumers(self) -> list[str]:
