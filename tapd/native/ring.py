@@ -189,6 +189,7 @@ class Ring:
         # The nonce mixed into every commit tag (ring.h, Tag()), its state bits clear.
         self._nonce = int(self._lib.tapd_ring_nonce(handle)) & ~TAG_STATE_MASK
         self._stalled: tuple[int, float, bool] | None = None  # (position, since, warned)
+        self._stall_checked = -float("inf")  # when _check_stall last read the counters
         assert self.header_bytes == RECORD_HEADER.itemsize
 
     @classmethod
@@ -515,12 +516,17 @@ class Ring:
 
     def _check_stall(self, position: int) -> None:
         """Nothing readable: say so once if a record has stayed reserved, holding back
-        the ring, for STALL_WARNING_S (its writer lives, so it is not skipped)."""
+        the ring, for STALL_WARNING_S (its writer lives, so it is not skipped). Looked at
+        no more often than every STALL_WARNING_S / 8: reading the counters costs more
+        than the read that found nothing, which a busy daemon makes every round."""
+        now = time.monotonic()
+        if now - self._stall_checked < STALL_WARNING_S / 8:
+            return
+        self._stall_checked = now
         counters = self.counters()
         if counters.head <= counters.committed or position < counters.committed:
             self._stalled = None
             return
-        now = time.monotonic()
         if self._stalled is None or self._stalled[0] != counters.committed:
             self._stalled = (counters.committed, now, False)
         elif not self._stalled[2] and now - self._stalled[1] >= STALL_WARNING_S:
