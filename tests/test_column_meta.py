@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import json
 import os
 import signal
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -218,6 +220,32 @@ def test_kept_values_and_metas_outlive_the_messages_that_brought_them(
     for value, meta in pairs:
         assert value.tolist() == np.full((2, 3), meta.seq, np.float32).tolist()
     assert subscriber.processed == 2000 and link.last_tid == 1999
+
+
+class Body(bytearray):
+    """A body frame that can be watched (weakref) for being freed."""
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("wire", ["rows", "columnar"])
+def test_a_kept_meta_does_not_keep_its_message_s_body_alive(wire: str) -> None:
+    """A handler that keeps only metas keeps their columns, a few bytes a tap, not the
+    body frame that brought the values (which a kept value does keep)."""
+    metas: list[TapMeta] = []
+    values: list[Any] = []
+    frames = encoded(run_of(8, devices=wire == "columnar"))
+    for keep_value in (False, True):
+        frames[-1] = Body(frames[-1])
+        body = weakref.ref(frames[-1])
+        subscriber, link = subscriber_of(
+            lambda v, m, keep=keep_value: (metas.append(m), keep and values.append(v))
+        )
+        subscriber._handle(link, decode(frames))
+        frames[-1] = bytes(frames[-1])
+        gc.collect()
+        assert (body() is None) == (not keep_value)
+    assert [m.seq for m in metas] == list(range(8)) * 2 and len(values) == 8
+    assert values[3].tolist() == np.full((2, 3), 3, np.float32).tolist()
 
 
 @pytest.mark.fast

@@ -27,7 +27,7 @@ import numpy as np
 
 from tapd.protocol import Message, unflatten
 from tapd.protocol.batch import SiteRun
-from tapd.protocol.message import tap_values
+from tapd.protocol.message import RunColumns, tap_values
 from tapd.protocol.ring_format import NO_STEP
 from tapd.protocol.tree import LEAF
 from tapd_client.meta import Columns, MetaTemplate, TapMeta
@@ -107,8 +107,8 @@ class TapBatch:
     def _array(self, name: str) -> np.ndarray:
         """A per-tap field as int64, -1 for None (a tap without a step, or a device):
         columnar runs' arrays as they came, else the column made from rows."""
-        runs = self._columns.runs
-        if runs and all(run.columns is not None for run in runs):
+        runs = self._columns.arrays()
+        if runs is not None:
             parts = [_run_array(run, name) for run in runs]
             return parts[0] if len(parts) == 1 else np.concatenate(parts)
         return _int_column(getattr(self._columns, name))
@@ -152,12 +152,10 @@ class TapBatch:
         return f"<TapBatch {self.consumer!r} x{len(self)} seq {seqs[0]}..{seqs[-1]}>"
 
 
-def _run_array(run: SiteRun, name: str) -> np.ndarray:
-    columns = run.columns
-    assert columns is not None
+def _run_array(columns: RunColumns, name: str) -> np.ndarray:
     if name == "steps":
         if columns.steps is None:
-            return np.full(len(run), -1, np.int64)
+            return np.full(len(columns.offsets), -1, np.int64)
         return np.where(columns.steps == NO_STEP, -1, columns.steps)
     array: np.ndarray = getattr(columns, name)
     return array.astype(np.int64)  # (seqs come as uint64; a copy: the batch's own)

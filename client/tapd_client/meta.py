@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tapd.protocol.batch import SiteRun
-from tapd.protocol.message import made
+from tapd.protocol.message import RunColumns, made
 from tapd.protocol.ring_format import NO_STEP
 
 
@@ -201,14 +201,14 @@ class Columns:
     arrays, or rows: [static, tid, seq, step, device, time, coords, frame, offset],
     checked by decode), or from rows alone; each column is made on its first use, in C
     (a handler that reads no step makes no step column), and kept: later reads are a
-    slot's."""
+    slot's. It holds the runs' fields, not the runs: a meta a handler keeps keeps a
+    few bytes a tap alive, not the message's body."""
 
     __slots__ = (
         "coords",
         "count",
         "devices",
-        "rows",
-        "runs",
+        "parts",
         "seqs",
         "sharded",
         "steps",
@@ -219,8 +219,7 @@ class Columns:
 
     template: MetaTemplate
     sharded: bool  # coords name the shard of each tap
-    runs: Sequence[SiteRun]
-    rows: Sequence[Sequence[Any]] | None
+    parts: list[RunColumns | Sequence[Sequence[Any]]]  # per run: its columns, or its rows
     count: int
     tids: Sequence[int]
     seqs: Sequence[int]
@@ -237,27 +236,36 @@ class Columns:
     ) -> None:
         self.template = template
         self.sharded = template._shard is not None
-        self.runs = runs
-        self.rows = rows
-        self.count = len(rows) if rows is not None else sum(map(len, runs))
+        if rows is not None:
+            self.parts = [rows]
+            self.count = len(rows)
+        else:
+            self.parts = [run.rows if run.columns is None else run.columns for run in runs]
+            self.count = sum(map(len, runs))
 
     def __getattr__(self, name: str) -> Any:
         """A column not made yet (an unset slot): made, and kept."""
         index = _ROW_INDEX.get(name)
         if index is None:
             raise AttributeError(name)
+        parts = self.parts
         column: Sequence[Any]
-        if self.rows is not None:
-            column = list(map(operator.itemgetter(index), self.rows))
-        elif len(self.runs) == 1:
-            column = _run_column(self.runs[0], index)
+        if len(parts) == 1:
+            column = _part_column(parts[0], index)
         else:
-            column = [value for run in self.runs for value in _run_column(run, index)]
+            column = [value for part in parts for value in _part_column(part, index)]
         setattr(self, name, column)
         return column
 
     def __len__(self) -> int:
         return self.count
+
+    def arrays(self) -> list[RunColumns] | None:
+        """Each run's columns where every run came as a columnar run, else None."""
+        parts = self.parts
+        if all(isinstance(part, RunColumns) for part in parts):
+            return parts  # type: ignore[return-value]
+        return None
 
     def meta(self, index: int) -> TapMeta:
         """Tap `index`'s meta (a `ColumnMeta`: a TapMeta in all but its type)."""
@@ -270,23 +278,22 @@ class Columns:
 _new = object.__new__
 
 
-def _run_column(run: SiteRun, index: int) -> Sequence[Any]:
+def _part_column(part: RunColumns | Sequence[Sequence[Any]], index: int) -> Sequence[Any]:
     """Field `index` of a row (tid, seq, step, device, time, coords: 1..6) of each tap
-    of `run`: from its arrays where it came as a columnar run (docs/PROTOCOL.md, "taps")."""
-    columns = run.columns
-    if columns is None:
-        return list(map(operator.itemgetter(index), run.rows))
-    count = len(columns.offsets)
+    of a run: from its arrays where it came as a columnar run (docs/PROTOCOL.md, "taps")."""
+    if not isinstance(part, RunColumns):
+        return list(map(operator.itemgetter(index), part))
+    count = len(part.offsets)
     if index == 1:
-        return range(columns.first_tid, columns.first_tid + count)
+        return range(part.first_tid, part.first_tid + count)
     if index == 3:
-        if columns.steps is None:
+        if part.steps is None:
             return [None] * count
-        steps: list[int | None] = columns.steps.tolist()
+        steps: list[int | None] = part.steps.tolist()
         return [None if step == NO_STEP else step for step in steps] if NO_STEP in steps else steps
     if index == 6:
         return [None] * count
-    array = (columns.seqs, columns.devices, columns.times)[(2, 4, 5).index(index)]
+    array = (part.seqs, part.devices, part.times)[(2, 4, 5).index(index)]
     return array.tolist()  # type: ignore[no-any-return]
 
 
