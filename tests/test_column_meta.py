@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
@@ -32,7 +33,9 @@ from conftest import PROCESS_TIMEOUT, Daemon, stop_process, wait_until
 from tapd.errors import ProtocolError
 from tapd.protocol import decode
 from tapd.protocol.batch import BatchRun, encode_batch
+from tapd.protocol.tree import flatten
 from tapd_client import ShardInfo, Subscriber, TapBatch, TapMeta
+from tapd_client.batch import single_value
 from tapd_client.daemon_link import DaemonLink
 
 HERE = Path(__file__).resolve()
@@ -220,6 +223,32 @@ def test_kept_values_and_metas_outlive_the_messages_that_brought_them(
     for value, meta in pairs:
         assert value.tolist() == np.full((2, 3), meta.seq, np.float32).tolist()
     assert subscriber.processed == 2000 and link.last_tid == 1999
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "value",
+    [np.float32(3), np.arange(6, dtype=np.int16).reshape(2, 3),
+     {"a": np.zeros((0, 2), np.float32), "b": (np.ones(3, ml_dtypes.bfloat16), None)}],
+    ids=["0-d", "2-d", "a tree with an empty leaf"],
+)  # fmt: skip
+def test_a_run_of_one_tap_has_the_value_a_longer_run_would_give(value: Any) -> None:
+    """Sites that take turns in a loop come as runs of one tap, whose value is made
+    without stacking (batch.single_value): the same arrays, read-only, the same tree."""
+    tree, leaves = flatten(value)
+    arrays = [np.asarray(leaf) for leaf in leaves]
+    body = bytes(16) + b"".join(a.tobytes() + bytes(-a.nbytes % 8) for a in arrays)
+    static = {**STATIC, "tree": tree,
+              "leaves": [[str(a.dtype), list(a.shape), a.nbytes] for a in arrays]}  # fmt: skip
+    run_piece = BatchRun(static, body, [16], 0, "h:7", "s", [0], [None], [0], [0])
+    [run] = decode(encode_batch([run_piece])).runs
+    alone, stacked = single_value(run), run.values()[0]
+    got, want = flatten(alone), flatten(stacked)
+    assert got[0] == want[0] == tree and len(got[1]) == len(arrays)
+    for mine, theirs, tapped in zip(got[1], want[1], arrays, strict=True):
+        assert type(mine) is np.ndarray and mine.dtype == theirs.dtype == tapped.dtype
+        assert mine.shape == theirs.shape == tapped.shape and not mine.flags.writeable
+        assert mine.tobytes() == tapped.tobytes()
 
 
 class Body(bytearray):

@@ -27,6 +27,7 @@ import numpy as np
 
 from tapd.protocol import Message, unflatten
 from tapd.protocol.batch import SiteRun
+from tapd.protocol.dtypes import dtype_from_name
 from tapd.protocol.message import RunColumns, tap_values
 from tapd.protocol.ring_format import NO_STEP
 from tapd.protocol.tree import LEAF
@@ -166,6 +167,26 @@ def _int_column(values: Sequence[int | None]) -> np.ndarray:
     if None in values:
         values = [-1 if value is None else value for value in values]
     return np.array(values, np.int64)
+
+
+def single_value(run: SiteRun) -> Any:
+    """The value of a run's one tap, as `run.values()[0]` is, made without stacking
+    (what sites that take turns in a loop send: runs of one tap each)."""
+    # (Made on an array of the body, not on the body: it keeps the body's hold on its
+    # buffer, a ring's mapping with views=True; as message.stacked_leaves does.)
+    raw = np.frombuffer(run.body, np.uint8)
+    offset = run.row(0)[8]
+    arrays = []
+    for (name, shape, _), (start, size) in zip(run.fields["leaves"], run.layout, strict=True):
+        dtype = dtype_from_name(name)
+        if size == 0:
+            array = np.zeros(shape, dtype)
+        else:
+            array = raw[offset + start : offset + start + size].view(dtype).reshape(shape)
+        array.flags.writeable = False
+        arrays.append(array)
+    tree = run.fields["tree"]
+    return arrays[0] if tree == LEAF else unflatten(tree, arrays)
 
 
 def batch_of_runs(runs: Sequence[SiteRun], template: MetaTemplate) -> TapBatch:

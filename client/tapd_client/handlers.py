@@ -24,7 +24,7 @@ from tapd.consumers import first_match
 from tapd.errors import TapdError, failure_text
 from tapd.protocol import Message
 from tapd.protocol.batch import SiteRun
-from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap, last_tid
+from tapd_client.batch import TapBatch, batch_of_runs, batch_of_tap, last_tid, single_value
 from tapd_client.daemon_link import ERROR_CHARS, DaemonLink
 from tapd_client.meta import ColumnMeta, Columns, MetaTemplate, TapMeta
 from tapd_client.sampling import Sampling
@@ -146,7 +146,7 @@ class Handlers:
         values = None
         if pattern is not None and template is not None:
             try:
-                values = run.values()
+                values = run.values() if len(run) > 1 else [single_value(run)]
             except Exception:  # (odd leaves: each tap reports its own error below)
                 pass
         if pattern is None or template is None or values is None:
