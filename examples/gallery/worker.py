@@ -8,8 +8,8 @@
 
 A process opens the accelerator once (~15 s on a TPU), so one process runs every
 program of a mode. For each program: a first call (compiles; host functions take no
-time), then the timed calls: `--fast-repeats` with host functions that take no time,
-`--slow-repeats` with each taking `--delay-ms`; the fastest of each is kept. Each timed
+time), then the timed calls, interleaved: `--fast-repeats` with host functions that take
+no time, `--slow-repeats` with each taking `--delay-ms`; the fastest of each is kept. Each timed
 call is the program's `main()` (its jitted loop and the fetch of its results); what its
 host functions still have to do is waited for after the clock stops. Writes
 DIR/<program>.<mode>.json (times, host calls of the first slow call, or an error) and
@@ -44,8 +44,8 @@ def main() -> None:
     parser.add_argument("--mode", required=True, choices=("reference", "tapd", "hcb", "tap"))
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--delay-ms", type=float, default=50.0)
-    parser.add_argument("--fast-repeats", type=int, default=5)
-    parser.add_argument("--slow-repeats", type=int, default=3)
+    parser.add_argument("--fast-repeats", type=int, default=4)
+    parser.add_argument("--slow-repeats", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a program")
     parser.add_argument("--delay-file", type=Path, help="tap mode: the subscriber's delay")
     parser.add_argument("programs", nargs="+")
@@ -109,8 +109,14 @@ def run_program(name: str, args: argparse.Namespace) -> dict[str, Any]:
         return seconds, result, recorder.take() + subscriber_lines(args)
 
     first, _, first_calls = timed(0.0)
-    fast = [timed(0.0) for _ in range(args.fast_repeats)]
-    slow = [timed(args.delay_ms / 1000) for _ in range(args.slow_repeats)]
+    # Interleaved, so that what else the machine does weighs on both alike; the extra
+    # free calls (the reference's: its slow call takes seconds) come first.
+    fast, slow = [], []
+    for i in range(max(args.fast_repeats, args.slow_repeats)):
+        if i >= args.fast_repeats - args.slow_repeats:
+            slow.append(timed(args.delay_ms / 1000))
+        if i < args.fast_repeats:
+            fast.append(timed(0.0))
     set_delay(0.0, args.delay_file)
     _, result, calls = slow[0]
     leaves = jax.tree_util.tree_leaves(result)
