@@ -81,3 +81,47 @@ def test_after_a_daemon_is_killed_the_emitter_counts_what_it_knows_and_exit_is_t
     if stats["unknown"]:
         assert f"at exit, {stats['unknown']} taps went to a tapd daemon that stopped" in err
     assert second.process.poll() is None
+
+
+def test_a_loop_s_runs_survive_a_killed_daemon_each_tap_counted_once(
+    start_daemon: Callable[..., Daemon],
+    start_subscriber: Callable[..., SubscriberProcess],
+    backend: str,
+) -> None:
+    """The bulk path (issue 63): a loop's taps, routed as runs and sent as columnar runs
+    to a slow batch handler, when the daemon is killed -9 midway: the next daemon reads
+    the ring from where delivery stopped, the subscriber has every tap, and the emitter
+    counts each tap once (delivered, or unknown: finished by the killed daemon after its
+    last report)."""
+    count = 3000
+    first = start_daemon()
+    subscriber = start_subscriber(first, "loss", sleep_ms=20, window=64, batch=True)
+    # (Its barrier waits until the second daemon runs: a barrier the killed daemon held
+    # is not asked of the next one again, tapd/emitter's to fix, not this test's subject.)
+    command = [sys.executable, str(APPS / "emitter_app.py"), "loop", str(count), "when_told"]
+    env = {**os.environ, "TAPD_ENDPOINT": first.endpoint}
+    emitter = subprocess.Popen(
+        command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert emitter.stdout is not None
+        assert json.loads(emitter.stdout.readline()) == {"ran": count}
+        wait_until(lambda: len(subscriber.records()) >= 300, "runs flowing to the first daemon")
+        first.process.kill()
+        first.process.wait(timeout=30)
+        assert len(subscriber.records()) < count  # (killed midway)
+        second = start_daemon("--startup-grace", "3")
+        out, err = emitter.communicate("barrier\n", timeout=120)
+    finally:
+        if emitter.poll() is None:
+            emitter.kill()
+            emitter.communicate(timeout=30)
+    assert emitter.returncode == 0, err
+    stats = json.loads(out.strip().splitlines()[-1])["stats"]
+    records = subscriber.records()
+    assert {r["seq"] for r in records} == set(range(count))
+    assert max(r["batch_size"] for r in records) > 1  # runs, not single taps
+    assert stats["sent"] == count and stats["dropped"] == stats["daemon_dropped"] == 0, stats
+    assert stats["delivered"] + stats["unknown"] + stats["unrouted"] == count, stats
+    assert second.process.poll() is None

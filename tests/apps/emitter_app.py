@@ -151,16 +151,20 @@ def loop_pytree(count: str) -> dict[str, Any]:
     return {"stats": tapd.stats()}
 
 
-def loop(count: str) -> dict[str, Any]:
+def loop(count: str, barrier: str = "barrier") -> dict[str, Any]:
     """A fori_loop of `count` steps tapping a scalar of "loss" each step, then a
     barrier: one site's records back to back in the ring, which the daemon routes in
-    runs (tapd/daemon/runs.py) and sends as columnar runs."""
+    runs (tapd/daemon/runs.py) and sends as columnar runs. `barrier` "when_told": says
+    {"ran": count} once the loop is done and waits for a line on stdin first."""
 
     def body(i: jax.Array, x: jax.Array) -> jax.Array:
         tapd.tap(x + i, "loss", step=i)
         return x
 
     jax.jit(lambda: lax.fori_loop(0, int(count), body, jnp.float32(0)))().block_until_ready()
+    if barrier == "when_told":
+        print(json.dumps({"ran": int(count)}), flush=True)
+        sys.stdin.readline()
     tapd.barrier_wait(timeout=60)
     return {"stats": tapd.stats()}
 
