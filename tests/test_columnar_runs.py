@@ -164,3 +164,41 @@ def test_ring_records_read_as_columns_are_the_records_read_one_by_one(tmp_path: 
     assert [r.site for r in seen] == [1] * 40 + [2] + [1] * 3
     assert [r.device for r in seen][40] == 1 and NO_STEP not in [r.step for r in seen]
     ring.close()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("gap", [0, 56], ids=["back-to-back", "a-record-between"])
+def test_a_run_s_body_is_its_leaves_alone_where_its_records_lie_back_to_back(gap: int) -> None:
+    """The daemon sends a run's leaves without the 48-byte record headers between them
+    where its records lie back to back (a scalar's record is mostly header), else the
+    ring span as it is: the subscriber gets the same taps either way."""
+    from tapd.daemon.runs import TapRun
+    from tapd.native.ring import Records
+    from tapd.native.sites import Site
+
+    entry = {key: STATIC[key] for key in ("consumer", "transforms", "meta", "tree", "leaves")}
+    site = Site(entry, {"process": 0, "host": "h", "pid": 1})
+    chunks, starts, position = [], [], 0
+    for i in range(5):
+        if i == 3:  # (an abandoned record's bytes, skipped by the reader)
+            chunks.append(bytes(gap))
+            position += gap
+        chunks.append(bytes(48) + np.array([i, 10 * i], np.int32).tobytes())
+        starts.append(position)
+        position += 56
+    span = memoryview(b"".join(chunks))
+    records = Records(span, 0, header_bytes=48)
+    for i, start in enumerate(starts):
+        records.append(start, start + 56, 0, 100 + i, i, 7, 0)
+    piece = TapRun(site, records, span).batch_piece(0, "h:1")
+    if gap:
+        assert bytes(piece.body) == bytes(span) and list(piece.offsets) == [48, 104, 160, 272, 328]
+    else:
+        assert len(piece.body) == 5 * 8 and list(piece.offsets) == [0, 8, 16, 24, 32]
+    message = decode(encode_batch([piece], columns=True))
+    assert [t.value().tolist() for t in message.batch] == [[i, 10 * i] for i in range(5)]
+    assert [t.header["seq"] for t in message.batch] == [100, 101, 102, 103, 104]
+    (run,) = message.runs
+    # (back to back: the stacked leaf views the body, contiguous; else a gathered copy)
+    stacked = run.leaves()[0]
+    assert np.shares_memory(stacked, np.frombuffer(run.body, np.uint8)) == (not gap)

@@ -65,11 +65,13 @@ class TapRun:
         # Copied once, never sent as ring memory: the frame may sit in a ZeroMQ queue
         # after its taps were counted lost and their ring space reused, or the ring
         # unmapped. The daemon's sockets copy frames under COPY_BELOW themselves.
+        packed = self._packed()
         span = self.span
+        body, offsets = packed or (span if len(span) < COPY_BELOW else bytes(span), self.offsets)
         return BatchRun(
             site.batch_static,
-            span if len(span) < COPY_BELOW else bytes(span),
-            self.offsets,
+            body,
+            offsets,
             first_tid,
             emitter,
             site,
@@ -81,3 +83,25 @@ class TapRun:
             if site.shard is None
             else [site.coords(records.payload(i)) for i in range(self.count)],
         )
+
+    def _packed(self) -> tuple[bytes, np.ndarray] | None:
+        """The run's leaves without the record headers between them, copied into one
+        body (offsets 0, extent, 2 extent, ...), where its records lie back to back:
+        a small tap's record is mostly header (48 bytes before a scalar's 8), so the
+        message, the socket and the subscriber carry a fraction of the span's bytes, and
+        a batch's stacked leaves are contiguous. None where records do not lie back to
+        back (an abandoned record between two), or hold no leaves: the span as it is."""
+        records = self.records
+        starts = records.starts
+        length = int(records.ends[0] - starts[0])
+        extent = length - records.header_bytes
+        count = self.count
+        if extent <= 0 or int(starts[-1] - starts[0]) != (count - 1) * length:
+            return None
+        grid = np.lib.stride_tricks.as_strided(
+            np.frombuffer(self.span, np.uint8)[int(self.offsets[0]) :],
+            shape=(count, extent),
+            strides=(length, 1),
+            writeable=False,
+        )
+        return grid.tobytes(), np.arange(count, dtype=np.int64) * extent
