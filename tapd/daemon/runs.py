@@ -4,10 +4,12 @@ site's, tapd/native/sites.py).
 A native emitter in a loop writes record after record of the same tap site. Routing,
 queueing and acknowledging each of those in Python is what limited small-tap
 throughput, so the daemon takes consecutive small records of one site as a `TapRun`:
-one unit for the router (one queue entry, one pending entry, one barrier step), sent to
-a batching subscriber as a run in a `taps` message whose body is the ring span itself,
-uncopied (docs/PROTOCOL.md, "taps"). Subscribers that do not batch, and the forwarder,
-get its taps one by one (`TapRun.taps`).
+one unit for the router (one queue entry, one pending entry, one barrier step), its
+records kept as columns, sent to a batching subscriber as a run in a `taps` message
+(columnar where it takes that: docs/PROTOCOL.md, "taps") whose body is the records'
+leaves, copied once, without the record headers between them where the records lie back
+to back (else the ring span as it is). Subscribers that do not batch, and the
+forwarder, get its taps one by one (`TapRun.taps`).
 """
 
 from __future__ import annotations
