@@ -115,6 +115,8 @@ def test_a_column_meta_is_the_eager_meta_in_every_field_and_behaviour(wire: str)
         assert meta == eager and eager == meta and not (meta != eager)  # noqa: SIM202
         assert repr(meta) == repr(eager)
         assert dataclasses.asdict(meta) == dataclasses.asdict(eager)
+        assert vars(meta) == vars(eager)
+        assert meta.__replace__(seq=9) == dataclasses.replace(eager, seq=9)  # (copy.replace)
         assert (meta.shard_index, meta.global_shape) == (eager.shard_index, eager.global_shape)
         assert (meta.shard_index is not None) == sharded
         for twin in (copy.copy(meta), copy.deepcopy(meta), dataclasses.replace(meta)):

@@ -306,7 +306,7 @@ class ColumnMeta:
     tap `_index` of a batch's `Columns` when a field is asked for. Its `meta` dict
     and `shard` are made on first access and kept: a handler may change the dict, and
     find its change there again, as with a TapMeta. Read-only as TapMeta is; copies,
-    pickles and `dataclasses.replace` give a plain TapMeta."""
+    pickles and `dataclasses.replace` give a plain TapMeta, `vars()` its fields."""
 
     __slots__ = ("_columns", "_index", "_meta", "_shard")
     __dataclass_fields__ = TapMeta.__dataclass_fields__
@@ -398,3 +398,11 @@ class ColumnMeta:
 
     def __reduce__(self) -> tuple[type[TapMeta], tuple[Any, ...]]:
         return TapMeta, _fields_of(self)
+
+    def __replace__(self, **changes: Any) -> TapMeta:  # (copy.replace, Python 3.13)
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var, return-value]
+
+    @property
+    def __dict__(self) -> dict[str, Any]:  # type: ignore[override]
+        """Its fields, as a TapMeta's `vars()` gives them (a copy: it is read-only)."""
+        return dict(zip(_FIELDS, _fields_of(self), strict=True))
