@@ -49,9 +49,10 @@ PROGRAMS: dict[str, tuple[tuple[str, ...], str]] = {
     "shard_map_data_parallel": (("tapd", "tap"), "shard_map data-parallel step (fori)"),
     "host_callback_logging": (("hcb",), "host_callback id_tap + tqdm (while/fori)"),
     "tqdm_closed_after_call": (("tapd",), "tqdm bar closed by host code after the call"),
-    # Last in each mode: on the TPU under tapd it runs far longer than its reference
-    # (issue 62's stall; the smoke of 2026-12-07 did not finish it in ~60 s), and a mode
-    # cut short by --deadline keeps the rows of the programs before it.
+    # Last in each mode: on the TPU under tapd it is no faster than its reference (issue
+    # 62's stall: in the smoke of 2026-12-07, 113 lines in the ~33 s left, where the
+    # reference's three solves took 32 s in all), and a mode cut short by --deadline
+    # keeps the rows of the programs before it.
     "optimistix_diffeq": (("tapd", "tap"), "optimistix verbose least_squares, vmapped Diffrax"),
 }
 LAUNCH = {
