@@ -14,8 +14,10 @@ Suites, and the page each writes its sections of (one page a platform):
     tpu      bench/RESULTS-tpu.md  on a TPU host: per step, per call, big taps, long loops
     gpu      bench/RESULTS-gpu.md  on an NVIDIA GPU host: bench/gpu-check, the whole page
 
-Each section is one script of bench/, run in a process of its own (they start their own
-daemons, subscribers and JAX processes) with its report written to a scratch file. Its
+Each section is one script of bench/ (a script that makes several sections takes the one
+to make as its first argument: `per_call.py coalesce`), run in a process of its own (they
+start their own daemons, subscribers and JAX processes) with its report written to a
+scratch file. Its
 report then replaces what stands between the section's two markers on its page,
 `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`, under the command that made it; what a
 page holds outside the markers (notes, earlier runs kept for their history) stays. A
@@ -74,9 +76,9 @@ SECTIONS = (
         "shm",
         "cpu",
         "6. Same-host subscribers: shared memory vs the socket vs raw pyzmq (1 MiB taps)",
-        "shm.py",
-        full=("--count", "1000", "--rounds", "5"),
-        quick=("--count", "100", "--rounds", "1"),
+        "baselines.py",
+        full=("shm", "--count", "1000", "--rounds", "5"),
+        quick=("shm", "--count", "100", "--rounds", "1"),
     ),
     Section(
         "fan-in",
@@ -102,34 +104,50 @@ SECTIONS = (
         "coalesce",
         "cpu",
         "11. The daemon's coalescing wait, at a few thousand taps a second",
-        "coalesce.py",
+        "per_call.py",
+        full=("coalesce",),
+        quick=("coalesce", "--quick"),
     ),
     Section(
-        "exported", "cpu", "12. Exported and cached tapped computations (issue 34)", "exported.py"
+        "exported",
+        "cpu",
+        "12. Exported and cached tapped computations (issue 34)",
+        "per_call.py",
+        full=("exported",),
+        quick=("exported", "--quick"),
     ),
     Section(
         "slices",
         "slices",
         "13. Taps over several devices: per tap against gathered (issue 50)",
-        "slices.py",
-        quick=("--devices", "4"),
+        "multihost.py",
+        full=("slices",),
+        quick=("slices", "--devices", "4"),
         output_flag="--out",
     ),
     Section(
         "attach",
         "cpu",
         "14. Attach latency: a subscriber joining a running job whose tap site is dormant",
-        "attach.py",
-        quick=("--repeats", "3"),
+        "dormant.py",
+        full=("attach",),
+        quick=("attach", "--quick"),
     ),
     Section(
-        "record", "cpu", "15. tapd record: throughput beside the plain subscriber", "record.py"
+        "record",
+        "cpu",
+        "15. tapd record: throughput beside the plain subscriber",
+        "durability.py",
+        full=("record",),
+        quick=("record", "--quick"),
     ),
     Section(
         "spool",
         "cpu",
         "16. The spool policy: step time and throughput with a slow subscriber",
-        "spool.py",
+        "durability.py",
+        full=("spool",),
+        quick=("spool", "--quick"),
     ),
     Section(
         "throughput-ab",

@@ -1,4 +1,8 @@
-"""What a tap costs when nobody listens, and when it samples (issue 21, section 3).
+"""What a tap costs when nobody listens, and how soon a subscriber that joins gets it
+(issue 21): bench/RESULTS.md sections 8 (cost) and 14 (attach).
+
+    python bench/dormant.py [--quick] [--output PATH]          # cost
+    python bench/dormant.py attach [--repeats 10] [--output PATH]
 
 Per step of a jitted `fori_loop` carrying a 64-float vector, a 64 B vector and a 1 MiB
 array: (a) no tap; (b) a woken 1 MiB tap (a subscriber takes it); (c) a dormant 1 MiB
@@ -9,10 +13,17 @@ backend (native: the FFI handler; portable: the host callback writing the ring),
 its own process, the variants interleaved and repeated in one run; the tables give the
 minimum and the median over repeats, and what each adds to (a) at the same step count.
 
-    python bench/dormant.py [--quick] [--output PATH]
-
 The dormant sites are set so by hand (Ring.set_site_every, what the daemon does for a
 site without a taker), so the figures do not depend on the daemon's side of it.
+
+Attach: how long after a subscriber's hello the first tap of a running job reaches it,
+when the job's tap site was dormant (target: 50 ms, or one step where a step takes
+longer). A JAX job (native backend) runs step after step, each tapping "acts" (SIZE
+bytes), one every INTERVAL ms, with no subscriber: the site is dormant, its taps skipped.
+Then a subscriber in this process connects (its hello goes out in `connect()`) and runs
+until its first tap; the time from just before `connect()` to that tap's handler is the
+attach latency. It leaves (bye), the daemon makes the site dormant again, and the next
+repeat starts. Median (min-max) over REPEATS per row.
 """
 
 from __future__ import annotations
@@ -27,6 +38,24 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from processes import Processes, read_line, run_backend_child, wait_until
+from report import (
+    code_revision,
+    load_average,
+    machine_description,
+    median,
+    number,
+    publish,
+    size_name,
+    table,
+    with_spread,
+)
+
+from tapd.protocol.ring_format import EVERY_DORMANT
+from tapd_client import Subscriber, TapMeta
 
 BENCH_DIR = Path(__file__).resolve().parent
 MIB = 2**20
@@ -56,11 +85,9 @@ def child(backend: str, steps: dict[str, tuple[int, ...]], repeats: int) -> dict
     import jax
     import jax.numpy as jnp
     from jax import lax
-    from processes import Processes
 
     import tapd
     from tapd.emitter import lifecycle
-    from tapd.protocol.ring_format import EVERY_DORMANT
 
     workdir = Path(tempfile.mkdtemp(prefix="tapd-dorm-", dir="/tmp"))
     procs = Processes(workdir)
@@ -136,8 +163,6 @@ def plan(backend: str, quick: bool) -> tuple[dict[str, tuple[int, ...]], int]:
 def us_per_step(seconds: dict[str, dict[str, list[float]]], key: str, n: int, best: bool) -> float:
     """Microseconds per step of variant `key` at `n` steps: the median over repeats, or
     the minimum (`best`: the repeat least disturbed by other work on the machine)."""
-    from report import median
-
     runs = seconds[key][str(n)]
     return (min(runs) if best else median(runs)) / n * 1e6
 
@@ -147,8 +172,6 @@ def table_for(
 ) -> tuple[str, list[str]]:
     """The backend's table, and its lines against the targets (judged on the minima:
     on a shared machine, other work only ever adds time)."""
-    from report import number, table
-
     seconds = result["seconds"]
     rows = []
     added: dict[str, float] = {}  # on the minima, at the variant's longest run
@@ -220,24 +243,11 @@ def table_for(
     return table(header, rows), verdicts
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
-    parser.add_argument("--output", type=Path, help="also write the report here")
-    parser.add_argument("--child", choices=["native", "portable"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    sys.path.insert(0, str(BENCH_DIR))
-    if args.child:
-        steps, repeats = plan(args.child, args.quick)
-        print(json.dumps(child(args.child, steps, repeats)), flush=True)
-        return 0
-    from processes import run_backend_child
-    from report import code_revision, load_average, machine_description, publish, table
-
+def cost(args: argparse.Namespace) -> None:
     quick = ["--quick"] if args.quick else []
 
     sections = ["# Dormant and sampled taps: what a tap costs when nobody listens", ""]
-    sections.append(__doc__.split("\n\n")[1].replace("\n", " ") + "\n")
+    sections.append(__doc__.split("\n\n")[2].replace("\n", " ") + "\n")
     sections.append(table(["", ""], [[k, v] for k, v in machine_description()]))
     sections.append(f"\ncode: {code_revision(BENCH_DIR.parent)}\n")
     verdicts = []
@@ -294,6 +304,152 @@ def main() -> int:
         "ratios within one run, not across runs."
     )
     publish("\n".join(sections) + "\n", args.output)
+
+
+# The job: steps forever, one every argv[2] ms, each tapping argv[1] bytes as "acts".
+JOB = """
+import sys, time
+import jax, jax.numpy as jnp
+import tapd
+size, interval = int(sys.argv[1]), float(sys.argv[2]) / 1000
+step = jax.jit(lambda i, x: tapd.tap(x + i, "acts", step=i).sum())
+x = jnp.zeros(size // 4, jnp.float32)
+i = 0
+while True:
+    step(jnp.int32(i), x).block_until_ready()
+    i += 1
+    if i == 3:
+        print("running", tapd.backend(), flush=True)
+    if interval:
+        time.sleep(interval)
+"""
+CASES = [(64, 1.0), (64, 10.0), (2**20, 1.0), (2**20, 10.0)]  # (tap bytes, step interval ms)
+
+
+def acts_every(processes: Processes) -> int | None:
+    for sites in processes.daemon_stats()["wants"].values():
+        for _, consumer, every in sites:
+            if consumer == "acts":
+                return int(every)
+    return None
+
+
+def attach_once(endpoint: str) -> tuple[float, float]:
+    """Seconds from a new subscriber's hello (as it went out), and from the start of its
+    `connect()`, to its first tap of "acts"."""
+    first: list[float] = []
+
+    def handle(value: Any, meta: TapMeta) -> None:
+        if not first:
+            first.append(time.monotonic())
+
+    subscriber = Subscriber(endpoint, heartbeat=0.2)
+    subscriber.add_handler("acts", handle)
+    start = time.monotonic()
+    subscriber.connect(timeout=10)  # connects, sends the hello, waits for the welcome
+    hello = subscriber._links[0].hello_sent  # (when the hello went out)
+    subscriber.run(until=lambda: bool(first))
+    subscriber.close()
+    return first[0] - hello, first[0] - start
+
+
+def measure(processes: Processes, size: int, interval: float, repeats: int) -> list[str]:
+    env = {**os.environ, "TAPD_ENDPOINT": processes.endpoint, "TAPD_BACKEND": "native"}
+    job = processes.spawn(
+        [sys.executable, "-c", JOB, str(size), str(interval)],
+        env=env,
+        log=processes.workdir / f"job-{size}-{interval}.log",
+    )
+    line = read_line(job, 120)
+    if line != "running native":
+        raise RuntimeError(f"the job said {line!r}; see {processes.workdir}")
+    latencies, from_connect = [], []
+    for _ in range(repeats):
+        wait_until(lambda: acts_every(processes) == EVERY_DORMANT, "acts to be dormant")
+        before = skipped(processes)
+        wait_until(lambda b=before: skipped(processes) > b, "a skipped tap (it is dormant)")
+        latency, whole = attach_once(processes.endpoint)
+        latencies.append(latency)
+        from_connect.append(whole)
+    processes.stop(job)
+    target = max(50.0, interval)
+    worst = max(latencies) * 1e3
+    return [
+        size_name(size),
+        f"{interval:g}",
+        with_spread(latencies, 1e3),
+        with_spread(from_connect, 1e3),
+        f"{target:g}",
+        "yes" if worst <= target else f"no (max {worst:.1f})",
+    ]
+
+
+def skipped(processes: Processes) -> int:
+    rings = processes.daemon_stats()["rings"]
+    return sum(int(r["skipped_by_consumer"].get("acts", 0)) for r in rings)
+
+
+def attach(args: argparse.Namespace) -> None:
+    repeats = 3 if args.quick else args.repeats
+    machine = machine_description()
+    machine.append(("tapd revision", code_revision(BENCH_DIR.parent)))
+    started = time.monotonic()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tapd-attach-", dir="/tmp") as workdir:
+        processes = Processes(Path(workdir))
+        try:
+            processes.start_daemon(flags=["--startup-grace", "0"])
+            for size, interval in CASES:
+                rows.append(measure(processes, size, interval, repeats))
+                print(" | ".join(rows[-1]), flush=True)
+        finally:
+            processes.stop_all()
+    machine.append(("load average at end", load_average()))
+    machine.append(("wall time", f"{time.monotonic() - started:.0f} s"))
+    text = "\n\n".join(
+        [
+            "# Attach latency: a subscriber joining a running job whose tap site is dormant",
+            table(["", ""], machine),
+            "Reproduce: `.venv/bin/python bench/dormant.py attach`",
+            f"{repeats} attaches per row. Attach: from the moment the subscriber's "
+            "hello went out to its handler's first call for the site (and, beside it, from "
+            "the start of `connect()`, which first makes the connection); before each, the "
+            "site is dormant (the daemon wrote EVERY_DORMANT and the ring counts skipped "
+            "taps). Median (min-max), ms. Target: 50 ms from the hello, or one step "
+            "interval where that is longer. Taken on a shared 2-core machine under load "
+            "from other work. Method: bench/dormant.py's docstring (Attach).",
+            table(
+                [
+                    "tap",
+                    "step interval ms",
+                    "attach ms (from hello)",
+                    "from connect() ms",
+                    "target ms",
+                    "within target",
+                ],
+                rows,
+            ),
+        ]
+    )
+    publish(text + "\n", args.output)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("measure", nargs="?", choices=["cost", "attach"], default="cost",
+                        help="cost (the default) or attach latency")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="fewer steps, repeats, attaches")
+    parser.add_argument("--repeats", type=int, default=10, help="attach: attaches per row")
+    parser.add_argument("--output", type=Path, help="also write the report here")
+    parser.add_argument("--child", choices=["native", "portable"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        steps, repeats = plan(args.child, args.quick)
+        print(json.dumps(child(args.child, steps, repeats)), flush=True)
+    elif args.measure == "attach":
+        attach(args)
+    else:
+        cost(args)
     return 0
 
 

@@ -12,9 +12,10 @@ figure is the median of interleaved repeats.
 - cost: per-tap cost for 64 B, 1 MiB and 64 MiB in a jitted `fori_loop` whose body
   updates a float32 vector of that size: untapped; `tapd.tap` (the CUDA handler); the
   portable backend (a host callback writing the ring); a no-op `jax.debug.callback`; a
-  bare `cudaMemcpyAsync` into pinned host memory (bench/gpu_bare_copy.cc, an FFI handler
-  that does only that). The ring is the one the first GPU run hung on: up to 1 GiB, half
-  of /dev/shm, policy block, no subscriber for these taps.
+  bare `cudaMemcpyAsync` into pinned host memory (bench/gpu_baseline.cc built with
+  -DTAPD_BENCH_BARE_COPY, an FFI handler that does only that). The ring is the one the
+  first GPU run hung on: up to 1 GiB, half of /dev/shm, policy block, no subscriber for
+  these taps.
 - isolation: a ~0.5 ms step (eight 2048x2048 matmuls) untapped, tapped into a
   subscriber that sleeps 10 ms a tap, and with a no-op `jax.debug.callback` instead.
 - throughput: taps/s and MB/s to a subscriber, from the first tap to `barrier_wait()`
@@ -75,20 +76,21 @@ def log(message: str) -> None:
 
 
 def compile_bare_copy(directory: Path) -> Path:
-    """Compile bench/gpu_bare_copy.cc as tapd's CUDA handler is compiled (no GPU needed),
-    into `directory`, once."""
+    """Compile bench/gpu_baseline.cc's bare copy (-DTAPD_BENCH_BARE_COPY) as tapd's CUDA
+    handler is compiled (no GPU needed), into `directory`, once."""
     include = build.ffi_include_dir()
     cuda = build.cuda_runtime()
     if include is None or cuda is None:
         raise RuntimeError("the baseline needs jaxlib's FFI headers and the CUDA runtime wheels")
-    source = BENCH_DIR / "gpu_bare_copy.cc"
+    source = BENCH_DIR / "gpu_baseline.cc"
 
     def command(output: Path) -> list[str]:
         includes = ["-isystem", str(include)]
         for path in cuda.includes:
             includes += ["-isystem", str(path)]
-        return [build.compiler(), *build.FLAGS, "-shared", *includes, str(source),
-                "-o", str(output), *build.cuda_link_args(cuda)]  # fmt: skip
+        return [build.compiler(), *build.FLAGS, "-DTAPD_BENCH_BARE_COPY", "-shared",
+                *includes, str(source), "-o", str(output),
+                *build.cuda_link_args(cuda)]  # fmt: skip
 
     path = directory / "libbaseline.so"
     if not path.exists():  # (the cost sections of one run share it)

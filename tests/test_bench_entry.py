@@ -22,13 +22,12 @@ BENCH = ROOT / "bench"
 HELPERS = {
     "processes.py": "the child processes: a daemon, subscriber sinks, their cleanup",
     "report.py": "the machine's description, Markdown tables",
-    "subscriber_sink.py": "the subscriber process of run.py, shm.py, multihost.py, ...",
-    "baselines.py": "run.py's pyzmq and multiprocessing.Queue baselines",
-    "multihost.py": "run.py's section 5, and the job's processes",
+    "subscriber_sink.py": "the subscriber process of run.py, durability.py, multihost.py, ...",
+    "baselines.py": "run.py's pyzmq and multiprocessing.Queue baselines (and section shm)",
+    "multihost.py": "run.py's section 5, and the job's processes (and section slices)",
     "overhead_probe.py": "run.py's section 4, one process a backend",
     "gpu_bench.py": "gpu-check's sections and its report",
-    "gpu_baseline.cc": "gpu-check's C++ microbenchmark",
-    "gpu_bare_copy.cc": "gpu_bench.py's bare-copy FFI handler",
+    "gpu_baseline.cc": "gpu-check's C++ microbenchmark, and gpu_bench.py's bare-copy handler",
 }
 
 

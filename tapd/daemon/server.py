@@ -46,7 +46,8 @@ _IDLE_POLL_MS = 500  # an idle daemon with rings attached: writers wake it soone
 # A round that read fewer taps than this from the rings waits `coalesce` before the next.
 # At a few thousand taps a second a round passes on one or two, and each one's message,
 # its subscriber's ack and the wake-ups cost ~110-160 µs of daemon CPU a tap on the
-# 2-core benchmark box; with 2 ms rounds, ~40 (bench/coalesce.py; bench/RESULTS.md §11).
+# 2-core benchmark box; with 2 ms rounds, ~40 (`bench/per_call.py coalesce`;
+# bench/RESULTS.md §11).
 # Rounds of more taps are already that efficient, and waiting would only cap a stream.
 _FEW_TAPS = 256
 
