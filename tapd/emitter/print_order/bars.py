@@ -91,17 +91,21 @@ def after_callbacks(function: F) -> F:
     if getattr(function, "tapd_after_callbacks", False):
         return function
 
+    # Held by the closure: at interpreter teardown a module's globals may already be None
+    # when a bar left in a module global is collected and closes.
+    inside, waits, frame_of, settle = _inside, _waits, sys._getframe, settle_here
+
     @functools.wraps(function)
     def waits_first(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_inside, "active", False):  # (a subclass's close calling its base's)
+        if getattr(inside, "active", False):  # (a subclass's close calling its base's)
             return function(*args, **kwargs)
-        if _waits and sys._getframe(1).f_code.co_name != "__del__":
-            settle_here(f"{function.__module__}.{function.__qualname__}")
-        _inside.active = True
+        if waits and frame_of(1).f_code.co_name != "__del__":
+            settle(f"{function.__module__}.{function.__qualname__}")
+        inside.active = True
         try:
             return function(*args, **kwargs)
         finally:
-            _inside.active = False
+            inside.active = False
 
     waits_first.tapd_after_callbacks = True  # type: ignore[attr-defined]
     return waits_first  # type: ignore[return-value]
