@@ -394,6 +394,19 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             ],
             c.c_int64,
         ),
+        # (the same arguments; the same records, seqs and counts, written in runs: one
+        # reservation and one commit for many records)
+        "tapd_ring_write_gathered_runs": (
+            [
+                c.c_void_p,
+                c.c_int32,
+                c.c_uint32,
+                c.c_void_p,
+                *[c.c_void_p] * 9,
+                *[c.c_uint64] * 5,
+            ],
+            c.c_int64,
+        ),
         # (ring or None, consumer, device): the seq its next tap takes.
         "tapd_ring_next_seq": ([c.c_void_p, c.c_uint32, c.c_int32], c.c_uint64),
         "tapd_ring_record_header_bytes": ([], c.c_uint64),

@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstdio>
@@ -523,16 +524,27 @@ Ring* SiteOfEntry(int32_t which, const char* entry, uint64_t length, uint64_t* s
 // 5, be preempted, and reserve after the thread that took seq 6.) A tap larger than the
 // whole ring, or refused under drop_newest, still uses up its number: the gap shows.
 bool TakeTap(Ring* ring, uint64_t site, uint64_t seq, uint64_t every) {
+  if (TapWanted(ring, site, seq, every)) return true;
+  CountSkipped(ring, site, 1);
+  return false;
+}
+
+// TakeTap's rule alone: nothing counted.
+bool TapWanted(Ring* ring, uint64_t site, uint64_t seq, uint64_t every) {
   uint64_t k = (every & ~kEveryAlwaysBit) ? (every & ~kEveryAlwaysBit) : 1;
   bool has_slot = site < kSiteSlots;  // a site without one: never dormant, its own K only
   bool always = (every & kEveryAlwaysBit) != 0 || !has_slot;
   uint32_t wanted = always ? kEveryAll : ring->sites[site].every.load(std::memory_order_relaxed);
+  if (wanted == kEveryDormant) return false;
   uint64_t n = wanted == kEveryAll ? 1 : wanted;
+  if (k == 1 && n == 1) return true;  // (every tap: no division)
   // seq % (k * n) == 0, without overflowing k * n.
-  if (wanted != kEveryDormant && seq % k == 0 && (seq / k) % n == 0) return true;
-  if (has_slot) ring->sites[site].skipped.fetch_add(1, std::memory_order_relaxed);
-  ring->control->skipped.fetch_add(1, std::memory_order_relaxed);
-  return false;
+  return seq % k == 0 && (seq / k) % n == 0;
+}
+
+void CountSkipped(Ring* ring, uint64_t site, uint64_t taps) {
+  if (site < kSiteSlots) ring->sites[site].skipped.fetch_add(taps, std::memory_order_relaxed);
+  ring->control->skipped.fetch_add(taps, std::memory_order_relaxed);
 }
 
 uint8_t* BeginRecord(Ring* ring, uint64_t length, const RecordFields& fields,
@@ -613,6 +625,219 @@ int WriteLeaves(Ring* ring, const RecordFields& fields, uint32_t nleaves,
   CommitRecord(ring, position, 0);
   return 0;
 }
+
+// ---- Runs of records written together: the gathered path's bulk write ----------------
+//
+// A gathered computation's log (tapd/emitter/gathered/host.py) holds thousands of small
+// records back to back. Written one by one (WriteLeaves), each takes the seq lock, looks
+// its seq up, reserves with a CAS, reads the clock, and commits with two fences and a
+// walk of `committed`: ~100 ns a 64-byte record, more than its copy. A run is written
+// instead as the same records in the same places: their seqs taken and their space
+// reserved under one hold of the lock (one CAS), their headers marked reserved at once
+// (as BeginRecord does, for a reader that outlives this process), then filled, copied,
+// and committed with one publication. What a reader sees, and every count, is what the
+// records written one at a time at that moment would have left: a tap skipped (dormant,
+// sampled) uses up its seq and is counted; one that does not fit under drop_newest is
+// dropped and counted, its seq used up; under block the writer waits for room, having
+// committed the records it reserved before (the reader could not free room past them).
+namespace {
+
+// The records of a run reserved and committed together, at most: a reader starts on
+// them while the next are copied.
+constexpr size_t kRunRecords = 1024;
+constexpr uint64_t kRunBytes = 256 * 1024;
+
+// A gathered computation's per-site tables (tapd_ring_write_gathered's arguments).
+struct GatheredSites {
+  const uint8_t* packed;
+  int32_t device;
+  void* const* rings;
+  const uint64_t* site_ids;
+  const uint32_t* consumers;
+  const uint64_t* everys;
+  const uint32_t* first_leaf;
+  const uint32_t* nleaves;
+  const uint64_t* leaf_offsets;
+  const uint64_t* leaf_bytes;
+  const int32_t* step_bytes;
+  const uint64_t* step_offsets;
+
+  // A record of site `i`, header included.
+  uint64_t Length(uint32_t i) const {
+    uint64_t length = sizeof(RecordHeader);
+    for (uint32_t j = 0; j < nleaves[i]; ++j) length += Align8(leaf_bytes[first_leaf[i] + j]);
+    return length;
+  }
+
+  int64_t Step(uint32_t i, uint64_t row) const {
+    uint64_t stride = step_bytes[i] > 0 ? uint64_t(step_bytes[i]) : 0;
+    const uint8_t* at = packed + step_offsets[i] + row * stride;
+    if (step_bytes[i] == 4) {
+      int32_t step32;
+      std::memcpy(&step32, at, sizeof(step32));
+      return step32;
+    }
+    int64_t step = kNoStep;
+    if (step_bytes[i] == 8) std::memcpy(&step, at, sizeof(step));
+    return step;
+  }
+
+  // Record `row` of site `i` (its seq `seq`), at `h`: everything but its length and tag.
+  void Fill(RecordHeader* h, uint32_t i, uint64_t row, uint64_t seq, int64_t time_ns) const {
+    h->nleaves = nleaves[i];
+    h->site = site_ids[i];
+    h->seq = seq;
+    h->step = Step(i, row);
+    h->time_ns = time_ns;
+    h->device = device;
+    h->flags = 0;
+    uint8_t* out = reinterpret_cast<uint8_t*>(h) + sizeof(RecordHeader);
+    for (uint32_t j = 0; j < nleaves[i]; ++j) {
+      uint64_t k = uint64_t{first_leaf[i]} + j;
+      if (leaf_bytes[k]) {
+        CopyToRing(out, packed + leaf_offsets[k] + row * leaf_bytes[k], leaf_bytes[k]);
+      }
+      out += Align8(leaf_bytes[k]);
+    }
+  }
+};
+
+// One chunk of a run being written: its records (indices into the log) and their seqs,
+// back to back in the ring from `first`.
+struct Chunk {
+  struct Member {
+    size_t record;
+    uint64_t seq;
+  };
+  std::vector<Member> members = std::vector<Member>(kRunRecords);
+  size_t size = 0;
+  uint64_t first = 0;  // the first record's ring position
+  uint64_t bytes = 0;  // theirs, headers included
+};
+
+// Whether the tap of site `i` with this `seq` is copied (TakeTap's rule, TapWanted),
+// its common case first: K 1, and a slot that says all or 1 in 1.
+inline bool Wanted(Ring* ring, const GatheredSites& s, uint32_t i, uint64_t seq) {
+  uint64_t site = s.site_ids[i];
+  if (s.everys[i] == 1 && site < kSiteSlots &&
+      ring->sites[site].every.load(std::memory_order_relaxed) <= 1) {
+    return true;
+  }
+  return TapWanted(ring, site, seq, s.everys[i]);
+}
+
+// Records [begin, end) of a gathered log into `ring`: record r is row rows[r] of site
+// sites_of[r] (each of those sites' ring is `ring`), none of them with taps skipped on
+// the device between it and its site's record before. `seq_of[i]`: site i's seq counter
+// in the ring, found once under the lock (never erased: its address holds).
+void WriteRun(Ring* ring, const GatheredSites& s, const uint32_t* sites_of,
+              const uint64_t* rows, const uint64_t* lengths, size_t begin, size_t end,
+              std::vector<uint64_t*>& seq_of) {
+  RingControl* c = ring->control;
+  Chunk chunk;
+  size_t r = begin;
+  while (r < end) {
+    chunk.size = 0;
+    chunk.bytes = 0;
+    {
+      std::lock_guard<std::mutex> lock(ring->seq_mutex);
+      uint64_t head = c->head.load(std::memory_order_acquire);
+      uint64_t tail = c->tail.load(std::memory_order_acquire);
+      bool reserved = false;  // (its one record waited for room: Reserve reserved it)
+      for (; r < end && chunk.size < kRunRecords && chunk.bytes < kRunBytes; ++r) {
+        uint32_t i = sites_of[r];
+        uint64_t*& seq = seq_of[i];
+        if (seq == nullptr) {
+          seq = &ring->seq[(uint64_t{s.consumers[i]} << 32) | uint32_t(s.device)];
+        }
+        if (!Wanted(ring, s, i, *seq)) {
+          CountSkipped(ring, s.site_ids[i], 1);
+          ++*seq;
+          continue;
+        }
+        uint64_t length = lengths[i];
+        if (length > ring->capacity || length > UINT32_MAX) {  // (as BeginRecord)
+          c->dropped.fetch_add(1, std::memory_order_relaxed);
+          std::fprintf(stderr, "tapd: a %llu-byte tap is larger than the whole ring; dropped\n",
+                       static_cast<unsigned long long>(length));
+          ++*seq;
+          continue;
+        }
+        if (head + chunk.bytes + length - tail > ring->capacity) {
+          tail = c->tail.load(std::memory_order_acquire);
+        }
+        if (head + chunk.bytes + length - tail > ring->capacity) {
+          if (chunk.size > 0) break;  // those first: the reader can free no room past them
+          if (c->policy == kPolicyDropNewest) {
+            c->dropped.fetch_add(1, std::memory_order_relaxed);
+            Wake(ring, /*writer_waits=*/true);
+            ++*seq;
+            continue;
+          }
+          // block: this record waits for room alone, as a tap written alone does.
+          chunk.first = Reserve(ring, length);
+          chunk.members[chunk.size++] = {r++, (*seq)++};
+          chunk.bytes = length;
+          reserved = true;
+          break;
+        }
+        chunk.members[chunk.size++] = {r, (*seq)++};
+        chunk.bytes += length;
+      }
+      if (chunk.size == 0) continue;
+      if (!reserved) {
+        chunk.first = head;
+        if (!c->head.compare_exchange_strong(chunk.first, head + chunk.bytes,
+                                             std::memory_order_acq_rel,
+                                             std::memory_order_relaxed)) {
+          // `head` moved outside the lock (tapd's writers never move it so; a test's
+          // bare reservation does): the chunk as a whole goes where it now can.
+          chunk.first = Reserve(ring, chunk.bytes);
+          if (chunk.first == UINT64_MAX) {  // dropped: Reserve counted one of them
+            c->dropped.fetch_add(chunk.size - 1, std::memory_order_relaxed);
+            continue;
+          }
+        }
+      }
+      // At once, so that a reader can step over the records should this process die
+      // before committing them (as BeginRecord).
+      uint8_t* at = reinterpret_cast<uint8_t*>(HeaderAt(ring, chunk.first));
+      uint64_t position = chunk.first;
+      for (size_t m = 0; m < chunk.size; ++m) {
+        auto* h = reinterpret_cast<RecordHeader*>(at + (position - chunk.first));
+        uint64_t length = lengths[sites_of[chunk.members[m].record]];
+        __atomic_store_n(&h->length, uint32_t(length), __ATOMIC_RELAXED);
+        StoreTag(h, Tag(c, position, kTagReserved));
+        position += length;
+      }
+    }
+    // (Not HeaderAt a record: its division cost more than a small record's copy. The
+    // chunk is contiguous from `at`: the ring is mapped twice.)
+    uint8_t* at = reinterpret_cast<uint8_t*>(HeaderAt(ring, chunk.first));
+    int64_t now = NowNs(CLOCK_REALTIME);
+    for (uint64_t m = 0, offset = 0; m < chunk.size; ++m) {
+      size_t record = chunk.members[m].record;
+      s.Fill(reinterpret_cast<RecordHeader*>(at + offset), sites_of[record], rows[record],
+             chunk.members[m].seq, now);
+      offset += lengths[sites_of[record]];
+    }
+    for (uint64_t m = 0, offset = 0; m < chunk.size; ++m) {
+      StoreTag(reinterpret_cast<RecordHeader*>(at + offset),
+               Tag(c, chunk.first + offset, kTagCommitted));
+      offset += lengths[sites_of[chunk.members[m].record]];
+    }
+    c->taps.fetch_add(chunk.size, std::memory_order_relaxed);
+    // `committed` over the chunk at once where it stops at its start (Advance would read
+    // every record's header again); then on as every commit moves it (Published).
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    uint64_t start = chunk.first;
+    c->committed.compare_exchange_strong(start, chunk.first + chunk.bytes,
+                                         std::memory_order_seq_cst);
+    Published(ring);
+  }
+}
+
+}  // namespace
 
 namespace {
 
@@ -1190,6 +1415,89 @@ int64_t tapd_ring_write_gathered(const uint8_t* packed, int32_t device, uint32_t
     tapd::WriteLeaves(static_cast<Ring*>(rings[i]),
                       tapd::RecordFields{site_ids[i], consumers[i], device, step, everys[i]},
                       nleaves[i], data.data(), sizes.data());
+  }
+  for (uint32_t i = 0; i < nsites; ++i) skip(i, taps[i]);
+  return count;
+}
+
+// tapd_ring_write_gathered's records, written in runs (WriteRun): the same records, seqs
+// and counts, in the same order, with one reservation and one commit for up to
+// kRunRecords records back to back. A run is the log's records from one with taps
+// skipped on the device before it (those are counted first, as there) up to the next
+// such, or a record of another ring. The whole log is checked before anything is
+// written (tapd_ring_write_gathered writes the records before a bad one). Same
+// arguments and result.
+int64_t tapd_ring_write_gathered_runs(const uint8_t* packed, int32_t device, uint32_t nsites,
+                                      void* const* rings, const uint64_t* site_ids,
+                                      const uint32_t* consumers, const uint64_t* everys,
+                                      const uint32_t* first_leaf, const uint32_t* nleaves,
+                                      const uint64_t* leaf_offsets, const uint64_t* leaf_bytes,
+                                      const int32_t* step_bytes, const uint64_t* step_offsets,
+                                      uint64_t count_offset, uint64_t log_offset,
+                                      uint64_t order_offset, uint64_t skipped_offset,
+                                      uint64_t capacity) {
+  int32_t count;
+  std::memcpy(&count, packed + count_offset, sizeof(count));
+  if (count < 0 || uint64_t(count) > capacity) return -1;
+  std::vector<uint64_t> taps(nsites, 0);  // each site's taps, kept or not
+  for (uint32_t i = 0; i < nsites; ++i) {
+    int32_t skipped;
+    std::memcpy(&skipped, packed + skipped_offset + 4 * uint64_t{i}, sizeof(skipped));
+    if (skipped < 0) return -1;
+    taps[i] = uint64_t(skipped);
+  }
+  std::vector<uint32_t> sites_of(static_cast<size_t>(count));
+  std::vector<uint64_t> places(static_cast<size_t>(count));
+  std::vector<uint64_t> rows(static_cast<size_t>(count));
+  for (int32_t r = 0; r < count; ++r) {
+    int32_t i;
+    std::memcpy(&i, packed + log_offset + 4 * uint64_t(r), sizeof(i));
+    if (i < 0 || uint32_t(i) >= nsites) return -1;
+    sites_of[r] = uint32_t(i);
+    ++taps[i];
+  }
+  std::vector<uint64_t> done(nsites, 0);  // each site's taps accounted for so far
+  std::vector<uint64_t> next_row(nsites, 0);
+  for (int32_t r = 0; r < count; ++r) {
+    uint32_t i = sites_of[r];
+    int32_t place;
+    std::memcpy(&place, packed + order_offset + 4 * uint64_t(r), sizeof(place));
+    if (place < 0 || uint64_t(place) < done[i] || uint64_t(place) >= taps[i]) return -1;
+    places[r] = uint64_t(place);
+    done[i] = uint64_t(place) + 1;
+    rows[r] = next_row[i]++;
+  }
+  const tapd::GatheredSites sites{packed,     device,       rings,      site_ids,
+                                  consumers,  everys,       first_leaf, nleaves,
+                                  leaf_offsets, leaf_bytes, step_bytes, step_offsets};
+  std::vector<uint64_t> lengths(nsites);
+  for (uint32_t i = 0; i < nsites; ++i) lengths[i] = sites.Length(i);
+  std::vector<uint64_t*> seq_of(nsites, nullptr);
+  std::fill(done.begin(), done.end(), 0);
+  auto skip = [&](uint32_t i, uint64_t upto) {
+    if (upto > done[i] && rings[i] != nullptr) {
+      tapd_ring_skip_many(rings[i], site_ids[i], consumers[i], device, upto - done[i]);
+    }
+    done[i] = upto;
+  };
+  size_t r = 0;
+  while (r < size_t(count)) {
+    uint32_t i = sites_of[r];
+    skip(i, places[r]);  // the taps not kept before it: their seqs first
+    done[i] = places[r] + 1;
+    size_t end = r + 1;
+    if (rings[i] == nullptr) {  // (the caller's: the sender's path)
+      r = end;
+      continue;
+    }
+    for (; end < size_t(count); ++end) {
+      uint32_t j = sites_of[end];
+      if (rings[j] != rings[i] || places[end] != done[j]) break;
+      done[j] = places[end] + 1;
+    }
+    tapd::WriteRun(static_cast<Ring*>(rings[i]), sites, sites_of.data(), rows.data(),
+                   lengths.data(), r, end, seq_of);
+    r = end;
   }
   for (uint32_t i = 0; i < nsites; ++i) skip(i, taps[i]);
   return count;

@@ -217,6 +217,9 @@ struct RecordFields {
 // Whether the tap of `site` with this `seq` and the site's own `every` is copied (the
 // SiteSlot rule). If not, it is counted as skipped, in its slot and in the ring.
 bool TakeTap(Ring* ring, uint64_t site, uint64_t seq, uint64_t every);
+// TakeTap's rule without its count, and the count: `taps` of `site` skipped.
+bool TapWanted(Ring* ring, uint64_t site, uint64_t seq, uint64_t every);
+void CountSkipped(Ring* ring, uint64_t site, uint64_t taps);
 
 // Reserve a record of `length` bytes (header included) with its seq, and write its
 // header, marked reserved, step and flags as given and time now. Returns its address,
