@@ -22,7 +22,6 @@ from typing import Any
 import zmq
 import zmq.auth
 from zmq.utils import z85
-from zmq.utils.monitor import recv_monitor_message
 
 from tapd.errors import ConfigError
 from tapd.runtime import check_endpoint_dir
@@ -193,6 +192,11 @@ class HandshakeMonitor:
         self.by_reason: collections.Counter[str] = collections.Counter()
 
     def handle(self) -> None:
+        # Imported here, where a refused handshake is read, not at the top: the module
+        # imports zmq.asyncio (asyncio, ssl: ~30 ms of CPU), which every process that
+        # imports tapd (daemon, CLI, emitters, subscribers) would pay at its start.
+        from zmq.utils.monitor import recv_monitor_message
+
         while True:
             try:
                 event = recv_monitor_message(self.socket, zmq.NOBLOCK)
