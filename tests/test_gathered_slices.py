@@ -47,6 +47,19 @@ CALLS = 2
 TAPS_A_DEVICE = 1 + STEPS + math.ceil(STEPS / 3) + 1
 
 
+# A reference (`TAPD_GATHER=off`) that two tests compare with, run once for both: the
+# same program with the same arguments and environment (its outcome is the program's,
+# not the test's). Their tests share an xdist group (SHARED_REFERENCE), so that one
+# worker runs both; elsewhere (-n0, another worker) the program simply runs again.
+_references: dict[tuple[str, int], dict[str, Any]] = {}
+
+
+def reference_run(kind: str, devices: int) -> dict[str, Any]:
+    if (kind, devices) not in _references:
+        _references[kind, devices] = run(kind, devices, TAPD_GATHER="off")
+    return _references[kind, devices]
+
+
 def run(kind: str, devices: int, **env: str) -> dict[str, Any]:
     full_env = {
         **os.environ,
@@ -62,6 +75,17 @@ def run(kind: str, devices: int, **env: str) -> dict[str, Any]:
     assert "could not gather" not in result.stderr
     outcome: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
     return outcome
+
+
+# The references on 4 devices that test_a_small_log_... compares with too.
+SHARED_REFERENCE = {"shard_map", "explicit"}
+
+
+def sharing(kind: str, devices: int) -> Any:
+    """`(kind, devices)` as a case, in the xdist group of the reference it shares."""
+    if devices == 4 and kind in SHARED_REFERENCE:
+        return pytest.param(kind, devices, marks=pytest.mark.xdist_group(f"slices-{kind}-4"))
+    return pytest.param(kind, devices)
 
 
 CASES = [
@@ -85,9 +109,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "devices"), CASES)
+@pytest.mark.parametrize(("kind", "devices"), [sharing(*case) for case in CASES])
 def test_each_device_gathers_its_taps_and_they_leave_as_an_output(kind: str, devices: int) -> None:
-    reference = run(kind, devices, TAPD_GATHER="off")
+    reference = reference_run(kind, devices)
     gathered = run(kind, devices, TAPD_GATHER="on")
     per_device = 1 if kind == "sharded_jit" else devices  # (its taps: whole values, once)
     assert reference["taps"] == CALLS * per_device * TAPS_A_DEVICE
@@ -113,14 +137,19 @@ def test_id_tap_s_device_index_in_a_sharded_jit_taps_on_that_device() -> None:
     assert gathered["taps"] == reference["taps"] == CALLS * STEPS
 
 
-@pytest.mark.parametrize("kind", ["shard_map", "pmap", "shard_map_in_loop", "explicit"])
-def test_a_small_log_flushes_in_the_loop_and_keeps_every_tap_in_order(kind: str) -> None:
-    reference = run(kind, 4, TAPD_GATHER="off")
-    gathered = run(kind, 4, TAPD_GATHER="on", TAPD_GATHER_TAPS="3", TAPD_GATHER_LOG_BYTES="1")
+@pytest.mark.parametrize(
+    ("kind", "devices"),
+    [sharing(kind, 4) for kind in ("shard_map", "pmap", "shard_map_in_loop", "explicit")],
+)
+def test_a_small_log_flushes_in_the_loop_and_keeps_every_tap_in_order(
+    kind: str, devices: int
+) -> None:
+    reference = reference_run(kind, devices)
+    gathered = run(kind, devices, TAPD_GATHER="on", TAPD_GATHER_TAPS="3", TAPD_GATHER_LOG_BYTES="1")
     assert gathered["per_device"] == reference["per_device"]
     # Records of a device a call, in logs of 3 (a loop flushes by chunks, so a few
     # more), the last of them leaving as an output.
-    least = CALLS * 4 * (math.ceil(TAPS_A_DEVICE / 3) - 1)
+    least = CALLS * devices * (math.ceil(TAPS_A_DEVICE / 3) - 1)
     assert least <= gathered["host_callbacks"] < reference["host_callbacks"]
 
 
