@@ -33,7 +33,7 @@ from tapd.emitter.native_backend import NativeEmitter
 from tapd.emitter.settings import EmitterSettings
 from tapd.errors import BarrierTimeout, ProtocolError, TapFunctionException
 from tapd.protocol import encode
-from tapd.protocol.link import Refused, RehelloAsked, Welcomed
+from tapd.protocol.link import Refused, RehelloAsked, Restarted, Welcomed
 from tapd.settings import CONNECT_TIMEOUT
 
 logger = logging.getLogger("tapd.emitter")
@@ -423,8 +423,10 @@ class Sender:
                 )
             elif isinstance(event, Refused):
                 logger.error("ignoring a malformed message from the daemon: %s", event.detail)
-            elif isinstance(event, RehelloAsked):
-                # A restarted daemon: barriers sent to the old one are lost.
+            elif isinstance(event, (RehelloAsked, Restarted)):
+                # A restarted daemon (it asked who we are, or a new one welcomed us):
+                # barriers sent to the old one are lost with it, so they are asked of
+                # this one, after the hello that tells it our ring.
                 connection.resend_barriers()
             elif kind == "error":
                 text = f"{header['consumer']}#{header['seq']}: {header['error']}"
@@ -445,11 +447,15 @@ class Sender:
     def _keep_alive(self, connection: EmitterSocket) -> None:
         """Say hello again if the daemon is silent while we wait for it: bytes in flight,
         a ring it must know of (with a ring, taps do not travel over this socket, so
-        hello is how a restarted daemon learns where it is), or taps queued here behind
-        the window that a restarted daemon closed (no credit will come to wake us)."""
+        hello is how a restarted daemon learns where it is), taps queued here behind
+        the window that a restarted daemon closed (no credit will come to wake us), or a
+        barrier not yet answered."""
         link = connection.link
         closed = bool(self._queue) and link.window == 0 and link.daemon is not None
-        connection.tick(time.monotonic(), closed or "ring" in self._identity)
+        # (a barrier waited for: a daemon that died holding it never answers, and the
+        # next hears of us only from a hello)
+        waiting = closed or "ring" in self._identity or bool(connection.barriers)
+        connection.tick(time.monotonic(), waiting)
 
     def _note_totals(self, daemon: str | None, header: dict[str, Any]) -> None:
         """A daemon's totals for this emitter (in `barrier_done` and `credit`). Each
