@@ -20,6 +20,7 @@ print(json.dumps({
     "mark": os.environ.get("ZYGOTE_TEST_MARK"), "stdin": sys.stdin.read(),
     "path0": sys.path[0], "main": __name__, "file": __file__,
     "jax_imported": "jax" in sys.modules,
+    "x64": bool(sys.modules["jax"].config.jax_enable_x64) if "jax" in sys.modules else None,
 }), flush=True)
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
@@ -50,12 +51,17 @@ def test_a_forked_program_has_its_argv_environment_stdio_and_exit(program: Path)
     assert rest == "atexit ran" and err == "to stderr\n" and returncode == 3
 
 
-def test_a_program_whose_import_time_environment_differs_runs_as_a_process_of_its_own(
+def test_a_program_whose_import_environment_differs_forks_from_a_zygote_that_imported_so(
     program: Path,
 ) -> None:
+    """JAX reads JAX_ENABLE_X64 at import: a zygote of its own imported JAX with it set,
+    and the worker's zygote (without it) is still there for the programs without it."""
     got, rest, _, returncode = _run(program, "0", JAX_ENABLE_X64="1")
-    assert got["ppid"] == os.getpid() and got["jax_imported"] is False
+    assert got["ppid"] != os.getpid() and got["jax_imported"] is True
+    assert got["x64"] is True
     assert rest == "atexit ran" and returncode == 0
+    plain, *_ = _run(program, "0")
+    assert plain["jax_imported"] is True and plain["x64"] is False
 
 
 def test_a_program_past_its_timeout_is_killed(tmp_path: Path) -> None:

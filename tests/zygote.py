@@ -11,9 +11,14 @@ runs as `__main__`, and it exits as Python exits (atexit, tapd's exit drain), wi
 status passed back.
 
 Where the import itself may depend on the environment (JAX_*, XLA_*, PYTHON*, LD_* and
-TF_CPP_* variables, read by JAX or Python at import) and the caller's differ from the zygote's,
-or the command is not `python SCRIPT`, the program is started by `subprocess.run` as
-before. TAPD_TEST_ZYGOTE=0 starts every program so.
+TF_CPP_* variables, read by JAX or Python at import), the program is forked from a zygote
+that imported with the program's values of those: one zygote a set of values (a worker's
+programs use a few: JAX_PLATFORMS=cpu, a count of forced devices), at most
+`MAX_ZYGOTES` of them a worker, the least recently used closed first. Each program
+that set JAX_PLATFORMS or XLA_FLAGS (~150 a run: test_gathered_slices, test_live,
+test_debug*, ...) was started afresh before, paying the import each time. A command that
+is not `python SCRIPT` is started by `subprocess.run`; TAPD_TEST_ZYGOTE=0 starts every
+program so.
 """
 
 from __future__ import annotations
@@ -99,11 +104,23 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+# Zygotes a worker keeps at once (each ~160 MB, shared with its programs until written).
+MAX_ZYGOTES = 6
+
+
+def _import_environment(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """The variables of `env` that the import may read: a zygote's key."""
+    return tuple(
+        sorted((name, value) for name, value in env.items() if name.startswith(_AT_IMPORT))
+    )
+
+
 class _Zygote:
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         self.directory = tempfile.mkdtemp(prefix="tapd-zy-", dir="/tmp")
         self.path = os.path.join(self.directory, "z.sock")
-        self.env = dict(os.environ)
+        self.env = env
+        self.running = 0  # programs it runs now (it is not closed under them)
         self.process = subprocess.Popen(
             [sys.executable, "-c", _ZYGOTE, self.path],
             stdin=subprocess.PIPE,
@@ -117,13 +134,9 @@ class _Zygote:
             raise RuntimeError(f"the JAX zygote did not start: {ready!r}")
         atexit.register(self.close)
 
-    def takes(self, argv: list[str], env: dict[str, str]) -> bool:
-        if len(argv) < 2 or argv[0] != sys.executable or not argv[1].endswith(".py"):
-            return False
-        names = {*env, *self.env}
-        return all(
-            env.get(name) == self.env.get(name) for name in names if name.startswith(_AT_IMPORT)
-        )
+    @staticmethod
+    def takes(argv: list[str]) -> bool:
+        return len(argv) >= 2 and argv[0] == sys.executable and argv[1].endswith(".py")
 
     def run(
         self, argv: list[str], env: dict[str, str], timeout: float | None
@@ -168,7 +181,8 @@ class _Zygote:
         if self.process.stdout is not None:
             self.process.stdout.close()
         Path(self.path).unlink(missing_ok=True)
-        os.rmdir(self.directory)
+        if os.path.isdir(self.directory):  # (closed once already if it was evicted)
+            os.rmdir(self.directory)
 
 
 def _read(file: Any) -> str:
@@ -177,21 +191,37 @@ def _read(file: Any) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-_zygote: _Zygote | None = None
+# By the import environment they were started with, the most recently used last.
+_zygotes: dict[tuple[tuple[str, str], ...], _Zygote] = {}
 _lock = threading.Lock()
+
+
+def _zygote_for(env: dict[str, str]) -> _Zygote:
+    key = _import_environment(env)
+    with _lock:
+        zygote = _zygotes.pop(key, None)
+        if zygote is None or zygote.process.poll() is not None:
+            idle = [k for k, z in _zygotes.items() if z.running == 0]
+            while len(_zygotes) >= MAX_ZYGOTES and idle:
+                _zygotes.pop(idle.pop(0)).close()
+            # (its own interpreter starts with the program's PYTHON* and LD_* too)
+            others = {n: v for n, v in os.environ.items() if not n.startswith(_AT_IMPORT)}
+            zygote = _Zygote({**others, **dict(key)})
+        _zygotes[key] = zygote
+        zygote.running += 1
+        return zygote
 
 
 def run_program(
     argv: list[str], *, env: dict[str, str], timeout: float | None = None
 ) -> subprocess.CompletedProcess[str]:
     """`subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)`,
-    forked from the zygote where it can be (the module's doc says when)."""
-    global _zygote
-    if os.environ.get("TAPD_TEST_ZYGOTE", "1") != "0":
-        with _lock:
-            if _zygote is None or _zygote.process.poll() is not None:
-                _zygote = _Zygote()
-            zygote = _zygote
-        if zygote.takes(argv, env):
+    forked from a zygote where it can be (the module's doc says when)."""
+    if os.environ.get("TAPD_TEST_ZYGOTE", "1") != "0" and _Zygote.takes(argv):
+        zygote = _zygote_for(env)
+        try:
             return zygote.run(argv, env, timeout)
+        finally:
+            with _lock:
+                zygote.running -= 1
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
