@@ -25,6 +25,7 @@ a failure Hypothesis shrinks the program, and this prints it as Python (`Program
 and exits 1: commit it to tests/test_order_property.py's regressions.
 
     python tests/apps/order_property_app.py EXAMPLES SEED
+    python tests/apps/order_property_app.py --seconds SECONDS FLOOR SEED   (the soak tier)
     python tests/apps/order_property_app.py --programs '["<Program.source>", ...]'
 """
 
@@ -34,6 +35,7 @@ import ast
 import dataclasses
 import json
 import sys
+import time
 from typing import Any
 
 import jax
@@ -49,6 +51,9 @@ import tapd
 
 # A statement: ("tap", site, what, use) | ("bump", which) | (kind, length, body...)
 Stmt = tuple[Any, ...]
+# Programs a round of the time-sized soak run (programs_for): one seed a round.
+ROUND = 10
+
 TAPPED = ["a", "b", "v", "pair", "tree", "int8", "bool", "bf16"]
 
 
@@ -313,6 +318,24 @@ def random_programs(examples: int, chosen_seed: int) -> dict[str, Any]:
     return {"ok": True, "checked": len(checked)}
 
 
+def programs_for(seconds: float, floor: int, chosen_seed: int) -> dict[str, Any]:
+    """The soak tier's share, sized by time: rounds of ROUND programs, each round a seed of
+    its own (chosen_seed, chosen_seed + 1, ...), until `seconds` have passed and at least
+    `floor` programs were checked. A fixed set of seeds, so a failure is found again by
+    the same round; the count depends on the machine, and is reported."""
+    started = time.monotonic()
+    checked = 0
+    rounds = 0
+    while checked < floor or time.monotonic() - started < seconds:
+        result = random_programs(ROUND, chosen_seed + rounds)
+        rounds += 1
+        if not result["ok"]:
+            result["round_seed"] = chosen_seed + rounds - 1
+            return {**result, "checked": checked}
+        checked += result["checked"]
+    return {"ok": True, "checked": checked, "rounds": rounds}
+
+
 def regressions(sources: list[str]) -> dict[str, Any]:
     """Programs given as their `Program.source`, each checked as a drawn one is."""
     failures = []
@@ -327,6 +350,9 @@ def regressions(sources: list[str]) -> dict[str, Any]:
 def main() -> int:
     if sys.argv[1] == "--programs":
         result = regressions(json.loads(sys.argv[2]))
+    elif sys.argv[1] == "--seconds":
+        # --seconds S FLOOR SEED
+        result = programs_for(float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
     else:
         result = random_programs(int(sys.argv[1]), int(sys.argv[2]))
     from tapd.emitter import outputs_fast_path
