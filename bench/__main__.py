@@ -76,7 +76,7 @@ SECTIONS = (
         "shm",
         "cpu",
         "6. Same-host subscribers: shared memory vs the socket vs raw pyzmq (1 MiB taps)",
-        "baselines.py",
+        "durability.py",
         full=("shm", "--count", "1000", "--rounds", "5"),
         quick=("shm", "--count", "100", "--rounds", "1"),
     ),
@@ -158,7 +158,7 @@ SECTIONS = (
         on_demand=True,
     ),
     Section("tpu", "tpu", "", "tpu.py", output_flag="--out"),
-    Section("tpu-live", "tpu", "", "tpu_live.py", output_flag="--out"),
+    Section("tpu-live", "tpu", "", "tpu.py", ("live",), ("live", "--quick"), output_flag="--out"),
     Section("gpu", "gpu", "", "gpu-check", output_flag=None),
 )
 

@@ -1,8 +1,11 @@
 """What a tap costs when nobody listens, and how soon a subscriber that joins gets it
-(issue 21): bench/RESULTS.md sections 8 (cost) and 14 (attach).
+(issue 21): bench/RESULTS.md sections 8 (cost) and 14 (attach); and, beside it, what a tap
+costs that is copied (`probe`: bench/run.py's section 4 runs it, one process a backend).
 
     python bench/dormant.py [--quick] [--output PATH]          # cost
     python bench/dormant.py attach [--repeats 10] [--output PATH]
+    python bench/dormant.py probe --endpoint ipc://... --backend native|portable
+        [--steps 2000] [--repeats 7] [--isolation-steps 100]
 
 Per step of a jitted `fori_loop` carrying a 64-float vector, a 64 B vector and a 1 MiB
 array: (a) no tap; (b) a woken 1 MiB tap (a subscriber takes it); (c) a dormant 1 MiB
@@ -24,6 +27,14 @@ Then a subscriber in this process connects (its hello goes out in `connect()`) a
 until its first tap; the time from just before `connect()` to that tap's handler is the
 attach latency. It leaves (bye), the daemon makes the site dormant again, and the next
 repeat starts. Median (min-max) over REPEATS per row.
+
+Probe (TAPD_DORMANT=0: no subscriber takes its taps, yet each is copied): per payload
+size, a jitted `fori_loop` of N steps updating a float32 vector of that size, untapped,
+tapped with `tapd.tap` (ordered and not), and with a no-op `jax.debug.callback`,
+interleaved and repeated (the added µs per step is the tap's cost); beside it, numpy
+copying the same bytes, hot and rotating through a 256 MB destination as the ring does.
+Isolation: a step of eight 128x128 matmuls, untapped vs tapped while a subscriber (the
+caller's) sleeps 10 ms per tap and the ring has room. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -112,11 +123,9 @@ def child(backend: str, steps: dict[str, tuple[int, ...]], repeats: int) -> dict
 
             return jax.jit(lambda c, n: lax.fori_loop(0, n, body, c))
 
-        carry = (
-            jnp.zeros(64, jnp.float32),
-            jnp.zeros(16, jnp.float32),  # 64 B
-            jnp.zeros(MIB // 4, jnp.float32),  # 1 MiB
-        )
+        # the 64-float vector, 64 B, 1 MiB
+        carry = (jnp.zeros(64, jnp.float32), jnp.zeros(16, jnp.float32),
+                 jnp.zeros(MIB // 4, jnp.float32))  # fmt: skip
         loops = {v.key: loop(v) for v in VARIANTS}
         for function in loops.values():  # compile (registers the sites), warm up
             jax.block_until_ready(function(carry, 3))
@@ -138,9 +147,8 @@ def child(backend: str, steps: dict[str, tuple[int, ...]], repeats: int) -> dict
                     started = time.perf_counter()
                     jax.block_until_ready(loops[variant.key](carry, n))
                     jax.effects_barrier()
-                    seconds.setdefault(variant.key, {}).setdefault(n, []).append(
-                        time.perf_counter() - started
-                    )
+                    took = time.perf_counter() - started
+                    seconds.setdefault(variant.key, {}).setdefault(n, []).append(took)
                     if variant.woken:  # drained before the next one: no blocking measured
                         tapd.barrier_wait(timeout=120)
         stats = tapd.stats()
@@ -155,9 +163,8 @@ def plan(backend: str, quick: bool) -> tuple[dict[str, tuple[int, ...]], int]:
     scale = 4 if quick else 1
     many = 20000 if backend == "native" else 2000  # portable: a host callback per step
     steps = {"a": (many,), "b": (200,), "c": (many,), "d": (many,), "e": (2000, 20000)}
-    return {k: tuple(max(100, n // scale) for n in v) for k, v in steps.items()}, (
-        3 if quick else 7
-    )
+    repeats = 3 if quick else 7
+    return {k: tuple(max(100, n // scale) for n in v) for k, v in steps.items()}, repeats
 
 
 def us_per_step(seconds: dict[str, dict[str, list[float]]], key: str, n: int, best: bool) -> float:
@@ -183,26 +190,15 @@ def table_for(
             added[variant.key] = best - base_best
             if variant.key == "e":
                 added_at[n] = best - base_best
-            rows.append(
-                [
-                    f"({variant.key}) {variant.label}",
-                    str(n),
-                    number(best, 3),
-                    number(typical, 3),
-                    "-" if variant.key == "a" else number(best - base_best, 3),
-                    "-" if variant.key == "a" else number(typical - base_typical, 3),
-                    "-" if variant.key == "a" else f"{best / base_best:.2f}x",
-                ]
-            )
-    header = [
-        "variant",
-        "steps",
-        "µs/step, min",
-        "µs/step, median",
-        "added, min",
-        "added, median",
-        "vs (a), min",
-    ]
+            plain = variant.key == "a"
+            rows.append([
+                f"({variant.key}) {variant.label}", str(n), number(best, 3), number(typical, 3),
+                "-" if plain else number(best - base_best, 3),
+                "-" if plain else number(typical - base_typical, 3),
+                "-" if plain else f"{best / base_best:.2f}x",
+            ])  # fmt: skip
+    header = ["variant", "steps", "µs/step, min", "µs/step, median", "added, min",
+              "added, median", "vs (a), min"]  # fmt: skip
     copy = added["b"]
     if backend != "native":
         # Issue 21: here the saving is the copy only; JAX's host callback (and the
@@ -374,14 +370,9 @@ def measure(processes: Processes, size: int, interval: float, repeats: int) -> l
     processes.stop(job)
     target = max(50.0, interval)
     worst = max(latencies) * 1e3
-    return [
-        size_name(size),
-        f"{interval:g}",
-        with_spread(latencies, 1e3),
-        with_spread(from_connect, 1e3),
-        f"{target:g}",
-        "yes" if worst <= target else f"no (max {worst:.1f})",
-    ]
+    return [size_name(size), f"{interval:g}", with_spread(latencies, 1e3),
+            with_spread(from_connect, 1e3), f"{target:g}",
+            "yes" if worst <= target else f"no (max {worst:.1f})"]  # fmt: skip
 
 
 def skipped(processes: Processes) -> int:
@@ -390,7 +381,7 @@ def skipped(processes: Processes) -> int:
 
 
 def attach(args: argparse.Namespace) -> None:
-    repeats = 3 if args.quick else args.repeats
+    repeats = 3 if args.quick else (args.repeats or 10)
     machine = machine_description()
     machine.append(("tapd revision", code_revision(BENCH_DIR.parent)))
     started = time.monotonic()
@@ -406,44 +397,190 @@ def attach(args: argparse.Namespace) -> None:
             processes.stop_all()
     machine.append(("load average at end", load_average()))
     machine.append(("wall time", f"{time.monotonic() - started:.0f} s"))
-    text = "\n\n".join(
-        [
-            "# Attach latency: a subscriber joining a running job whose tap site is dormant",
-            table(["", ""], machine),
-            "Reproduce: `.venv/bin/python bench/dormant.py attach`",
-            f"{repeats} attaches per row. Attach: from the moment the subscriber's "
-            "hello went out to its handler's first call for the site (and, beside it, from "
-            "the start of `connect()`, which first makes the connection); before each, the "
-            "site is dormant (the daemon wrote EVERY_DORMANT and the ring counts skipped "
-            "taps). Median (min-max), ms. Target: 50 ms from the hello, or one step "
-            "interval where that is longer. Taken on a shared 2-core machine under load "
-            "from other work. Method: bench/dormant.py's docstring (Attach).",
-            table(
-                [
-                    "tap",
-                    "step interval ms",
-                    "attach ms (from hello)",
-                    "from connect() ms",
-                    "target ms",
-                    "within target",
-                ],
-                rows,
-            ),
-        ]
-    )
+    header = ["tap", "step interval ms", "attach ms (from hello)", "from connect() ms",
+              "target ms", "within target"]  # fmt: skip
+    text = "\n\n".join([
+        "# Attach latency: a subscriber joining a running job whose tap site is dormant",
+        table(["", ""], machine),
+        "Reproduce: `.venv/bin/python bench/dormant.py attach`",
+        f"{repeats} attaches per row. Attach: from the moment the subscriber's "
+        "hello went out to its handler's first call for the site (and, beside it, from "
+        "the start of `connect()`, which first makes the connection); before each, the "
+        "site is dormant (the daemon wrote EVERY_DORMANT and the ring counts skipped "
+        "taps). Median (min-max), ms. Target: 50 ms from the hello, or one step "
+        "interval where that is longer. Taken on a shared 2-core machine under load "
+        "from other work. Method: bench/dormant.py's docstring (Attach).",
+        table(header, rows),
+    ])  # fmt: skip
     publish(text + "\n", args.output)
+
+
+# ---- the probe: what a tap that is copied costs (bench/run.py's section 4) ------------------
+
+RING_BYTES = 256 * 10**6
+
+
+def copied_loop(size: int, steps: int, mode: str, consumer: str) -> Callable[[Any], Any]:
+    import jax
+    from jax import lax
+
+    import tapd
+    from tapd.emitter import tapping
+
+    def body(i: jax.Array, x: jax.Array) -> jax.Array:
+        x = x * 0.999 + 0.001
+        if mode in ("tap", "tap_unordered"):
+            tapping.ordered_taps = mode == "tap"  # read while jit traces the body
+            tapd.tap(x, consumer)
+            tapping.ordered_taps = True
+        elif mode == "callback":
+            jax.debug.callback(lambda v: None, x)
+        return x
+
+    return jax.jit(lambda x: lax.fori_loop(0, steps, body, x))
+
+
+def timed(function: Callable[[Any], Any], x: Any) -> float:
+    import jax
+
+    started = time.perf_counter()
+    function(x).block_until_ready()
+    jax.effects_barrier()
+    return time.perf_counter() - started
+
+
+def memcpy_us(size_bytes: int, count: int) -> tuple[float, float]:
+    """(hot, rotating) µs to copy `size_bytes` with numpy."""
+    import numpy as np
+
+    source = np.ones(size_bytes // 4, np.float32)
+    hot = np.empty_like(source)
+    started = time.perf_counter()
+    for _ in range(count):
+        np.copyto(hot, source)
+    hot_us = (time.perf_counter() - started) / count * 1e6
+    ring = np.ones(RING_BYTES // 4, np.float32)  # written once: no page faults below
+    position = 0
+    started = time.perf_counter()
+    for _ in range(count):
+        if position + source.size > ring.size:
+            position = 0
+        ring[position : position + source.size] = source
+        position += source.size
+    return hot_us, (time.perf_counter() - started) / count * 1e6
+
+
+def per_tap_cost(sizes: list[int], steps: int, repeats: int) -> list[dict[str, Any]]:
+    import jax.numpy as jnp
+
+    import tapd
+
+    rows = []
+    for size_bytes in sizes:
+        x = jnp.zeros(size_bytes // 4, jnp.float32)
+        modes = {m: copied_loop(x.size, steps, m, f"overhead.{size_bytes}")
+                 for m in ("none", "tap", "tap_unordered", "callback")}  # fmt: skip
+        for function in modes.values():
+            timed(function, x)  # compile and warm up
+        samples: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(repeats):
+            for mode, function in modes.items():  # interleaved: shared noise
+                samples[mode].append(timed(function, x) / steps * 1e6)
+        tapd.barrier_wait(timeout=600)
+        mid = {m: median(v) for m, v in samples.items()}
+        hot, rotating = memcpy_us(size_bytes, max(50, min(steps, 2000)))
+        rows.append({
+            "bytes": size_bytes, "untapped_us": mid["none"],
+            "tap_added_us": mid["tap"] - mid["none"],
+            "unordered_tap_added_us": mid["tap_unordered"] - mid["none"],
+            "callback_added_us": mid["callback"] - mid["none"],
+            "memcpy_hot_us": hot, "memcpy_rotating_us": rotating,
+        })  # fmt: skip
+    return rows
+
+
+def isolation(steps: int, repeats: int) -> dict[str, Any]:
+    """A ~400 µs step: untapped, tapped into a subscriber that sleeps 10 ms per tap, and
+    with a no-op `jax.debug.callback` of the same value in the tap's place."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import tapd
+
+    weights = jnp.full((128, 128), 0.01, jnp.float32)
+
+    def make(mode: str) -> Callable[[jax.Array], jax.Array]:
+        def body(i: jax.Array, x: jax.Array) -> jax.Array:
+            for _ in range(8):
+                x = jnp.tanh(x @ weights)
+            if mode == "tap":
+                tapd.tap(x[0, :4], "overhead.isolation")
+            elif mode == "callback":
+                jax.debug.callback(lambda v: None, x[0, :4])
+            return x
+
+        return jax.jit(lambda x: lax.fori_loop(0, steps, body, x))
+
+    x = jnp.ones((128, 128), jnp.float32)
+    variants = {mode: make(mode) for mode in ("none", "tap", "callback")}
+    for function in variants.values():
+        timed(function, x)
+    tapd.barrier_wait(timeout=600)
+    samples: dict[str, list[float]] = {mode: [] for mode in variants}
+    vs_untapped, vs_callback = [], []
+    for _ in range(repeats):
+        seconds = {mode: timed(function, x) for mode, function in variants.items()}
+        for mode, value in seconds.items():
+            samples[mode].append(value / steps * 1e6)
+        vs_untapped.append(seconds["tap"] / seconds["none"])
+        vs_callback.append(seconds["tap"] / seconds["callback"])
+    started = time.perf_counter()
+    tapd.barrier_wait(timeout=600)
+    return {
+        "steps": steps, "untapped_us": median(samples["none"]),
+        "tapped_us": median(samples["tap"]), "callback_us": median(samples["callback"]),
+        "ratio": median(vs_untapped), "vs_callback": median(vs_callback),
+        "barrier_s": time.perf_counter() - started,
+    }  # fmt: skip
+
+
+def probe(args: argparse.Namespace) -> None:
+    import tapd
+
+    os.environ["TAPD_DORMANT"] = "0"  # (read when the emitter starts, at its first tap)
+    tapd.configure(endpoint=args.endpoint, backend=args.backend, policy="block")
+    repeats = args.repeats or 7
+    result = {
+        "backend": args.backend,
+        "per_tap": per_tap_cost([64, 64 * 1024, 1024 * 1024], args.steps, repeats),
+        "isolation": isolation(args.isolation_steps, repeats),
+        "stats": tapd.stats(),
+    }
+    assert tapd.backend() == args.backend
+    print(json.dumps(result), flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("measure", nargs="?", choices=["cost", "attach"], default="cost",
-                        help="cost (the default) or attach latency")  # fmt: skip
+    parser.add_argument("measure", nargs="?", choices=["cost", "attach", "probe"],
+                        default="cost", help="cost (the default), attach latency, or "
+                        "the probe of one backend (run.py's section 4)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="fewer steps, repeats, attaches")
-    parser.add_argument("--repeats", type=int, default=10, help="attach: attaches per row")
+    parser.add_argument("--repeats", type=int,
+                        help="attach: attaches per row (10); probe: repeats (7)")  # fmt: skip
     parser.add_argument("--output", type=Path, help="also write the report here")
     parser.add_argument("--child", choices=["native", "portable"], help=argparse.SUPPRESS)
+    parser.add_argument("--endpoint", help="probe: the daemon to tap into")
+    parser.add_argument("--backend", choices=["native", "portable"], help="probe: its backend")
+    parser.add_argument("--steps", type=int, default=2000, help="probe: steps a loop")
+    parser.add_argument("--isolation-steps", type=int, default=100, help="probe")
     args = parser.parse_args()
-    if args.child:
+    if args.measure == "probe":
+        if not (args.endpoint and args.backend):
+            parser.error("probe needs --endpoint and --backend")
+        probe(args)
+    elif args.child:
         steps, repeats = plan(args.child, args.quick)
         print(json.dumps(child(args.child, steps, repeats)), flush=True)
     elif args.measure == "attach":

@@ -1,14 +1,31 @@
-"""Taps kept on disk, each beside what it stands in for: `tapd record`'s throughput beside
-the plain subscriber's (1 MiB taps), and the `spool` policy beside `block` and
-`drop_newest` with a subscriber slower than the emitter, with the spool's own write and
-read rates: bench/RESULTS.md sections 15 (record) and 16 (spool).
+"""Subscribers other than the plain one on the socket, each beside what it stands in for:
+one reading the ring from shared memory beside one reading the socket, raw pyzmq and a
+memcpy (shm); `tapd record`'s throughput beside the plain subscriber's (1 MiB taps); and
+the `spool` policy beside `block` and `drop_newest` with a subscriber slower than the
+emitter, with the spool's own write and read rates: bench/RESULTS.md sections 6 (shm),
+15 (record) and 16 (spool).
 
+    .venv/bin/python bench/durability.py shm [--size BYTES] [--count N] [--rounds R]
     .venv/bin/python bench/durability.py record [--quick] [--output PATH]
     .venv/bin/python bench/durability.py spool [--quick] [--output PATH]
 
+Shm: One daemon (policy block) with two subscriber processes of one consumer each would split
+nothing (each gets every tap), so each path has a daemon of its own: one whose
+subscriber reads ring taps from shared memory (the default), one whose subscriber has
+TAPD_SHM_SUBSCRIBERS=0 (the bytes over the socket). A JAX process (native backend) taps
+a `size`-byte float32 array `count` times in one jitted loop (as bench/run.py, section
+2, does); the time is from its first tap until `barrier_wait()` returns, i.e. until the
+subscriber's handler (a no-op per tap, under the default: the leaves copied into the
+subscriber's memory first) has handled every tap. Raw pyzmq: bench/throughput.py's
+PUSH/PULL between two processes over ipc. One memcpy: numpy copying `size`-byte blocks
+between two 256 MiB regions (neither cache-resident). Each round runs all of them once,
+so that the machine's load falls on each alike; the table gives the median (min-max) of
+the rounds. (JAX is imported where it is used: the processes this module starts again,
+the pyzmq consumer and the shm subscriber, need none.)
+
 Record. One daemon; this process is the JAX emitter (as in bench/run.py §2: a jitted fori_loop
 tapping a 1 MiB float32 array `count` times, timed from dispatch to `barrier_wait()`).
-Two consumers: one handled by bench/subscriber_sink.py (a no-op handler: the end-to-end
+Two consumers: one handled by `bench/processes.py sink` (a no-op handler: the end-to-end
 rate of bench/RESULTS.md §2), one by a `tapd record DIR` process writing to local disk.
 Each repeat times both, in alternating order. For the recorder, "on disk" is also timed:
 until every tap of the repeat is in a complete chunk (npz + index renamed into place;
@@ -16,7 +33,7 @@ written through the page cache, no fsync). The recording is emptied between repe
 
 Spool. The emitter's buffer (its ring) is 8 MiB, so that what a policy does shows in the step.
 Per policy, one daemon (`--policy P --queue-bytes 4 MB`, spool on local disk), one sink
-(bench/subscriber_sink.py) whose handler sleeps 1 ms per tap, and this process as the
+(`processes.py sink`) whose handler sleeps 1 ms per tap, and this process as the
 JAX emitter: a jitted fori_loop tapping a 64 KiB float32 array `count` times. Timed:
 - the loop: from dispatch until the computation is done (`block_until_ready` and
   `jax.effects_barrier()`: every tap has run), as a training step sees it. Divided by
@@ -30,29 +47,30 @@ and `Spool.take` on 64 KiB and 1 MiB records (through the page cache, no fsync).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from processes import BENCH_DIR, Processes, wait_until
+from processes import BENCH_DIR, Processes, read_line, wait_until
 from report import (
     code_revision,
     load_average,
     machine_description,
     median,
     publish,
+    size_name,
     table,
     with_spread,
 )
-from run import configure_emitter, payload_loop, time_tapd_throughput
+from throughput import configure_emitter, payload_loop, time_tapd_throughput, zmq_producer
 
 import tapd
 from tapd.clients import control
@@ -85,6 +103,8 @@ def empty(directory: Path) -> None:
 
 
 def record(args: argparse.Namespace) -> None:
+    import jax.numpy as jnp
+
     repeats, count = (2, 100) if args.quick else (7, 500)
     output = args.output
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -169,7 +189,10 @@ def record(args: argparse.Namespace) -> None:
     publish(text, output)
 
 
-def tapping_loop(tapped: bool) -> jax.stages.Wrapped:
+def tapping_loop(tapped: bool) -> Callable[..., Any]:
+    import jax
+    from jax import lax
+
     def body(i: jax.Array, x: jax.Array) -> jax.Array:
         if tapped:
             tapd.tap(x, CONSUMER, step=i)
@@ -179,6 +202,9 @@ def tapping_loop(tapped: bool) -> jax.stages.Wrapped:
 
 
 def run_policy(policy: str, repeats: int, count: int, workdir: Path) -> dict[str, object]:
+    import jax
+    import jax.numpy as jnp
+
     procs = Processes(workdir)
     spool_dir = workdir / "spool"
     try:
@@ -295,17 +321,199 @@ def spool(args: argparse.Namespace) -> None:
     publish(text, output)
 
 
+# ---- same-host subscribers (shm): the child processes --------------------------------------------
+
+
+def subscriber(endpoint: str) -> None:
+    """A per-tap no-op handler; prints how many taps it read from rings at exit."""
+    from tapd_client import Subscriber
+
+    sub = Subscriber(endpoint, name="bench-shm")
+    handled = [0]
+
+    @sub.on("big")
+    def handle(value: Any, meta: Any) -> None:
+        handled[0] += 1
+
+    signal.signal(signal.SIGTERM, lambda *_: sub.stop())
+    with sub:
+        sub.run()
+    print(json.dumps({"handled": handled[0], "ring_taps": sub.ring_taps}), flush=True)
+
+
+def emitter(size: int, count: int) -> None:
+    """Tap `count` times; print the seconds until all were handled."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    import tapd
+
+    def body(i: Any, x: Any) -> Any:
+        tapd.tap(x, "big", step=i)
+        return x
+
+    # All `count` taps in one call, as bench/run.py's section 2 taps: what is timed is
+    # the delivery, not JAX's dispatch of one call per tap (tens of µs each).
+    loop = jax.jit(lambda x, n: lax.fori_loop(0, n, body, x)[0])
+    x = jnp.arange(size // 4, dtype=jnp.float32)
+    loop(x, 2).block_until_ready()
+    tapd.barrier_wait(timeout=120)
+    started = time.perf_counter()
+    loop(x, count)
+    tapd.barrier_wait(timeout=300)
+    print(json.dumps({"seconds": time.perf_counter() - started}), flush=True)
+
+
+# ---- same-host subscribers (shm): measuring ------------------------------------------------------
+
+
+class Route:
+    """One daemon and its subscriber, reading through rings or not."""
+
+    def __init__(self, workdir: Path, shm: bool) -> None:
+        workdir.mkdir(mode=0o700)
+        self.processes = Processes(workdir)
+        self.processes.start_daemon(flags=["--startup-grace", "0"])
+        self.endpoint = self.processes.endpoint
+        env = {**os.environ, "TAPD_SHM_SUBSCRIBERS": "1" if shm else "0"}
+        self.sub = self.processes.spawn(
+            [sys.executable, __file__, "shm", "--role", "subscriber", self.endpoint],
+            env=env,
+            log=workdir / "sub.log",
+        )
+        wait_until(
+            lambda: self.processes.daemon_stats()["subscribers"] or self.sub.poll() is not None,
+            "the subscriber to connect",
+        )
+
+    def run(self, size: int, count: int) -> tuple[float, float]:
+        """Seconds for `count` taps, and the daemon's CPU seconds meanwhile."""
+        env = {**os.environ, "TAPD_ENDPOINT": self.endpoint, "TAPD_BACKEND": "native"}
+        cpu = self.processes.daemon_cpu_seconds()
+        process = self.processes.spawn(
+            [sys.executable, __file__, "shm", "--role", "emitter", str(size), str(count)],
+            env=env,
+            log=self.processes.workdir / "emitter.log",
+        )
+        line = read_line(process, 600)
+        self.processes.stop(process)
+        if not line.startswith("{"):
+            log = (self.processes.workdir / "emitter.log").read_text()
+            raise RuntimeError(f"emitter failed: {line!r}\n{log}")
+        return json.loads(line)["seconds"], self.processes.daemon_cpu_seconds() - cpu
+
+    def close(self) -> dict[str, Any]:
+        """Stop both; what the subscriber said at exit."""
+        self.sub.send_signal(signal.SIGTERM)
+        out = self.sub.communicate(timeout=30)[0].decode()
+        self.processes.stop_all()
+        return dict(json.loads(out.splitlines()[-1])) if out.strip() else {}
+
+
+def memcpy_seconds(size: int, count: int) -> float:
+    """`count` copies of `size` bytes, source and destination each walking through its
+    own 256 MiB (neither stays in a cache): one core's memcpy bandwidth."""
+    region = 256 * 2**20
+    source = np.ones(region // 8, np.float64).view(np.uint8)
+    destination = np.ones(region // 8, np.float64).view(np.uint8)
+    blocks = region // size
+    started = time.perf_counter()
+    for i in range(count):
+        offset = (i % blocks) * size
+        np.copyto(destination[offset : offset + size], source[offset : offset + size])
+    return time.perf_counter() - started
+
+
+def same_host(args: argparse.Namespace) -> None:
+    if args.role == "subscriber":
+        return subscriber(args.args[0])
+    if args.role == "emitter":
+        return emitter(int(args.args[0]), int(args.args[1]))
+    size, count = args.size, args.count
+    workdir = Path(tempfile.mkdtemp(prefix="tapd-shm-", dir="/tmp"))
+    os.chmod(workdir, 0o700)
+    results: dict[str, list[float]] = {"shm": [], "socket": [], "zmq": [], "memcpy": []}
+    cpu: dict[str, list[float]] = {"shm": [], "socket": []}
+    paths = {"shm": Route(workdir / "shm", True), "socket": Route(workdir / "socket", False)}
+    try:
+        for round_ in range(args.rounds):
+            for name, path in paths.items():
+                seconds, daemon_cpu = path.run(size, count)
+                results[name].append(seconds)
+                cpu[name].append(daemon_cpu)
+            results["zmq"].append(zmq_producer(f"ipc://{workdir}/z{round_}.sock", size, count))
+            results["memcpy"].append(memcpy_seconds(size, count))
+            print(
+                f"round {round_ + 1}: "
+                + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in results.items())
+            )
+        seen = {name: path.close() for name, path in paths.items()}
+    finally:
+        for path in paths.values():
+            path.processes.stop_all()
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert seen["shm"].get("ring_taps", 0) > 0, f"the shm subscriber read no ring taps: {seen}"
+    assert seen["socket"].get("ring_taps", 1) == 0, f"the socket subscriber read rings: {seen}"
+
+    def gbps(name: str) -> list[float]:
+        return [size * count / s / 1e9 for s in results[name]]
+
+    medians = {name: float(np.median(gbps(name))) for name in results}
+    rows = []
+    for name, what in [
+        ("shm", "tapd, subscriber reads the ring (shared memory)"),
+        ("socket", "tapd, bytes over the socket (TAPD_SHM_SUBSCRIBERS=0)"),
+        ("zmq", "raw pyzmq PUSH/PULL, ipc"),
+        ("memcpy", "one memcpy (numpy copyto), one core"),
+    ]:
+        per_tap = (
+            with_spread([c / count * 1e6 for c in cpu[name]], digits=0) if name in cpu else "-"
+        )
+        rows.append(
+            [
+                what,
+                with_spread(gbps(name)),
+                f"{medians[name] / medians['zmq']:.2f}",
+                f"{medians[name] / medians['memcpy']:.2f}",
+                per_tap,
+            ]
+        )
+    header = ["path", "GB/s", "÷ raw pyzmq", "÷ memcpy", "daemon CPU µs/tap"]
+    machine = "\n".join(f"- {what}: {value}" for what, value in machine_description())
+    text = f"""# Same-host subscribers: shared memory vs socket vs raw pyzmq
+
+`python bench/durability.py shm --size {size} --count {count} --rounds {args.rounds}`:
+{size_name(size)} taps, {count} per run, {args.rounds} rounds; median (min-max) of the rounds.
+Each round runs every row once, one after the other. tapd rows: from a JAX process's
+first tap (native backend, one jitted loop, policy block) until `barrier_wait()` returned,
+every tap handled by a per-tap no-op handler in another process (shared memory: the
+leaves copied into the subscriber's memory before the call, the default). Subscribers:
+{seen}.
+
+{table(header, rows)}
+
+Code: {code_revision(BENCH_DIR.parent)}. The machine is shared (other engineers' builds and tests
+ran meanwhile): the ratios of one run are what to compare, not the absolute figures.
+
+{machine}
+"""
+    publish(text, args.output)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("measure", choices=["record", "spool"])
+    parser.add_argument("measure", choices=["shm", "record", "spool"])
     parser.add_argument("--quick", action="store_true",
                         help="record: 2 repeats of 100 taps; spool: 1 repeat of 500")  # fmt: skip
     parser.add_argument("--output", type=Path, help="also write the report here")
-    args = parser.parse_args()
-    if args.measure == "record":
-        record(args)
-    else:
-        spool(args)
+    parser.add_argument("--size", type=int, default=2**20, help="shm: bytes a tap")
+    parser.add_argument("--count", type=int, default=1000, help="shm: taps a run")
+    parser.add_argument("--rounds", type=int, default=3, help="shm: rounds of every row")
+    parser.add_argument("--role", choices=["subscriber", "emitter"], help=argparse.SUPPRESS)
+    parser.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_intermixed_args()  # (shm's roles: `shm --role R ARGS...`)
+    {"shm": same_host, "record": record, "spool": spool}[args.measure](args)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ says hello to the new daemon, which reads the ring from what was released. The
 upstream's RSS and open file descriptors are sampled throughout. At the end every
 count is checked: distinct taps delivered + counted lost == sent, per generator.
 
-Subcommands used as child processes: `generate` (a load generator, driven on stdin) and
-`count` (the upstream's subscriber, writing what it saw at SIGTERM).
+Its child processes are bench/processes.py's: `processes.py generate` (a load generator,
+driven on stdin) and `processes.py count` (the upstream's subscriber, writing what it saw
+at SIGTERM); `fanin.py generate` and `fanin.py count` run the same (tests/test_fanin.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -45,168 +45,26 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from processes import Processes, read_line, wait_until  # noqa: E402
+from processes import (  # noqa: E402
+    RUN_TIMEOUT,
+    Processes,
+    count,
+    cpu_seconds,
+    generate,
+    proc_status,
+    read_line,
+    wait_until,
+)
 
 from tapd.clients import control  # noqa: E402
 
 READY_TIMEOUT = 120.0  # 33 daemons start on 2 shared cores: imports take a while
-RUN_TIMEOUT = 300.0
 STATS_TIMEOUT = 60.0
 SETTLE_TIMEOUT = 90.0  # the upstream forgets a silent forwarder after 3 x its timeout
-CONSUMERS = "fanin.*"
-# What the daemons said became of an emitter's taps (tapd.emitter.sender.SenderStats).
-DAEMON_FIGURES = ("delivered", "daemon_dropped", "unrouted", "unknown")
-
-
-# ---- child: the load generator -----------------------------------------------------------
-
-
-def generate(args: argparse.Namespace) -> None:
-    """Write taps into this process's ring as the FFI handler does. Commands on stdin:
-    `run CONSUMER SIZE SECONDS RATE RING_BYTES` (RATE 0: as fast as the ring takes them)
-    answers one JSON line once barrier_wait has returned; `quit` exits. A ring of another
-    size is a new emitter (ring, sites file, hello), as a restarted job's would be."""
-    import numpy as np
-
-    from tapd.emitter.native_backend import NativeEmitter
-    from tapd.emitter.sender import Sender
-    from tapd.emitter.settings import from_environment
-    from tapd.native import library
-    from tapd.native.ring import NO_STEP
-    from tapd.runtime import ring_dir_for
-
-    directory = ring_dir_for(args.endpoint)
-    assert directory is not None, "the generator needs an ipc:// endpoint"
-    lib = library.load()
-    assert lib is not None
-    emitter: tuple[int, NativeEmitter, Sender] | None = None  # (ring bytes, ring, sender)
-
-    def connect(ring_bytes: int) -> tuple[int, NativeEmitter, Sender]:
-        """A ring of `ring_bytes` (a new one if the size changes) and its Sender."""
-        if emitter is not None:
-            if emitter[0] == ring_bytes:
-                return emitter
-            emitter[2].close(timeout=10.0)
-            emitter[1].remove_files()
-        settings = from_environment(
-            endpoint=args.endpoint, policy="block", backend="native", buffer_bytes=ring_bytes
-        )
-        native = NativeEmitter(directory, ring_bytes, "block")
-        return ring_bytes, native, Sender(settings, native=native)
-
-    print(json.dumps({"ready": os.getpid()}), flush=True)
-    for line in sys.stdin:
-        words = line.split()
-        if not words or words[0] == "quit":
-            break
-        consumer, size, seconds, rate = words[1], int(words[2]), float(words[3]), float(words[4])
-        emitter = connect(int(words[5]))
-        _, native, sender = emitter
-        handle = native.ring.handle
-        fields = {"tree": ["*"], "meta": {}, "transforms": []}
-        site = native.register_site(consumer, fields, [["uint8", [size], size]])
-        consumer_id = native.consumer_id(consumer)
-        payload = np.arange(size, dtype=np.uint8).tobytes()
-        before, stats_before = native.ring.counters(), sender.stats()
-        start = time.monotonic()
-        end = start + seconds
-        written = 0
-        while True:
-            now = time.monotonic()
-            if now >= end:
-                break
-            due = 256 if rate <= 0 else min(256, int((now - start) * rate) - written)
-            if due <= 0:
-                time.sleep(0.005)
-                continue
-            for _ in range(due):
-                lib.tapd_ring_write(handle, site, consumer_id, 0, NO_STEP, payload, size)
-            written += due
-        writes_done = time.monotonic()
-        sender.barrier(timeout=RUN_TIMEOUT)
-        done = time.monotonic()
-        after, stats_after = native.ring.counters(), sender.stats()
-        delta = {k: stats_after[k] - stats_before[k] for k in DAEMON_FIGURES}
-        result = {
-            "consumer": consumer,
-            "size": size,
-            "start": start,
-            "writes_done": writes_done,
-            "end": done,
-            "sent": after.taps - before.taps,
-            "dropped": after.dropped - before.dropped,
-            "blocked_ns": after.blocked_ns - before.blocked_ns,
-            **delta,
-        }
-        print(json.dumps(result), flush=True)
-    if emitter is not None:
-        emitter[2].close(timeout=10.0)
-        emitter[1].remove_files()
-
-
-# ---- child: the upstream's subscriber --------------------------------------------------
-
-
-def count(args: argparse.Namespace) -> None:
-    """Subscribe to `fanin.*` with a batch handler; per (emitter, consumer), which seqs
-    arrived (a bitmap), so that a tap delivered twice (at least once, after a forwarder
-    was killed) is counted once and as a duplicate. At SIGTERM, write the counts."""
-    import numpy as np
-
-    from tapd_client import Subscriber, TapBatch
-
-    seen: dict[tuple[str, str], np.ndarray] = {}
-    duplicates: dict[tuple[str, str], int] = {}
-    sizes: dict[str, int] = {}
-
-    def handle(batch: TapBatch) -> None:
-        key = (batch.meta.emitter, batch.consumer)
-        seqs = batch.seq
-        bits = seen.get(key)
-        top = int(seqs.max()) + 1
-        if bits is None or len(bits) < top:
-            grown = np.zeros(max(top, 2 * (0 if bits is None else len(bits)), 1024), bool)
-            if bits is not None:
-                grown[: len(bits)] = bits
-            bits = seen[key] = grown
-        unique = np.unique(seqs)
-        again = len(seqs) - len(unique) + int(bits[unique].sum())
-        if again:
-            duplicates[key] = duplicates.get(key, 0) + again
-        bits[unique] = True
-        sizes[batch.consumer] = int(batch.leaves[0][0].nbytes)
-
-    subscriber = Subscriber(args.endpoint, name="fanin-count")
-    subscriber.add_handler(CONSUMERS, handle, batch=True)
-    signal.signal(signal.SIGTERM, lambda *_: subscriber.stop())
-    with subscriber:
-        subscriber.run()
-    out: dict[str, Any] = {}
-    for (emitter, consumer), bits in seen.items():
-        entry = out.setdefault(consumer, {"distinct": 0, "duplicates": 0, "emitters": []})
-        entry["distinct"] += int(bits.sum())
-        entry["duplicates"] += duplicates.get((emitter, consumer), 0)
-        entry["emitters"].append(emitter)
-        entry["size"] = sizes[consumer]
-    Path(args.result).write_text(json.dumps({"processed": subscriber.processed, "consumers": out}))
+CHILD = [sys.executable, str(BENCH_DIR / "processes.py")]  # its generate and count
 
 
 # ---- the orchestrator ------------------------------------------------------------------
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS, RssAnon, RssShmem (KiB) and the number of open file descriptors of `pid`."""
-    out = {"fds": len(os.listdir(f"/proc/{pid}/fd"))}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "RssAnon", "RssShmem", "RssFile"):
-            out[name] = int(value.split()[0])
-    return out
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Host:
@@ -239,10 +97,7 @@ class Host:
         self.restarts += 1
 
     def start_generator(self) -> None:
-        argv = [
-            sys.executable, str(Path(__file__).resolve()), "generate",
-            "--endpoint", self.daemon.endpoint,
-        ]  # fmt: skip
+        argv = [*CHILD, "generate", "--endpoint", self.daemon.endpoint]
         log = self.directory / "generator.log"
         self.generator = self.daemon.spawn(argv, env=dict(os.environ), log=log)
         line = read_line(self.generator, READY_TIMEOUT)
@@ -301,8 +156,7 @@ def start_fleet(workdir: Path, count_hosts: int) -> Fleet:
     upstream.start_daemon(timeout=READY_TIMEOUT, flags=["--startup-grace", "0"])
     assert upstream._daemon is not None
     result = up / "count.json"
-    argv = [sys.executable, str(Path(__file__).resolve()), "count", "--endpoint",
-            upstream.endpoint, "--result", str(result)]  # fmt: skip
+    argv = [*CHILD, "count", "--endpoint", upstream.endpoint, "--result", str(result)]
     sink = upstream.spawn(argv, env=dict(os.environ), log=up / "count.log")
     wait_until(
         lambda: upstream.daemon_stats()["subscribers"] or sink.poll() is not None,
@@ -655,11 +509,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    if args.command == "generate":
-        generate(args)
-        return 0
-    if args.command == "count":
-        count(args)
+    if args.command in ("generate", "count"):
+        {"generate": generate, "count": count}[args.command](args)
         return 0
     from report import publish
 

@@ -1,6 +1,7 @@
 """tapd on an NVIDIA GPU, one section per process: `bench/gpu-check` runs each with its
 own time limit (a section that fails or hangs leaves the others' figures), then
-`report` turns what they wrote into bench/RESULTS-gpu.md and bench/RESULTS-gpu.json.
+`report` turns what they wrote into bench/RESULTS-gpu.md and bench/RESULTS-gpu.json
+(bench/report.py's `gpu_page`: the targets, and a table a section).
 
     python bench/gpu_bench.py SECTION --results DIR [--quick] [--smoke-on-cpu] [--label L]
     python bench/gpu_bench.py report --results DIR --md OUT.md --json OUT.json
@@ -54,7 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from processes import BENCH_DIR, Processes
-from report import code_revision, machine_description, median, number, size_name, table
+from report import code_revision, gpu_page, machine_description, median, size_name
+from throughput import payload_loop  # (as bench/run.py's section 2 taps)
 
 import tapd
 from tapd.emitter import lifecycle
@@ -198,26 +200,6 @@ def per_tap_cost(
     return rows
 
 
-def cost_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
-    header = ["payload", "steps", "untapped µs/step",
-              *[f"{mode} adds µs" for mode in modes]]  # fmt: skip
-    ratios = [(a, b, title) for a, b, title in (
-        ("tap", "callback", "tap ÷ callback"),
-        ("tap", "bare copy", "tap ÷ bare copy (goal ≤ 1.2)"),
-        ("portable tap", "callback", "portable ÷ callback (goal ≤ 0.3 at 64 B)"),
-    ) if a in modes and b in modes]  # fmt: skip
-    header += [title for _, _, title in ratios]
-    lines = []
-    for row in rows:
-        added = row["added_us"]
-        line = [size_name(row["bytes"]), str(row["steps"]), number(row["untapped_us"]),
-                *[number(added[mode]) for mode in modes]]  # fmt: skip
-        for a, b, _ in ratios:
-            line.append(f"{added[a] / added[b]:.2f}" if added[b] > 0 else "n/a")
-        lines.append(line)
-    return table(header, lines)
-
-
 # ---- 2. isolation -----------------------------------------------------------------------
 
 
@@ -294,17 +276,7 @@ def throughput(procs: Processes, repeats: int, ring_bytes: int) -> list[dict[str
     return rows
 
 
-def payload_loop(name: str) -> Callable[[jax.Array, int], jax.Array]:
-    """jit(x, n -> fori_loop of n steps each tapping `x` as `name`), as bench/run.py."""
-
-    def body(i: jax.Array, x: jax.Array) -> jax.Array:
-        tapd.tap(x, name, step=i)
-        return x
-
-    return jax.jit(lambda x, n: lax.fori_loop(0, n, body, x))
-
-
-# ---- the report -------------------------------------------------------------------------
+# ---- the machine, and a section's run --------------------------------------------------
 
 
 def gpu_description() -> list[tuple[str, str]]:
@@ -491,226 +463,6 @@ def graphs(steps: int, repeats: int, side: int) -> dict[str, Any]:
     return result
 
 
-# ---- the report ---------------------------------------------------------------------------
-
-
-# The sections' result files, in the order the report looks for the environment in.
-SECTIONS = ("cost-64", "cost-1MiB", "cost-64MiB", "isolation", "throughput", "graphs-on")
-
-
-def _environment(results: Path) -> dict[str, Any] | None:
-    """The machine and tapd's state, as the first section that finished saw them."""
-    for name in SECTIONS:
-        found = _load(results, name)
-        if found is not None and "environment" in found:
-            environment: dict[str, Any] = found["environment"]
-            return environment
-    return None
-
-
-def _load(results: Path, name: str) -> dict[str, Any] | None:
-    path = results / f"{name}.json"
-    try:
-        loaded: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return loaded
-
-
-def _costs(results: Path) -> dict[str, Any]:
-    """The cost sections' rows together (one section per size, so that one that hangs
-    leaves the others), with the first one's modes; errors kept by label."""
-    merged: dict[str, Any] = {"rows": [], "modes": None, "errors": {}, "bare_copy_error": None}
-    for path in sorted(results.glob("cost*.json")):
-        found = _load(results, path.stem) or {}
-        merged["rows"] += found.get("rows", [])
-        merged["modes"] = merged["modes"] or found.get("modes")
-        merged["bare_copy_error"] = merged["bare_copy_error"] or found.get("bare_copy_error")
-        if "error" in found:
-            merged["errors"][path.stem] = found["error"]
-    merged["rows"].sort(key=lambda row: row["bytes"])
-    return merged
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a is not None and b is not None and b > 0 else None
-
-
-def figures(results: Path) -> dict[str, Any]:
-    """The targets of issue 17 as ratios (None where not measured), and where from."""
-    cost = _costs(results)
-    rows = {row["bytes"]: row["added_us"] for row in cost.get("rows", [])}
-
-    def added(size: int, mode: str) -> float | None:
-        value = rows.get(size, {}).get(mode)
-        return float(value) if value is not None else None
-
-    iso = _load(results, "isolation") or {}
-    gpu = {r["bytes"]: r for r in (_load(results, "throughput") or {}).get("rows", [])}
-    cpu = {r["bytes"]: r for r in (_load(results, "throughput-cpu") or {}).get("rows", [])}
-    environment = _environment(results) or {}
-    return {
-        "tap_64B_per_bare_copy": _ratio(added(64, "tap"), added(64, "bare copy")),
-        "tap_1MiB_per_bare_copy": _ratio(added(MiB, "tap"), added(MiB, "bare copy")),
-        "tap_64MiB_per_bare_copy": _ratio(added(64 * MiB, "tap"), added(64 * MiB, "bare copy")),
-        "portable_64B_per_callback": _ratio(added(64, "portable tap"), added(64, "callback")),
-        # issue 21: a dormant tap enqueues no transfer (µs per step, not a ratio)
-        "dormant_1MiB_added_us": added(MiB, "dormant tap"),
-        "isolation_tapped_per_untapped": iso.get("vs_untapped"),
-        "throughput_1MiB_gpu_per_cpu": _ratio(
-            gpu.get(MiB, {}).get("mb_per_s"), cpu.get(MiB, {}).get("mb_per_s")
-        ),
-        "revision": environment.get("revision") or code_revision(BENCH_DIR.parent),
-        "machine": environment.get("machine", "unknown"),
-    }
-
-
-TARGETS = {
-    "tap_64B_per_bare_copy": ("≤", 1.2), "tap_1MiB_per_bare_copy": ("≤", 1.2),
-    "tap_64MiB_per_bare_copy": ("≤", 1.2), "portable_64B_per_callback": ("≤", 0.3),
-    "isolation_tapped_per_untapped": ("≤", 1.1), "throughput_1MiB_gpu_per_cpu": ("≥", 0.8),
-    "dormant_1MiB_added_us": ("≤", 1.0),
-}  # fmt: skip
-
-
-def report(results: Path, md: Path, out_json: Path, log_name: str | None) -> None:
-    found = figures(results)
-    out_json.write_text(json.dumps(found, indent=1) + "\n")
-    lines = ["# tapd on a GPU", "",
-             "Written by `.venv/bin/python -m bench gpu` (`bench/gpu-check`, then "
-             "`bench/gpu_bench.py report`) from one run; raw log: "
-             f"`{log_name or 'bench/gpu-logs/'}`. Ratios compare figures of this run only; "
-             "`bench/RESULTS-gpu.json` has the same ratios.", ""]  # fmt: skip
-    target_rows = []
-    for key, (sense, goal) in TARGETS.items():
-        value = found[key]
-        met = (
-            "not measured"
-            if value is None
-            else ("met" if (value <= goal if sense == "≤" else value >= goal) else "missed")
-        )
-        target_rows.append(
-            [key, "n/a" if value is None else f"{value:.3f}", f"{sense} {goal}", met]
-        )
-    if any((found_ := _load(results, n)) and found_.get("smoke") for n in ("cost-64", "isolation")):
-        lines += ["**A smoke run on a CPU (`--smoke`): it checks the script; its figures "
-                  "mean nothing.**", ""]  # fmt: skip
-    lines += [table(["figure", "value", "goal", ""], target_rows), ""]
-    environment = _environment(results)
-    if environment:
-        lines += [table(["what", "value"], [[k, str(v)] for k, v in environment["rows"]]), ""]
-    lines += _baseline_section(results) + _tests_section(results) + _cost_section(results)
-    lines += _isolation_section(results) + _throughput_section(results)
-    lines += _graphs_section(results)
-    md.write_text("\n".join(lines) + "\n")
-    log(f"wrote {md} and {out_json}")
-
-
-def _failed(name: str, found: dict[str, Any] | None) -> list[str]:
-    if found is None:
-        return ["Not measured: the step did not finish (see the raw log).", ""]
-    if "error" in found:
-        return ["The step failed:", "", "```", found["error"].strip()[-3000:], "```", ""]
-    return []
-
-
-def _baseline_section(results: Path) -> list[str]:
-    lines = ["## 1. Commit variants without JAX (bench/gpu_baseline.cc)", "",
-             "A 1 MiB memset, a 64 B copy into mapped pinned memory, then the commit, per "
-             "iteration.", ""]  # fmt: skip
-    found = _load(results, "baseline")
-    if found is None or not found.get("variants"):
-        return [*lines, *(_failed("baseline", found) or ["No figures.", ""])]
-    rows = [[v["variant"], str(v["iterations"]), number(v["gpu_us_per_iter"]),
-             number(v["wall_us_per_iter"]), str(v["commits_seen"]), str(v["out_of_order"]),
-             str(v["data_after_flag"]), v.get("note", "")] for v in found["variants"]]  # fmt: skip
-    return [*lines, table(["commit", "iterations", "GPU µs/iter", "wall µs/iter", "seen",
-                           "out of order", "data after flag", "note"], rows), ""]  # fmt: skip
-
-
-def _tests_section(results: Path) -> list[str]:
-    found = _load(results, "tests") or {}
-    return ["## 2. tests/gpu", "", f"{found.get('summary', 'not run')}", ""]
-
-
-def _cost_section(results: Path) -> list[str]:
-    found = _costs(results)
-    lines = ["## 3. Per-tap cost", ""]
-    for label, error in found["errors"].items():
-        lines += [f"`{label}` failed:", "", "```", error.strip()[-3000:], "```", ""]
-    if not found["rows"]:
-        return [*lines, "Not measured: no cost section finished (see the raw log).", ""]
-    if found.get("bare_copy_error"):
-        lines += [f"The bare copy could not be built: `{found['bare_copy_error']}`", ""]
-    return [
-        *lines,
-        "Added µs per step over the untapped loop; sizes not listed did not "
-        "finish (see the raw log).",
-        "",
-        cost_table(found["rows"], found["modes"]),
-        "",
-    ]
-
-
-def _isolation_section(results: Path) -> list[str]:
-    iso = _load(results, "isolation")
-    lines = ["## 4. Isolation (a subscriber sleeping 10 ms per tap)", ""]
-    if iso is None or "vs_untapped" not in iso:
-        return [*lines, *_failed("isolation", iso)]
-    return [*lines, table(
-        ["steps", "untapped µs/step", "tapped µs/step", "callback µs/step",
-         "tapped ÷ untapped (goal ≤ 1.1)", "tapped ÷ callback", "barrier after (s)", "handled"],
-        [[str(iso["steps"]), number(iso["untapped_us"]), number(iso["tapped_us"]),
-          number(iso["callback_us"]), f"{iso['vs_untapped']:.3f}", f"{iso['vs_callback']:.3f}",
-          f"{iso['barrier_s']:.2f}", str(iso["handled"])]],
-    ), ""]  # fmt: skip
-
-
-def _throughput_section(results: Path) -> list[str]:
-    lines = ["## 5. Throughput to a subscriber (GPU, and this machine's CPU)", ""]
-    rows = []
-    for label, name in (("GPU", "throughput"), ("CPU", "throughput-cpu")):
-        found = _load(results, name)
-        if found is None or "rows" not in found:
-            lines += [f"{label}:", "", *_failed(name, found)]
-            continue
-        rows += [[label, size_name(r["bytes"]), str(r["count"]), number(r["taps_per_s"], 0),
-                  number(r["mb_per_s"], 1), f"{r['handled']} / {r['expected']}"]
-                 for r in found["rows"]]  # fmt: skip
-    if rows:
-        lines += [
-            table(["on", "payload", "taps", "taps/s", "MB/s", "handled / expected"], rows),
-            "",
-        ]
-    return lines
-
-
-def _graphs_section(results: Path) -> list[str]:
-    lines = ["## 6. Command buffers (CUDA graphs): six matmul+tanh steps a loop step", ""]
-    rows = []
-    for label in ("on", "off"):
-        found = _load(results, f"graphs-{label}")
-        if found is None or "us_per_step" not in found:
-            lines += [f"Command buffers {label}:", "", *_failed(label, found)]
-            continue
-        us = found["us_per_step"]
-        rows.append(
-            [
-                label,
-                number(us["none"]),
-                number(us["tap"]),
-                number(us["callback"]),
-                number(us["tap"] - us["none"]),
-                number(us["callback"] - us["none"]),
-            ]
-        )
-    if rows:
-        header = ["command buffers", "untapped µs/step", "tapped µs/step", "callback µs/step",
-                  "tap adds µs", "callback adds µs"]  # fmt: skip
-        lines += [table(header, rows), ""]
-    return lines
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -736,7 +488,7 @@ def main() -> int:
     if args.section == "report":
         if not (args.md and args.json):
             parser.error("report needs --md and --json")
-        report(Path(args.results), Path(args.md), Path(args.json), args.log)
+        gpu_page(Path(args.results), Path(args.md), Path(args.json), args.log)
         return 0
     return run_section(args.section, args)
 

@@ -7,10 +7,9 @@ into bench/RESULTS.md; by hand:
     .venv/bin/python bench/run.py --output PATH   # and writes it to PATH
     .venv/bin/python bench/run.py --quick    # ~1 minute smoke run
     .venv/bin/python bench/run.py --backend portable   # pick tapd's emitter backend
-    .venv/bin/python bench/run.py --throughput-only OUT.json   # section 2 alone (throughput.py)
 
 This process is the JAX emitter. It starts its own tapd daemon on an ipc socket in a
-fresh 0700 directory under /tmp, and one real subscriber process (subscriber_sink.py)
+fresh 0700 directory under /tmp, and one real subscriber process (processes.py sink)
 per consumer name, each waited for through the daemon's own subscriber list. All the
 variants of a measurement run interleaved, repeat after repeat, and every figure is the
 median over the repeats: the machine is small and shared, so compare the ratios taken
@@ -22,18 +21,19 @@ within this one run rather than absolute numbers across runs.
    `jax.effects_barrier()` returns; tapd's `barrier_wait()` is timed separately.
 2. Throughput JAX -> subscriber handler for 64 B, 64 KiB and 1 MiB float32 payloads,
    from the first tap to `barrier_wait()` returning, beside raw pyzmq PUSH/PULL over
-   ipc and a multiprocessing.Queue pipeline moving the same arrays (baselines.py);
-   then 64 B taps handled by a per-tap handler beside a batch handler (TapBatch); with
-   the daemon's CPU (user + system, /proc/<pid>/stat) per tap and per MB around each.
+   ipc and a multiprocessing.Queue pipeline moving the same arrays; then 64 B taps
+   handled by a per-tap handler beside a batch handler (TapBatch); with the daemon's CPU
+   (user + system, /proc/<pid>/stat) per tap and per MB around each. Its code, and the
+   baselines', are throughput.py's (`throughput.py once` runs this section alone).
 3. Delivery latency at a steady, modest tap rate: the handler's `time.time()` minus
    `meta.time` (when the tap ran in the emitter).
-4. Per-tap cost and isolation on each emitter backend (overhead_probe.py, one process
+4. Per-tap cost and isolation on each emitter backend (`dormant.py probe`, one process
    per backend).
 5. Multi-host throughput (multihost.py): taps/s and MB/s reaching one subscriber from
    one JAX process with 4 CPU devices, and from a 2-process `jax.distributed` job with
    4 devices and its own daemon per process, the subscriber following both daemons.
-The benchmarks that run in processes of their own (shm.py, dormant.py, per_call.py, ...)
-are the suite's other sections, each run by bench/__main__.py.
+The benchmarks that run in processes of their own (dormant.py, per_call.py, ...) are the
+suite's other sections, each run by bench/__main__.py.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import multihost
 import numpy as np
+import throughput
 from jax import lax
 from processes import BENCH_DIR, Processes
 from report import (
@@ -73,7 +74,7 @@ from report import (
 import tapd
 
 COMMAND = ".venv/bin/python bench/run.py"
-BARRIER_TIMEOUT = 300.0
+BARRIER_TIMEOUT = throughput.BARRIER_TIMEOUT
 VECTOR = 64  # floats updated per step in the step-time loop
 
 
@@ -82,46 +83,40 @@ class Plan:
     """How much of everything to run."""
 
     step_repeats: int  # step time: cheap, noisy, so many
-    repeats: int  # throughput
+    load: throughput.Load  # throughput (section 2): repeats, taps per size, handler taps
     steps: int  # fori_loop length for the fast variants
     steps_tapd_sleep: int  # fewer: each tap costs the handler `sleep_ms`
     steps_callback_sleep: int  # fewer still: each step costs the loop `sleep_ms`
     sleep_ms: float
-    counts: dict[int, int]  # throughput: payload bytes -> taps (messages) per repeat
     latency: tuple[tuple[float, float], ...]  # (taps per second, seconds) runs
     idle_seconds: float  # watching the daemon's CPU use with no taps
     multihost_repeats: int
     multihost: dict[int, int]  # multi-host: bytes per device-tap -> steps (taps per device)
-    handler_taps: int  # per-tap vs batch handler: 64 B taps per repeat
 
 
 FULL = Plan(
     step_repeats=15,
-    repeats=7,
+    load=throughput.FULL,
     steps=2000,
     steps_tapd_sleep=200,
     steps_callback_sleep=50,
     sleep_ms=10.0,
-    counts={64: 10000, 64 * 1024: 3000, 1024 * 1024: 500},
     latency=((200.0, 3.0), (1.0, 10.0)),
     idle_seconds=5.0,
     multihost_repeats=7,
     multihost={64: 3000, 1024 * 1024: 200},
-    handler_taps=100_000,
 )
 QUICK = Plan(
     step_repeats=3,
-    repeats=3,
+    load=throughput.QUICK,
     steps=1000,
     steps_tapd_sleep=100,
     steps_callback_sleep=20,
     sleep_ms=10.0,
-    counts={64: 1000, 64 * 1024: 400, 1024 * 1024: 60},
     latency=((200.0, 1.0), (1.0, 3.0)),
     idle_seconds=2.0,
     multihost_repeats=3,
     multihost={64: 500, 1024 * 1024: 40},
-    handler_taps=10_000,
 )
 
 
@@ -269,175 +264,6 @@ def step_table(cases: list[StepCase]) -> tuple[str, list[str]]:
     return table(header, rows), headline
 
 
-# ---- 2. throughput --------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class ThroughputCase:
-    """One payload size: seconds per repeat for tapd and the two baselines."""
-
-    size: int
-    count: int
-    tapd_s: list[float] = dataclasses.field(default_factory=list)
-    cpu_s: list[float] = dataclasses.field(default_factory=list)  # the daemon's, per repeat
-    zmq_s: list[float] = dataclasses.field(default_factory=list)
-    queue_s: list[float] = dataclasses.field(default_factory=list)
-
-    @property
-    def consumer(self) -> str:
-        return f"bench.throughput.{self.size}"
-
-
-def payload_loop(name: str) -> Callable[[jax.Array, int], jax.Array]:
-    """jit(x, n -> fori_loop of n steps each tapping the payload `x` as `name`)."""
-
-    def body(i: jax.Array, x: jax.Array) -> jax.Array:
-        tapd.tap(x, name, step=i)
-        return x
-
-    return jax.jit(lambda x, n: lax.fori_loop(0, n, body, x))
-
-
-def time_tapd_throughput(
-    loop: Callable[[jax.Array, int], jax.Array], x: jax.Array, n: int
-) -> float:
-    """Seconds from dispatching n taps to barrier_wait() returning (all handled)."""
-    started = time.perf_counter()
-    loop(x, n)
-    tapd.barrier_wait(timeout=BARRIER_TIMEOUT)
-    return time.perf_counter() - started
-
-
-def timed_with_cpu(procs: Processes, cpu_s: list[float], run: Callable[[], float]) -> float:
-    """`run()`'s seconds, recording the daemon's CPU seconds over it in `cpu_s`."""
-    before = procs.daemon_cpu_seconds()
-    seconds = run()
-    cpu_s.append(procs.daemon_cpu_seconds() - before)
-    return seconds
-
-
-def time_baseline(kind: str, size: int, count: int, workdir: Path) -> float:
-    """Seconds for one run of baselines.py (its own producer and consumer processes)."""
-    argv = [
-        sys.executable, str(BENCH_DIR / "baselines.py"), kind, "--size", str(size),
-        "--count", str(count), "--endpoint", f"ipc://{workdir / 'raw.sock'}",
-    ]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{kind} baseline failed ({done.returncode}):\n{done.stderr}")
-    return float(json.loads(done.stdout.splitlines()[-1])["seconds"])
-
-
-def measure_throughput(procs: Processes, plan: Plan) -> list[ThroughputCase]:
-    """Measurement 2: per repeat and size, tapd, then raw pyzmq, then multiprocessing.Queue."""
-    cases = [ThroughputCase(size, count) for size, count in plan.counts.items()]
-    sinks = [procs.start_sink(case.consumer) for case in cases]
-    loops = {case.size: payload_loop(case.consumer) for case in cases}
-    arrays = {case.size: jnp.arange(case.size // 4, dtype=jnp.float32) for case in cases}
-    for case in cases:  # compile and run once outside the timing
-        time_tapd_throughput(loops[case.size], arrays[case.size], 2)
-    for repeat in range(plan.repeats):
-        for case in cases:
-            case.tapd_s.append(
-                timed_with_cpu(
-                    procs,
-                    case.cpu_s,
-                    lambda c=case: time_tapd_throughput(loops[c.size], arrays[c.size], c.count),
-                )
-            )
-            case.zmq_s.append(time_baseline("zmq", case.size, case.count, procs.workdir))
-            case.queue_s.append(time_baseline("queue", case.size, case.count, procs.workdir))
-        print(f"  throughput: repeat {repeat + 1}/{plan.repeats} done", flush=True)
-    for case, sink in zip(cases, sinks, strict=True):
-        procs.stop(sink.process)
-        expected = plan.repeats * case.count + 2  # + the warm-up taps
-        handled = sink.results()["processed"]
-        if handled != expected:
-            print(f"warning: {case.consumer}: the sink handled {handled} taps, not {expected}")
-    return cases
-
-
-def cpu_columns(cpu_s: list[float], taps: int, size: int) -> list[str]:
-    """The daemon's CPU per tap (µs) and per MB (ms), from the median repeat."""
-    cpu = median(cpu_s)
-    return [f"{cpu / taps * 1e6:.2f}", f"{cpu / (taps * size / 1e6) * 1e3:.1f}"]
-
-
-def throughput_table(cases: list[ThroughputCase]) -> str:
-    """Messages/s and MB/s (10^6 bytes) from the median seconds of each path, and the
-    daemon's CPU per tap and per MB."""
-    rows = []
-    for case in cases:
-        t_tapd, t_zmq, t_queue = median(case.tapd_s), median(case.zmq_s), median(case.queue_s)
-
-        def rate(seconds: float, c: ThroughputCase = case) -> str:
-            return f"{number(c.count / seconds, 0)} / {number(c.count * c.size / seconds / 1e6, 1)}"
-
-        rows.append([
-            size_name(case.size), str(case.count), rate(t_tapd), rate(t_zmq), rate(t_queue),
-            f"{t_zmq / t_tapd:.3f}", f"{t_queue / t_tapd:.2f}",
-            *cpu_columns(case.cpu_s, case.count, case.size),
-        ])  # fmt: skip
-    header = [
-        "payload", "messages", "tapd msg/s / MB/s", "raw pyzmq msg/s / MB/s",
-        "mp.Queue msg/s / MB/s", "tapd ÷ pyzmq", "tapd ÷ Queue", "daemon CPU µs/tap",
-        "daemon CPU ms/MB",
-    ]  # fmt: skip
-    return table(header, rows)
-
-
-HANDLERS = {"per-tap handler": False, "batch handler": True}  # label -> batch
-
-
-def measure_handlers(
-    procs: Processes, plan: Plan
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Measurement 2b: seconds per repeat to handle `plan.handler_taps` 64 B taps, by a
-    per-tap handler and by a batch handler (each its own consumer and sink process),
-    alternating within each repeat; and the daemon's CPU seconds over each."""
-    consumers = {label: f"bench.handlers.{'batch' if batch else 'per_tap'}"
-                 for label, batch in HANDLERS.items()}  # fmt: skip
-    sinks = {label: procs.start_sink(consumers[label], batch=batch)
-             for label, batch in HANDLERS.items()}  # fmt: skip
-    loops = {label: payload_loop(consumers[label]) for label in HANDLERS}
-    x = jnp.arange(16, dtype=jnp.float32)
-    for loop in loops.values():
-        time_tapd_throughput(loop, x, 2)
-    seconds: dict[str, list[float]] = {label: [] for label in HANDLERS}
-    cpu: dict[str, list[float]] = {label: [] for label in HANDLERS}
-    for repeat in range(plan.repeats):
-        order = list(HANDLERS) if repeat % 2 == 0 else list(reversed(HANDLERS))
-        for label in order:
-            seconds[label].append(
-                timed_with_cpu(
-                    procs,
-                    cpu[label],
-                    lambda loop=loops[label]: time_tapd_throughput(loop, x, plan.handler_taps),
-                )
-            )
-    for label, sink in sinks.items():
-        procs.stop(sink.process)
-        expected = plan.repeats * plan.handler_taps + 2
-        if (handled := sink.results()["processed"]) != expected:
-            print(f"warning: {label}: the sink handled {handled} taps, not {expected}")
-    return seconds, cpu
-
-
-def handlers_table(
-    measured: tuple[dict[str, list[float]], dict[str, list[float]]], taps: int
-) -> str:
-    seconds, cpu = measured
-    reference = median(seconds["per-tap handler"])
-    rows = [
-        [label, str(taps), number(taps / median(s), 0), number(taps * 64 / median(s) / 1e6, 1),
-         f"{reference / median(s):.2f}", *cpu_columns(cpu[label], taps, 64)]
-        for label, s in seconds.items()
-    ]  # fmt: skip
-    header = ["handler", "taps", "taps/s", "MB/s", "÷ per-tap handler", "daemon CPU µs/tap",
-              "daemon CPU ms/MB"]  # fmt: skip
-    return table(header, rows)
-
-
 # ---- 3. latency -----------------------------------------------------------------------
 
 
@@ -512,9 +338,9 @@ def idle_daemon_cpu(procs: Processes, seconds: float) -> str:
 
 def describe_method(plan: Plan) -> str:
     """What exactly was run, for RESULTS.md."""
-    sizes = ", ".join(f"{size_name(s)} x {c}" for s, c in plan.counts.items())
+    sizes = ", ".join(f"{size_name(s)} x {c}" for s, c in plan.load.counts.items())
     return "\n".join([
-        f"- Every figure is the median of {plan.step_repeats} (step time) or {plan.repeats} "
+        f"- Every figure is the median of {plan.step_repeats} (step time) or {plan.load.repeats} "
         "(throughput) repeats; the variants of a measurement are interleaved within each "
         "repeat, so they share the same noise. Ratios in the tables are between medians.",
         f"- Step time: `lax.fori_loop` of `x = x*0.999 + 0.001*sin(x)` on {VECTOR} float32, "
@@ -543,7 +369,7 @@ def describe_method(plan: Plan) -> str:
         "- Processes: this one (JAX emitter), one tapd daemon, one subscriber process per "
         "consumer name, all on the same machine and cores: the daemon and subscriber "
         "compete with the tapped loop for CPU, which is part of what (b) and (c) measure.",
-        f"- Handlers: {plan.handler_taps} taps of 64 B (16 float32) from the same jitted "
+        f"- Handlers: {plan.load.handler_taps} taps of 64 B (16 float32) from the same jitted "
         "fori_loop per repeat, to a subscriber process whose handler only counts: per tap "
         "(`handler(value, meta)`), or per batch (`@sub.on(name, batch=True)`: a TapBatch "
         "per site per message, stacked leaves and meta columns). The two alternate within "
@@ -581,12 +407,14 @@ def run(
     try:
         endpoints = procs.start_daemon()
         print(f"daemon ready at {', '.join(endpoints)}", flush=True)
-        configure_emitter(procs.endpoint, backend)
+        throughput.configure_emitter(procs.endpoint, backend)
         print("1. step time", flush=True)
         steps, headline = step_table(measure_step_time(procs, plan))
         print("2. throughput", flush=True)
-        throughput = throughput_table(measure_throughput(procs, plan))
-        handlers = handlers_table(measure_handlers(procs, plan), plan.handler_taps)
+        rates = throughput.throughput_table(throughput.measure_throughput(procs, plan.load))
+        handlers = throughput.handlers_table(
+            throughput.measure_handlers(procs, plan.load), plan.load.handler_taps
+        )
         print("3. latency", flush=True)
         latency = latency_table(measure_latency(procs, plan))
         idle = idle_daemon_cpu(procs, plan.idle_seconds)
@@ -613,7 +441,7 @@ def run(
     ]
     sections = [
         ("1. Step time", table_with_notes(steps, headline)),
-        ("2. Throughput, JAX -> subscriber handler", throughput + "\n\n" + handlers),
+        ("2. Throughput, JAX -> subscriber handler", rates + "\n\n" + handlers),
         ("3. Delivery latency", latency + "\n\n- " + idle),
         ("4. Per-tap cost on the JAX loop and isolation, both backends", backends),
         (
@@ -625,41 +453,17 @@ def run(
     return sections, [("tapd emitter backend", emitter_backend())]
 
 
-def run_throughput_only(plan: Plan, workdir: Path, backend: str | None) -> dict[str, Any]:
-    """Section 2 alone (bench/throughput.py compares tapd revisions with it, bench/RESULTS.md
-    §17): its tables, and every repeat's seconds and daemon CPU seconds."""
-    procs = Processes(workdir)
-    try:
-        procs.start_daemon()
-        configure_emitter(procs.endpoint, backend)
-        cases = measure_throughput(procs, plan)
-        handlers = measure_handlers(procs, plan)
-    finally:
-        procs.stop_all()
-    return {
-        "text": throughput_table(cases) + "\n\n" + handlers_table(handlers, plan.handler_taps),
-        "sizes": {
-            str(c.size): {"count": c.count, "tapd_s": c.tapd_s, "cpu_s": c.cpu_s, "zmq_s": c.zmq_s}
-            for c in cases
-        },
-        "handlers": {
-            label: {"count": plan.handler_taps, "tapd_s": s, "cpu_s": handlers[1][label]}
-            for label, s in handlers[0].items()
-        },
-    }
-
-
 # ---- 4. per-tap cost and isolation, by backend --------------------------------------
 
 
 def measure_backends(procs: Processes, plan: Plan) -> str:
-    """Run bench/overhead_probe.py once per backend (the backend is per process)."""
+    """Run `dormant.py probe` once per backend (the backend is per process)."""
     procs.start_sink("overhead.isolation", sleep_ms=plan.sleep_ms)
     results = []
     for backend in ("native", "portable"):
-        argv = [sys.executable, str(BENCH_DIR / "overhead_probe.py"), "--endpoint",
+        argv = [sys.executable, str(BENCH_DIR / "dormant.py"), "probe", "--endpoint",
                 procs.endpoint, "--backend", backend, "--steps", str(plan.steps),
-                "--repeats", str(plan.repeats),
+                "--repeats", str(plan.load.repeats),
                 "--isolation-steps", str(max(20, plan.steps_tapd_sleep // 2))]  # fmt: skip
         done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
@@ -705,17 +509,6 @@ def measure_backends(procs: Processes, plan: Plan) -> str:
     )
 
 
-def configure_emitter(endpoint: str, backend: str | None) -> None:
-    """Point this process's taps at our daemon (and pick the backend if asked to)."""
-    settings: dict[str, Any] = {"endpoint": endpoint, "exit_timeout": 5.0}
-    if backend is not None:
-        settings["backend"] = backend
-    try:
-        tapd.configure(**settings)
-    except TypeError as exc:  # an older tapd without the setting
-        raise SystemExit(f"this tapd does not accept --backend: {exc}") from exc
-
-
 def emitter_backend() -> str:
     """The backend this process's taps used (tapd versions without a choice: portable)."""
     from tapd.emitter import lifecycle
@@ -748,28 +541,8 @@ def main() -> None:
         help="emitter backend for tapd.configure(backend=...), e.g. portable or native "
         "(default: tapd's own default)",
     )
-    parser.add_argument(
-        "--throughput-only",
-        type=Path,
-        metavar="JSON",
-        help="run section 2 only; print its tables and write its raw figures to JSON",
-    )
-    parser.add_argument("--repeats", type=int, help="throughput repeats (default: the plan's)")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
-    if args.repeats:
-        plan = dataclasses.replace(plan, repeats=args.repeats)
-    if args.throughput_only:
-        workdir = Path(tempfile.mkdtemp(prefix="tapdb-", dir="/tmp"))
-        os.chmod(workdir, 0o700)
-        try:
-            result = run_throughput_only(plan, workdir, args.backend)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        result["revision"] = code_revision(Path(tapd.__file__).parent.parent)
-        args.throughput_only.write_text(json.dumps(result, indent=1))
-        print(result["text"])
-        return
     output = args.output
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup in `finally`
     machine = machine_description()

@@ -20,15 +20,18 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 # What the sections run besides themselves: imported, or started as processes of their own.
 HELPERS = {
-    "processes.py": "the child processes: a daemon, subscriber sinks, their cleanup",
-    "report.py": "the machine's description, Markdown tables",
-    "subscriber_sink.py": "the subscriber process of run.py, durability.py, multihost.py, ...",
-    "baselines.py": "run.py's pyzmq and multiprocessing.Queue baselines (and section shm)",
+    "processes.py": "the child processes: a daemon, subscriber sinks, fan-in's ring writer "
+    "and counter, their cleanup",
+    "report.py": "the machine's description, Markdown tables, the GPU's and the TPU's pages",
+    "throughput.py": "run.py's section 2, its pyzmq and multiprocessing.Queue baselines "
+    "(and section throughput-ab)",
+    "dormant.py": "run.py's section 4, one process a backend (and sections dormant, attach)",
     "multihost.py": "run.py's section 5, and the job's processes (and section slices)",
-    "overhead_probe.py": "run.py's section 4, one process a backend",
     "gpu_bench.py": "gpu-check's sections and its report",
     "gpu_baseline.cc": "gpu-check's C++ microbenchmark, and gpu_bench.py's bare-copy handler",
 }
+MOST_FILES = 15  # at bench/'s top, besides its pages (issue 64)
+MOST_LINES = 600  # a module stays under it, as tapd's do (tests/test_layering.py)
 
 
 def entry() -> ModuleType:
@@ -56,6 +59,16 @@ def test_every_script_in_bench_is_a_section_or_a_helper_a_section_runs() -> None
                                                               p.read_text(errors="replace"))
         ]  # fmt: skip
         assert users, f"{helper} is named by no other script of bench/"
+
+
+def test_bench_stays_small_enough_to_read() -> None:
+    """At most 15 files beside the pages, and every module under 600 lines (issue 64):
+    what several scripts share lives in the helpers, not in files of its own."""
+    files = [p for p in BENCH.iterdir() if p.is_file() and not p.name.endswith(".md")]
+    assert len(files) <= MOST_FILES, sorted(p.name for p in files)
+    long = {p.name: n for p in files if p.suffix == ".py"
+            if (n := len(p.read_text().splitlines())) >= MOST_LINES}  # fmt: skip
+    assert not long, f"modules of {MOST_LINES} lines or more: {long}"
 
 
 def test_each_suite_writes_one_page_a_platform() -> None:

@@ -63,8 +63,8 @@ def as_jax_debug() -> Iterator[None]:
 STRICT: Literal["strict"] = "strict"
 Ordering = bool | Literal["strict"]
 # Whether taps keep program order when `tap` is not told: None is the emitter setting
-# (TAPD_ORDERED, default on). bench/overhead_probe.py sets it for one variant, to
-# measure what the order costs. Read when a tap is traced.
+# (TAPD_ORDERED, default on). bench/dormant.py's probe (bench/run.py's section 4) sets it
+# for one variant, to measure what the order costs. Read when a tap is traced.
 ordered_taps: Ordering | None = None
 
 
