@@ -185,7 +185,16 @@ class Processes:
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process `pid` has used so far."""
+    """CPU seconds process `pid` has used so far: its threads' run time in nanoseconds
+    (/proc/<pid>/task/*/schedstat), where the kernel has it; else user + system in clock
+    ticks (/proc/<pid>/stat), 10 ms each: a tenth of a microsecond a tap over 100,000 taps,
+    too coarse for a daemon's CPU a tap. (A thread that exits takes its time along: the
+    daemon's threads live as long as it does.)"""
+    try:
+        tasks = Path(f"/proc/{pid}/task").iterdir()
+        return sum(int((task / "schedstat").read_text().split()[0]) for task in tasks) / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
