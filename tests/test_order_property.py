@@ -125,11 +125,11 @@ def test_random_programs_keep_program_order(setting: str) -> None:
 
 
 # The soak tier is sized by time (issue 64): each path checks random programs for
-# TAPD_SOAK_SECONDS (90 by default: the tier's 8 tests in two workers fit `.ci/run`'s
+# TAPD_SOAK_SECONDS (75 by default: the tier's 8 tests in two workers fit `.ci/run`'s
 # share) and at least SOAK_FLOOR programs (25, what the suite checked a path before),
 # in rounds of ten, a seed a round, from a first seed of its own. Set it higher when
 # hunting (TAPD_SOAK_SECONDS=3600).
-SOAK_SECONDS = float(os.environ.get("TAPD_SOAK_SECONDS", "90"))
+SOAK_SECONDS = float(os.environ.get("TAPD_SOAK_SECONDS", "75"))
 SOAK_FLOOR = {"gathered_paced": 10}  # else 25  # (a paced program chunks every loop a step a chunk)
 
 
