@@ -130,7 +130,8 @@ def test_random_programs_keep_program_order(setting: str) -> None:
 # in rounds of ten, a seed a round, from a first seed of its own. Set it higher when
 # hunting (TAPD_SOAK_SECONDS=3600).
 SOAK_SECONDS = float(os.environ.get("TAPD_SOAK_SECONDS", "75"))
-SOAK_FLOOR = {"gathered_paced": 10}  # else 25  # (a paced program chunks every loop a step a chunk)
+# (a paced program chunks every loop a step a chunk: several times as long)
+SOAK_FLOOR = {"gathered_paced": 10}
 
 
 @pytest.mark.soak
@@ -144,7 +145,9 @@ def test_many_random_programs_keep_program_order(setting: str) -> None:
         SETTINGS[setting],
         timeout=SOAK_SECONDS + 800,
     )
-    assert outcome["ok"], f"{outcome['program']}\n{outcome['failure']}"
+    assert outcome["ok"], (
+        f"round seed {outcome['round_seed']}:\n{outcome['program']}\n{outcome['failure']}"
+    )
     assert outcome["checked"] >= floor
     print(f"{setting}: {outcome['checked']} programs in {outcome['rounds']} rounds")
 
