@@ -502,28 +502,11 @@ def per_tap_cost(sizes: list[int], steps: int, repeats: int) -> list[dict[str, A
 def isolation(steps: int, repeats: int) -> dict[str, Any]:
     """A ~400 µs step: untapped, tapped into a subscriber that sleeps 10 ms per tap, and
     with a no-op `jax.debug.callback` of the same value in the tap's place."""
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
+    from throughput import matmul_loops
 
     import tapd
 
-    weights = jnp.full((128, 128), 0.01, jnp.float32)
-
-    def make(mode: str) -> Callable[[jax.Array], jax.Array]:
-        def body(i: jax.Array, x: jax.Array) -> jax.Array:
-            for _ in range(8):
-                x = jnp.tanh(x @ weights)
-            if mode == "tap":
-                tapd.tap(x[0, :4], "overhead.isolation")
-            elif mode == "callback":
-                jax.debug.callback(lambda v: None, x[0, :4])
-            return x
-
-        return jax.jit(lambda x: lax.fori_loop(0, steps, body, x))
-
-    x = jnp.ones((128, 128), jnp.float32)
-    variants = {mode: make(mode) for mode in ("none", "tap", "callback")}
+    x, variants = matmul_loops(steps, 128, 8, 0.01, "overhead.isolation")
     for function in variants.values():
         timed(function, x)
     tapd.barrier_wait(timeout=600)

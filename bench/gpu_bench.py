@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 from processes import BENCH_DIR, Processes
 from report import code_revision, gpu_page, machine_description, median, size_name
-from throughput import payload_loop  # (as bench/run.py's section 2 taps)
+from throughput import matmul_loops, payload_loop  # (payload_loop: as run.py's section 2 taps)
 
 import tapd
 from tapd.emitter import lifecycle
@@ -205,22 +205,7 @@ def per_tap_cost(
 
 def isolation(procs: Processes, steps: int, repeats: int, side: int = 2048) -> dict[str, Any]:
     sink = procs.start_sink("gpu.isolation", sleep_ms=10.0)
-    weights = jnp.full((side, side), 0.0001, jnp.float32)
-
-    def make(mode: str) -> Callable[[jax.Array], jax.Array]:
-        def body(i: jax.Array, x: jax.Array) -> jax.Array:
-            for _ in range(8):
-                x = jnp.tanh(x @ weights)
-            if mode == "tap":
-                tapd.tap(x[0, :4], "gpu.isolation", step=i)
-            elif mode == "callback":
-                jax.debug.callback(lambda v: None, x[0, :4])
-            return x
-
-        return jax.jit(lambda x: lax.fori_loop(0, steps, body, x))
-
-    x = jnp.ones((side, side), jnp.float32)
-    variants = {mode: make(mode) for mode in ("none", "tap", "callback")}
+    x, variants = matmul_loops(steps, side, 6, 0.0001, "gpu.graphs")
     for function in variants.values():
         timed(function, x)
     tapd.barrier_wait(timeout=BARRIER_TIMEOUT)

@@ -113,6 +113,34 @@ def payload_loop(name: str) -> Callable[[jax.Array, int], jax.Array]:
     return jax.jit(lambda x, n: lax.fori_loop(0, n, body, x))
 
 
+def matmul_loops(
+    steps: int, side: int, depth: int, scale: float, name: str
+) -> tuple[jax.Array, dict[str, Callable[[jax.Array], jax.Array]]]:
+    """An input and three jitted `fori_loop`s of `steps` steps of `depth` matmul+tanh
+    (side x side, weights `scale`): untapped ("none"), tapping 4 values as `name`
+    ("tap"), and a no-op `jax.debug.callback` of them in the tap's place ("callback")."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    weights = jnp.full((side, side), scale, jnp.float32)
+
+    def make(mode: str) -> Callable[[jax.Array], jax.Array]:
+        def body(i: jax.Array, x: jax.Array) -> jax.Array:
+            for _ in range(depth):
+                x = jnp.tanh(x @ weights)
+            if mode == "tap":
+                tapd.tap(x[0, :4], name)
+            elif mode == "callback":
+                jax.debug.callback(lambda v: None, x[0, :4])
+            return x
+
+        return jax.jit(lambda x: lax.fori_loop(0, steps, body, x))
+
+    x = jnp.ones((side, side), jnp.float32)
+    return x, {mode: make(mode) for mode in ("none", "tap", "callback")}
+
+
 def time_tapd_throughput(
     loop: Callable[[jax.Array, int], jax.Array], x: jax.Array, n: int
 ) -> float:
